@@ -20,12 +20,41 @@ depend on exactly these names; bodies are filled in by the engine work):
   token events and the statistics the metrics layer needs.
 * Introspection for ``/metrics``: ``num_running``, ``num_waiting``, ``kv_cache_usage`` (0–1),
   ``stats`` (cumulative ``EngineCounters``), ``profile``.
+
+ADDITIONS (beyond the contract, same rules):
+
+* ``sample_output_tokens(max_tokens) -> int``: a seeded draw from the profile's output-length
+  distribution in ``[1, max_tokens]`` (for requests without ``ignore_eos``). Its generator is
+  separate from the jitter's, so draws never shift step times.
+* ``validate_request(prompt_tokens, max_tokens, output_tokens=None)``: the ``ValueError`` that
+  ``add_request`` raises for a request that can never run (over ``max_model_len``, more KV blocks
+  than the cache has, empty prompt, ``output_tokens`` outside ``[1, max_tokens]``).
+* ``abort_request_stats(request_id, now) -> FinishedRequestStats | None``: ``abort_request``
+  that also returns the aborted request's stats (intervals that never ended are cut at ``now``).
+* ``has_unfinished_requests``, ``in_flight`` (the plan awaiting ``complete``), ``num_free_blocks``,
+  ``cost_model`` (the :class:`~simulator.costmodel.CostModel` that prices each step).
+
+Scheduling follows ``vllm/v1/core/sched/scheduler.py``: RUNNING requests in order, each given
+``min(num_tokens - num_computed_tokens, token_budget)``; KV blocks allocated for the tokens
+computed so far plus this step's; if they run out, the LAST running request is preempted (blocks
+freed, ``num_computed_tokens = 0``, front of WAITING) until the allocation succeeds or the request
+itself was the victim; a step that preempted admits nobody from WAITING; otherwise WAITING is
+admitted FCFS while budget > 0 and ``len(running) < max_num_seqs``, stopping at the first request
+whose blocks do not fit. A request emits one token in the step where its computed tokens catch up
+with prompt + output so far; ``length`` is checked before ``stop``, as vLLM's ``check_stop``.
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
+
+import numpy as np
+
+from simulator.costmodel import CostModel, StepShape, jitter_factor
+from simulator.profile import Profile
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -91,7 +120,9 @@ class StepPlan:
 class StepResult:
     events: list[TokenEvent]
     finished: list[FinishedRequestStats]
-    #: Prompt tokens computed + tokens generated in this step (vLLM's iteration_tokens_total).
+    #: Prompt tokens + tokens generated in this step, as vLLM's iteration_tokens_total counts them:
+    #: a prompt counts whole, once, in the step that completes its prefill (not per chunk, not again
+    #: after a preemption). The tokens actually computed are ``sum(plan.num_scheduled_tokens)``.
     iteration_tokens: int
     #: Inter-token latencies observed in this step, one per decoding request, in seconds.
     inter_token_latencies_s: list[float]
@@ -110,4 +141,379 @@ class EngineCounters:
     prefix_cache_hits: int = 0  # vllm:prefix_cache_hits_total (no prefix caching modelled: 0)
     finished_by_reason: dict[str, int] = field(
         default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0, "repetition": 0}
+    )
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    """Engine-side state of one request (vLLM's ``Request``, reduced to what is emulated)."""
+
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    #: The output length at which the emulated model samples EOS (<= max_tokens).
+    output_tokens: int
+    arrival_s: float
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    num_blocks: int = 0
+    num_preemptions: int = 0
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    finished: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens so far: what num_computed_tokens must catch up with."""
+        return self.prompt_tokens + self.num_output_tokens
+
+
+@dataclass(slots=True)
+class _Emitted:
+    """What one ``complete`` call produces, collected before the frozen ``StepResult`` is built."""
+
+    events: list[TokenEvent] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+    itls: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    #: Prompt tokens of requests whose prefill completed (first time only).
+    prompt_tokens: int = 0
+
+
+class _BlockPool:
+    """A fixed number of KV blocks handed out by count (which blocks is irrelevant to timing)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_free = num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens of KV."""
+        return math.ceil(num_tokens / self.block_size)
+
+    def allocate(self, req: _Request, num_tokens: int) -> bool:
+        """Grow ``req`` to hold ``num_tokens`` tokens; False (and nothing taken) if blocks run out."""
+        need = self.blocks_for(num_tokens) - req.num_blocks
+        if need <= 0:
+            return True
+        if need > self.num_free:
+            return False
+        self.num_free -= need
+        req.num_blocks += need
+        return True
+
+    def free(self, req: _Request) -> None:
+        """Return every block of ``req``."""
+        self.num_free += req.num_blocks
+        req.num_blocks = 0
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks in use, 0-1 (vLLM's kv_cache_usage_perc)."""
+        return 1.0 - self.num_free / self.num_blocks
+
+
+class Engine:
+    """Continuous batching with chunked prefill, paged KV blocks and preemption by recompute.
+
+    See the module docstring for the call protocol. One step is in flight at a time: ``schedule``
+    raises ``RuntimeError`` until the previous plan was passed to ``complete``. Not thread-safe.
+    """
+
+    def __init__(self, profile: Profile, *, seed: int | None = None, jitter: float = 0.0) -> None:
+        if jitter < 0:
+            raise ValueError(f"jitter must be >= 0 (relative standard deviation), got {jitter}")
+        self.profile = profile
+        self.jitter = jitter
+        self.cost_model = CostModel(profile)
+        # Separate streams, so how many output lengths the server draws never shifts the jitter.
+        jitter_seed, sample_seed = np.random.SeedSequence(seed).spawn(2)
+        self._jitter_rng = np.random.default_rng(jitter_seed)
+        self._sample_rng = np.random.default_rng(sample_seed)
+        self._limits = profile.engine
+        self._blocks = _BlockPool(profile.engine.num_gpu_blocks, profile.engine.block_size)
+        self._requests: dict[str, _Request] = {}
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._in_flight: StepPlan | None = None
+        self._in_flight_requests: dict[str, _Request] = {}
+        self.stats = EngineCounters()
+
+    # ----------------------------------------------------------------- introspection
+
+    @property
+    def num_running(self) -> int:
+        """Requests in RUNNING (decoding or mid-prefill), as vllm:num_requests_running."""
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests in WAITING (new or preempted), as vllm:num_requests_waiting."""
+        return len(self._waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Share of KV blocks in use, 0-1."""
+        return self._blocks.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        """KV blocks not held by any request."""
+        return self._blocks.num_free
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self._requests)
+
+    @property
+    def in_flight(self) -> StepPlan | None:
+        """The plan returned by ``schedule`` and not yet completed, if any."""
+        return self._in_flight
+
+    # ----------------------------------------------------------------- requests in and out
+
+    def validate_request(self, prompt_tokens: int, max_tokens: int, output_tokens: int | None = None) -> None:
+        """Raise ``ValueError`` (with the numbers) if such a request could never run to completion."""
+        if prompt_tokens < 1 or max_tokens < 1:
+            raise ValueError(
+                f"prompt_tokens and max_tokens must be >= 1, got {prompt_tokens} and {max_tokens}"
+            )
+        if output_tokens is not None and not 1 <= output_tokens <= max_tokens:
+            raise ValueError(f"output_tokens must be in [1, max_tokens={max_tokens}], got {output_tokens}")
+        limit = self._limits.max_model_len
+        if prompt_tokens + max_tokens > limit:
+            raise ValueError(
+                f"prompt_tokens ({prompt_tokens}) + max_tokens ({max_tokens}) = {prompt_tokens + max_tokens} "
+                f"exceeds max_model_len ({limit})"
+            )
+        # The last output token is sampled, never fed back, so its KV is never written.
+        blocks = self._blocks.blocks_for(prompt_tokens + max_tokens - 1)
+        if blocks > self._blocks.num_blocks:
+            raise ValueError(
+                f"a request of {prompt_tokens} + {max_tokens} tokens needs {blocks} KV blocks; "
+                f"the cache has {self._blocks.num_blocks}"
+            )
+
+    def add_request(
+        self, request_id: str, prompt_tokens: int, max_tokens: int, output_tokens: int, now: float
+    ) -> None:
+        """Enqueue a request in WAITING. ``ValueError`` if it can never fit or its id is live."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already in the engine")
+        self.validate_request(prompt_tokens, max_tokens, output_tokens)
+        req = _Request(request_id, prompt_tokens, max_tokens, output_tokens, arrival_s=now)
+        self._requests[request_id] = req
+        self._waiting.append(req)
+
+    def abort_request(self, request_id: str, now: float) -> bool:
+        """Remove a request wherever it is and free its blocks; False if unknown or finished.
+
+        It is counted as finished with reason ``"abort"``; its stats are returned by no step (the
+        caller records them from :meth:`abort_request_stats` if it needs them).
+        """
+        return self.abort_request_stats(request_id, now) is not None
+
+    def abort_request_stats(self, request_id: str, now: float) -> FinishedRequestStats | None:
+        """Like :meth:`abort_request`, returning the aborted request's stats (None if unknown)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        if req in self._waiting:
+            self._waiting.remove(req)
+        else:
+            self._running.remove(req)
+        return self._finish(req, "abort", now)
+
+    def sample_output_tokens(self, max_tokens: int) -> int:
+        """A seeded draw from the profile's output-length distribution, in [1, max_tokens]."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        dist = self.profile.output_lengths
+        draw = self._sample_rng.lognormal(math.log(dist.median_tokens), dist.sigma)
+        return min(max(1, round(float(draw))), max_tokens)
+
+    # ----------------------------------------------------------------- one step
+
+    def schedule(self, now: float) -> StepPlan | None:
+        """Build the next step: RUNNING first, then WAITING FCFS; None when there is nothing to run."""
+        if self._in_flight is not None:
+            raise RuntimeError("a step is in flight: call complete(plan, now) before scheduling again")
+        scheduled: dict[str, int] = {}
+        preempted: list[str] = []
+        budget = self._schedule_running(self._limits.max_num_batched_tokens, scheduled, preempted)
+        # As vLLM: a step that had to preempt admits nobody new (blocks are short).
+        if not preempted:
+            self._schedule_waiting(budget, scheduled, now)
+        if not scheduled:
+            return None
+        plan = self._make_plan(scheduled, tuple(preempted), now)
+        self._in_flight = plan
+        self._in_flight_requests = {rid: self._requests[rid] for rid in scheduled}
+        return plan
+
+    def complete(self, plan: StepPlan, now: float) -> StepResult:
+        """Apply ``plan`` at time ``now``: advance tokens, emit one token per caught-up request, finish."""
+        if plan is not self._in_flight:
+            raise RuntimeError("complete() got a plan that is not the step in flight")
+        reqs, self._in_flight, self._in_flight_requests = self._in_flight_requests, None, {}
+        out = _Emitted()
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            req = reqs[request_id]
+            if req.finished:  # aborted while the step ran: its work is discarded
+                continue
+            req.num_computed_tokens += num_tokens
+            if req.num_computed_tokens < req.num_tokens:  # a prefill chunk that is not the last
+                continue
+            if req.num_output_tokens == 0:
+                out.prompt_tokens += req.prompt_tokens
+            self._emit_token(req, now, out)
+        if out.finished:
+            self._running = [r for r in self._running if not r.finished]
+        self.stats.prompt_tokens += out.prompt_tokens
+        self.stats.generation_tokens += len(out.events)
+        return StepResult(
+            events=out.events,
+            finished=out.finished,
+            # vLLM counts a whole prompt in the step that completes its prefill (IterationStats).
+            iteration_tokens=out.prompt_tokens + len(out.events),
+            inter_token_latencies_s=out.itls,
+            ttfts_s=out.ttfts,
+        )
+
+    # ----------------------------------------------------------------- scheduling helpers
+
+    def _schedule_running(self, budget: int, scheduled: dict[str, int], preempted: list[str]) -> int:
+        """Give RUNNING requests their tokens in order; returns the budget left."""
+        index = 0
+        while index < len(self._running) and budget > 0:
+            req = self._running[index]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(req, num_new, preempted):
+                break
+            scheduled[req.request_id] = num_new
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _allocate_or_preempt(self, req: _Request, num_new: int, preempted: list[str]) -> bool:
+        """Find blocks for ``num_new`` more tokens of ``req``, preempting from the tail of RUNNING.
+
+        False when ``req`` itself had to be preempted (vLLM's FCFS victim is the last running one).
+        """
+        while not self._blocks.allocate(req, req.num_computed_tokens + num_new):
+            victim = self._running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: _Request) -> None:
+        """Preemption by recompute: drop its KV, send it to the front of WAITING."""
+        self._blocks.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.stats.preemptions += 1
+        self._waiting.appendleft(req)
+
+    def _schedule_waiting(self, budget: int, scheduled: dict[str, int], now: float) -> int:
+        """Admit WAITING requests FCFS while budget, max_num_seqs and blocks allow; returns budget left."""
+        while self._waiting and budget > 0 and len(self._running) < self._limits.max_num_seqs:
+            req = self._waiting[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._blocks.allocate(req, req.num_computed_tokens + num_new):
+                break
+            self._waiting.popleft()
+            self._running.append(req)
+            if req.first_scheduled_s is None:
+                req.first_scheduled_s = now
+            scheduled[req.request_id] = num_new
+            budget -= num_new
+        return budget
+
+    def _make_plan(self, scheduled: dict[str, int], preempted: tuple[str, ...], now: float) -> StepPlan:
+        """The step's composition and its duration from the cost model, jitter included."""
+        shape = self._shape(scheduled)
+        duration = self.cost_model.step_time_s(shape) * jitter_factor(self._jitter_rng, self.jitter)
+        return StepPlan(
+            num_scheduled_tokens=scheduled,
+            num_prefill_tokens=shape.num_prefill_tokens,
+            num_decode_seqs=shape.num_decode_seqs,
+            num_kv_tokens_read=shape.num_kv_tokens_read,
+            duration_s=duration,
+            preempted=preempted,
+            started_at=now,
+        )
+
+    def _shape(self, scheduled: dict[str, int]) -> StepShape:
+        """Split the scheduled tokens into decodes (one token, everything before it cached) and chunks."""
+        chunks: list[tuple[int, int]] = []
+        decodes: list[int] = []
+        for request_id, num_new in scheduled.items():
+            req = self._requests[request_id]
+            context = req.num_computed_tokens
+            if num_new == 1 and req.num_output_tokens > 0 and context == req.num_tokens - 1:
+                decodes.append(context + 1)
+            else:
+                chunks.append((num_new, context))
+        return StepShape(prefill_chunks=tuple(chunks), decode_contexts=tuple(decodes))
+
+    # ----------------------------------------------------------------- tokens and finishing
+
+    def _emit_token(self, req: _Request, now: float, out: _Emitted) -> None:
+        """One new output token for ``req`` at ``now``; finishes it on max_tokens or its EOS."""
+        req.num_output_tokens += 1
+        if req.first_token_s is None:
+            req.first_token_s = now
+            out.ttfts.append(now - req.arrival_s)
+        else:
+            assert req.last_token_s is not None
+            out.itls.append(now - req.last_token_s)
+        req.last_token_s = now
+        reason = _finish_reason(req)
+        out.events.append(TokenEvent(req.request_id, 1, req.num_output_tokens, reason is not None, reason))
+        if reason is not None:
+            out.finished.append(self._finish(req, reason, now))
+
+    def _finish(self, req: _Request, reason: FinishReason, now: float) -> FinishedRequestStats:
+        """Free ``req``'s blocks, forget it, count it; the caller removes it from its queue."""
+        self._blocks.free(req)
+        req.finished = True
+        del self._requests[req.request_id]
+        self.stats.finished_by_reason[reason] += 1
+        return _finished_stats(req, reason, now)
+
+
+def _finish_reason(req: _Request) -> FinishReason | None:
+    """Length is checked before EOS, as vLLM's ``check_stop`` does."""
+    if req.num_output_tokens >= req.max_tokens:
+        return "length"
+    if req.num_output_tokens >= req.output_tokens:
+        return "stop"
+    return None
+
+
+def _finished_stats(req: _Request, reason: FinishReason, now: float) -> FinishedRequestStats:
+    """vLLM's per-request intervals; an interval whose end never happened (abort) is cut at ``now``."""
+    scheduled = req.first_scheduled_s
+    first, last = req.first_token_s, req.last_token_s
+    decode_s = last - first if first is not None and last is not None else 0.0
+    tokens = req.num_output_tokens
+    return FinishedRequestStats(
+        request_id=req.request_id,
+        finish_reason=reason,
+        prompt_tokens=req.prompt_tokens,
+        generation_tokens=tokens,
+        max_tokens=req.max_tokens,
+        num_preemptions=req.num_preemptions,
+        ttft_s=None if first is None else first - req.arrival_s,
+        e2e_s=now - req.arrival_s,
+        queue_s=(now if scheduled is None else scheduled) - req.arrival_s,
+        inference_s=0.0 if scheduled is None else now - scheduled,
+        prefill_s=0.0 if scheduled is None else (now if first is None else first) - scheduled,
+        decode_s=decode_s,
+        tpot_s=decode_s / (tokens - 1) if tokens >= 2 else None,
     )
