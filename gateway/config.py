@@ -1,0 +1,228 @@
+"""Load and validate the YAML configuration, reporting every problem at once.
+
+``load_settings`` is the one entry point used by ``sluice serve``, ``sluice check-config`` and the
+reloader, so the three can never disagree about what a valid file is. Each problem is one line,
+``<dotted.path>: <message> (got <offending value>)``, e.g.::
+
+    replicas.0.url: String should match pattern '^https?://[^/\\s]+(/[^\\s]*)?$' (got 'localhost:8000')
+    server.prot: unknown key; did you mean 'port'? (got 8080)
+
+YAML syntax problems use ``line L, column C`` (1-based) in place of the dotted path.
+"""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from collections.abc import Hashable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
+
+from gateway.settings import EmulatorSettings, Settings, SettingsViolations
+
+#: Longest rendering of an offending value, in characters; longer ones are cut with "...".
+MAX_VALUE_CHARS = 80
+
+_MAPPING_TYPES = frozenset({"model_type", "dict_type", "model_attributes_type"})
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; ``problems`` holds every violation, one line each."""
+
+    def __init__(self, path: str | Path, problems: list[str]) -> None:
+        self.path = str(path)
+        self.problems = list(problems)
+        super().__init__(self.path, self.problems)
+
+    def __str__(self) -> str:
+        count = len(self.problems)
+        header = f"{self.path}: {count} problem{'' if count == 1 else 's'} in configuration"
+        return header + "".join(f"\n  {problem}" for problem in self.problems)
+
+
+def default_settings() -> Settings:
+    """The embedded default of ``sluice serve`` without ``--config`` (``config/demo.yaml`` equals it).
+
+    The gateway on 127.0.0.1:8080 in front of two emulated llama3-8b-h100 replicas on ports 8101
+    and 8102, with fixed seeds and 2 % step-time jitter so runs are repeatable but not robotic.
+    """
+    return Settings(
+        emulators=[
+            EmulatorSettings(name="emu-0", profile="llama3-8b-h100", port=8101, seed=0, jitter=0.02),
+            EmulatorSettings(name="emu-1", profile="llama3-8b-h100", port=8102, seed=1, jitter=0.02),
+        ]
+    )
+
+
+def load_settings(path: str | Path) -> Settings:
+    """Read the YAML file at ``path`` and validate it; raises ``ConfigError`` listing every problem."""
+    text = _read_text(path)
+    return parse_settings(_parse_yaml(text, path), str(path))
+
+
+def parse_settings(data: object, source: str) -> Settings:
+    """Validate already-parsed data (``None`` means an empty document); ``source`` names it in errors."""
+    if data is None:
+        raise ConfigError(source, ["file is empty: expected a mapping of sections such as `replicas:`"])
+    if not isinstance(data, dict):
+        raise ConfigError(
+            source, [f"(top level): expected a mapping of sections such as `replicas:` (got {_show(data)})"]
+        )
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors()
+    problems = [line for error in errors for line in _describe(error)]
+    raise ConfigError(source, problems + _fleet_problems(data, errors))
+
+
+def _fleet_problems(data: dict[Any, Any], errors: list[ErrorDetails]) -> list[str]:
+    """The whole-file rules (names, ports, at least one replica) when other sections failed.
+
+    Pydantic runs ``Settings``' own validator only when every field is valid, which would hide a
+    duplicate replica name behind a typo in ``health``. The rules read only ``replicas``,
+    ``emulators`` and ``server.port``; when those are valid, check them alone.
+    """
+    if any(_touches_fleet(tuple(error["loc"])) for error in errors):
+        return []
+    fleet: dict[str, Any] = {key: data[key] for key in ("replicas", "emulators") if key in data}
+    server = data.get("server")
+    if isinstance(server, dict) and "port" in server:
+        fleet["server"] = {"port": server["port"]}
+    try:
+        Settings.model_validate(fleet)
+    except ValidationError as exc:
+        return [line for error in exc.errors() for line in _describe(error)]
+    return []
+
+
+def _touches_fleet(loc: tuple[str | int, ...]) -> bool:
+    return loc[:1] in {("replicas",), ("emulators",)} or loc in {(), ("server",), ("server", "port")}
+
+
+def _read_text(path: str | Path) -> str:
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(path, ["file not found"]) from None
+    except IsADirectoryError:
+        raise ConfigError(path, ["is a directory, not a file"]) from None
+    except OSError as exc:
+        raise ConfigError(path, [f"cannot read file: {exc.strerror or exc}"]) from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        bad = raw[exc.start : exc.end]
+        raise ConfigError(
+            path, [f"line {line}, column {column}: not valid UTF-8 text (got {bad!r})"]
+        ) from None
+
+
+class _StrictSafeLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, plus: a key repeated in one mapping is an error.
+
+    Plain YAML keeps the last value silently, so a second ``server:`` block would quietly discard
+    the first; an operator wants to hear about it.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
+        first_line: dict[Hashable, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                continue  # the base class reports unhashable keys
+            if key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"duplicate key {key!r}, first defined at line {first_line[key]}",
+                    key_node.start_mark,
+                )
+            first_line[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def _parse_yaml(text: str, path: str | Path) -> object:
+    try:
+        # A SafeLoader subclass: as safe as yaml.safe_load, plus duplicate-key errors.
+        return yaml.load(text, Loader=_StrictSafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        raise ConfigError(path, [_describe_yaml_error(exc, text)]) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(path, [f"invalid YAML: {exc}"]) from None
+
+
+def _describe_yaml_error(exc: yaml.MarkedYAMLError, text: str) -> str:
+    """``line L, column C: invalid YAML: <problem>[; <context>] (got <the offending line>)``."""
+    mark = exc.problem_mark or exc.context_mark
+    problem = exc.problem or exc.context or "syntax error"
+    message = f"invalid YAML: {problem}"
+    if exc.context and exc.problem:
+        message += f"; {exc.context}"
+        if exc.context_mark is not None:
+            message += f" started at line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1}"
+    if mark is None:
+        return message
+    lines = text.splitlines()
+    got = _show(lines[mark.line]) if mark.line < len(lines) else "end of file"
+    return f"line {mark.line + 1}, column {mark.column + 1}: {message} (got {got})"
+
+
+def _describe(error: ErrorDetails) -> list[str]:
+    """One line per violation in a pydantic error (a cross-field error may hold several)."""
+    loc = tuple(error["loc"])
+    cause = error.get("ctx", {}).get("error")
+    if isinstance(cause, SettingsViolations):
+        return [f"{_dotted(loc + v.path)}: {v.message} (got {_show(v.value)})" for v in cause.violations]
+    path = _dotted(loc)
+    kind = error["type"]
+    if kind == "missing":
+        return [f"{path}: required key is missing"]
+    if kind == "extra_forbidden":
+        message = "unknown key" + _suggestion(loc)
+    elif kind in _MAPPING_TYPES:
+        message = "should be a mapping of keys to values"
+    else:
+        message = error["msg"].removeprefix("Value error, ")
+    return [f"{path}: {message} (got {_show(error['input'])})"]
+
+
+def _dotted(loc: tuple[str | int, ...]) -> str:
+    return ".".join(str(part) for part in loc) or "(top level)"
+
+
+def _show(value: object) -> str:
+    """``repr`` of an offending value, cut to ``MAX_VALUE_CHARS`` characters."""
+    text = repr(value)
+    return text if len(text) <= MAX_VALUE_CHARS else text[: MAX_VALUE_CHARS - 3] + "..."
+
+
+def _suggestion(loc: tuple[str | int, ...]) -> str:
+    """``"; did you mean 'port'?"`` for a near-miss of a known key at ``loc``, else ``""``."""
+    model = _model_at(loc[:-1])
+    if model is None or not isinstance(loc[-1], str):
+        return ""
+    close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
+    """The settings model that validates the mapping at ``loc``, or ``None`` when there is none."""
+    current: object = Settings
+    for part in loc:
+        if isinstance(part, int):
+            args = typing.get_args(current)
+            current = args[0] if typing.get_origin(current) is list and args else None
+        elif isinstance(current, type) and issubclass(current, BaseModel) and part in current.model_fields:
+            current = current.model_fields[part].annotation
+        else:
+            return None
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None

@@ -1,0 +1,238 @@
+"""Hot reload: SIGHUP or a changed file -> validate fully -> swap one settings snapshot.
+
+The running configuration only ever changes by ``SettingsStore.swap`` of a snapshot that passed
+the same ``load_settings`` as ``sluice serve`` and ``sluice check-config``. An invalid file is
+logged once per change, with every problem, and the running configuration stays.
+
+Watching polls ``os.stat`` (device, inode, size, mtime, ctime) rather than using inotify: it needs
+no extra dependency, works on every file system (NFS, Kubernetes ConfigMap symlink swaps), and
+sees editors that save by writing a new file and renaming it over the old one (new inode). A
+change is acted on once the file has looked the same on two polls in a row, so a half-written
+file is not loaded; a file that disappears (mid-rename, or deleted) is reported once and the
+running configuration stays until it comes back. Two in-place writes of the same size within the
+file system's timestamp granularity can look identical; SIGHUP always reloads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from gateway.config import ConfigError, load_settings, parse_settings
+from gateway.settings import Settings
+from gateway.store import SettingsStore
+
+log = logging.getLogger(__name__)
+
+#: Settings read once at start-up: a reload keeps their running values and logs "requires restart".
+RESTART_ONLY: tuple[str, ...] = ("server.host", "server.port", "server.uvloop", "emulators")
+
+#: What ``os.stat`` says about the file: (device, inode, size, mtime ns, ctime ns); ``None`` = absent.
+Fingerprint = tuple[int, int, int, int, int] | None
+
+Sleep = Callable[[float], Awaitable[None]]
+
+
+def fingerprint(path: Path) -> Fingerprint:
+    """The file's identity and version as seen by ``stat`` (follows symlinks); ``None`` if unreadable."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _value_at(settings: Settings, dotted: str) -> object:
+    value: object = settings
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def restart_only_changes(old: Settings, new: Settings) -> list[str]:
+    """The ``RESTART_ONLY`` paths whose values differ between ``old`` and ``new``, in that order."""
+    return [path for path in RESTART_ONLY if _value_at(old, path) != _value_at(new, path)]
+
+
+def keep_restart_only(old: Settings, new: Settings) -> Settings:
+    """``new`` with every ``RESTART_ONLY`` value taken from ``old`` (not re-validated)."""
+    server = new.server.model_copy(
+        update={"host": old.server.host, "port": old.server.port, "uvloop": old.server.uvloop}
+    )
+    return new.model_copy(update={"server": server, "emulators": old.emulators})
+
+
+def changed_sections(old: Settings, new: Settings) -> list[str]:
+    """Top-level section names whose values differ, in model order."""
+    return [name for name in Settings.model_fields if getattr(old, name) != getattr(new, name)]
+
+
+def _describe_change(old: Settings, new: Settings, path: str) -> str:
+    before, after = _value_at(old, path), _value_at(new, path)
+    if isinstance(before, list):
+        return f"{path} (changed)"
+    return f"{path} ({before!r} -> {after!r})"
+
+
+class ConfigReloader:
+    """Reloads the file at ``path`` into ``store`` on SIGHUP and, if ``reload.watch``, on change.
+
+    ``reload.watch`` and ``reload.poll_interval_s`` are read from the store's current snapshot,
+    so a reload can turn watching on or off and change the interval. ``sleep`` is injectable
+    for tests; it is awaited once per poll with the interval in seconds.
+    """
+
+    def __init__(self, path: str | Path, store: SettingsStore, *, sleep: Sleep = asyncio.sleep) -> None:
+        self._path = Path(path)
+        self._store = store
+        self._sleep = sleep
+        self._lock = asyncio.Lock()
+        self._running = False
+        self._subscribed = False
+        self._sighup_installed = False
+        self._poller: asyncio.Task[None] | None = None
+        self._signal_tasks: set[asyncio.Task[bool]] = set()
+        # The file version last loaded or rejected, and one seen once but not yet stable.
+        self._seen: Fingerprint = None
+        self._pending: Fingerprint = None
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    async def start(self) -> None:
+        """Install the SIGHUP handler and, when ``reload.watch`` is true, start polling."""
+        if self._running:
+            return
+        self._seen = fingerprint(self._path)
+        self._pending = None
+        self._running = True
+        if not self._subscribed:
+            # A swap may flip reload.watch; SettingsStore has no unsubscribe, hence the flag.
+            self._store.subscribe(lambda _old, _new: self._reconcile_poller())
+            self._subscribed = True
+        self._install_sighup()
+        self._reconcile_poller()
+
+    async def stop(self) -> None:
+        """Remove the SIGHUP handler and cancel polling and in-flight signal reloads."""
+        self._running = False
+        self._remove_sighup()
+        tasks: list[asyncio.Task[None] | asyncio.Task[bool]] = [*self._signal_tasks]
+        if self._poller is not None:
+            tasks.append(self._poller)
+            self._poller = None
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def reload_now(self) -> bool:
+        """Load and validate the file; swap it in if valid and different. True when swapped."""
+        async with self._lock:
+            self._seen = fingerprint(self._path)
+            self._pending = None
+            try:
+                loaded = await asyncio.to_thread(load_settings, self._path)
+            except ConfigError as exc:
+                log.error("config reload rejected, keeping the running configuration: %s", exc)
+                return False
+            return self._apply(loaded)
+
+    def _apply(self, loaded: Settings) -> bool:
+        old = self._store.current
+        restart = restart_only_changes(old, loaded)
+        if restart:
+            log.warning(
+                "config %s: change requires restart, keeping the running value of %s",
+                self._path,
+                ", ".join(_describe_change(old, loaded, path) for path in restart),
+            )
+        try:
+            # Kept values come from another snapshot, so the whole-file rules must be rechecked.
+            new = parse_settings(
+                keep_restart_only(old, loaded).model_dump(), f"{self._path} (restart-only values kept)"
+            )
+        except ConfigError as exc:
+            log.error("config reload rejected, keeping the running configuration: %s", exc)
+            return False
+        sections = changed_sections(old, new)
+        if not sections:
+            log.info("config %s reloaded: nothing to change", self._path)
+            return False
+        self._store.swap(new)
+        log.info(
+            "config %s reloaded (generation %d): changed sections: %s",
+            self._path,
+            self._store.generation,
+            ", ".join(sections),
+        )
+        return True
+
+    # -- polling -------------------------------------------------------------------------------
+
+    def _reconcile_poller(self) -> None:
+        wanted = self._running and self._store.current.reload.watch
+        if wanted and self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll(), name="sluice-config-watch")
+        elif not wanted and self._poller is not None:
+            self._poller.cancel()
+            self._poller = None
+
+    async def _poll(self) -> None:
+        while True:
+            await self._sleep(self._store.current.reload.poll_interval_s)
+            try:
+                await self._poll_once()
+            except Exception:
+                log.exception("config watch of %s failed; will retry", self._path)
+
+    async def _poll_once(self) -> None:
+        current = fingerprint(self._path)
+        if current == self._seen:
+            self._pending = None
+            return
+        if current is None:
+            log.warning(
+                "config file %s is missing or unreadable; keeping the running configuration", self._path
+            )
+            self._seen = None
+            return
+        if current != self._pending:
+            self._pending = current  # wait one more poll so a writer can finish
+            return
+        await self.reload_now()
+
+    # -- SIGHUP --------------------------------------------------------------------------------
+
+    def _install_sighup(self) -> None:
+        sighup = getattr(signal, "SIGHUP", None)
+        if sighup is None:
+            return
+        try:
+            asyncio.get_running_loop().add_signal_handler(sighup, self._on_sighup)
+        except (NotImplementedError, RuntimeError, ValueError) as exc:
+            log.warning("SIGHUP reload unavailable (%s); file watching still works", exc)
+            return
+        self._sighup_installed = True
+
+    def _remove_sighup(self) -> None:
+        if self._sighup_installed:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            self._sighup_installed = False
+
+    def _on_sighup(self) -> None:
+        log.info("SIGHUP: reloading %s", self._path)
+        task = asyncio.get_running_loop().create_task(self._reload_logged(), name="sluice-config-sighup")
+        self._signal_tasks.add(task)
+        task.add_done_callback(self._signal_tasks.discard)
+
+    async def _reload_logged(self) -> bool:
+        try:
+            return await self.reload_now()
+        except Exception:
+            log.exception("config reload of %s failed", self._path)
+            return False
