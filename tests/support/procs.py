@@ -1,0 +1,90 @@
+"""Real processes for integration tests: free ports, start, wait until ready, stop, show logs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_is_open(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+class Proc:
+    """A child process with its output in a temporary file, stopped by `stop()`."""
+
+    def __init__(self, args: Sequence[str], *, env: dict[str, str] | None = None, name: str = "proc"):
+        self.name = name
+        self.log = tempfile.NamedTemporaryFile(prefix=f"sluice-{name}-", suffix=".log", delete=False)  # noqa: SIM115
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.popen = subprocess.Popen(
+            list(args),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def wait_http(self, url: str, timeout_s: float = 60.0) -> None:
+        """Poll `url` until it answers 200; fail with the process log otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.output()}")
+            with contextlib.suppress(OSError, urllib.error.URLError):
+                with urllib.request.urlopen(url, timeout=1.0) as resp:
+                    if resp.status == 200:
+                        return
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.name} not ready at {url} after {timeout_s}s:\n{self.output()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
+        """Signal the process (not its group) and wait; SIGKILL the group if it hangs."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(5)
+        return int(self.popen.returncode)
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+@contextlib.contextmanager
+def running(args: Sequence[str], ready_url: str, *, name: str, timeout_s: float = 60.0) -> Iterator[Proc]:
+    proc = Proc(args, name=name)
+    try:
+        proc.wait_http(ready_url, timeout_s)
+        yield proc
+    finally:
+        proc.stop()
