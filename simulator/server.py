@@ -1,0 +1,1059 @@
+"""The HTTP face of an emulated vLLM replica: vLLM's OpenAI-compatible API over the emulated engine.
+
+A client (the Sluice gateway, the ``openai`` SDK, a benchmark) should not be able to tell this
+server from ``vllm serve`` (0.32) by its API: same endpoints, same JSON and SSE shapes, same error
+bodies, same ``/metrics`` names. Only the model is fake: prompts are counted by a regex
+(:mod:`simulator.tokens`), the output is deterministic filler words, one per token, and each
+engine step takes the time the cost model says.
+
+Moving parts, all on one asyncio loop:
+
+* one engine task per replica steps the engine: ``plan = engine.schedule(now)``; none -> wait for
+  ``add_request``; else sleep ``plan.duration_s``, ``engine.complete(plan, now)``, dispatch the
+  token events to per-request queues and observe the step into ``/metrics``;
+* each HTTP handler validates, adds its request to the engine and turns the token events it
+  receives into one JSON response or into SSE chunks (one chunk per engine step);
+* a client that goes away aborts its request in the engine within about one poll interval
+  (:data:`DISCONNECT_POLL_S`): a failed SSE write, the handler's cancellation (``main`` runs aiohttp
+  with ``handler_cancellation=True``) or, whatever the runner, a watcher that polls each in-flight
+  request's transport. Aborted requests finish with ``finished_reason="abort"``, as in vLLM.
+
+Public entry points: :func:`build_app` (in-process tests, the replay) and :func:`main` (the
+``python -m simulator`` and ``sluice sim`` command line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from simulator import tokens
+from simulator.engine import Engine, TokenEvent
+from simulator.metrics import CONTENT_TYPE, VllmMetrics, cache_config_labels
+from simulator.profile import Profile, load_profile
+
+log = logging.getLogger("simulator.server")
+
+#: The vLLM release whose API and metric names this emulator reproduces (``GET /version``).
+VLLM_VERSION: Final = "0.32.0"
+#: How often in-flight requests are checked for a vanished client, in seconds.
+DISCONNECT_POLL_S: Final = 0.05
+#: vLLM's default ``max_tokens`` for ``/v1/completions`` (OpenAI's legacy default).
+COMPLETIONS_DEFAULT_MAX_TOKENS: Final = 16
+#: What a dead engine answers, in vLLM's words (``EngineDeadError``).
+ENGINE_DEAD_MESSAGE: Final = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+
+SSE_DONE: Final = b"data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """A request vLLM would refuse; rendered by :func:`error_body` with ``status``."""
+
+    def __init__(
+        self, message: str, *, status: int = 400, err_type: str = "BadRequestError", param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.err_type = err_type
+        self.param = param
+
+
+def error_body(message: str, *, status: int, err_type: str, param: str | None = None) -> dict[str, Any]:
+    """vLLM's current error body.
+
+    vLLM's ``ErrorResponse``/``ErrorInfo`` in ``vllm/entrypoints/openai/engine/protocol.py``
+    (vllm-project/vllm main): ``{"error": {"message", "type", "param", "code"}}``, ``code`` the
+    HTTP status as an int, ``type`` e.g. ``"BadRequestError"`` / ``"NotFoundError"``; real 0.3x
+    error bodies have this shape. Older versions (before about 0.11) sent a flat
+    ``{"object": "error", "message", ...}``; the nested form is the current one.
+    """
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def _error_response(err: ApiError) -> web.Response:
+    body = error_body(err.message, status=err.status, err_type=err.err_type, param=err.param)
+    return _json(body, status=err.status)
+
+
+def context_length_error(*, max_model_len: int, prompt_tokens: int, max_tokens: int | None) -> ApiError:
+    """vLLM's 400 for a prompt plus output that do not fit in ``max_model_len`` tokens.
+
+    Wording of recent vLLM (``VLLMValidationError`` with ``parameter="input_tokens"``, whose
+    ``str()`` appends ``(parameter=..., value=...)``), as seen in real 0.3x error bodies.
+    """
+    requested = max_tokens or 0
+    total = prompt_tokens + requested
+    return ApiError(
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{requested} output tokens and your prompt contains at least {prompt_tokens} input tokens, "
+        f"for a total of at least {total} tokens. Please reduce the length of the input prompt or "
+        f"the number of requested output tokens. (parameter=input_tokens, value={prompt_tokens})",
+        param="input_tokens",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Request parsing and validation (pure)
+# ---------------------------------------------------------------------------------------------
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingFields(BaseModel):
+    """The request fields the emulator acts on; every other OpenAI/vLLM field is accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    n: int = 1
+    stream: bool | None = False
+    stream_options: _StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+class _CompletionBody(_SamplingFields):
+    prompt: list[int] | list[list[int]] | str | list[str] | None = None
+
+
+class _ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class _ChatBody(_SamplingFields):
+    messages: list[_ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """A validated completion or chat request, in tokens."""
+
+    kind: Literal["completion", "chat"]
+    #: Model name echoed in responses (the served name).
+    model: str
+    prompt_tokens: int
+    #: Output cap after vLLM's defaulting (always >= 1).
+    max_tokens: int
+    ignore_eos: bool
+    min_tokens: int
+    stream: bool
+    include_usage: bool
+    continuous_usage_stats: bool
+    #: Seeds the fake output words, so the same prompt always gets the same text.
+    text_seed: int
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 as vLLM gives for a body it cannot parse."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(f"JSON decode error: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError("Input should be a valid dictionary or object to extract fields from")
+    return body
+
+
+def _validation_message(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors(include_url=False):
+        loc = ".".join(str(p) for p in err["loc"])
+        parts.append(f"{loc}: {err['msg']}" if loc else str(err["msg"]))
+    return "; ".join(parts)
+
+
+def _validate_model(requested: str | None, served: str) -> None:
+    """vLLM serves a request that names no model with its (only) served model."""
+    if requested and requested != served:
+        raise ApiError(
+            f"The model `{requested}` does not exist.", status=404, err_type="NotFoundError", param="model"
+        )
+
+
+def _validate_common(fields: _SamplingFields) -> None:
+    if fields.n < 1:
+        raise ApiError(f"n must be at least 1, got {fields.n}.", param="n")
+    if fields.n > 1:
+        raise ApiError(
+            f"n={fields.n} is not supported by this replica emulator: it generates one choice per request.",
+            param="n",
+        )
+    if fields.stream_options is not None and not fields.stream:
+        raise ApiError("Stream options can only be defined when `stream=True`.", param="stream_options")
+    if fields.min_tokens < 0:
+        raise ApiError(f"min_tokens must be greater than or equal to 0, got {fields.min_tokens}.")
+
+
+def _resolve_max_tokens(*, requested: int | None, prompt_tokens: int, max_model_len: int) -> int:
+    """The output cap vLLM uses, or the 400 it gives when prompt and output cannot fit.
+
+    ``requested`` None means "as much as fits": ``max_model_len - prompt_tokens``.
+    """
+    if requested is not None and requested < 1:
+        raise ApiError(f"max_tokens must be at least 1, got {requested}.", param="max_tokens")
+    if prompt_tokens >= max_model_len or (
+        requested is not None and prompt_tokens + requested > max_model_len
+    ):
+        raise context_length_error(
+            max_model_len=max_model_len, prompt_tokens=prompt_tokens, max_tokens=requested
+        )
+    return requested if requested is not None else max_model_len - prompt_tokens
+
+
+def _completion_prompt(prompt: list[int] | list[list[int]] | str | list[str] | None) -> str | list[int]:
+    """The single prompt of a completion request (a text or token ids)."""
+    if prompt is None or prompt == "" or prompt == []:
+        raise ApiError("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
+    if isinstance(prompt, str):
+        return prompt
+    first = prompt[0]
+    if isinstance(first, int):
+        return [int(p) for p in prompt if isinstance(p, int)]
+    if len(prompt) > 1:
+        raise ApiError(
+            f"This replica emulator serves one prompt per request; got a batch of {len(prompt)}.",
+            param="prompt",
+        )
+    if isinstance(first, str):
+        if first == "":
+            raise ApiError("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
+        return first
+    return list(first)
+
+
+def parse_completion_request(
+    body: Mapping[str, Any], *, served_model: str, max_model_len: int
+) -> GenerationRequest:
+    """Validate a ``POST /v1/completions`` body as vLLM does (raises :class:`ApiError`).
+
+    An absent (or null) ``max_tokens`` is 16, vLLM's field default, and is checked against the
+    context like an explicit one.
+    """
+    try:
+        req = _CompletionBody.model_validate(body)
+    except ValidationError as exc:
+        raise ApiError(_validation_message(exc)) from None
+    _validate_model(req.model, served_model)
+    _validate_common(req)
+    prompt = _completion_prompt(req.prompt)
+    prompt_tokens = tokens.count_completion_prompt(prompt)
+    requested = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+    max_tokens = _resolve_max_tokens(
+        requested=requested, prompt_tokens=prompt_tokens, max_model_len=max_model_len
+    )
+    seed_text = prompt if isinstance(prompt, str) else ",".join(map(str, prompt))
+    return _generation_request("completion", req, served_model, prompt_tokens, max_tokens, seed_text)
+
+
+def parse_chat_request(
+    body: Mapping[str, Any], *, served_model: str, max_model_len: int
+) -> GenerationRequest:
+    """Validate a ``POST /v1/chat/completions`` body as vLLM does (raises :class:`ApiError`).
+
+    ``max_completion_tokens`` wins over the deprecated ``max_tokens``; with neither, the output
+    may fill the context: ``max_model_len - prompt_tokens`` (vLLM's default for chat).
+    """
+    try:
+        req = _ChatBody.model_validate(body)
+    except ValidationError as exc:
+        raise ApiError(_validation_message(exc)) from None
+    _validate_model(req.model, served_model)
+    _validate_common(req)
+    messages = [m.model_dump() for m in req.messages]
+    prompt_tokens = tokens.count_chat_prompt(messages)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = _resolve_max_tokens(
+        requested=requested, prompt_tokens=prompt_tokens, max_model_len=max_model_len
+    )
+    seed_text = "\n".join(tokens.message_text(m.get("content")) for m in messages)
+    return _generation_request("chat", req, served_model, prompt_tokens, max_tokens, seed_text)
+
+
+def _generation_request(
+    kind: Literal["completion", "chat"],
+    req: _SamplingFields,
+    served_model: str,
+    prompt_tokens: int,
+    max_tokens: int,
+    seed_text: str,
+) -> GenerationRequest:
+    options = req.stream_options
+    stream = bool(req.stream)
+    return GenerationRequest(
+        kind=kind,
+        model=served_model,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        ignore_eos=req.ignore_eos,
+        min_tokens=min(req.min_tokens, max_tokens),
+        stream=stream,
+        include_usage=stream and options is not None and bool(options.include_usage),
+        continuous_usage_stats=stream and options is not None and bool(options.continuous_usage_stats),
+        text_seed=tokens.text_seed(seed_text),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Response bodies and SSE framing (pure)
+# ---------------------------------------------------------------------------------------------
+
+
+def _dumps(obj: object) -> str:
+    # Compact separators, as pydantic's model_dump_json writes vLLM's bodies.
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def _json(payload: object, *, status: int = 200) -> web.Response:
+    """A JSON response typed ``application/json`` without a charset, as FastAPI sends it."""
+    return web.Response(body=_dumps(payload).encode(), status=status, content_type="application/json")
+
+
+def sse_event(payload: Mapping[str, Any]) -> bytes:
+    """One server-sent event carrying ``payload``: ``data: {json}\\n\\n``."""
+    return f"data: {_dumps(payload)}\n\n".encode()
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """vLLM's ``UsageInfo`` (``prompt_tokens_details`` only with a server flag, so null)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseIds:
+    """What every body and chunk of one response repeats."""
+
+    id: str
+    #: Unix time, seconds.
+    created: int
+    model: str
+
+
+def completion_body(
+    ids: ResponseIds, text: str, finish_reason: str | None, use: Mapping[str, Any]
+) -> dict[str, Any]:
+    """A non-streaming ``text_completion`` body."""
+    choice = {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "stop_reason": None,
+        "prompt_logprobs": None,
+    }
+    return {
+        "id": ids.id,
+        "object": "text_completion",
+        "created": ids.created,
+        "model": ids.model,
+        "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": dict(use),
+        "kv_transfer_params": None,
+    }
+
+
+def chat_body(
+    ids: ResponseIds, text: str, finish_reason: str | None, use: Mapping[str, Any]
+) -> dict[str, Any]:
+    """A non-streaming ``chat.completion`` body."""
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": text,
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "tool_calls": [],
+        "reasoning_content": None,
+    }
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "stop_reason": None,
+    }
+    return {
+        "id": ids.id,
+        "object": "chat.completion",
+        "created": ids.created,
+        "model": ids.model,
+        "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": dict(use),
+        "prompt_logprobs": None,
+        "kv_transfer_params": None,
+    }
+
+
+def completion_chunk(
+    ids: ResponseIds, text: str, finish_reason: str | None, use: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """One streamed ``text_completion`` chunk; ``use`` only with ``continuous_usage_stats``."""
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
+    chunk: dict[str, Any] = {
+        "id": ids.id,
+        "object": "text_completion",
+        "created": ids.created,
+        "model": ids.model,
+        "choices": [choice],
+    }
+    if use is not None:
+        chunk["usage"] = dict(use)
+    return chunk
+
+
+def chat_chunk(
+    ids: ResponseIds,
+    delta: Mapping[str, Any],
+    finish_reason: str | None,
+    use: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One streamed ``chat.completion.chunk``; the first carries ``delta.role``."""
+    choice: dict[str, Any] = {
+        "index": 0,
+        "delta": dict(delta),
+        "logprobs": None,
+        "finish_reason": finish_reason,
+    }
+    if finish_reason is not None:
+        choice["stop_reason"] = None
+    chunk: dict[str, Any] = {
+        "id": ids.id,
+        "object": "chat.completion.chunk",
+        "created": ids.created,
+        "model": ids.model,
+        "choices": [choice],
+    }
+    if use is not None:
+        chunk["usage"] = dict(use)
+    return chunk
+
+
+def usage_chunk(
+    kind: Literal["completion", "chat"], ids: ResponseIds, use: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The last chunk with ``stream_options.include_usage``: no choices, the final usage."""
+    obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+    return {
+        "id": ids.id,
+        "object": obj,
+        "created": ids.created,
+        "model": ids.model,
+        "choices": [],
+        "usage": dict(use),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The replica: engine loop, in-flight requests, disconnect watcher
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Inflight:
+    """One request between ``add_request`` and its last token (or abort)."""
+
+    queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    #: The HTTP request whose connection is watched for a vanished client; None: not watched.
+    connection: web.Request | None = None
+    finished: bool = False
+    num_output_tokens: int = 0
+
+    def client_gone(self) -> bool:
+        if self.connection is None:
+            return False
+        transport = self.connection.transport
+        return transport is None or transport.is_closing()
+
+
+class Replica:
+    """One emulated vLLM replica: the engine, its stepping task, in-flight requests and metrics.
+
+    All methods run on the event loop; the engine is only touched from it, so no locking.
+    """
+
+    def __init__(self, profile: Profile, *, seed: int | None = None, jitter: float = 0.0) -> None:
+        self.profile = profile
+        self.engine = Engine(profile, seed=seed, jitter=jitter)
+        self.model_name: str = profile.served_model_name
+        self.max_model_len: int = profile.engine.max_model_len
+        self.created = int(time.time())
+        self.metrics = VllmMetrics(
+            engine=self.engine,
+            model_name=self.model_name,
+            max_model_len=self.max_model_len,
+            cache_config=_cache_config(profile),
+        )
+        self.dead: BaseException | None = None
+        #: Set at shutdown: in-flight requests were aborted because the server is stopping.
+        self.stopping = False
+        self._inflight: dict[str, _Inflight] = {}
+        self._wakeup = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Start the engine task and the disconnect watcher."""
+        self._tasks = [
+            asyncio.create_task(self._run_engine(), name=f"engine[{self.model_name}]"),
+            asyncio.create_task(self._watch_disconnects(), name=f"disconnects[{self.model_name}]"),
+        ]
+
+    async def stop(self) -> None:
+        """Abort everything in flight and stop the background tasks."""
+        self.abort_all()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+
+    @property
+    def num_inflight(self) -> int:
+        """Requests added to the engine and not yet finished (vLLM's ``/load`` server_load)."""
+        return len(self._inflight)
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, request_id: str, req: GenerationRequest, connection: web.Request | None) -> _Inflight:
+        """Add a validated request to the engine; its token events arrive on the returned queue."""
+        refusal = _abort_error(self)  # dead engine or shutting down
+        if refusal is not None:
+            raise refusal
+        if req.ignore_eos:
+            output_tokens = req.max_tokens
+        else:
+            output_tokens = max(req.min_tokens, self.engine.sample_output_tokens(req.max_tokens))
+        try:
+            self.engine.add_request(request_id, req.prompt_tokens, req.max_tokens, output_tokens, self._now())
+        except ValueError as exc:
+            # A request that fits max_model_len but can never fit the KV cache (tiny profiles).
+            raise ApiError(str(exc)) from None
+        entry = _Inflight(connection=connection)
+        self._inflight[request_id] = entry
+        self._wakeup.set()
+        return entry
+
+    def release(self, request_id: str) -> None:
+        """Forget a request whose handler is done; abort it first if it has not finished."""
+        entry = self._inflight.get(request_id)
+        if entry is not None and not entry.finished:
+            self.abort(request_id)
+        self._inflight.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request in the engine now (client gone) and wake its handler."""
+        entry = self._inflight.get(request_id)
+        if entry is None or entry.finished:
+            return
+        entry.finished = True
+        stats = self.engine.abort_request_stats(request_id, self._now())
+        if stats is not None:
+            # vLLM records aborted requests like any finished one (request_success{abort}, e2e, ...).
+            self.metrics.record_finished(stats)
+            self.metrics.sync_counters()
+        entry.queue.put_nowait(
+            TokenEvent(
+                request_id=request_id,
+                num_new_tokens=0,
+                num_output_tokens=entry.num_output_tokens,
+                finished=True,
+                finish_reason="abort",
+            )
+        )
+        self._wakeup.set()
+
+    def abort_all(self) -> None:
+        """Abort every in-flight request (shutdown, dead engine)."""
+        for request_id in list(self._inflight):
+            self.abort(request_id)
+
+    # ------------------------------------------------------------------ background tasks
+
+    async def _run_engine(self) -> None:
+        try:
+            await self._step_forever()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # vLLM's EngineDeadError: /health turns 503 and every request in flight fails.
+            log.exception("engine loop failed; the replica is now dead")
+            self.dead = exc
+            self.abort_all()
+
+    async def _step_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            plan = self.engine.schedule(loop.time())
+            if plan is None:
+                # Nothing can run; add_request (or an abort) sets the event.
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            if plan.duration_s > 0:
+                await asyncio.sleep(plan.duration_s)
+            result = self.engine.complete(plan, loop.time())
+            for event in result.events:
+                self._dispatch(event)
+            self.metrics.record_step(result)
+
+    def _dispatch(self, event: TokenEvent) -> None:
+        entry = self._inflight.get(event.request_id)
+        if entry is None or entry.finished:
+            return  # aborted meanwhile, or its handler is gone
+        entry.num_output_tokens = event.num_output_tokens
+        entry.finished = event.finished
+        entry.queue.put_nowait(event)
+
+    async def _watch_disconnects(self) -> None:
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            for request_id, entry in list(self._inflight.items()):
+                if not entry.finished and entry.client_gone():
+                    log.debug("client of %s disconnected; aborting", request_id)
+                    self.abort(request_id)
+
+
+def _cache_config(profile: Profile) -> dict[str, str]:
+    """``vllm:cache_config_info`` labels: vLLM 0.32's label set, the profile's cache facts filled in."""
+    eng = profile.engine
+    return cache_config_labels(
+        block_size=eng.block_size,
+        num_gpu_blocks=eng.num_gpu_blocks,
+        max_model_len=eng.max_model_len,
+        overrides=profile.cache_config_info(),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Handlers
+# ---------------------------------------------------------------------------------------------
+
+REPLICA: Final = web.AppKey("replica", Replica)
+
+
+async def _next_events(entry: _Inflight) -> list[TokenEvent]:
+    """Wait for the next token event, then take any that queued up behind it.
+
+    A slow reader gets the outputs of several steps merged into one chunk, as vLLM's output
+    collector merges deltas the API server has not consumed yet.
+    """
+    events = [await entry.queue.get()]
+    while not entry.queue.empty() and not events[-1].finished:
+        events.append(entry.queue.get_nowait())
+    return events
+
+
+async def _generate(request: web.Request, kind: Literal["completion", "chat"]) -> web.StreamResponse:
+    replica = request.app[REPLICA]
+    body = parse_json_body(await request.read())
+    parse = parse_completion_request if kind == "completion" else parse_chat_request
+    req = parse(body, served_model=replica.model_name, max_model_len=replica.max_model_len)
+    # As in vLLM, the engine's request id is the response's id.
+    ids = ResponseIds(
+        f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}", int(time.time()), req.model
+    )
+    entry = replica.submit(ids.id, req, request)
+    try:
+        if req.stream:
+            return await _stream(request, replica, ids, entry, req)
+        return await _collect(replica, ids, entry, req)
+    finally:
+        replica.release(ids.id)
+
+
+def _abort_error(replica: Replica) -> ApiError | None:
+    """What a client still connected is told when its request was aborted under it, if anything."""
+    if replica.dead is not None:
+        return ApiError(ENGINE_DEAD_MESSAGE, status=500, err_type="InternalServerError")
+    if replica.stopping:
+        return ApiError("The server is shutting down.", status=503, err_type="ServiceUnavailableError")
+    return None  # the client itself left: nobody is listening
+
+
+async def _collect(
+    replica: Replica, ids: ResponseIds, entry: _Inflight, req: GenerationRequest
+) -> web.StreamResponse:
+    """Wait for the whole output, then answer with one JSON body."""
+    while True:
+        last = (await _next_events(entry))[-1]
+        if last.finished:
+            break
+    if last.finish_reason == "abort":
+        err = _abort_error(replica)
+        if err is not None:
+            raise err
+        # The client is gone: nobody reads this. 499 is what proxies log for it.
+        return web.Response(status=499)
+    n = last.num_output_tokens
+    text = tokens.fake_text(req.text_seed, 0, n)
+    build = completion_body if req.kind == "completion" else chat_body
+    payload = build(ids, text, last.finish_reason, usage(req.prompt_tokens, n))
+    return _json(payload)
+
+
+async def _stream(
+    request: web.Request, replica: Replica, ids: ResponseIds, entry: _Inflight, req: GenerationRequest
+) -> web.StreamResponse:
+    """Answer with SSE: (chat: a role chunk), one chunk per engine step, usage, ``[DONE]``.
+
+    A request aborted under a connected client (dead engine, shutdown) ends with vLLM's mid-stream
+    error event, ``data: {"error": {...}}``, then ``[DONE]``.
+    """
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    sent = 0
+    try:
+        await response.prepare(request)
+        while True:
+            events = await _next_events(entry)
+            last = events[-1]
+            if last.finish_reason == "abort":
+                err = _abort_error(replica)
+                if err is not None:
+                    await response.write(
+                        sse_event(error_body(err.message, status=err.status, err_type=err.err_type))
+                    )
+                    await response.write(SSE_DONE)
+                return response
+            new = last.num_output_tokens - sent
+            for chunk in _step_chunks(req, ids, sent, new, last):
+                await response.write(sse_event(chunk))
+            sent = last.num_output_tokens
+            if last.finished:
+                break
+        if req.include_usage:
+            await response.write(sse_event(usage_chunk(req.kind, ids, usage(req.prompt_tokens, sent))))
+        await response.write(SSE_DONE)
+        await response.write_eof()
+    except ConnectionError:
+        # A failed write: the client went away mid-stream (vLLM aborts the request likewise).
+        replica.abort(ids.id)
+    return response
+
+
+def _step_chunks(
+    req: GenerationRequest, ids: ResponseIds, sent: int, new: int, last: TokenEvent
+) -> list[dict[str, Any]]:
+    """The SSE chunks for ``new`` tokens after ``sent``; ``finish_reason`` rides on the last one."""
+    text = tokens.fake_text(req.text_seed, sent, new)
+    finish = last.finish_reason if last.finished else None
+    use = usage(req.prompt_tokens, sent + new) if req.continuous_usage_stats else None
+    if req.kind == "completion":
+        return [completion_chunk(ids, text, finish, use)]
+    chunks = []
+    if sent == 0:
+        # vLLM's first chat chunk announces the role, with empty content.
+        chunks.append(chat_chunk(ids, {"role": "assistant", "content": ""}, None, use))
+    chunks.append(chat_chunk(ids, {"content": text}, finish, use))
+    return chunks
+
+
+async def handle_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions``."""
+    return await _generate(request, "completion")
+
+
+async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions``."""
+    return await _generate(request, "chat")
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: vLLM's ``ModelList`` with the one served model."""
+    replica = request.app[REPLICA]
+    permission = {
+        "id": f"modelperm-{uuid.uuid4().hex}",
+        "object": "model_permission",
+        "created": replica.created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+    card = {
+        "id": replica.model_name,
+        "object": "model",
+        "created": replica.created,
+        "owned_by": "vllm",
+        "root": replica.model_name,
+        "parent": None,
+        "max_model_len": replica.max_model_len,
+        "permission": [permission],
+    }
+    return _json({"object": "list", "data": [card]})
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    """``GET /health``: 200 with an empty body; 503 once the engine has died (as vLLM)."""
+    return web.Response(status=503 if request.app[REPLICA].dead is not None else 200)
+
+
+async def handle_version(request: web.Request) -> web.Response:
+    """``GET /version``: the vLLM version whose API this emulator reproduces."""
+    return _json({"version": VLLM_VERSION})
+
+
+async def handle_load(request: web.Request) -> web.Response:
+    """``GET /load``: requests in flight (vLLM's ``--enable-server-load-tracking`` answer)."""
+    return _json({"server_load": request.app[REPLICA].num_inflight})
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: Prometheus text with vLLM V1's metric names."""
+    body = request.app[REPLICA].metrics.exposition()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def handle_ping(request: web.Request) -> web.Response:
+    """``GET/POST /ping``: SageMaker's health check, same answer as ``/health``."""
+    return await handle_health(request)
+
+
+async def handle_tokenize(request: web.Request) -> web.Response:
+    """``POST /tokenize``: the emulator's own token count for a prompt or a chat.
+
+    Token ids are stable fakes (one per counted token), so ``count`` always equals what a
+    completion request with the same input reports as ``usage.prompt_tokens``.
+    """
+    replica = request.app[REPLICA]
+    body = parse_json_body(await request.read())
+    _validate_model(body.get("model"), replica.model_name)
+    if "messages" in body:
+        messages = body["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ApiError("messages: Input should be a valid list of messages", param="messages")
+        count = tokens.count_chat_prompt(messages)
+        seed_text = "\n".join(tokens.message_text(m.get("content")) for m in messages)
+        ids = [tokens.text_seed(f"{seed_text}#{i}") % tokens.VOCAB_SIZE for i in range(count)]
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise ApiError("prompt: Input should be a valid string", param="prompt")
+        ids = [1] * tokens.BOS_TOKENS + tokens.fake_token_ids(prompt)
+        count = len(ids)
+    return _json(
+        {"count": count, "max_model_len": replica.max_model_len, "tokens": ids, "token_strs": None},
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Application
+# ---------------------------------------------------------------------------------------------
+
+
+@web.middleware
+async def _errors_as_vllm(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+    """Render :class:`ApiError` as vLLM's JSON body; routing errors as FastAPI's ``{"detail"}``."""
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except ApiError as err:
+        return _error_response(err)
+    except web.HTTPException as exc:
+        if exc.status in (404, 405):
+            return _json({"detail": exc.reason}, status=exc.status)
+        raise
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    # vLLM runs under uvicorn; keep a header sniffer from telling the two apart.
+    response.headers["server"] = "uvicorn"
+
+
+def build_app(profile: Profile, *, seed: int | None = None, jitter: float = 0.0) -> web.Application:
+    """An aiohttp application serving one emulated vLLM replica of ``profile``.
+
+    The engine task starts with the application (``cleanup_ctx``) and stops with it; in-flight
+    requests are aborted at shutdown. ``seed`` makes output lengths and step-time jitter
+    reproducible; ``jitter`` is the relative step-time noise passed to the engine.
+    """
+    app = web.Application(middlewares=[_errors_as_vllm])
+
+    async def replica_ctx(app: web.Application) -> AsyncIterator[None]:
+        replica = Replica(profile, seed=seed, jitter=jitter)
+        app[REPLICA] = replica
+        await replica.start()
+        yield
+        await replica.stop()
+
+    async def abort_inflight(app: web.Application) -> None:
+        # Runs before aiohttp waits for open handlers, so streams end now, not at a timeout.
+        replica = app[REPLICA]
+        replica.stopping = True
+        replica.abort_all()
+
+    app.cleanup_ctx.append(replica_ctx)
+    app.on_shutdown.append(abort_inflight)
+    app.on_response_prepare.append(_server_header)
+    app.router.add_post("/v1/completions", handle_completions)
+    app.router.add_post("/v1/chat/completions", handle_chat_completions)
+    app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/health", handle_health)
+    app.router.add_get("/version", handle_version)
+    app.router.add_get("/load", handle_load)
+    app.router.add_get("/metrics", handle_metrics)
+    app.router.add_get("/ping", handle_ping)
+    app.router.add_post("/ping", handle_ping)
+    app.router.add_post("/tokenize", handle_tokenize)
+    return app
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sluice sim",
+        description="Run one emulated vLLM replica (OpenAI API, SSE, /metrics) in the foreground.",
+    )
+    parser.add_argument("--profile", required=True, help="profile name (config/profiles/NAME.yaml) or path")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one (default 8000)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for output lengths and jitter")
+    parser.add_argument(
+        "--jitter", type=float, default=0.0, help="relative step-time noise, e.g. 0.05 (default 0)"
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    return parser
+
+
+async def serve(
+    profile: Profile,
+    *,
+    host: str,
+    port: int,
+    seed: int | None = None,
+    jitter: float = 0.0,
+    ready: Callable[[str], None] | None = None,
+) -> None:
+    """Serve ``profile`` on ``host:port`` until SIGINT/SIGTERM (or cancellation), then shut down.
+
+    ``ready`` is called with the base URL once the socket listens (the port is the real one when
+    ``port`` is 0).
+    """
+    app = build_app(profile, seed=seed, jitter=jitter)
+    # handler_cancellation: a vanished client cancels its handler at once (the watcher is the
+    # fallback); shutdown_timeout: streams are aborted at shutdown, so this is only a backstop.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        # Handlers first: whoever waits for the ready line may signal right after it.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            bound_host, bound_port = runner.addresses[0][:2]
+            if ready is not None:
+                ready(f"http://{_url_host(str(bound_host))}:{bound_port}")
+            await stop.wait()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+    finally:
+        await runner.cleanup()
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a runtime dependency off Windows
+        return None
+    return uvloop.new_event_loop
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m simulator`` / ``sluice sim``: run one replica in the foreground.
+
+    Logs one ready line (``... ready on http://HOST:PORT: ...``, the real port when ``--port 0``)
+    to stderr once it accepts connections. Returns 0 after SIGINT/SIGTERM, 1 when it cannot
+    listen, 2 for a profile it cannot load (argparse exits 2 on bad arguments).
+    """
+    args = _parser().parse_args(list(argv) if argv is not None else None)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        profile = load_profile(args.profile)
+    except (OSError, ValueError) as exc:
+        print(f"sluice sim: cannot load profile {args.profile!r}: {exc}", file=sys.stderr)
+        return 2
+
+    def ready(url: str) -> None:
+        log.info(
+            "replica emulator ready on %s: model %s, profile %s, vLLM %s API",
+            url,
+            profile.served_model_name,
+            profile.name,
+            VLLM_VERSION,
+        )
+
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(
+                serve(
+                    profile, host=args.host, port=args.port, seed=args.seed, jitter=args.jitter, ready=ready
+                )
+            )
+    except OSError as exc:
+        print(f"sluice sim: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    log.info("replica emulator stopped")
+    return 0
