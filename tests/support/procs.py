@@ -56,10 +56,12 @@ class Proc:
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.output()}")
-            with contextlib.suppress(OSError, urllib.error.URLError):
-                with urllib.request.urlopen(url, timeout=1.0) as resp:
-                    if resp.status == 200:
-                        return
+            with (
+                contextlib.suppress(OSError, urllib.error.URLError),
+                urllib.request.urlopen(url, timeout=1.0) as resp,
+            ):
+                if resp.status == 200:
+                    return
             time.sleep(0.1)
         raise TimeoutError(f"{self.name} not ready at {url} after {timeout_s}s:\n{self.output()}")
 

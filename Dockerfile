@@ -1,0 +1,15 @@
+# Sluice gateway and replica emulator image.
+# Build: docker build -t sluice .   Run: docker run -p 8080:8080 sluice serve --config /etc/sluice/sluice.yaml
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY gateway ./gateway
+COPY predictor ./predictor
+COPY simulator ./simulator
+COPY config ./config
+# Editable install: the emulator finds its profiles under /app/config/profiles.
+RUN pip install --no-cache-dir -e . && useradd --system --uid 10001 sluice
+USER sluice
+EXPOSE 8080
+ENTRYPOINT ["sluice"]
+CMD ["serve"]

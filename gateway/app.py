@@ -1,0 +1,240 @@
+"""The aiohttp application: routes, middlewares, and the lifecycle of everything it owns.
+
+``build_app(store)`` wires the pieces; each long-lived resource is a ``cleanup_ctx`` generator
+(set up, ``yield``, tear down in reverse order) and is reached through a typed ``AppKey``:
+
+1. one shared ``aiohttp.ClientSession`` (keep-alive connection pool) for all replicas;
+2. the emulator child processes, when ``emulators:`` is set (started and awaited, stopped last);
+3. the replica registry, one health-check round before serving, then the health-check task;
+4. the disconnect monitor and the ``Proxy`` the request handlers call.
+
+``run_gateway(store)`` serves it on ``server.host:server.port`` until SIGINT/SIGTERM, then stops
+accepting, gives in-flight requests ``server.shutdown_grace_s`` seconds, and tears everything
+down (so the emulators it started stop with it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+import aiohttp
+from aiohttp import web
+
+from gateway.errors import error_middleware
+from gateway.observability.logs import (
+    add_request_id_header,
+    configure_logging,
+    request_context_middleware,
+)
+from gateway.openai_api import models_list
+from gateway.proxy import DisconnectMonitor, OutcomeListener, Proxy
+from gateway.replicas.emulators import EmulatorProcess, start_emulators, stop_emulators
+from gateway.replicas.health import HealthChecker
+from gateway.replicas.registry import ReplicaRegistry
+from gateway.settings import Settings
+from gateway.store import SettingsStore
+
+log = logging.getLogger("sluice.app")
+
+#: Upper bound of pooled connections to one replica; generous, admission control bounds load.
+CONNECTIONS_PER_REPLICA = 4096
+#: Seconds an idle keep-alive connection to a replica stays in the pool.
+KEEPALIVE_S = 60.0
+
+STORE = web.AppKey("store", SettingsStore)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+REGISTRY = web.AppKey("registry", ReplicaRegistry)
+HEALTH = web.AppKey("health", HealthChecker)
+DISCONNECTS = web.AppKey("disconnects", DisconnectMonitor)
+PROXY = web.AppKey("proxy", Proxy)
+EMULATORS: web.AppKey[list[EmulatorProcess]] = web.AppKey("emulators")
+#: Called with each proxied request's ``RequestOutcome`` when it is over; append before startup.
+OUTCOME_LISTENERS: web.AppKey[list[OutcomeListener]] = web.AppKey("outcome_listeners")
+
+
+class Reloader(Protocol):
+    """What ``run_gateway`` needs of a config reloader (``gateway.reload.ConfigReloader``)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+ReloaderFactory = Callable[[SettingsStore], Reloader]
+
+
+def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Application:
+    """The gateway application for ``store``'s settings; nothing starts until it is run.
+
+    ``spawn_emulators=False`` skips starting ``emulators:`` (their replicas are still routed to,
+    e.g. when a test or another process runs them). The body limit aiohttp enforces
+    (``client_max_size``) is ``server.max_body_bytes`` at build time; a smaller value after a
+    reload is enforced as well, a larger one only after a restart.
+    """
+    settings = store.current
+    app = web.Application(
+        client_max_size=settings.server.max_body_bytes,
+        middlewares=[request_context_middleware(store), error_middleware()],
+    )
+    app[STORE] = store
+    app[OUTCOME_LISTENERS] = []
+    app[DISCONNECTS] = DisconnectMonitor()
+    app[EMULATORS] = []
+    app.on_response_prepare.append(add_request_id_header)
+    app.cleanup_ctx.append(_client_session)
+    if spawn_emulators and settings.emulators:
+        app.cleanup_ctx.append(_emulators)
+    app.cleanup_ctx.append(_replicas)
+    app.cleanup_ctx.append(_proxy)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    return app
+
+
+async def _client_session(app: web.Application) -> AsyncIterator[None]:
+    connector = aiohttp.TCPConnector(
+        limit=0, limit_per_host=CONNECTIONS_PER_REPLICA, keepalive_timeout=KEEPALIVE_S
+    )
+    # Per-request timeouts come from the settings at request time; none at session level.
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=None), trust_env=False
+    ) as session:
+        app[SESSION] = session
+        yield
+
+
+async def _emulators(app: web.Application) -> AsyncIterator[None]:
+    processes = await start_emulators(app[STORE].current.emulators, app[SESSION])
+    app[EMULATORS] = processes
+    try:
+        yield
+    finally:
+        await stop_emulators(processes)
+
+
+async def _replicas(app: web.Application) -> AsyncIterator[None]:
+    store = app[STORE]
+    registry = ReplicaRegistry(store)
+    checker = HealthChecker(store, registry, app[SESSION])
+    app[REGISTRY], app[HEALTH] = registry, checker
+    await checker.check_all()  # serve with known replica states from the first request on
+    task = asyncio.create_task(checker.run(), name="sluice-health")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        registry.close()
+
+
+async def _proxy(app: web.Application) -> AsyncIterator[None]:
+    monitor = app[DISCONNECTS]
+    app[PROXY] = Proxy(
+        store=app[STORE],
+        registry=app[REGISTRY],
+        session=app[SESSION],
+        disconnects=monitor,
+        listeners=app[OUTCOME_LISTENERS],
+        on_replica_failure=app[HEALTH].poke,
+    )
+    task = asyncio.create_task(monitor.run(), name="sluice-disconnects")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[PROXY].handle(request, "chat")
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[PROXY].handle(request, "completions")
+
+
+async def _models(request: web.Request) -> web.Response:
+    """The union of the healthy replicas' models (see ``openai_api.models_list``)."""
+    return web.json_response(models_list(request.app[REGISTRY].healthy_models()))
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    """Liveness: 200 while the process serves HTTP at all."""
+    return web.json_response({"status": "ok"})
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    """Readiness: 200 when at least one replica is healthy, else 503; the body lists every replica."""
+    registry = request.app[REGISTRY]
+    ready = bool(registry.healthy())
+    return web.json_response({"ready": ready, "replicas": registry.describe()}, status=200 if ready else 503)
+
+
+def _reloader_ctx(
+    factory: ReloaderFactory, store: SettingsStore
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        reloader = factory(store)
+        await reloader.start()
+        try:
+            yield
+        finally:
+            await reloader.stop()
+
+    return ctx
+
+
+def _follow_logging(old: Settings, new: Settings) -> None:
+    if old.logging != new.logging:
+        configure_logging(new.logging)
+
+
+def _new_event_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
+    """uvloop's loop when asked for and installed, else asyncio's default."""
+    if use_uvloop:
+        try:
+            import uvloop
+        except ImportError:
+            log.info("uvloop is not installed; using the asyncio event loop")
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+def _log_banner(message: object) -> None:
+    """aiohttp's "======== Running on URL ========" banner as one log line."""
+    log.info("%s", " ".join(str(message).replace("=", " ").split()))
+
+
+def run_gateway(store: SettingsStore, *, reloader_factory: ReloaderFactory | None = None) -> None:
+    """Serve the gateway until SIGINT or SIGTERM; returns after a graceful shutdown.
+
+    ``reloader_factory(store)`` (e.g. ``lambda s: ConfigReloader(path, s)``) is started after the
+    replicas are up and stopped first on shutdown. Logging must already be configured
+    (``configure_logging``); it is reconfigured when a reload changes ``logging:``.
+    Raises ``EmulatorStartError`` when an emulator does not come up.
+    """
+    settings = store.current
+    app = build_app(store)
+    if reloader_factory is not None:
+        app.cleanup_ctx.append(_reloader_ctx(reloader_factory, store))
+    store.subscribe(_follow_logging)
+    web.run_app(
+        app,
+        host=settings.server.host,
+        port=settings.server.port,
+        shutdown_timeout=settings.server.shutdown_grace_s,
+        access_log=None,  # our own access line, with replica and token counts
+        print=_log_banner,
+        loop=_new_event_loop(settings.server.uvloop),
+        handle_signals=True,
+    )

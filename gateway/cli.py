@@ -1,0 +1,152 @@
+"""The `sluice` command line: serve, check-config, sim.
+
+Exit codes: 0 success, 1 runtime failure, 2 usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from gateway.config import ConfigError, default_settings, load_settings
+from gateway.settings import Settings
+from gateway.store import SettingsStore
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_CONFIG = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sluice",
+        description="SLO-aware admission control and load shedding for LLM inference.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the gateway",
+        description="Run the gateway. Without --config it runs the embedded default: "
+        "127.0.0.1:8080 in front of two emulated replicas it starts itself.",
+    )
+    serve.add_argument("--config", type=Path, help="YAML configuration file (hot-reloaded)")
+
+    check = sub.add_parser(
+        "check-config",
+        help="validate a configuration file offline",
+        description="Validate FILE exactly as `serve` would; print every problem; exit 2 on error.",
+    )
+    check.add_argument("file", type=Path)
+
+    sim = sub.add_parser(
+        "sim",
+        help="run a vLLM-compatible replica emulator",
+        description="Run one emulated vLLM replica (OpenAI API, SSE, /metrics) in the foreground.",
+        add_help=False,
+    )
+    sim.add_argument("args", nargs=argparse.REMAINDER, help="see `sluice sim --help`")
+    return parser
+
+
+def _configure_logging(settings: Settings) -> None:
+    from gateway.observability.logs import configure_logging
+
+    configure_logging(settings.logging)
+
+
+def _check_config(path: Path) -> int:
+    try:
+        settings = load_settings(path)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_CONFIG
+    replicas = settings.all_replicas()
+    print(f"{path}: OK ({len(replicas)} replica(s): {', '.join(r.name for r in replicas)})")
+    return EXIT_OK
+
+
+def _serve(config: Path | None) -> int:
+    from gateway.app import run_gateway
+    from gateway.reload import ConfigReloader
+    from gateway.replicas.emulators import EmulatorStartError
+
+    try:
+        settings = load_settings(config) if config is not None else default_settings()
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_CONFIG
+    _configure_logging(settings)
+    store = SettingsStore(settings)
+    if config is None:
+        _print_banner(settings)
+    try:
+        if config is None:
+            run_gateway(store)
+        else:
+            run_gateway(store, reloader_factory=lambda s: ConfigReloader(config, s))
+    except EmulatorStartError as exc:
+        print(f"sluice: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except OSError as exc:  # the listener could not bind (port in use, permission)
+        where = f"{settings.server.host}:{settings.server.port}"
+        print(f"sluice: cannot serve on {where}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    return EXIT_OK
+
+
+def _served_model_name(settings: Settings) -> str:
+    """The model the first emulator serves, for the examples (the gateway lists it at /v1/models)."""
+    from simulator.profile import load_profile
+
+    try:
+        return load_profile(settings.emulators[0].profile).served_model_name
+    except (IndexError, ValueError):
+        return "<model>"
+
+
+def _print_banner(settings: Settings) -> None:
+    """The ready-to-paste examples for the embedded default."""
+    base = f"http://{settings.server.host}:{settings.server.port}"
+    model = _served_model_name(settings)
+    emulators = ", ".join(f"{e.name} ({e.profile}, port {e.port})" for e in settings.emulators)
+    print(
+        f"""
+Sluice: gateway on {base} in front of emulated replicas: {emulators}.
+Ctrl-C stops the gateway and the replicas it started.
+
+Try it:
+
+  curl -sN {base}/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{{"model": "{model}", "stream": true, "max_tokens": 32,
+         "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
+  python -c 'from openai import OpenAI
+c = OpenAI(base_url="{base}/v1", api_key="none")
+r = c.chat.completions.create(model="{model}", max_tokens=32,
+    messages=[{{"role": "user", "content": "Hello!"}}])
+print(r.choices[0].message.content, r.usage)'
+""",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `sluice` console script; returns the process exit code."""
+    args = _parser().parse_args(argv)
+    if args.command == "check-config":
+        return _check_config(args.file)
+    if args.command == "serve":
+        return _serve(args.config)
+    if args.command == "sim":
+        from simulator.server import main as sim_main
+
+        return sim_main(args.args)
+    logging.getLogger(__name__).error("unknown command %s", args.command)
+    return EXIT_CONFIG
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""HTTP errors: the one module that turns failures into OpenAI-style responses.
+
+Everything that can go wrong in front of a client is a typed ``GatewayError`` subclass carrying its
+HTTP status, OpenAI ``type`` and ``code``; ``error_response`` and ``sse_error_event`` are the only
+places that serialise them, and ``error_middleware`` the only place that catches them. aiohttp's
+own ``HTTPException``s (404 unknown route, 405 wrong method, 413 body too large) are converted here
+too, so every error a client sees has the body::
+
+    {"error": {"message": str, "type": str, "param": str | null, "code": str | null}}
+
+No traceback ever reaches a client: anything unexpected becomes a generic 500 and is logged with
+its traceback. Every error is logged exactly once, with the request id (``log_error``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from typing import Any, ClassVar
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+
+from gateway.observability.logs import REQUEST_ID
+
+log = logging.getLogger("sluice.errors")
+
+
+class GatewayError(Exception):
+    """Base of every error Sluice answers with; subclasses fix status, type and code.
+
+    ``message`` is shown to the client, so it must never contain internals such as tracebacks.
+    """
+
+    #: HTTP status; a class default that one instance may override (see ``from_http_exception``).
+    status: int = 500
+    error_type: ClassVar[str] = "server_error"
+    default_code: ClassVar[str | None] = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        status: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+        if status is not None:
+            self.status = status
+
+    def headers(self) -> dict[str, str]:
+        """Extra response headers (e.g. ``Retry-After``); empty by default."""
+        return {}
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI-style error object, ready for ``json.dumps``."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequest(GatewayError):
+    """400: the body is not JSON, or a field is missing or has the wrong type."""
+
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class BodyTooLarge(GatewayError):
+    """413: the request body exceeds ``server.max_body_bytes``."""
+
+    status = 413
+    error_type = "invalid_request_error"
+    default_code = "request_too_large"
+
+
+class RouteNotFound(GatewayError):
+    """404: no route for this path."""
+
+    status = 404
+    error_type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class MethodNotAllowed(GatewayError):
+    """405: the path exists but not for this method; ``allowed`` feeds the ``Allow`` header."""
+
+    status = 405
+    error_type = "invalid_request_error"
+    default_code = "method_not_allowed"
+
+    def __init__(self, message: str, *, allowed: frozenset[str]) -> None:
+        super().__init__(message)
+        self.allowed = allowed
+
+    def headers(self) -> dict[str, str]:
+        return {"Allow": ",".join(sorted(self.allowed))}
+
+
+class ModelNotFound(GatewayError):
+    """404: no configured replica serves the requested model."""
+
+    status = 404
+    error_type = "invalid_request_error"
+    default_code = "model_not_found"
+
+
+class UpstreamError(GatewayError):
+    """502: the replica refused the connection, timed out, died mid-response or answered 5xx."""
+
+    status = 502
+    error_type = "upstream_error"
+    default_code = "upstream_error"
+
+
+class NoHealthyReplica(GatewayError):
+    """503: no healthy replica serves the model right now; retry after ``retry_after_s`` seconds."""
+
+    status = 503
+    error_type = "service_unavailable_error"
+    default_code = "no_healthy_replica"
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return retry_after_headers(self.retry_after_s)
+
+
+class ClientClosedRequest(GatewayError):
+    """499 (nginx's code): the client went away before its request was answered; nobody reads it."""
+
+    status = 499
+    error_type = "invalid_request_error"
+    default_code = "client_disconnected"
+
+
+class InternalError(GatewayError):
+    """500: a bug in Sluice; the client sees only a generic message."""
+
+    status = 500
+    error_type = "server_error"
+    default_code = "internal_error"
+
+
+def retry_after_headers(retry_after_s: float) -> dict[str, str]:
+    """``Retry-After`` (RFC 9110 delay-seconds: integer, rounded up, at least 1) and ``retry-after-ms``."""
+    seconds = max(1, math.ceil(retry_after_s))
+    millis = max(1, math.ceil(retry_after_s * 1000))
+    return {"Retry-After": str(seconds), "retry-after-ms": str(millis)}
+
+
+def error_response(err: GatewayError) -> web.Response:
+    """The JSON response for ``err``: its status, its headers, the OpenAI-style body."""
+    return web.Response(
+        status=err.status,
+        body=json.dumps(err.body()).encode(),
+        content_type="application/json",
+        headers=err.headers(),
+    )
+
+
+def sse_error_event(err: GatewayError) -> bytes:
+    """The last event of a stream cut after its headers were sent: ``data: {"error": ...}``."""
+    return b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+
+
+def from_http_exception(exc: web.HTTPException) -> GatewayError:
+    """Map one of aiohttp's own HTTP errors (status >= 400) to our typed error."""
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return BodyTooLarge(f"request body too large: {exc.text or 'over the limit'}")
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = frozenset(exc.allowed_methods)
+        return MethodNotAllowed(
+            f"method {exc.method} not allowed here; allowed: {', '.join(sorted(allowed))}",
+            allowed=allowed,
+        )
+    if isinstance(exc, web.HTTPNotFound):
+        return RouteNotFound("no such route")
+    if exc.status >= 500:
+        return InternalError("internal server error")
+    return _client_error_for(exc.status, exc.reason)
+
+
+def _client_error_for(status: int, reason: str) -> GatewayError:
+    """A 4xx we have no dedicated class for (e.g. 400 from a malformed header), status kept."""
+    return InvalidRequest(reason or "bad request", status=status)
+
+
+def log_error(err: GatewayError, request_id: str | None, *, exc_info: bool = False) -> None:
+    """Log ``err`` once: WARNING for 5xx (ERROR with traceback when ``exc_info``), INFO for 4xx."""
+    level = logging.INFO if err.status < 500 else logging.WARNING
+    if exc_info:
+        level = logging.ERROR
+    log.log(
+        level,
+        "request %s failed: %d %s: %s",
+        request_id or "-",
+        err.status,
+        err.code or err.error_type,
+        err.message,
+        exc_info=exc_info,
+    )
+
+
+def request_id_of(request: web.Request) -> str | None:
+    """The request id assigned by the request-id middleware, if it ran."""
+    return request.get(REQUEST_ID)
+
+
+def error_middleware() -> Middleware:
+    """Middleware factory: every exception leaving a handler becomes our JSON error response.
+
+    ``GatewayError`` -> its response; aiohttp ``HTTPException`` with status >= 400 -> converted;
+    anything else -> generic 500 with the traceback logged. Cancellation is not caught.
+    """
+
+    @web.middleware
+    async def impl(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except GatewayError as err:
+            log_error(err, request_id_of(request))
+            return error_response(err)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            converted = from_http_exception(exc)
+            log_error(converted, request_id_of(request))
+            return error_response(converted)
+        except Exception:
+            internal = InternalError("internal server error")
+            log_error(internal, request_id_of(request), exc_info=True)
+            return error_response(internal)
+
+    return impl

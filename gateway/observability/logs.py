@@ -1,0 +1,216 @@
+"""Logging setup, the per-request record, request ids and the structured access log.
+
+* ``configure_logging(settings)`` installs one stderr handler on the root logger, text or JSON.
+* ``RequestOutcome`` is what happened to one request (replica, status, token counts, timings); the
+  proxy fills it in, the access log prints it, and later the admission code consumes it.
+* ``request_context_middleware`` (outermost) gives every request an id and an outcome, and writes
+  one access line per request when it is done; ``add_request_id_header`` puts the id on every
+  response, including streams and aiohttp's own error responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+
+from gateway.settings import LoggingSettings
+from gateway.store import SettingsStore
+
+access_log = logging.getLogger("sluice.access")
+
+REQUEST_ID_HEADER = "x-request-id"
+#: An incoming ``x-request-id`` is honoured only when it matches this (else we generate one).
+_SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,128}$")
+
+
+@dataclass(slots=True)
+class RequestOutcome:
+    """What happened to one request. Times are ``time.monotonic()`` seconds; ``None`` = unknown.
+
+    ``prompt_tokens`` / ``completion_tokens`` are the replica's own usage counts (``None`` when
+    the replica never reported them, e.g. a stream cut before its usage chunk).
+    ``status`` is the HTTP status sent to the client (200 for a stream even if it was cut later;
+    then ``error`` says why). ``error`` is an error code such as ``upstream_error`` or
+    ``client_disconnected``; ``None`` means the request completed normally.
+    """
+
+    request_id: str
+    method: str
+    path: str
+    received_at: float
+    model: str | None = None
+    stream: bool = False
+    replica: str | None = None
+    status: int | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    dispatched_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Seconds from dispatch to the replica until the first generated token arrived."""
+        if self.dispatched_at is None or self.first_token_at is None:
+            return None
+        return self.first_token_at - self.dispatched_at
+
+    @property
+    def duration_s(self) -> float | None:
+        """Seconds from receipt by the gateway until the response (or stream) fully ended."""
+        if self.finished_at is None:
+            return None
+        return self.finished_at - self.received_at
+
+
+REQUEST_ID = web.RequestKey("request_id", str)
+OUTCOME = web.RequestKey("outcome", RequestOutcome)
+
+
+def new_request_id() -> str:
+    """A fresh request id: 32 lowercase hex characters."""
+    return uuid.uuid4().hex
+
+
+def sane_request_id(value: str | None) -> str | None:
+    """``value`` when it is safe to echo and log (1-128 chars of ``[A-Za-z0-9._:/+=@-]``), else None."""
+    if value is None or not _SANE_REQUEST_ID.match(value):
+        return None
+    return value
+
+
+def request_context_middleware(
+    store: SettingsStore, *, clock: Callable[[], float] = time.monotonic
+) -> Middleware:
+    """Middleware factory (install first, i.e. outermost): request id, outcome, access line.
+
+    The access line is written after the handler returns, i.e. after a stream fully ended, so its
+    duration covers the whole response. It is skipped when ``logging.access_log`` is false.
+    """
+
+    @web.middleware
+    async def impl(request: web.Request, handler: Handler) -> web.StreamResponse:
+        request_id = sane_request_id(request.headers.get(REQUEST_ID_HEADER)) or new_request_id()
+        request[REQUEST_ID] = request_id
+        outcome = RequestOutcome(
+            request_id=request_id, method=request.method, path=request.path, received_at=clock()
+        )
+        request[OUTCOME] = outcome
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        except asyncio.CancelledError:  # client gone (handler_cancellation) or shutdown
+            status = 499
+            raise
+        finally:
+            if outcome.status is None:
+                outcome.status = status
+            if outcome.finished_at is None:
+                outcome.finished_at = clock()
+            if store.current.logging.access_log:
+                access_log.info("access", extra={"fields": access_fields(outcome)})
+
+    return impl
+
+
+async def add_request_id_header(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """``on_response_prepare`` hook: every response carries ``x-request-id``."""
+    request_id = request.get(REQUEST_ID)
+    if request_id is None:
+        request_id = sane_request_id(request.headers.get(REQUEST_ID_HEADER)) or new_request_id()
+    response.headers[REQUEST_ID_HEADER] = request_id
+
+
+def access_fields(outcome: RequestOutcome) -> dict[str, Any]:
+    """The access line's fields, in print order; durations in milliseconds, rounded to 0.1."""
+    duration = outcome.duration_s
+    ttft = outcome.ttft_s
+    return {
+        "request_id": outcome.request_id,
+        "method": outcome.method,
+        "path": outcome.path,
+        "status": outcome.status,
+        "replica": outcome.replica,
+        "model": outcome.model,
+        "stream": outcome.stream,
+        "duration_ms": None if duration is None else round(duration * 1000, 1),
+        "ttft_ms": None if ttft is None else round(ttft * 1000, 1),
+        "prompt_tokens": outcome.prompt_tokens,
+        "completion_tokens": outcome.completion_tokens,
+        "error": outcome.error,
+    }
+
+
+class TextFormatter(logging.Formatter):
+    """``time level logger message key=value ...``; structured ``fields`` appended as key=value."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields: dict[str, Any] | None = getattr(record, "fields", None)
+        if not fields:
+            return line
+        pairs = " ".join(f"{key}={_text_value(value)}" for key, value in fields.items())
+        head, sep, tail = line.partition("\n")  # keep a traceback after the fields
+        return f"{head} {pairs}{sep}{tail}"
+
+
+def _text_value(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = str(value)
+    return json.dumps(text) if (" " in text or not text) else text
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts (epoch seconds), level, logger, msg, structured fields, exc."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        payload: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        fields: dict[str, Any] | None = getattr(record, "fields", None)
+        if fields:
+            payload.update(fields)
+        if record.exc_info:
+            payload["exc"] = self.formatException(record.exc_info)
+        return json.dumps(payload, default=str)
+
+
+class _SluiceHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Marks the handler ``configure_logging`` installed, so calling it again replaces it."""
+
+
+def configure_logging(settings: LoggingSettings) -> None:
+    """Send all logging to stderr in ``settings``' format and level; safe to call again on reload."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, _SluiceHandler)]:
+        root.removeHandler(handler)
+    handler = _SluiceHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if settings.json_format else TextFormatter())
+    root.addHandler(handler)
+    root.setLevel(settings.level)

@@ -1,0 +1,223 @@
+"""The OpenAI request shapes Sluice reads: validation, the forwarded body, usage and model lists.
+
+Only the fields the gateway acts on are checked (``model``, ``messages`` / ``prompt``,
+``stream``, ``stream_options``, ``max_tokens``); everything else passes through untouched for the
+replica to judge. Malformed input raises ``InvalidRequest`` (400) naming the offending field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from gateway.errors import InvalidRequest
+
+Endpoint = Literal["chat", "completions"]
+
+#: Upstream path per endpoint.
+ENDPOINT_PATHS: Mapping[Endpoint, str] = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+}
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: StrictBool | None = None
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: Annotated[StrictStr, Field(min_length=1)]
+    stream: StrictBool | None = None
+    stream_options: _StreamOptions | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+
+
+class _ChatBody(_Common):
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
+
+
+class _CompletionBody(_Common):
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
+
+_SCHEMAS: Mapping[Endpoint, type[_Common]] = {"chat": _ChatBody, "completions": _CompletionBody}
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """A validated OpenAI request.
+
+    ``body`` is the decoded JSON object exactly as sent; ``raw`` the original bytes.
+    ``include_usage`` is true when the client itself asked for the usage chunk of a stream.
+    ``max_tokens`` is ``max_completion_tokens`` or ``max_tokens`` (``None`` when absent).
+    """
+
+    endpoint: Endpoint
+    model: str
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    body: Mapping[str, Any]
+    raw: bytes
+
+
+def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
+    """Decode and validate one request body; raises ``InvalidRequest`` with the field as ``param``."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    try:
+        parsed = _SCHEMAS[endpoint].model_validate(body)
+    except ValidationError as exc:
+        raise _invalid_from(exc) from None
+    options = parsed.stream_options
+    return ParsedRequest(
+        endpoint=endpoint,
+        model=parsed.model,
+        stream=bool(parsed.stream),
+        include_usage=bool(options is not None and options.include_usage),
+        max_tokens=(
+            parsed.max_completion_tokens if parsed.max_completion_tokens is not None else parsed.max_tokens
+        ),
+        body=body,
+        raw=raw,
+    )
+
+
+def _invalid_from(exc: ValidationError) -> InvalidRequest:
+    """The first validation problem as a 400: ``"<field path>: <what is wrong>"``, ``param=<field>``."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    loc = [str(part) for part in first["loc"]]
+    field = loc[0] if loc else None
+    path = ".".join(loc)
+    message = "field required" if first["type"] == "missing" else first["msg"]
+    if field == "prompt" and first["type"] != "missing":
+        # A union reports one error per member; name the accepted shapes instead.
+        path = "prompt"
+        message = "must be a string, a list of strings, a list of token ids or a list of lists of them"
+    return InvalidRequest(f"{path}: {message}" if path else message, param=field)
+
+
+def upstream_body(request: ParsedRequest) -> bytes:
+    """The body sent to the replica: the client's bytes, except that a stream always asks for usage.
+
+    Sluice needs the real prompt and completion token counts, so a streaming request goes out with
+    ``stream_options.include_usage = true``; the proxy strips that usage chunk from the client's
+    stream when the client did not ask for it.
+    """
+    if not request.stream or request.include_usage:
+        return request.raw
+    body = dict(request.body)
+    options = body.get("stream_options")
+    body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    return json.dumps(body, ensure_ascii=False).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts a replica reported; ``None`` where the field was missing or not an integer."""
+
+    prompt_tokens: int | None
+    completion_tokens: int | None
+
+
+def usage_of(payload: object) -> Usage | None:
+    """The ``usage`` object of a response body or stream chunk, or ``None`` if it has none."""
+    if not isinstance(payload, dict):
+        return None
+    usage = payload.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    return Usage(_int_or_none(usage.get("prompt_tokens")), _int_or_none(usage.get("completion_tokens")))
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def is_usage_only_chunk(payload: object) -> bool:
+    """True for the extra chunk ``include_usage`` adds at the end: ``choices: []`` plus usage."""
+    return (
+        isinstance(payload, dict) and payload.get("choices") == [] and isinstance(payload.get("usage"), dict)
+    )
+
+
+def carries_tokens(payload: object) -> bool:
+    """True when a stream chunk delivers generated output (text, content, tool calls) or a finish.
+
+    vLLM's first chat chunk may carry only the assistant role; it does not count as the first
+    token for TTFT.
+    """
+    if not isinstance(payload, dict):
+        return False
+    choices = payload.get("choices")
+    if not isinstance(choices, list):
+        return False
+    return any(_choice_carries_tokens(choice) for choice in choices)
+
+
+def _choice_carries_tokens(choice: object) -> bool:
+    if not isinstance(choice, dict):
+        return False
+    if choice.get("text") or choice.get("finish_reason"):
+        return True
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        return False
+    return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCard:
+    """One model a replica serves, as its ``/v1/models`` described it.
+
+    ``max_model_len`` is the context length in tokens (``None`` if the replica did not say).
+    ``card`` is the replica's JSON object for the model, passed on to clients as-is.
+    """
+
+    id: str
+    max_model_len: int | None
+    card: Mapping[str, Any]
+
+
+def parse_models(payload: object) -> dict[str, ModelCard]:
+    """The model cards of a ``/v1/models`` body, keyed by id; raises ``ValueError`` if malformed."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("data"), list):
+        raise ValueError("a /v1/models body must be an object with a `data` list")
+    cards: dict[str, ModelCard] = {}
+    for entry in payload["data"]:
+        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+            raise ValueError(f"a /v1/models entry must be an object with a string `id`: {entry!r}")
+        cards[entry["id"]] = ModelCard(entry["id"], _int_or_none(entry.get("max_model_len")), entry)
+    return cards
+
+
+def models_list(per_replica: Iterable[Mapping[str, ModelCard]]) -> dict[str, Any]:
+    """The gateway's ``/v1/models`` body: the union of the given replicas' models, one per id.
+
+    A model served by several replicas appears once, with the first replica's card, except that
+    ``max_model_len`` is the smallest among them: a request may land on any of them.
+    """
+    merged: dict[str, dict[str, Any]] = {}
+    for cards in per_replica:
+        for model_id, card in cards.items():
+            if model_id not in merged:
+                merged[model_id] = dict(card.card)
+                continue
+            known = merged[model_id].get("max_model_len")
+            if card.max_model_len is not None and (not isinstance(known, int) or card.max_model_len < known):
+                merged[model_id]["max_model_len"] = card.max_model_len
+    return {"object": "list", "data": list(merged.values())}

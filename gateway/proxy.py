@@ -1,0 +1,480 @@
+"""Forward an OpenAI request to a replica and relay its answer, streaming or not.
+
+What it does:
+
+* picks a healthy replica serving the model (``ReplicaRegistry.pick``) and holds a lease on it
+  until the response or stream has fully ended;
+* streams SSE events to the client as they arrive, one write per event, never buffering the body;
+  a streaming request always asks the replica for usage, and the extra usage chunk is removed
+  again when the client did not ask for it;
+* records prompt/completion tokens, TTFT, replica and status in the request's ``RequestOutcome``
+  and hands it to the outcome listeners when the request is over;
+* notices a client that went away (``DisconnectMonitor``) and then closes the upstream response
+  (``close``, not ``release``) so the replica aborts the request and frees its KV cache.
+
+Failures: refused connection or a replica dying before the headers -> 502; after the headers of a
+stream -> a final ``data: {"error": ...}`` event and the connection closes (never a fake
+``[DONE]``). Replica 4xx answers pass through unchanged; replica 5xx answers become 502.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from gateway.errors import (
+    BodyTooLarge,
+    ClientClosedRequest,
+    GatewayError,
+    ModelNotFound,
+    NoHealthyReplica,
+    UpstreamError,
+    log_error,
+    sse_error_event,
+)
+from gateway.observability.logs import OUTCOME, REQUEST_ID, REQUEST_ID_HEADER, RequestOutcome
+from gateway.openai_api import (
+    ENDPOINT_PATHS,
+    Endpoint,
+    ParsedRequest,
+    carries_tokens,
+    is_usage_only_chunk,
+    parse_request,
+    upstream_body,
+    usage_of,
+)
+from gateway.replicas.registry import NoReplica, Replica, ReplicaRegistry
+from gateway.settings import Settings
+from gateway.sse import DONE, Event, EventSplitter
+from gateway.store import SettingsStore
+
+__all__ = ["DisconnectMonitor", "OutcomeListener", "Proxy", "RequestOutcome"]
+
+log = logging.getLogger("sluice.proxy")
+
+#: Called once per proxied request when it is over; must not raise (errors are logged).
+OutcomeListener = Callable[[RequestOutcome], None]
+
+#: RFC 9110 section 7.6.1 hop-by-hop headers, never forwarded in either direction.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+#: Client headers not forwarded upstream: recomputed by aiohttp or set by Sluice itself.
+_NOT_FORWARDED_UP = HOP_BY_HOP | {
+    "host",
+    "content-length",
+    "content-type",
+    "accept-encoding",
+    REQUEST_ID_HEADER,
+}
+#: Replica headers not relayed to the client: recomputed by aiohttp or set by Sluice itself.
+_NOT_RELAYED_DOWN = HOP_BY_HOP | {
+    "content-length",
+    "content-encoding",
+    "date",
+    "server",
+    REQUEST_ID_HEADER,
+}
+#: Status logged for a request whose client went away before its response was sent (nginx's).
+CLIENT_CLOSED_REQUEST = 499
+#: Largest replica error body read when passing a 4xx through or reporting a 5xx, in bytes.
+_MAX_ERROR_BODY = 1024 * 1024
+
+
+class DisconnectMonitor:
+    """Tells handlers when their client connection is gone, within ``interval_s`` seconds.
+
+    aiohttp 3.x does not cancel a handler when its client disconnects (``handler_cancellation``
+    is off by default) and offers nothing to await, so one task per application polls every
+    watched request's transport; a single poller keeps the cost flat in the number of requests.
+    """
+
+    def __init__(self, interval_s: float = 0.1) -> None:
+        self.interval_s = interval_s
+        self._watched: dict[int, tuple[web.BaseRequest, Callable[[], object]]] = {}
+        self._ids = itertools.count()
+
+    def watch(self, request: web.BaseRequest, on_lost: Callable[[], object]) -> Callable[[], None]:
+        """Call ``on_lost()`` once if ``request``'s connection closes (its result is ignored);
+        returns the function that stops watching."""
+        key = next(self._ids)
+        self._watched[key] = (request, on_lost)
+
+        def unwatch() -> None:
+            self._watched.pop(key, None)
+
+        return unwatch
+
+    def sweep(self) -> int:
+        """Fire the callbacks of requests whose connection is gone; returns how many fired."""
+        gone = [key for key, (request, _) in self._watched.items() if _connection_gone(request)]
+        for key in gone:
+            entry = self._watched.pop(key, None)
+            if entry is not None:
+                try:
+                    entry[1]()
+                except Exception:
+                    log.exception("disconnect callback failed")
+        return len(gone)
+
+    async def run(self) -> None:
+        """Sweep every ``interval_s`` seconds until cancelled."""
+        while True:
+            await asyncio.sleep(self.interval_s)
+            self.sweep()
+
+
+def _connection_gone(request: web.BaseRequest) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+@dataclass(slots=True)
+class _Exchange:
+    """One request's trip to one replica."""
+
+    request: web.Request
+    parsed: ParsedRequest
+    replica: Replica
+    settings: Settings
+    outcome: RequestOutcome
+    #: The client's stream response, once one was created.
+    response: web.StreamResponse | None = None
+
+
+class Proxy:
+    """The request path from parsed body to relayed answer; one per application."""
+
+    def __init__(
+        self,
+        *,
+        store: SettingsStore,
+        registry: ReplicaRegistry,
+        session: aiohttp.ClientSession,
+        disconnects: DisconnectMonitor,
+        listeners: list[OutcomeListener] | None = None,
+        on_replica_failure: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._registry = registry
+        self._session = session
+        self._disconnects = disconnects
+        self.listeners: list[OutcomeListener] = listeners if listeners is not None else []
+        self._on_replica_failure = on_replica_failure
+        self._clock = clock
+
+    async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        """Serve one ``/v1/chat/completions`` or ``/v1/completions`` request end to end.
+
+        Raises ``GatewayError`` for anything answered before a response was started; the error
+        middleware turns it into JSON. Errors after a stream started end that stream instead.
+        """
+        outcome = request[OUTCOME]
+        settings = self._store.current
+        try:
+            raw = await _read_body(request, settings.server.max_body_bytes)
+            parsed = parse_request(endpoint, raw)
+            outcome.model, outcome.stream = parsed.model, parsed.stream
+            replica = self._pick(parsed.model, settings)
+        except GatewayError as err:
+            outcome.status, outcome.error = err.status, err.code
+            raise
+        try:
+            with self._registry.lease(replica):
+                outcome.replica = replica.name
+                return await self._forward(_Exchange(request, parsed, replica, settings, outcome))
+        except GatewayError as err:
+            outcome.status, outcome.error = err.status, err.code
+            raise
+        finally:
+            outcome.finished_at = self._clock()
+            self._notify(outcome)
+
+    def _pick(self, model: str, settings: Settings) -> Replica:
+        picked = self._registry.pick(model)
+        if picked is NoReplica.UNKNOWN_MODEL:
+            raise ModelNotFound(f"the model `{model}` does not exist", param="model")
+        if picked is NoReplica.NONE_HEALTHY:
+            raise NoHealthyReplica(
+                f"no healthy replica serves the model `{model}` right now",
+                retry_after_s=settings.health.interval_s,
+            )
+        assert isinstance(picked, Replica)
+        return picked
+
+    def _notify(self, outcome: RequestOutcome) -> None:
+        for listener in self.listeners:
+            try:
+                listener(outcome)
+            except Exception:
+                log.exception("outcome listener %r failed", listener)
+
+    async def _forward(self, ex: _Exchange) -> web.StreamResponse:
+        """Run the exchange as a child task that the disconnect monitor can cancel.
+
+        A vanished client ends it quietly: the upstream response is closed and the outcome says
+        ``client_disconnected`` (status 499 when nothing had been sent yet).
+        """
+        exchange = asyncio.create_task(self._exchange(ex))
+        unwatch = self._disconnects.watch(ex.request, exchange.cancel)
+        try:
+            return await exchange
+        except asyncio.CancelledError:
+            handler = asyncio.current_task()
+            if handler is not None and handler.cancelling():
+                # aiohttp cancelled the handler itself: a disconnect (with handler_cancellation)
+                # or shutdown. The exchange was cancelled with it and closed its upstream.
+                lost = _connection_gone(ex.request)
+                ex.outcome.error = "client_disconnected" if lost else "cancelled"
+                raise
+            return self._client_gone(ex)
+        finally:
+            unwatch()
+
+    async def _exchange(self, ex: _Exchange) -> web.StreamResponse:
+        """Send the request and relay the answer; always closes the upstream response."""
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            upstream = await self._send(ex)
+            if upstream.status >= 400:
+                return await self._relay_error(ex, upstream)
+            if ex.parsed.stream:
+                ex.response = web.StreamResponse(status=upstream.status, headers=_relayed(upstream.headers))
+                return await self._relay_stream(ex, upstream, ex.response)
+            return await self._relay_body(ex, upstream)
+        except ConnectionResetError:  # writing to the client failed: it went away
+            return self._client_gone(ex)
+        finally:
+            if upstream is not None:
+                # close(), not release(): an unfinished body must drop the connection so the
+                # replica sees the disconnect and aborts the request. After a complete body the
+                # connection is already back in the pool and this does nothing.
+                upstream.close()
+
+    def _client_gone(self, ex: _Exchange) -> web.StreamResponse:
+        ex.outcome.error = "client_disconnected"
+        log.info("request %s: client disconnected; upstream request closed", ex.outcome.request_id)
+        if ex.response is not None and ex.response.prepared:
+            ex.outcome.status = ex.response.status
+            return ex.response
+        ex.outcome.status = CLIENT_CLOSED_REQUEST
+        return web.Response(status=CLIENT_CLOSED_REQUEST)
+
+    async def _send(self, ex: _Exchange) -> aiohttp.ClientResponse:
+        """POST to the replica and return once its headers arrived; connection failures -> 502."""
+        server = ex.settings.server
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=server.upstream_connect_timeout_s,
+            sock_read=server.upstream_read_timeout_s,
+        )
+        url = ex.replica.base_url + ENDPOINT_PATHS[ex.parsed.endpoint]
+        ex.outcome.dispatched_at = self._clock()
+        try:
+            return await self._session.post(
+                url,
+                data=upstream_body(ex.parsed),
+                headers=_forwarded(ex.request),
+                timeout=timeout,
+                allow_redirects=False,
+            )
+        except TimeoutError as exc:
+            raise UpstreamError(f"replica {ex.replica.name} timed out: {_describe(exc)}") from exc
+        except aiohttp.ClientError as exc:
+            self._replica_failed(ex.replica, exc)
+            raise UpstreamError(f"replica {ex.replica.name} is unreachable: {_describe(exc)}") from exc
+
+    def _replica_failed(self, replica: Replica, exc: BaseException) -> None:
+        """A connection-level failure counts as a failed health check and triggers a recheck."""
+        self._registry.report_failure(replica, f"proxy: {_describe(exc)}")
+        if self._on_replica_failure is not None:
+            self._on_replica_failure()
+
+    async def _read_upstream(
+        self, ex: _Exchange, upstream: aiohttp.ClientResponse, limit: int | None = None
+    ) -> bytes:
+        """The rest of the replica's body (at most ``limit`` bytes when given).
+
+        A broken connection or a read timeout raises ``UpstreamError``.
+        """
+        try:
+            if limit is None:
+                return await upstream.content.read()
+            body = bytearray()
+            while len(body) < limit and (chunk := await upstream.content.read(limit - len(body))):
+                body += chunk
+            return bytes(body)
+        except TimeoutError as exc:
+            raise UpstreamError(f"replica {ex.replica.name} timed out: {_describe(exc)}") from exc
+        except aiohttp.ClientError as exc:
+            self._replica_failed(ex.replica, exc)
+            raise UpstreamError(f"replica {ex.replica.name} failed mid-response: {_describe(exc)}") from exc
+
+    async def _relay_error(self, ex: _Exchange, upstream: aiohttp.ClientResponse) -> web.Response:
+        """Replica 4xx: relayed unchanged (status and body). Replica 5xx: 502 naming the replica."""
+        body = await self._read_upstream(ex, upstream, _MAX_ERROR_BODY)
+        if upstream.status >= 500:
+            detail = _error_message(body) or upstream.reason or ""
+            raise UpstreamError(f"replica {ex.replica.name} answered {upstream.status}: {detail}".strip())
+        ex.outcome.status, ex.outcome.error = upstream.status, "replica_rejected"
+        log.info(
+            "request %s: replica %s answered %d: %s",
+            ex.outcome.request_id,
+            ex.replica.name,
+            upstream.status,
+            _error_message(body) or "-",
+        )
+        return web.Response(status=upstream.status, body=body, headers=_relayed(upstream.headers))
+
+    async def _relay_body(self, ex: _Exchange, upstream: aiohttp.ClientResponse) -> web.Response:
+        """A non-streaming answer: read it whole (it is one JSON object), take usage, relay it."""
+        body = await self._read_upstream(ex, upstream)
+        ex.outcome.status = upstream.status
+        with contextlib.suppress(ValueError):
+            _record_usage(ex.outcome, json.loads(body))
+        return web.Response(status=upstream.status, body=body, headers=_relayed(upstream.headers))
+
+    async def _relay_stream(
+        self, ex: _Exchange, upstream: aiohttp.ClientResponse, response: web.StreamResponse
+    ) -> web.StreamResponse:
+        """Relay SSE events one by one; a cut stream ends with an error event, then the connection."""
+        await response.prepare(ex.request)
+        ex.outcome.status = response.status
+        splitter = EventSplitter()
+        done = False
+        try:
+            while chunk := await self._next_chunk(ex, upstream):
+                for event in splitter.feed(chunk):
+                    done = done or event.data == DONE
+                    if self._inspect(ex, event):
+                        await response.write(event.raw)
+            if not done:
+                raise UpstreamError(f"replica {ex.replica.name} ended the stream before [DONE]")
+        except UpstreamError as err:
+            await self._end_with_error(ex, response, err)
+        return response
+
+    async def _next_chunk(self, ex: _Exchange, upstream: aiohttp.ClientResponse) -> bytes:
+        """The next bytes of the stream as they arrive (``b""`` at its end)."""
+        try:
+            return await upstream.content.readany()
+        except TimeoutError as exc:
+            raise UpstreamError(f"replica {ex.replica.name} timed out mid-stream: {_describe(exc)}") from exc
+        except aiohttp.ClientError as exc:
+            self._replica_failed(ex.replica, exc)
+            raise UpstreamError(f"replica {ex.replica.name} failed mid-stream: {_describe(exc)}") from exc
+
+    def _inspect(self, ex: _Exchange, event: Event) -> bool:
+        """Record what ``event`` tells (first token, usage); return whether to relay it."""
+        data = event.data
+        if data is None or data == DONE:
+            return True
+        outcome = ex.outcome
+        # Parse only what can matter: chunks before the first token, and chunks with usage.
+        if outcome.first_token_at is not None and '"usage"' not in data:
+            return True
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            return True
+        if outcome.first_token_at is None and carries_tokens(payload):
+            outcome.first_token_at = self._clock()
+        _record_usage(outcome, payload)
+        return ex.parsed.include_usage or not is_usage_only_chunk(payload)
+
+    async def _end_with_error(self, ex: _Exchange, response: web.StreamResponse, err: UpstreamError) -> None:
+        ex.outcome.error = err.code
+        log_error(err, ex.request.get(REQUEST_ID))
+        response.force_close()
+        with contextlib.suppress(ConnectionResetError):
+            await response.write(sse_error_event(err))
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    """The request body, at most ``limit`` bytes (the current setting) -> else 413.
+
+    aiohttp enforces the limit the application was built with (``client_max_size``); this also
+    enforces a smaller limit set by a later reload.
+    """
+    if request.content_length is not None and request.content_length > limit:
+        raise BodyTooLarge(f"request body is {request.content_length} bytes; the limit is {limit}")
+    try:
+        body = await request.read()
+    except ConnectionResetError:
+        raise ClientClosedRequest("the client closed the connection while sending the body") from None
+    if len(body) > limit:
+        raise BodyTooLarge(f"request body is {len(body)} bytes; the limit is {limit}")
+    return body
+
+
+def _forwarded(request: web.Request) -> CIMultiDict[str]:
+    """Headers for the replica: the client's minus hop-by-hop ones, plus ours."""
+    connection_listed = {
+        token.strip().lower() for token in request.headers.get("connection", "").split(",") if token.strip()
+    }
+    headers: CIMultiDict[str] = CIMultiDict(
+        (k, v)
+        for k, v in request.headers.items()
+        if k.lower() not in _NOT_FORWARDED_UP and k.lower() not in connection_listed
+    )
+    headers["Content-Type"] = "application/json"
+    headers["Accept-Encoding"] = "identity"
+    headers[REQUEST_ID_HEADER] = request[REQUEST_ID]
+    return headers
+
+
+def _relayed(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    """Replica headers for the client: minus hop-by-hop and the ones aiohttp or Sluice set."""
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _NOT_RELAYED_DOWN)
+
+
+def _record_usage(outcome: RequestOutcome, payload: object) -> None:
+    usage = usage_of(payload)
+    if usage is None:
+        return
+    if usage.prompt_tokens is not None:
+        outcome.prompt_tokens = usage.prompt_tokens
+    if usage.completion_tokens is not None:
+        outcome.completion_tokens = usage.completion_tokens
+
+
+def _error_message(body: bytes) -> str | None:
+    """The ``error.message`` (or ``message``) of a replica's JSON error body, if it has one."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(payload, Mapping):
+        return None
+    error = payload.get("error")
+    if isinstance(error, Mapping) and isinstance(error.get("message"), str):
+        return str(error["message"])
+    message = payload.get("message")
+    return message if isinstance(message, str) else None
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{exc.__class__.__name__}: {text}" if text else exc.__class__.__name__

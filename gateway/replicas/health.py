@@ -1,0 +1,107 @@
+"""Active health checks: ``GET /health`` on every replica each ``health.interval_s`` seconds.
+
+What it does: one round checks all replicas concurrently, each with ``health.timeout_s``; a 2xx
+answer is a success, anything else (status, timeout, refused connection) a failure. A replica that
+is not yet healthy must also answer ``GET /v1/models`` before it counts as healthy, and that list
+is cached on the replica for routing and for the gateway's own ``/v1/models``.
+
+Inputs consumed: ``store.current.health`` read at every round (so reloads apply at once), the
+registry's replicas. ``poke()`` starts the next round early (the proxy calls it after a
+connection error). Only state transitions are logged (by ``Replica.record``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import aiohttp
+
+from gateway.openai_api import ModelCard, parse_models
+from gateway.replicas.registry import Replica, ReplicaRegistry, ReplicaState
+from gateway.store import SettingsStore
+
+log = logging.getLogger("sluice.health")
+
+
+async def probe(session: aiohttp.ClientSession, replica: Replica, timeout_s: float) -> str | None:
+    """``GET {replica}/health``; ``None`` when it answered 2xx, else why not (one short line)."""
+    try:
+        async with session.get(
+            replica.base_url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            await resp.read()
+            return None if 200 <= resp.status < 300 else f"/health answered {resp.status}"
+    except TimeoutError:
+        return f"/health timed out after {timeout_s:g} s"
+    except aiohttp.ClientError as exc:
+        return f"/health failed: {exc.__class__.__name__}: {exc}"
+
+
+async def fetch_models(
+    session: aiohttp.ClientSession, replica: Replica, timeout_s: float
+) -> dict[str, ModelCard] | str:
+    """``GET {replica}/v1/models`` parsed into cards by id, or why it failed (one short line)."""
+    try:
+        async with session.get(
+            replica.base_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            if resp.status != 200:
+                return f"/v1/models answered {resp.status}"
+            return parse_models(await resp.json(content_type=None))
+    except TimeoutError:
+        return f"/v1/models timed out after {timeout_s:g} s"
+    except (aiohttp.ClientError, ValueError) as exc:
+        return f"/v1/models failed: {exc.__class__.__name__}: {exc}"
+
+
+class HealthChecker:
+    """Runs check rounds forever (``run``), or one at a time (``check_all``, used at startup)."""
+
+    def __init__(
+        self, store: SettingsStore, registry: ReplicaRegistry, session: aiohttp.ClientSession
+    ) -> None:
+        self._store = store
+        self._registry = registry
+        self._session = session
+        self._poked = asyncio.Event()
+
+    def poke(self) -> None:
+        """Start the next round now instead of at the end of the interval."""
+        self._poked.set()
+
+    async def check_all(self) -> None:
+        """One round over every configured replica; returns when all checks are done."""
+        await asyncio.gather(*(self.check(r) for r in self._registry.replicas()))
+
+    async def check(self, replica: Replica) -> ReplicaState | None:
+        """Check one replica and record the result; returns the new state if it changed."""
+        health = self._store.current.health
+        error = await probe(self._session, replica, health.timeout_s)
+        if error is None and (replica.state != ReplicaState.HEALTHY or replica.models is None):
+            models = await fetch_models(self._session, replica, health.timeout_s)
+            if isinstance(models, str):
+                error = models
+            else:
+                replica.models = models
+        if replica.retired:
+            return None
+        return replica.record(error is None, health, error=error)
+
+    async def run(self) -> None:
+        """Check every ``health.interval_s`` seconds (or sooner when poked) until cancelled.
+
+        The first round comes one interval (or a poke) after the call: startup runs
+        ``check_all`` itself before serving.
+        """
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poked.wait(), self._store.current.health.interval_s)
+            try:
+                await self.check_all()
+            except Exception:  # a bug here must not stop health checking for good
+                log.exception("health check round failed")
+            # Pokes that arrived during the round were answered by it; clearing after the round
+            # keeps a burst of proxy errors from turning into back-to-back rounds.
+            self._poked.clear()

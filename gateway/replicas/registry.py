@@ -1,0 +1,246 @@
+"""The replicas Sluice routes to: their health state, cached models and outstanding requests.
+
+What it does: keeps one ``Replica`` object per configured replica name, reconciles them when the
+settings are swapped (objects for unchanged replicas survive, so outstanding counts and health
+carry over a reload), and picks a replica for a request.
+
+Routing: only healthy replicas that serve the requested model are candidates; the one with the
+fewest outstanding requests wins, ties broken round robin. A request is outstanding from dispatch
+until its response (or stream) fully ends (``ReplicaRegistry.lease``).
+
+Health state is a small counter machine (``Replica.record``); the checker in ``health.py`` and the
+proxy (a connection error counts as a failed check) feed it. Transitions are logged once each.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.openai_api import ModelCard
+from gateway.settings import HealthSettings, ReplicaSettings, Settings
+from gateway.store import SettingsStore
+
+log = logging.getLogger("sluice.replicas")
+
+
+class ReplicaState(enum.StrEnum):
+    """``unknown`` until the first check; routable only when ``healthy``."""
+
+    UNKNOWN = "unknown"
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+
+
+class Replica:
+    """One replica. Mutated only from the event loop (no locks needed)."""
+
+    def __init__(self, settings: ReplicaSettings) -> None:
+        self.settings = settings
+        self.state = ReplicaState.UNKNOWN
+        #: Requests dispatched to it and not yet fully answered.
+        self.outstanding = 0
+        #: Its models, by id, from its last successful ``/v1/models``; ``None`` = never fetched.
+        self.models: dict[str, ModelCard] | None = None
+        self.consecutive_ok = 0
+        self.consecutive_failures = 0
+        #: Removed from the configuration; kept alive only until its outstanding requests end.
+        self.retired = False
+        #: Why the last check failed (for ``/readyz`` and the transition log).
+        self.last_error: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.settings.name
+
+    @property
+    def base_url(self) -> str:
+        """The replica's URL without a trailing slash; append ``/v1/...`` to it."""
+        return self.settings.url.rstrip("/")
+
+    def record(self, ok: bool, health: HealthSettings, *, error: str | None = None) -> ReplicaState | None:
+        """Count one check result; return the new state if it changed, else ``None``.
+
+        A healthy replica becomes unhealthy after ``unhealthy_after`` consecutive failures; an
+        unhealthy one healthy after ``healthy_after`` consecutive successes. From ``unknown`` the
+        first failure already means unhealthy (so startup reports dead replicas at once).
+        """
+        if ok:
+            self.consecutive_ok += 1
+            self.consecutive_failures = 0
+            self.last_error = None
+            if self.state != ReplicaState.HEALTHY and self.consecutive_ok >= health.healthy_after:
+                return self._move_to(ReplicaState.HEALTHY)
+            return None
+        self.consecutive_failures += 1
+        self.consecutive_ok = 0
+        self.last_error = error
+        if self.state == ReplicaState.UNKNOWN or (
+            self.state == ReplicaState.HEALTHY and self.consecutive_failures >= health.unhealthy_after
+        ):
+            return self._move_to(ReplicaState.UNHEALTHY)
+        return None
+
+    def _move_to(self, state: ReplicaState) -> ReplicaState:
+        self.state = state
+        if state == ReplicaState.HEALTHY:
+            log.info("replica %s (%s) is healthy", self.name, self.base_url)
+        else:
+            log.warning("replica %s (%s) is unhealthy: %s", self.name, self.base_url, self.last_error or "?")
+        return state
+
+    def serves(self, model: str) -> bool:
+        return self.models is not None and model in self.models
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-ready summary for ``/readyz``."""
+        return {
+            "name": self.name,
+            "url": self.base_url,
+            "state": self.state.value,
+            "outstanding": self.outstanding,
+            "models": sorted(self.models) if self.models is not None else None,
+            "error": self.last_error,
+        }
+
+
+class NoReplica(enum.Enum):
+    """Why ``pick`` found no replica: the model is unknown, or its replicas are all unhealthy."""
+
+    UNKNOWN_MODEL = "unknown_model"
+    NONE_HEALTHY = "none_healthy"
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileResult:
+    """Replica names added, retired (draining) and kept by one reconcile."""
+
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+    kept: tuple[str, ...]
+
+
+class ReplicaRegistry:
+    """All replicas of the current settings, in configuration order, plus any still draining."""
+
+    def __init__(self, store: SettingsStore) -> None:
+        self._store = store
+        self._replicas: dict[str, Replica] = {}
+        self._draining: set[Replica] = set()
+        self._next = 0
+        self._closed = False
+        self.reconcile(store.current.all_replicas())
+        store.subscribe(self._on_swap)
+
+    def close(self) -> None:
+        """Stop following settings swaps (the store offers no unsubscribe)."""
+        self._closed = True
+
+    def _on_swap(self, old: Settings, new: Settings) -> None:
+        if not self._closed:
+            self.reconcile(new.all_replicas())
+
+    def reconcile(self, wanted: list[ReplicaSettings]) -> ReconcileResult:
+        """Make the registry match ``wanted``: add new names, retire missing ones, keep the rest.
+
+        A replica whose settings changed (e.g. its URL) is replaced by a fresh object; the old one
+        drains like a removed one. Retired replicas are never picked again; they leave the
+        registry when their last outstanding request ends.
+        """
+        old = self._replicas
+        fresh: dict[str, Replica] = {}
+        added: list[str] = []
+        kept: list[str] = []
+        for replica_settings in wanted:
+            current = old.get(replica_settings.name)
+            if current is not None and current.settings == replica_settings:
+                fresh[replica_settings.name] = current
+                kept.append(replica_settings.name)
+            else:
+                fresh[replica_settings.name] = Replica(replica_settings)
+                added.append(replica_settings.name)
+        removed = [r for name, r in old.items() if fresh.get(name) is not r]
+        self._replicas = fresh
+        for replica in removed:
+            self._retire(replica)
+        if added or removed:
+            log.info(
+                "replicas reconciled: added %s, removed %s, kept %s",
+                added or "-",
+                [r.name for r in removed] or "-",
+                kept or "-",
+            )
+        return ReconcileResult(tuple(added), tuple(r.name for r in removed), tuple(kept))
+
+    def _retire(self, replica: Replica) -> None:
+        replica.retired = True
+        if replica.outstanding > 0:
+            self._draining.add(replica)
+            log.info("replica %s retired; draining %d request(s)", replica.name, replica.outstanding)
+
+    def replicas(self) -> list[Replica]:
+        """The configured (non-retired) replicas, in configuration order."""
+        return list(self._replicas.values())
+
+    def draining(self) -> list[Replica]:
+        """Retired replicas that still have outstanding requests."""
+        return sorted(self._draining, key=lambda r: r.name)
+
+    def get(self, name: str) -> Replica | None:
+        return self._replicas.get(name)
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self._replicas.values() if r.state == ReplicaState.HEALTHY]
+
+    def pick(self, model: str) -> Replica | NoReplica:
+        """The replica for a request on ``model`` (least outstanding, ties round robin), or why not.
+
+        ``UNKNOWN_MODEL`` only when every replica's model list is known and none serves it;
+        when some replica's list was never fetched, the model might be there: ``NONE_HEALTHY``.
+        """
+        candidates = [r for r in self.healthy() if r.serves(model)]
+        if not candidates:
+            return self._why_none(model)
+        least = min(r.outstanding for r in candidates)
+        tied = [r for r in candidates if r.outstanding == least]
+        chosen = tied[self._next % len(tied)]
+        self._next += 1
+        return chosen
+
+    def _why_none(self, model: str) -> NoReplica:
+        replicas = self._replicas.values()
+        if any(r.serves(model) or r.models is None for r in replicas):
+            return NoReplica.NONE_HEALTHY
+        return NoReplica.UNKNOWN_MODEL
+
+    @contextmanager
+    def lease(self, replica: Replica) -> Iterator[Replica]:
+        """Count one outstanding request on ``replica`` for the duration of the ``with`` block."""
+        replica.outstanding += 1
+        try:
+            yield replica
+        finally:
+            replica.outstanding -= 1
+            if replica.retired and replica.outstanding == 0 and replica in self._draining:
+                self._draining.discard(replica)
+                log.info("replica %s drained and removed", replica.name)
+
+    def report_failure(self, replica: Replica, error: str) -> ReplicaState | None:
+        """A connection error while proxying: counts as one failed health check at once."""
+        if replica.retired:
+            return None
+        return replica.record(False, self._store.current.health, error=error)
+
+    def healthy_models(self) -> list[Mapping[str, ModelCard]]:
+        """Model lists of the healthy replicas, in configuration order."""
+        return [r.models for r in self.healthy() if r.models is not None]
+
+    def describe(self) -> list[dict[str, Any]]:
+        """JSON-ready state of every replica, draining ones included (``/readyz``)."""
+        described = [r.describe() for r in self._replicas.values()]
+        described += [{**r.describe(), "state": "draining"} for r in self.draining()]
+        return described

@@ -1,0 +1,141 @@
+"""The structured access log: one line per request, text or JSON, with the request's outcome."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import pytest
+
+from gateway.observability.logs import (
+    JsonFormatter,
+    RequestOutcome,
+    TextFormatter,
+    access_fields,
+    configure_logging,
+)
+from gateway.settings import LoggingSettings
+from tests.unit.gateway.conftest import StartGateway, StartReplica
+from tests.unit.gateway.fakes import MODEL, FakeReplica, gateway_settings
+
+OUTCOME = RequestOutcome(
+    request_id="rid-1",
+    method="POST",
+    path="/v1/chat/completions",
+    received_at=10.0,
+    model=MODEL,
+    stream=True,
+    replica="r1",
+    status=200,
+    prompt_tokens=7,
+    completion_tokens=3,
+    dispatched_at=10.001,
+    first_token_at=10.051,
+    finished_at=10.2504,
+)
+
+
+def record_with(fields: dict[str, Any]) -> logging.LogRecord:
+    record = logging.LogRecord("sluice.access", logging.INFO, __file__, 1, "access", None, None)
+    record.fields = fields
+    return record
+
+
+def test_access_fields() -> None:
+    assert access_fields(OUTCOME) == {
+        "request_id": "rid-1",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "status": 200,
+        "replica": "r1",
+        "model": MODEL,
+        "stream": True,
+        "duration_ms": 250.4,
+        "ttft_ms": 50.0,
+        "prompt_tokens": 7,
+        "completion_tokens": 3,
+        "error": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("formatter", "check"),
+    [
+        pytest.param(
+            TextFormatter(),
+            lambda line: (
+                "request_id=rid-1" in line
+                and "status=200" in line
+                and "stream=true" in line
+                and "error=-" in line
+                and "prompt_tokens=7" in line
+            ),
+            id="text",
+        ),
+        pytest.param(
+            JsonFormatter(),
+            lambda line: (
+                json.loads(line)["request_id"] == "rid-1"
+                and json.loads(line)["duration_ms"] == 250.4
+                and json.loads(line)["msg"] == "access"
+            ),
+            id="json",
+        ),
+    ],
+)
+def test_formatters(formatter: logging.Formatter, check: Any) -> None:
+    line = formatter.format(record_with(access_fields(OUTCOME)))
+    assert "\n" not in line
+    assert check(line)
+
+
+@pytest.mark.parametrize("access_log", [pytest.param(True, id="on"), pytest.param(False, id="off")])
+async def test_one_access_line_per_request(
+    start_replica: StartReplica,
+    start_gateway: StartGateway,
+    caplog: pytest.LogCaptureFixture,
+    access_log: bool,
+) -> None:
+    """Fake replica only so that the gateway has a healthy replica to answer."""
+    _, url = await start_replica(FakeReplica())
+    settings = gateway_settings({"r1": url}).model_copy(
+        update={"logging": LoggingSettings(access_log=access_log)}
+    )
+    gw = await start_gateway(settings=settings)
+
+    with caplog.at_level(logging.INFO, logger="sluice.access"):
+        resp = await gw.client.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+        )
+        await resp.read()
+        await gw.client.get("/missing")
+
+    lines = [r for r in caplog.records if r.name == "sluice.access"]
+    if not access_log:
+        assert lines == []
+        return
+    first, second = (r.fields for r in lines)  # type: ignore[attr-defined]
+    assert first["request_id"] == resp.headers["x-request-id"]
+    assert (first["status"], first["replica"], first["model"], first["stream"]) == (200, "r1", MODEL, True)
+    assert (first["prompt_tokens"], first["completion_tokens"]) == (7, 3)
+    assert first["duration_ms"] >= 0
+    assert (second["path"], second["status"], second["replica"]) == ("/missing", 404, None)
+
+
+def test_configure_logging_replaces_its_own_handler_only() -> None:
+    root = logging.getLogger()
+    before = list(root.handlers)
+    level = root.level
+    try:
+        configure_logging(LoggingSettings(json_format=True, level="WARNING"))
+        configure_logging(LoggingSettings(json_format=False, level="DEBUG"))
+        added = [h for h in root.handlers if h not in before]
+        assert len(added) == 1
+        assert isinstance(added[0].formatter, TextFormatter)
+        assert root.level == logging.DEBUG
+    finally:
+        for handler in [h for h in root.handlers if h not in before]:
+            root.removeHandler(handler)
+        root.setLevel(level)

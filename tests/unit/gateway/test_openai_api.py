@@ -1,0 +1,184 @@
+"""Request parsing, the forwarded body, usage and model lists (pure functions)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from gateway.errors import InvalidRequest
+from gateway.openai_api import (
+    ModelCard,
+    Usage,
+    carries_tokens,
+    is_usage_only_chunk,
+    models_list,
+    parse_models,
+    parse_request,
+    upstream_body,
+    usage_of,
+)
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("body", "stream", "include_usage", "max_tokens"),
+    [
+        pytest.param({"model": "m", "messages": MSGS}, False, False, None, id="minimal"),
+        pytest.param({"model": "m", "messages": MSGS, "stream": None}, False, False, None, id="stream-null"),
+        pytest.param({"model": "m", "messages": MSGS, "stream": True}, True, False, None, id="stream"),
+        pytest.param(
+            {"model": "m", "messages": MSGS, "stream": True, "stream_options": {"include_usage": True}},
+            True,
+            True,
+            None,
+            id="stream-with-usage",
+        ),
+        pytest.param({"model": "m", "messages": MSGS, "max_tokens": 9}, False, False, 9, id="max-tokens"),
+        pytest.param(
+            {"model": "m", "messages": MSGS, "max_tokens": 9, "max_completion_tokens": 4},
+            False,
+            False,
+            4,
+            id="max-completion-tokens-wins",
+        ),
+    ],
+)
+def test_parse_chat(body: dict[str, Any], stream: bool, include_usage: bool, max_tokens: int | None) -> None:
+    parsed = parse_request("chat", json.dumps(body).encode())
+    assert (parsed.model, parsed.stream, parsed.include_usage, parsed.max_tokens) == (
+        "m",
+        stream,
+        include_usage,
+        max_tokens,
+    )
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        pytest.param("hi", id="string"),
+        pytest.param(["a", "b"], id="strings"),
+        pytest.param([1, 2, 3], id="token-ids"),
+        pytest.param([[1, 2], [3]], id="token-id-lists"),
+    ],
+)
+def test_parse_completion_prompt_shapes(prompt: Any) -> None:
+    assert parse_request("completions", json.dumps({"model": "m", "prompt": prompt}).encode()).model == "m"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "raw", "message_start"),
+    [
+        pytest.param("chat", b"{", "request body is not valid JSON", id="bad-json"),
+        pytest.param("chat", b'"text"', "request body must be a JSON object", id="string-body"),
+        pytest.param("chat", b'{"model": "m"}', "messages: field required", id="missing-messages"),
+        pytest.param(
+            "chat", b'{"model": "", "messages": [{}]}', "model: String should have", id="empty-model"
+        ),
+        pytest.param(
+            "chat",
+            b'{"model": "m", "messages": [{}], "stream_options": {"include_usage": "y"}}',
+            "stream_options.include_usage: Input should be a valid boolean",
+            id="nested-path",
+        ),
+        pytest.param("completions", b'{"model": "m", "prompt": 5}', "prompt: must be", id="prompt-int"),
+    ],
+)
+def test_invalid_requests_name_the_field(endpoint: Any, raw: bytes, message_start: str) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_request(endpoint, raw)
+    assert caught.value.message.startswith(message_start)
+    assert caught.value.status == 400
+
+
+@pytest.mark.parametrize(
+    ("body", "expected_options"),
+    [
+        pytest.param({"stream": True}, {"include_usage": True}, id="added"),
+        pytest.param(
+            {"stream": True, "stream_options": {"continuous_usage_stats": False}},
+            {"continuous_usage_stats": False, "include_usage": True},
+            id="merged-with-other-options",
+        ),
+        pytest.param(
+            {"stream": True, "stream_options": {"include_usage": False}},
+            {"include_usage": True},
+            id="false-overridden",
+        ),
+        pytest.param({"stream": False}, None, id="not-streaming-untouched"),
+    ],
+)
+def test_upstream_body_always_asks_for_usage_when_streaming(
+    body: dict[str, Any], expected_options: dict[str, Any] | None
+) -> None:
+    raw = json.dumps({"model": "m", "messages": MSGS, "extra": "é", **body}).encode()
+    forwarded = json.loads(upstream_body(parse_request("chat", raw)))
+    assert forwarded.get("stream_options") == expected_options
+    assert forwarded["extra"] == "é"
+
+
+def test_upstream_body_is_the_clients_bytes_when_nothing_changes() -> None:
+    raw = (
+        b'{"model":"m","messages":[{"role":"user","content":"hi"}],'
+        b'"stream":true,"stream_options":{"include_usage":true}}'
+    )
+    assert upstream_body(parse_request("chat", raw)) == raw
+
+
+@pytest.mark.parametrize(
+    ("payload", "usage", "usage_only"),
+    [
+        pytest.param(
+            {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}},
+            Usage(3, 4),
+            True,
+            id="final",
+        ),
+        pytest.param({"choices": [{"delta": {}}], "usage": None}, None, False, id="null-usage"),
+        pytest.param(
+            {"choices": [{}], "usage": {"prompt_tokens": 3}}, Usage(3, None), False, id="continuous"
+        ),
+        pytest.param({"usage": {"prompt_tokens": True}}, Usage(None, None), False, id="bool-not-int"),
+        pytest.param([1], None, False, id="not-an-object"),
+    ],
+)
+def test_usage(payload: Any, usage: Usage | None, usage_only: bool) -> None:
+    assert usage_of(payload) == usage
+    assert is_usage_only_chunk(payload) is usage_only
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [
+        pytest.param({"choices": [{"delta": {"role": "assistant", "content": ""}}]}, False, id="role-only"),
+        pytest.param({"choices": [{"delta": {"content": "x"}}]}, True, id="content"),
+        pytest.param({"choices": [{"delta": {"reasoning_content": "x"}}]}, True, id="reasoning"),
+        pytest.param({"choices": [{"delta": {"tool_calls": [{}]}}]}, True, id="tool-call"),
+        pytest.param({"choices": [{"text": "x"}]}, True, id="completion-text"),
+        pytest.param({"choices": [{"text": "", "finish_reason": "length"}]}, True, id="finish-only"),
+        pytest.param({"choices": []}, False, id="no-choices"),
+    ],
+)
+def test_carries_tokens(payload: Any, expected: bool) -> None:
+    assert carries_tokens(payload) is expected
+
+
+def test_models_list_merges_by_id_with_the_smallest_context() -> None:
+    a = parse_models({"data": [{"id": "m1", "max_model_len": 8192, "owned_by": "a"}, {"id": "m2"}]})
+    b = parse_models({"data": [{"id": "m1", "max_model_len": 4096, "owned_by": "b"}]})
+    merged = models_list([a, b])
+    assert merged["object"] == "list"
+    assert merged["data"] == [{"id": "m1", "max_model_len": 4096, "owned_by": "a"}, {"id": "m2"}]
+    assert a["m1"] == ModelCard("m1", 8192, {"id": "m1", "max_model_len": 8192, "owned_by": "a"})
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [pytest.param({"data": "x"}, id="data-not-list"), pytest.param({"data": [{"name": "m"}]}, id="no-id")],
+)
+def test_parse_models_rejects_malformed_lists(payload: Any) -> None:
+    with pytest.raises(ValueError, match="/v1/models"):
+        parse_models(payload)
