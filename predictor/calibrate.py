@@ -1,0 +1,534 @@
+"""Fit a replica's step model online from what its ``/metrics`` exposes.
+
+Each scrape window of a vLLM replica gives one observation: the mean step composition (tokens per
+step, decoding sequences, KV tokens in use) and the mean step time. ``StepCalibrator`` keeps a
+bounded ring of observations and fits the six step-model coefficients (``predictor.step_model``)
+by a robust, regularised, non-negative least squares:
+
+* residuals are **relative** ((predicted - observed) / observed), so a 5 ms decode step and a 500 ms
+  prefill step count alike;
+* **Huber** loss by iteratively reweighted least squares, with the scale from the residuals' MAD,
+  so a window spoiled by a preemption storm or a restart does not drag the fit;
+* **ridge toward the roofline prior**: each coefficient is a pseudo-observation of strength
+  ``prior_strength x prior_half_count / (prior_half_count + n_eff)`` (never below ``prior_floor``),
+  measured in "observations with 100% error": the prior rules on minute one and yields as
+  traffic arrives, but keeps coefficients the traffic never exercises (say the compute slope when no
+  step ever crosses the knee) where the roofline put them;
+* **a tie** of the same strength pulls the attention coefficient toward ``alpha x`` the compute
+  coefficient (a model fact, ``predictor.step_model``), so a replica that has never seen a long
+  prompt still prices one sensibly;
+* **forgetting**: an observation's weight halves every ``half_life_s``, so the fit follows a replica
+  that changes (new settings, thermal throttling, a noisy neighbour);
+* coefficients are **non-negative** (a small active-set solver; six coefficients).
+
+A replica on unknown hardware has no prior: the fit starts from "constant step time at the median
+observation" with a very weak pull (and the attention tie at that weak strength), and is reported
+valid after ``min_observations_without_prior``.
+
+Everything here is synchronous arithmetic: time comes in as arguments (``at_s``, ``now_s``) on the
+caller's monotonic clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from predictor.step_model import (
+    FEATURE_NAMES,
+    ModelSource,
+    StepBatch,
+    StepModel,
+    StepParams,
+)
+
+__all__ = [
+    "Calibration",
+    "CalibrationConfig",
+    "FitReport",
+    "Observation",
+    "ObservationSource",
+    "Reject",
+    "StepCalibrator",
+    "WindowStats",
+    "mean_excess_tokens",
+    "observation_from_window",
+]
+
+Vec = npt.NDArray[np.float64]
+_NF: Final = len(FEATURE_NAMES)
+_COMPUTE: Final = FEATURE_NAMES.index("tokens_past_knee")
+_ATTN: Final = FEATURE_NAMES.index("attn_pairs")
+# Feature magnitudes that make a coefficient "matter" when the data says nothing about its scale:
+# the prior penalty is measured at least at these values relative to a typical step (see _units).
+_REFERENCE: Final = np.array([1.0, 256.0, 64.0, 1024.0, 65536.0, 2048.0 * 2048.0 / 2.0])
+# Longest plausible engine step; anything above is a broken window, not a slow step.
+_MAX_STEP_S: Final = 60.0
+
+
+class ObservationSource(StrEnum):
+    """How an observation's step time was measured."""
+
+    STEP = "step"  # one measured step (TGI forward duration, emulator, synthetic)
+    WINDOW_PERIOD = "window_period"  # window length / engine steps: the engine was busy throughout
+    WINDOW_ITL = "window_itl"  # mean inter-token latency: decode steps only, robust to idle gaps
+
+
+class Reject(StrEnum):
+    """Why a window or step was not usable. Bounded set: safe as a metric label."""
+
+    NO_STEPS = "no_steps"
+    NO_STEP_TIME = "no_step_time"
+    NOT_FINITE = "not_finite"
+    OUT_OF_RANGE = "out_of_range"
+
+
+@dataclass(frozen=True, slots=True)
+class WindowStats:
+    """What one scrape window of a vLLM ``/metrics`` says, as rates and means over the window.
+
+    ``at_s``: window end on the caller's monotonic clock (s). ``window_s``: its length (s, > 0).
+    ``steps_per_s``: rate(``vllm:iteration_tokens_total_count``).
+    ``mean_tokens_per_step``: rate(``_sum``) / rate(``_count``) of the same histogram; ``None`` if absent.
+    ``mean_itl_s``: mean ``vllm:inter_token_latency_seconds`` over the window; ``None`` if no samples.
+    ``running``, ``waiting``: ``num_requests_running`` / ``_waiting`` (mean of the window's scrapes).
+    ``kv_tokens_in_use``: ``kv_cache_usage_perc`` x KV capacity in tokens.
+    ``prompt_tokens_per_s``, ``generation_tokens_per_s``: rates of the two token counters.
+    ``mean_ttft_s``: mean TTFT; carried for accuracy dashboards, not used by the step fit (it mixes
+    queueing with step time).
+    ``mean_prompt_tokens``: mean of ``vllm:request_prompt_tokens`` (for long-prompt attention);
+    ``None`` if unknown.
+    ``busy``: the caller saw the engine never idle (e.g. running > 0 at every scrape); ``waiting > 0``
+    counts as busy too.
+    ``tokens_per_step_buckets``: the window's increase of ``iteration_tokens_total_bucket`` as
+    cumulative ``(le, count)`` pairs in ascending ``le`` (last may be ``inf``); empty if not scraped.
+    """
+
+    at_s: float
+    window_s: float
+    steps_per_s: float
+    mean_tokens_per_step: float | None
+    mean_itl_s: float | None
+    running: float
+    waiting: float
+    kv_tokens_in_use: float
+    prompt_tokens_per_s: float
+    generation_tokens_per_s: float
+    mean_ttft_s: float | None = None
+    mean_prompt_tokens: float | None = None
+    busy: bool = False
+    tokens_per_step_buckets: tuple[tuple[float, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One (mean batch composition -> mean step time) pair, or why there is none.
+
+    ``excess_tokens``: mean over the window's steps of ``max(0, tokens - knee)`` (the hinge feature;
+    a per-step mean, which is not the hinge of the mean tokens when steps are mixed).
+    """
+
+    at_s: float
+    batch: StepBatch
+    excess_tokens: float
+    step_s: float
+    source: ObservationSource
+    valid: bool = True
+    reason: Reject | None = None
+
+    @staticmethod
+    def rejected(at_s: float, reason: Reject, source: ObservationSource) -> Observation:
+        """An invalid observation carrying only its reason."""
+        return Observation(at_s, StepBatch(), 0.0, math.nan, source, valid=False, reason=reason)
+
+
+def mean_excess_tokens(
+    buckets: tuple[tuple[float, float], ...], mean_tokens: float, knee_tokens: float
+) -> float | None:
+    """Mean of ``max(0, N - knee)`` over steps, from cumulative histogram buckets of N.
+
+    Tokens are taken uniform inside each finite bucket; the ``+Inf`` bucket is a point at the value
+    that makes the histogram's mean equal ``mean_tokens``. ``None`` when the buckets hold no count.
+    """
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0.0:
+        return None
+    lo, prev_cum, acc, mass_sum = 0.0, 0.0, 0.0, 0.0
+    for le, cum in buckets:
+        count = max(0.0, cum - prev_cum)
+        prev_cum = max(prev_cum, cum)
+        if count > 0.0:
+            if math.isinf(le):
+                # Whatever mean the finite buckets leave unexplained sits in the overflow bucket.
+                point = max(lo, (mean_tokens * total - mass_sum) / count)
+                acc += count * max(0.0, point - knee_tokens)
+            else:
+                acc += count * _uniform_excess(lo, le, knee_tokens)
+                mass_sum += count * (lo + le) / 2.0
+        if not math.isinf(le):
+            lo = le
+    return acc / total
+
+
+def _uniform_excess(lo: float, hi: float, knee: float) -> float:
+    """E[max(0, X - knee)] for X uniform on [lo, hi]."""
+    if hi <= knee:
+        return 0.0
+    if lo >= knee or hi <= lo:
+        return max(0.0, (lo + hi) / 2.0 - knee)
+    return (hi - knee) ** 2 / (2.0 * (hi - lo))
+
+
+def observation_from_window(window: WindowStats, knee_tokens: float) -> Observation:
+    """Turn one scrape window into an observation (``valid=False`` with a reason when unusable).
+
+    Composition: decoding sequences per step = generation tokens / steps (each decode step yields
+    one token per sequence); prefill tokens per step = mean tokens per step minus that (or prompt
+    tokens / steps when the iteration histogram is absent); KV read = KV tokens in use; prefill
+    attention pairs per step ~ prefill tokens per step x mean prompt / 2.
+
+    Step time: the mean step period (window / steps) when the engine was busy throughout, unless
+    it exceeds 1.5x the mean ITL (then it idled, and the ITL is used); else the mean ITL.
+    """
+    w, src = window, ObservationSource.WINDOW_ITL
+    numbers = (w.steps_per_s, w.running, w.waiting, w.kv_tokens_in_use, w.generation_tokens_per_s)
+    if not all(math.isfinite(x) for x in (*numbers, w.prompt_tokens_per_s, w.window_s, w.at_s)):
+        return Observation.rejected(w.at_s, Reject.NOT_FINITE, src)
+    if w.steps_per_s <= 0.0 or w.window_s <= 0.0:
+        return Observation.rejected(w.at_s, Reject.NO_STEPS, src)
+    if min(numbers) < 0.0 or w.prompt_tokens_per_s < 0.0:
+        return Observation.rejected(w.at_s, Reject.OUT_OF_RANGE, src)
+    decode = w.generation_tokens_per_s / w.steps_per_s
+    if w.mean_tokens_per_step is not None and math.isfinite(w.mean_tokens_per_step):
+        prefill = max(0.0, w.mean_tokens_per_step - decode)
+    else:
+        prefill = w.prompt_tokens_per_s / w.steps_per_s
+    attn = prefill * w.mean_prompt_tokens / 2.0 if w.mean_prompt_tokens else 0.0
+    batch = StepBatch(prefill, decode, w.kv_tokens_in_use, attn)
+    excess = mean_excess_tokens(w.tokens_per_step_buckets, batch.tokens, knee_tokens)
+    if excess is None:
+        excess = max(0.0, batch.tokens - knee_tokens)
+    itl = w.mean_itl_s if w.mean_itl_s is not None and w.mean_itl_s > 0.0 else None
+    period = 1.0 / w.steps_per_s
+    if (w.busy or w.waiting > 0.0) and (itl is None or period <= 1.5 * itl):
+        step_s, src = period, ObservationSource.WINDOW_PERIOD
+    elif itl is not None:
+        step_s = itl
+    else:
+        return Observation.rejected(w.at_s, Reject.NO_STEP_TIME, src)
+    if not math.isfinite(step_s) or step_s > _MAX_STEP_S:
+        return Observation.rejected(w.at_s, Reject.OUT_OF_RANGE, src)
+    return Observation(w.at_s, batch, excess, step_s, src)
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationConfig:
+    """Knobs of the online fit.
+
+    ``half_life_s``: age (s) at which an observation counts half.
+    ``capacity``: observations kept (ring buffer); older ones are dropped.
+    ``prior_strength``: the prior's weight with no data, in observations-with-100%-error.
+    ``prior_half_count``: effective observation count at which the prior's weight has halved.
+    ``prior_floor``: the prior's weight never drops below this (keeps unexercised terms put).
+    ``no_prior_strength``: the weak pull toward "constant step time" when there is no prior.
+    ``min_observations_without_prior``: observations before a prior-less fit is reported valid.
+    ``robust_min_observations``: Huber reweighting starts at this many observations.
+    ``huber_k``: Huber threshold in robust standard deviations of the relative residuals.
+    ``irls_iterations``: reweighting passes.
+    ``error_window``: most recent observations the reported median error is computed over.
+    """
+
+    half_life_s: float = 600.0
+    capacity: int = 512
+    prior_strength: float = 1.0
+    prior_half_count: float = 10.0
+    prior_floor: float = 0.05
+    no_prior_strength: float = 0.05
+    min_observations_without_prior: int = 3
+    robust_min_observations: int = 8
+    huber_k: float = 1.345
+    irls_iterations: int = 10
+    error_window: int = 32
+
+    def __post_init__(self) -> None:
+        if self.half_life_s <= 0 or self.capacity < 1 or self.irls_iterations < 1 or self.error_window < 1:
+            raise ValueError("half_life_s, capacity, irls_iterations and error_window must be positive")
+        if min(self.prior_strength, self.prior_half_count, self.prior_floor, self.no_prior_strength) <= 0:
+            raise ValueError("prior strengths must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class FitReport:
+    """What a dashboard shows about one replica's step model.
+
+    ``params``: the coefficients in use. ``prior``: the roofline prior's, or ``None`` without one.
+    ``observations_total``: accepted since start; ``observations_kept``: in the ring now;
+    ``effective_observations``: sum of forgetting weights at fit time.
+    ``prior_weight``: the prior's current strength (observations-with-100%-error).
+    ``mdape``: median |predicted - observed| / observed over the last ``error_window`` observations
+    (a fraction; ``None`` with no observations). ``prior_mdape``: the same for the prior alone.
+    ``rejected``: windows rejected since start, per reason.
+    """
+
+    params: StepParams
+    prior: StepParams | None
+    source: ModelSource
+    observations_total: int
+    observations_kept: int
+    effective_observations: float
+    prior_weight: float
+    mdape: float | None
+    prior_mdape: float | None
+    rejected: tuple[tuple[Reject, int], ...]
+    valid: bool
+    reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """A fit's result: the model to forecast with and the report about it."""
+
+    model: StepModel
+    report: FitReport
+
+
+class StepCalibrator:
+    """Online step-model fit for one replica. Not thread-safe; one per replica.
+
+    ``prior`` fixes the knee and alpha; when it is valid its coefficients are the ridge target.
+    """
+
+    def __init__(self, prior: StepModel, config: CalibrationConfig | None = None) -> None:
+        self._prior = prior
+        self._config = config or CalibrationConfig()
+        cap = self._config.capacity
+        self._x = np.zeros((cap, _NF))
+        self._y = np.zeros(cap)
+        self._t = np.zeros(cap)
+        self._next = 0
+        self._kept = 0
+        self._total = 0
+        self._rejected: dict[Reject, int] = {}
+
+    @property
+    def prior(self) -> StepModel:
+        """The roofline prior this calibrator regularises toward (may be invalid: no prior)."""
+        return self._prior
+
+    def observe_window(self, window: WindowStats) -> Observation:
+        """Derive an observation from a scrape window, keep it if valid, and return it."""
+        obs = observation_from_window(window, self._prior.params.knee_tokens)
+        self.observe(obs)
+        return obs
+
+    def observe_step(self, at_s: float, batch: StepBatch, step_s: float) -> Observation:
+        """Record one measured step (``step_s`` seconds for ``batch``) and return the observation."""
+        src = ObservationSource.STEP
+        if not (math.isfinite(step_s) and math.isfinite(at_s)):
+            obs = Observation.rejected(at_s, Reject.NOT_FINITE, src)
+        elif not 0.0 < step_s <= _MAX_STEP_S:
+            obs = Observation.rejected(at_s, Reject.OUT_OF_RANGE, src)
+        else:
+            excess = max(0.0, batch.tokens - self._prior.params.knee_tokens)
+            obs = Observation(at_s, batch, excess, step_s, src)
+        self.observe(obs)
+        return obs
+
+    def observe(self, obs: Observation) -> None:
+        """Keep a valid observation (count an invalid one by its reason)."""
+        if not obs.valid:
+            reason = obs.reason or Reject.OUT_OF_RANGE
+            self._rejected[reason] = self._rejected.get(reason, 0) + 1
+            return
+        b = obs.batch
+        # mean min(N, knee) = mean N - mean max(0, N - knee)
+        to_knee = max(0.0, b.tokens - obs.excess_tokens)
+        row = (1.0, to_knee, b.decode_seqs, obs.excess_tokens, b.kv_tokens_read, b.prefill_attn_pairs)
+        i = self._next
+        self._x[i] = row
+        self._y[i] = obs.step_s
+        self._t[i] = obs.at_s
+        self._next = (i + 1) % self._config.capacity
+        self._kept = min(self._kept + 1, self._config.capacity)
+        self._total += 1
+
+    def fit(self, now_s: float) -> Calibration:
+        """Fit on the kept observations as of ``now_s`` (caller's monotonic clock, seconds)."""
+        cfg, prior = self._config, self._prior
+        x, y, t = self._recent_first()
+        if len(y) == 0:
+            return self._prior_only()
+        weights = np.power(0.5, np.maximum(0.0, now_s - t) / cfg.half_life_s)
+        n_eff = float(weights.sum())
+        if prior.valid:
+            target = np.array(prior.params.coefficients())
+            strength = max(
+                cfg.prior_floor, cfg.prior_strength * cfg.prior_half_count / (cfg.prior_half_count + n_eff)
+            )
+            ridge = np.full(_NF, strength)
+        else:
+            target = np.array([float(np.median(y)), 0.0, 0.0, 0.0, 0.0, 0.0])
+            strength = cfg.no_prior_strength
+            ridge = np.full(_NF, strength)
+            ridge[_ATTN] = 0.0  # the tie alone decides it: a pull to zero would fight the tie
+        penalty = _Penalty(ridge, target, strength, prior.params.attn_pair_tokens)
+        coef = _robust_fit(x, y, weights, penalty, _units(x, y, weights), cfg)
+        params = prior.params.with_coefficients(list(coef))
+        valid, reason = True, None
+        if not prior.valid and len(y) < cfg.min_observations_without_prior:
+            valid, reason = False, f"too few observations without a prior ({len(y)})"
+        model = StepModel(params, ModelSource.FITTED, valid=valid, reason=reason)
+        return Calibration(model, self._report(model, x, y, n_eff, strength))
+
+    def _recent_first(self) -> tuple[Vec, Vec, Vec]:
+        """Kept rows, most recent first."""
+        n, cap = self._kept, self._config.capacity
+        order = (self._next - 1 - np.arange(n)) % cap
+        return self._x[order], self._y[order], self._t[order]
+
+    def _prior_only(self) -> Calibration:
+        prior = self._prior
+        reason = None if prior.valid else (prior.reason or "no prior and no observations")
+        model = (
+            prior if prior.valid else StepModel(prior.params, ModelSource.NONE, valid=False, reason=reason)
+        )
+        strength = self._config.prior_strength if prior.valid else 0.0
+        empty = np.zeros((0, _NF))
+        return Calibration(model, self._report(model, empty, np.zeros(0), 0.0, strength))
+
+    def _report(self, model: StepModel, x: Vec, y: Vec, n_eff: float, strength: float) -> FitReport:
+        k = self._config.error_window
+        prior = self._prior
+        return FitReport(
+            params=model.params,
+            prior=prior.params if prior.valid else None,
+            source=model.source,
+            observations_total=self._total,
+            observations_kept=len(y),
+            effective_observations=n_eff,
+            prior_weight=strength,
+            mdape=_mdape(model.params, x[:k], y[:k]) if len(y) else None,
+            prior_mdape=_mdape(prior.params, x[:k], y[:k]) if len(y) and prior.valid else None,
+            rejected=tuple(sorted(self._rejected.items())),
+            valid=model.valid,
+            reason=model.reason,
+        )
+
+
+def _mdape(params: StepParams, x: Vec, y: Vec) -> float:
+    """Median absolute percentage error (a fraction) of ``params`` on rows ``x`` -> ``y``."""
+    predicted = x @ np.array(params.coefficients())
+    return float(np.median(np.abs(predicted - y) / y))
+
+
+def _units(x: Vec, y: Vec, weights: Vec) -> Vec:
+    """Per coefficient: how much relative step time one unit of it explains, typically.
+
+    The weighted RMS over observations of ``x_ij / y_i``, never below the reference magnitude over
+    the median step. Scaling coefficients by it puts the data and the prior in one currency: a
+    penalty of ``s x d^2`` costs as much as ``s`` observations each off by a fraction ``d``.
+    """
+    rms = np.sqrt((weights[:, None] * (x / y[:, None]) ** 2).sum(axis=0) / max(float(weights.sum()), 1e-12))
+    result: Vec = np.maximum(rms, _REFERENCE / float(np.median(y)))
+    return result
+
+
+@dataclass(frozen=True, slots=True)
+class _Penalty:
+    """Ridge ``sum_j ridge_j (phi_j - target_j)^2`` plus ``tie x (c_a - alpha c_c)^2``, in scaled units."""
+
+    ridge: Vec
+    target: Vec
+    tie: float
+    alpha: float
+
+
+def _robust_fit(x: Vec, y: Vec, weights: Vec, penalty: _Penalty, unit: Vec, cfg: CalibrationConfig) -> Vec:
+    """Non-negative Huber-IRLS penalised fit of ``x @ coef ~ y`` in relative error; returns ``coef``.
+
+    Works in scaled coordinates ``phi = coef x unit`` (dimensionless: the typical share of a step's
+    time each term explains), where the prior penalty is ``ridge x (phi - phi0)^2``.
+    """
+    z = x / unit / y[:, None]  # row i: feature contributions relative to observed step time
+    # Tie, in phi: (phi_a / unit_a - alpha phi_c / unit_c) x unit_a.
+    tie = np.zeros(_NF)
+    tie[_ATTN], tie[_COMPUTE] = 1.0, -penalty.alpha * unit[_ATTN] / unit[_COMPUTE]
+    p_matrix = np.diag(penalty.ridge) + penalty.tie * np.outer(tie, tie)
+    p_vector = penalty.ridge * penalty.target * unit
+    robust = len(y) >= cfg.robust_min_observations
+    phi = _nnls_penalised(z, weights, p_matrix, p_vector)
+    for _ in range(cfg.irls_iterations if robust else 0):
+        r = z @ phi - 1.0
+        # Residual scale from the weighted MAD: forgotten observations must not set it.
+        scale = max(1.4826 * _weighted_median(np.abs(r - _weighted_median(r, weights)), weights), 0.02)
+        huber = np.minimum(1.0, cfg.huber_k * scale / np.maximum(np.abs(r), 1e-12))
+        new = _nnls_penalised(z, weights * huber, p_matrix, p_vector)
+        converged = np.allclose(new, phi, rtol=1e-6, atol=1e-9)
+        phi = new
+        if converged:
+            break
+    result: Vec = phi / unit
+    return result
+
+
+def _weighted_median(values: Vec, weights: Vec) -> float:
+    """The value at half the total weight (weights >= 0, not all zero)."""
+    order = np.argsort(values)
+    cumulative = np.cumsum(weights[order])
+    return float(values[order][np.searchsorted(cumulative, 0.5 * cumulative[-1])])
+
+
+def _nnls_penalised(z: Vec, w: Vec, p_matrix: Vec, p_vector: Vec) -> Vec:
+    """argmin_{phi >= 0} sum_i w_i (z_i . phi - 1)^2 + phi' P phi - 2 p' phi (P positive definite)."""
+    a = (z.T * w) @ z + p_matrix
+    b = (z.T * w).sum(axis=1) + p_vector
+    phi: Vec = np.linalg.solve(a, b)
+    if (phi >= 0.0).all():
+        return phi
+    found = _active_set(a, b)
+    return found if found is not None else _enumerate(a, b)
+
+
+def _active_set(a: Vec, b: Vec) -> Vec | None:
+    """Minimise ``phi' a phi - 2 b' phi`` over ``phi >= 0`` by a primal active set (a is SPD).
+
+    Clamp negative coordinates to zero and re-solve on the rest; then free any clamped coordinate
+    whose gradient still points inward. ``None`` if it has not converged in a few rounds.
+    """
+    free = np.ones(_NF, dtype=bool)
+    for _ in range(4 * _NF):
+        phi = np.zeros(_NF)
+        if free.any():
+            phi[free] = np.linalg.solve(a[np.ix_(free, free)], b[free])
+        if (phi < 0.0).any():
+            free &= phi > 0.0
+            continue
+        gradient = a @ phi - b
+        inward = ~free & (gradient < -1e-12)
+        if not inward.any():
+            return phi
+        free[int(np.argmin(np.where(inward, gradient, np.inf)))] = True
+    return None
+
+
+def _enumerate(a: Vec, b: Vec) -> Vec:
+    """Exact fallback: the best non-negative solution over all 2^6 free sets."""
+    best, best_obj = np.zeros(_NF), 0.0  # all-zero is always feasible, objective 0
+    for size in range(1, _NF + 1):
+        for free in itertools.combinations(range(_NF), size):
+            idx = list(free)
+            sub = np.linalg.solve(a[np.ix_(idx, idx)], b[idx])
+            if (sub < 0.0).any():
+                continue
+            cand = np.zeros(_NF)
+            cand[idx] = sub
+            obj = float(cand @ a @ cand - 2.0 * b @ cand)
+            if obj < best_obj:
+                best, best_obj = cand, obj
+    return best

@@ -1,0 +1,172 @@
+"""Predict a request's output length from the recent output lengths of its model and tenant.
+
+Output length is unknown at admission (math.md §6). What is known: ``max_tokens`` (a hard cap) and
+what recent requests produced. Each population (a model; a tenant on a model) keeps a bounded ring
+of recent output lengths; a prediction is a chosen quantile of the most specific population with
+enough samples (tenant -> model -> prior), capped at ``max_tokens``. A high quantile (0.9) is the
+cautious choice for SLO checks; the median suits throughput estimates.
+
+The ring's sorted copy is refreshed lazily (at most every ``resort_every`` observations), so a
+prediction is an index into a sorted array, not a sort.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+from statistics import NormalDist
+from typing import Final, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["OutputLengthConfig", "OutputLengthEstimate", "OutputLengthPredictor", "Population"]
+
+_STANDARD_NORMAL: Final = NormalDist()
+_K = TypeVar("_K")
+
+
+class Population(StrEnum):
+    """Which data a prediction came from."""
+
+    TENANT = "tenant"
+    MODEL = "model"
+    PRIOR = "prior"
+
+
+@dataclass(frozen=True, slots=True)
+class OutputLengthConfig:
+    """``window``: recent samples kept per population. ``min_tenant_samples`` /
+    ``min_model_samples``: samples before that population is trusted. ``prior_median_tokens`` and
+    ``prior_sigma``: the lognormal assumed with no data (chat outputs are roughly lognormal).
+    ``resort_every``: observations between refreshes of the sorted copy. ``max_populations``: bound
+    on tracked (model, tenant) pairs; the oldest-created is dropped beyond it."""
+
+    window: int = 2048
+    min_tenant_samples: int = 50
+    min_model_samples: int = 20
+    prior_median_tokens: float = 256.0
+    prior_sigma: float = 1.0
+    resort_every: int = 16
+    max_populations: int = 4096
+
+    def __post_init__(self) -> None:
+        if min(self.window, self.min_tenant_samples, self.min_model_samples, self.resort_every) < 1:
+            raise ValueError("window, sample minimums and resort_every must be >= 1")
+        if self.prior_median_tokens <= 0 or self.prior_sigma < 0 or self.max_populations < 1:
+            raise ValueError("prior_median_tokens and max_populations must be positive, prior_sigma >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class OutputLengthEstimate:
+    """``tokens``: predicted output length (>= 1, <= max_tokens). ``quantile``: which quantile.
+    ``population``: where it came from; ``samples``: how many observations backed it (0 for the
+    prior). ``capped``: ``max_tokens`` was lower than the quantile."""
+
+    tokens: int
+    quantile: float
+    population: Population
+    samples: int
+    capped: bool
+
+
+class _Ring:
+    """Fixed-size ring of recent lengths with a lazily refreshed sorted copy."""
+
+    __slots__ = ("_buf", "_count", "_next", "_sorted", "_stale")
+
+    def __init__(self, size: int) -> None:
+        self._buf: npt.NDArray[np.float64] = np.zeros(size)
+        self._next = 0
+        self._count = 0
+        self._sorted: npt.NDArray[np.float64] = np.zeros(0)
+        self._stale = 0
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def add(self, value: float) -> None:
+        self._buf[self._next] = value
+        self._next = (self._next + 1) % len(self._buf)
+        self._count = min(self._count + 1, len(self._buf))
+        self._stale += 1
+
+    def quantile(self, q: float, resort_every: int) -> float:
+        """The ``q`` quantile (linear interpolation between order statistics)."""
+        if self._stale >= resort_every or len(self._sorted) == 0:
+            self._sorted = np.sort(self._buf[: self._count])
+            self._stale = 0
+        s = self._sorted
+        pos = q * (len(s) - 1)
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(s) - 1)
+        return float(s[lo] + (s[hi] - s[lo]) * (pos - lo))
+
+
+class OutputLengthPredictor:
+    """Per model and per (model, tenant) recent output lengths. Not thread-safe."""
+
+    def __init__(self, config: OutputLengthConfig | None = None) -> None:
+        self._config = config or OutputLengthConfig()
+        self._models: dict[str, _Ring] = {}
+        self._tenants: dict[tuple[str, str], _Ring] = {}
+
+    def observe(self, model: str, tenant: str | None, output_tokens: int) -> None:
+        """Record a finished request's output length in tokens (from its ``usage``; >= 0)."""
+        if output_tokens < 0:
+            raise ValueError(f"output_tokens must be >= 0, got {output_tokens}")
+        self._ring(self._models, model).add(float(output_tokens))
+        if tenant is not None:
+            self._ring(self._tenants, (model, tenant)).add(float(output_tokens))
+
+    def samples(self, model: str, tenant: str | None = None) -> int:
+        """Samples held for the model, or for the tenant on that model."""
+        ring = self._models.get(model) if tenant is None else self._tenants.get((model, tenant))
+        return ring.count if ring else 0
+
+    def predict(
+        self, model: str, tenant: str | None, max_tokens: int, quantile: float = 0.5
+    ) -> OutputLengthEstimate:
+        """The ``quantile`` (0-1) of output length for a request capped at ``max_tokens`` (>= 1).
+
+        Uses the tenant's own data when it has ``min_tenant_samples``, else the model's when it has
+        ``min_model_samples``, else the lognormal prior.
+        """
+        if not 0.0 <= quantile <= 1.0:
+            raise ValueError(f"quantile must be in [0, 1], got {quantile}")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        cfg = self._config
+        tenant_ring = self._tenants.get((model, tenant)) if tenant is not None else None
+        model_ring = self._models.get(model)
+        if tenant_ring is not None and tenant_ring.count >= cfg.min_tenant_samples:
+            value, population, n = (
+                tenant_ring.quantile(quantile, cfg.resort_every),
+                Population.TENANT,
+                tenant_ring.count,
+            )
+        elif model_ring is not None and model_ring.count >= cfg.min_model_samples:
+            value, population, n = (
+                model_ring.quantile(quantile, cfg.resort_every),
+                Population.MODEL,
+                model_ring.count,
+            )
+        else:
+            value, population, n = self._prior(quantile), Population.PRIOR, 0
+        tokens = max(1, math.ceil(value))
+        return OutputLengthEstimate(min(tokens, max_tokens), quantile, population, n, tokens > max_tokens)
+
+    def _prior(self, quantile: float) -> float:
+        q = min(max(quantile, 1e-6), 1.0 - 1e-6)
+        z = _STANDARD_NORMAL.inv_cdf(q)
+        return self._config.prior_median_tokens * math.exp(self._config.prior_sigma * z)
+
+    def _ring(self, rings: dict[_K, _Ring], key: _K) -> _Ring:
+        ring = rings.get(key)
+        if ring is None:
+            if len(rings) >= self._config.max_populations:
+                del rings[next(iter(rings))]
+            ring = rings[key] = _Ring(self._config.window)
+        return ring

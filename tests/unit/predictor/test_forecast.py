@@ -1,0 +1,357 @@
+"""TTFT / TPOT forecasts: chunked prefill under the step budget, decodes sharing steps, the stall a
+long prompt inflicts, full replicas, and inputs that cannot be forecast."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from predictor.forecast import (
+    CandidateRequest,
+    ForecastConfig,
+    ForecastReason,
+    ReplicaState,
+    RunningSeq,
+    forecast_request,
+)
+from predictor.hardware import GPUS
+from predictor.model import MODELS
+from predictor.step_model import StepBatch, StepModel, roofline_prior, unknown_step_model
+from tests.unit.predictor.reference_engine import simulate_ttft
+
+MODEL = roofline_prior(MODELS["Llama-3-8B"], GPUS["H100-SXM"])
+BIG = 10**7
+
+
+def state_of(
+    contexts: list[int],
+    queue: list[int],
+    *,
+    budget: int = 8192,
+    max_num_seqs: int = 1024,
+    kv_capacity: int = BIG,
+    **overrides: object,
+) -> ReplicaState:
+    """A replica whose running requests decode with ``contexts``, waiting prompts ``queue``."""
+    state = ReplicaState(
+        num_running=len(contexts),
+        num_waiting=len(queue),
+        decode_seqs=len(contexts),
+        kv_tokens_in_use=sum(contexts),
+        kv_capacity_tokens=kv_capacity,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=BIG,
+        queued_prefill_tokens=sum(queue),
+        queued_requests=len(queue),
+        queued_prefill_attn_pairs=sum(p * p / 2 for p in queue),
+    )
+    return dataclasses.replace(state, **overrides)  # type: ignore[arg-type]
+
+
+def request(prompt: int, output: float = 100.0, max_tokens: int = 1000, **kw: object) -> CandidateRequest:
+    return CandidateRequest(prompt, max_tokens, output, **kw)  # type: ignore[arg-type]
+
+
+def chunked_prefill_time(model: StepModel, prompt: int, budget: int) -> float:
+    """Sum over the prompt's chunks of the step time of a step carrying only that chunk."""
+    total, done = 0.0, 0
+    while done < prompt:
+        chunk = min(budget, prompt - done)
+        total += model.step_time(
+            StepBatch(prefill_tokens=chunk, prefill_attn_pairs=chunk * (chunk / 2 + done))
+        )
+        done += chunk
+    return total
+
+
+@pytest.mark.parametrize(
+    ("prompt", "budget", "steps"),
+    [
+        (1, 8192, 1),
+        (500, 8192, 1),
+        (8192, 8192, 1),
+        (8193, 8192, 2),
+        (20_000, 8192, 3),
+        (20_000, 2048, 10),
+        (100_000, 8192, 13),
+    ],
+    ids=["one-token", "short", "exactly-one-budget", "one-over-budget", "20k", "20k-small-budget", "100k"],
+)
+def test_empty_replica_ttft_is_its_own_prefill_chunks(prompt: int, budget: int, steps: int) -> None:
+    f = forecast_request(request(prompt), state_of([], [], budget=budget), MODEL)
+    assert f.valid
+    assert f.reason is None
+    assert f.prefill_steps == steps
+    assert f.ttft_s == pytest.approx(chunked_prefill_time(MODEL, prompt, budget), rel=1e-9)
+    assert f.admission_wait_s == 0.0
+    assert f.inflicted_stall_s == 0.0
+    assert f.inflicted_tpot_s == 0.0
+
+
+@pytest.mark.parametrize(
+    "queue", [[3000], [3000, 9000], [500] * 20], ids=["one-ahead", "two-ahead", "twenty-ahead"]
+)
+def test_queue_ahead_adds_its_chunks(queue: list[int]) -> None:
+    prompt, budget = 4000, 8192
+    alone = forecast_request(request(prompt), state_of([], [], budget=budget), MODEL)
+    behind = forecast_request(request(prompt), state_of([], queue, budget=budget), MODEL)
+    assert behind.ttft_s > alone.ttft_s
+    assert behind.prefill_steps == math.ceil((sum(queue) + prompt) / budget)
+    # The same work step by step; the closed form lets the queue's requests join the decodes
+    # halfway on average instead of as each completes, hence not exact.
+    reference, _, _ = simulate_ttft(MODEL, budget, [], queue, prompt)
+    assert behind.ttft_s == pytest.approx(reference, rel=0.005)
+
+
+@pytest.mark.parametrize(
+    ("decodes", "prompt", "budget"),
+    [(0, 20_000, 8192), (64, 20_000, 8192), (512, 20_000, 2048), (2000, 5000, 2048)],
+    ids=["no-decodes", "64-decodes", "512-decodes-small-budget", "decodes-eat-the-budget"],
+)
+def test_decodes_take_their_tokens_from_every_step(decodes: int, prompt: int, budget: int) -> None:
+    contexts = [1000] * decodes
+    f = forecast_request(request(prompt), state_of(contexts, [], budget=budget, max_num_seqs=4096), MODEL)
+    assert f.prefill_steps == math.ceil(prompt / max(1, budget - decodes))
+    alone = forecast_request(request(prompt), state_of([], [], budget=budget), MODEL)
+    assert f.ttft_s >= alone.ttft_s
+
+
+# The closed form against a step-by-step engine running the same step model.
+@pytest.mark.parametrize(
+    ("contexts", "queue", "prompt", "budget"),
+    [
+        ([1000] * 64, [], 20_000, 8192),
+        ([2000] * 200, [3000] * 5, 5000, 2048),
+        ([500] * 32, [100_000], 1000, 8192),
+        ([1000] * 64, [], 100_000, 8192),
+        ([4000] * 250, [700] * 40, 2000, 2048),
+        ([300] * 8, [50] * 3, 40, 512),
+    ],
+    ids=[
+        "64-decodes",
+        "200-decodes-5-queued",
+        "behind-a-100k-prompt",
+        "100k-prompt",
+        "busy-small-budget",
+        "tiny",
+    ],
+)
+def test_closed_form_matches_step_by_step_engine(
+    contexts: list[int], queue: list[int], prompt: int, budget: int
+) -> None:
+    ttft, steps, stall = simulate_ttft(MODEL, budget, contexts, queue, prompt)
+    f = forecast_request(request(prompt), state_of(contexts, queue, budget=budget), MODEL)
+    assert f.prefill_steps == steps
+    assert f.ttft_s == pytest.approx(ttft, rel=0.01)
+    # Near the knee the halfway-joined queue moves the hinge by a few tokens: abs slack of 0.1 ms.
+    assert f.inflicted_stall_s == pytest.approx(stall, rel=0.01, abs=1e-4)
+
+
+def test_stall_on_running_decodes_grows_with_prompt_length() -> None:
+    state = state_of([1500] * 64, [], mean_remaining_output_tokens=200.0)
+    forecasts = [forecast_request(request(p), state, MODEL) for p in (1000, 8000, 32_000, 100_000)]
+    stalls = [f.inflicted_stall_s for f in forecasts]
+    inflicted = [f.inflicted_tpot_s for f in forecasts]
+    assert stalls == sorted(stalls)
+    assert len(set(stalls)) == 4
+    assert inflicted == sorted(inflicted)
+    assert len(set(inflicted)) == 4
+    # A 100K prompt at (8192 - 64) tokens per step slows 13 steps of every running stream.
+    assert forecasts[-1].prefill_steps == 13
+    assert forecasts[-1].inflicted_stall_s > 1.0  # seconds added to each running stream's timeline
+    # Averaged over the 200-token window the stall dominates the extra TPOT.
+    assert forecasts[-1].inflicted_tpot_s >= forecasts[-1].inflicted_stall_s / 200.0
+
+
+def test_tpot_is_the_step_time_of_the_batch_it_joins() -> None:
+    contexts, prompt, output = [2000] * 100, 1000, 300.0
+    f = forecast_request(request(prompt, output), state_of(contexts, []), MODEL)
+    joined = StepBatch(decode_seqs=101, kv_tokens_read=sum(contexts) + prompt + output / 2)
+    assert f.tpot_s == pytest.approx(MODEL.step_time(joined), rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("small", "large"),
+    [
+        (state_of([1000] * 16, []), state_of([1000] * 256, [])),
+        (state_of([500] * 64, []), state_of([8000] * 64, [])),
+        (state_of([1000] * 64, []), state_of([1000] * 64, [], background_prefill_tokens_per_step=2000.0)),
+    ],
+    ids=["bigger-batch", "longer-contexts", "background-prefill"],
+)
+def test_tpot_grows_with_load(small: ReplicaState, large: ReplicaState) -> None:
+    assert (
+        forecast_request(request(500), large, MODEL).tpot_s
+        > forecast_request(request(500), small, MODEL).tpot_s
+    )
+
+
+def _decode_step(state: ReplicaState) -> float:
+    return MODEL.step_time(StepBatch(decode_seqs=state.decode_seqs, kv_tokens_read=state.kv_tokens_in_use))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "prompt", "release_index", "approx_steps"),
+    [
+        ({"max_num_seqs": 4}, 100, 0, None),  # no free slot: the first finisher frees one
+        (
+            {"max_num_seqs": 4, "num_waiting": 1, "queued_requests": 1, "queued_prefill_tokens": 50},
+            100,
+            1,
+            None,
+        ),
+        ({"kv_capacity_tokens": 4000 + 500}, 2000, 1, None),  # KV short by 1500: two must finish
+        (
+            {
+                "max_num_seqs": 4,
+                "release_steps": (),
+                "release_kv_cumulative": (),
+                "mean_remaining_output_tokens": 100.0,
+            },
+            100,
+            None,
+            100.0 * (1 / 4),  # memoryless: the first of 4 finishes after mean / 4 steps
+        ),
+    ],
+    ids=["seq-slots-full", "slots-full-with-one-waiting-ahead", "kv-full", "seq-slots-full-memoryless"],
+)
+def test_full_replica_waits_for_running_requests_to_finish(
+    overrides: dict[str, object], prompt: int, release_index: int | None, approx_steps: float | None
+) -> None:
+    base = state_of(
+        [1000] * 4,
+        [],
+        release_steps=(10.0, 50.0, 100.0, 200.0),
+        release_kv_cumulative=(1000.0, 2000.0, 3000.0, 4000.0),
+        mean_remaining_output_tokens=90.0,
+    )
+    state = dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
+    f = forecast_request(request(prompt, 10), state, MODEL)
+    not_full = forecast_request(request(prompt, 10), base, MODEL)
+    assert f.valid
+    assert not_full.admission_wait_s == 0.0
+    if release_index is not None:
+        expected = state.release_steps[release_index] * _decode_step(state)
+        assert f.admission_wait_s == pytest.approx(expected, rel=1e-9)
+    else:
+        assert approx_steps is not None
+        assert f.admission_wait_s == pytest.approx(approx_steps * _decode_step(state), rel=0.05)
+    assert f.ttft_s > not_full.ttft_s
+    assert f.ttft_s >= f.admission_wait_s
+
+
+@pytest.mark.parametrize(
+    ("req", "state", "reason"),
+    [
+        (request(0), state_of([], []), ForecastReason.BAD_REQUEST),
+        (request(10, max_tokens=0), state_of([], []), ForecastReason.BAD_REQUEST),
+        (request(10, output=math.nan), state_of([], []), ForecastReason.BAD_REQUEST),
+        (request(10, output=-1.0), state_of([], []), ForecastReason.BAD_REQUEST),
+        (request(10, cached_prompt_tokens=-1), state_of([], []), ForecastReason.BAD_REQUEST),
+        (request(10), state_of([], [], max_num_seqs=0), ForecastReason.BAD_STATE),
+        (request(10), state_of([], [], budget=0), ForecastReason.BAD_STATE),
+        (request(10), state_of([100], [], decode_seqs=2), ForecastReason.BAD_STATE),
+        (request(10), state_of([100], [], kv_tokens_in_use=-5), ForecastReason.BAD_STATE),
+        (request(10), state_of([100], [], release_steps=(1.0,)), ForecastReason.BAD_STATE),
+        (
+            request(1000, max_tokens=100),
+            state_of([], [], max_model_len=1024),
+            ForecastReason.EXCEEDS_MAX_MODEL_LEN,
+        ),
+        (request(1000, output=500), state_of([], [], kv_capacity=1200), ForecastReason.EXCEEDS_KV_CAPACITY),
+    ],
+    ids=[
+        "empty-prompt",
+        "zero-max-tokens",
+        "nan-output",
+        "negative-output",
+        "negative-cache-hits",
+        "zero-max-num-seqs",
+        "zero-budget",
+        "more-decodes-than-running",
+        "negative-kv",
+        "release-lengths-differ",
+        "over-max-model-len",
+        "never-fits-in-kv",
+    ],
+)
+def test_inputs_that_cannot_be_forecast(
+    req: CandidateRequest, state: ReplicaState, reason: ForecastReason
+) -> None:
+    f = forecast_request(req, state, MODEL)
+    assert not f.valid
+    assert f.reason == reason
+    assert math.isnan(f.ttft_s)
+    assert math.isnan(f.tpot_s)
+    assert math.isnan(f.inflicted_tpot_s)
+
+
+def test_unknown_step_model_gives_no_numbers() -> None:
+    f = forecast_request(request(100), state_of([], []), unknown_step_model("unknown hardware"))
+    assert (f.valid, f.reason) == (False, ForecastReason.NO_STEP_MODEL)
+    assert math.isnan(f.ttft_s)
+
+
+def test_stale_state_is_computed_but_flagged() -> None:
+    fresh = forecast_request(request(100), state_of([500] * 8, []), MODEL)
+    stale = forecast_request(request(100), state_of([500] * 8, [], stale=True), MODEL)
+    assert (stale.valid, stale.reason) == (False, ForecastReason.STALE_STATE)
+    assert stale.ttft_s == fresh.ttft_s
+    assert math.isfinite(stale.tpot_s)
+
+
+@pytest.mark.parametrize(
+    ("expected", "max_tokens", "used"),
+    [(300.0, 1000, 300.0), (3000.0, 1000, 1000.0), (0.0, 1000, 1.0)],
+    ids=["as-predicted", "capped-at-max-tokens", "at-least-one"],
+)
+def test_output_tokens_used_and_quantile_are_reported(expected: float, max_tokens: int, used: float) -> None:
+    f = forecast_request(request(100, expected, max_tokens, output_quantile=0.9), state_of([], []), MODEL)
+    assert f.output_tokens_used == used
+    assert f.output_quantile == 0.9
+
+
+def test_prefix_cache_hits_shorten_ttft() -> None:
+    state = state_of([1000] * 32, [])
+    cold = forecast_request(request(16_000), state, MODEL)
+    warm = forecast_request(request(16_000, cached_prompt_tokens=12_000), state, MODEL)
+    fully = forecast_request(request(16_000, cached_prompt_tokens=16_000), state, MODEL)
+    assert fully.ttft_s < warm.ttft_s < cold.ttft_s
+    assert fully.prefill_steps == 1  # the last token is always computed
+
+
+def test_inflicted_window_comes_from_config_when_state_does_not_say() -> None:
+    state = state_of([1500] * 64, [])
+    short = forecast_request(request(50_000), state, MODEL, ForecastConfig(default_window_tokens=64))
+    long = forecast_request(request(50_000), state, MODEL, ForecastConfig(default_window_tokens=1024))
+    assert short.inflicted_stall_s == long.inflicted_stall_s
+    assert short.inflicted_tpot_s > long.inflicted_tpot_s
+
+
+def test_state_from_sequences_aggregates_detail() -> None:
+    running = [
+        RunningSeq(prompt_tokens=1000, computed_tokens=1000, generated_tokens=10, expected_output_tokens=110),
+        RunningSeq(prompt_tokens=500, computed_tokens=500, generated_tokens=300, expected_output_tokens=310),
+        RunningSeq(prompt_tokens=4000, computed_tokens=1000, generated_tokens=0, expected_output_tokens=50),
+    ]
+    state = ReplicaState.from_sequences(
+        running,
+        [300, 700],
+        kv_capacity_tokens=100_000,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        max_model_len=8192,
+    )
+    assert (state.num_running, state.num_waiting, state.decode_seqs) == (3, 2, 2)
+    assert state.kv_tokens_in_use == 1010 + 800 + 1000
+    assert (state.queued_prefill_tokens, state.queued_requests) == (3000 + 300 + 700, 3)
+    assert state.queued_prefill_attn_pairs == pytest.approx(3000 * (1500 + 1000) + 300 * 150 + 700 * 350)
+    assert state.release_steps == (10.0, 50.0, 100.0)
+    assert state.release_kv_cumulative == (800.0, 1800.0, 2810.0)
+    assert state.mean_remaining_output_tokens == pytest.approx(160 / 3)
+    f = forecast_request(request(200), state, MODEL)
+    assert f.valid
+    assert f.prefill_steps >= 2

@@ -1,0 +1,121 @@
+"""Output-length prediction: quantiles of recent lengths per tenant, per model, or a prior."""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+import pytest
+
+from predictor.output_length import OutputLengthConfig, OutputLengthPredictor, Population
+
+CFG = OutputLengthConfig(min_tenant_samples=50, min_model_samples=20, resort_every=1)
+
+
+def predictor_with(
+    model_lengths: list[int], tenant_lengths: list[int] | None = None
+) -> OutputLengthPredictor:
+    p = OutputLengthPredictor(CFG)
+    for n in model_lengths:
+        p.observe("m", "other", n)
+    for n in tenant_lengths or []:
+        p.observe("m", "acme", n)
+    return p
+
+
+@pytest.mark.parametrize(
+    ("quantile", "max_tokens", "tokens", "capped"),
+    [
+        (0.5, 4096, 51, False),  # 1..100: median 50.5, rounded up
+        (0.9, 4096, 91, False),  # 90.1 -> 91
+        (1.0, 4096, 100, False),
+        (0.0, 4096, 1, False),
+        (0.9, 64, 64, True),  # max_tokens is the binding cap
+    ],
+    ids=["median", "p90", "max", "min", "capped-by-max-tokens"],
+)
+def test_model_quantiles(quantile: float, max_tokens: int, tokens: int, capped: bool) -> None:
+    est = predictor_with(list(range(1, 101))).predict("m", None, max_tokens, quantile)
+    assert (est.tokens, est.population, est.samples, est.capped) == (tokens, Population.MODEL, 100, capped)
+    assert est.quantile == quantile
+
+
+@pytest.mark.parametrize(
+    ("tenant_samples", "population", "median"),
+    [(0, Population.MODEL, 1000), (49, Population.MODEL, 1000), (50, Population.TENANT, 10)],
+    ids=["no-tenant-data", "tenant-below-threshold", "tenant-at-threshold"],
+)
+def test_tenant_population_needs_enough_samples(
+    tenant_samples: int, population: Population, median: int
+) -> None:
+    # Everyone else writes essays (1000 tokens); acme writes one-liners (10 tokens).
+    p = predictor_with([1000] * 500, [10] * tenant_samples)
+    est = p.predict("m", "acme", 4096, 0.5)
+    assert est.population == population
+    # acme's own short outputs are also in the model population, so its median stays 1000 until trusted.
+    assert est.tokens == median
+
+
+@pytest.mark.parametrize(
+    ("model_samples", "quantile", "max_tokens"),
+    [(0, 0.5, 4096), (19, 0.5, 4096), (0, 0.9, 4096), (0, 0.9, 100)],
+    ids=["no-data", "too-few-model-samples", "prior-p90", "prior-capped"],
+)
+def test_prior_when_the_model_has_too_little_data(
+    model_samples: int, quantile: float, max_tokens: int
+) -> None:
+    est = predictor_with([7] * model_samples).predict("m", None, max_tokens, quantile)
+    expected = math.ceil(CFG.prior_median_tokens * math.exp(CFG.prior_sigma * NormalDist().inv_cdf(quantile)))
+    assert (est.population, est.samples) == (Population.PRIOR, 0)
+    assert est.tokens == min(expected, max_tokens)
+    assert est.capped == (expected > max_tokens)
+
+
+def test_window_keeps_only_recent_lengths() -> None:
+    p = OutputLengthPredictor(OutputLengthConfig(window=100, min_model_samples=20, resort_every=1))
+    for n in range(1, 1001):
+        p.observe("m", None, n)
+    est = p.predict("m", None, 4096, 0.5)
+    assert est.samples == 100
+    assert est.tokens == 951  # median of 901..1000
+
+
+def test_sorted_copy_refreshes_after_resort_every_observations() -> None:
+    p = OutputLengthPredictor(OutputLengthConfig(min_model_samples=1, resort_every=10))
+    for _ in range(20):
+        p.observe("m", None, 100)
+    assert p.predict("m", None, 4096, 0.5).tokens == 100
+    for _ in range(40):
+        p.observe("m", None, 500)
+    assert p.predict("m", None, 4096, 0.5).tokens == 500
+
+
+def test_models_are_separate_populations() -> None:
+    p = OutputLengthPredictor(CFG)
+    for _ in range(30):
+        p.observe("chat", None, 300)
+        p.observe("code", None, 900)
+    assert p.predict("chat", None, 4096).tokens == 300
+    assert p.predict("code", None, 4096).tokens == 900
+    assert (p.samples("chat"), p.samples("chat", "nobody")) == (30, 0)
+
+
+def test_population_count_is_bounded() -> None:
+    p = OutputLengthPredictor(OutputLengthConfig(max_populations=3))
+    for i in range(10):
+        p.observe(f"m{i}", None, 5)
+    assert sum(p.samples(f"m{i}") > 0 for i in range(10)) == 3
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda p: p.predict("m", None, 100, 1.5), "quantile"),
+        (lambda p: p.predict("m", None, 0), "max_tokens"),
+        (lambda p: p.observe("m", None, -1), "output_tokens"),
+    ],
+    ids=["quantile-above-one", "zero-max-tokens", "negative-length"],
+)
+def test_bad_arguments_raise(call: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call(OutputLengthPredictor())  # type: ignore[operator]
