@@ -1,0 +1,369 @@
+"""From scrape text to ``ReplicaSnapshot``: parsing, the sliding window, and snapshot building.
+
+Synchronous and I/O-free: time is passed in (monotonic seconds), so the same code runs under the
+live scraper (``gateway.replicas.scraper``), a virtual clock, and unit tests with fixture text.
+
+Arithmetic (as Prometheus does it, over the scrapes kept in the last ``window_s`` seconds):
+
+- counters: rate = increase / seconds, where the increase adds up consecutive differences and a
+  drop (engine restart) counts the post-reset value as the increase;
+- histograms: bucket, ``_sum`` and ``_count`` increases the same way, the whole histogram reset
+  together when any of them drops or the bucket layout changes; mean = d_sum / d_count, quantiles
+  by linear interpolation inside the bucket (PromQL ``histogram_quantile``);
+- gauges: read as is from the newest scrape.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.replicas.dialects import CounterName, Dialect, Histogram, HistogramName, Reading, Samples
+from gateway.replicas.snapshot import InFlight, ReplicaSnapshot
+
+DEFAULT_WINDOW_S = 10.0
+
+# Scrape times that differ by less than this are the same instant (float noise of a fake clock).
+_TIME_EPSILON_S = 1e-9
+
+
+class ExpositionError(ValueError):
+    """The text is not Prometheus exposition format (the parser rejected it)."""
+
+
+def parse_exposition(text: str) -> Samples:
+    """Parse Prometheus text with prometheus_client; ``_created`` samples and NaN/inf values dropped.
+
+    Raises ``ExpositionError`` (one line, the parser's complaint) when any line is invalid: like
+    Prometheus, a scrape with a bad line is a failed scrape, not a partial one.
+    """
+    try:
+        series = [
+            (sample.name, sample.labels, float(sample.value))
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            # A counter's ``_created`` is a start timestamp (~1.8e9), not a count.
+            if not sample.name.endswith("_created") and math.isfinite(sample.value)
+        ]
+    except (ValueError, TypeError, IndexError) as exc:
+        first_line = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
+        raise ExpositionError(f"not Prometheus text: {first_line[:200]}") from exc
+    return Samples(series)
+
+
+# -- counter and histogram arithmetic -------------------------------------------------------------
+
+
+def counter_increase(previous: float, current: float) -> float:
+    """Increase of a counter between two scrapes; after a reset (drop) the current value is it."""
+    return current - previous if current >= previous else current
+
+
+def histogram_reset(previous: Histogram, current: Histogram) -> bool:
+    """True when ``current`` cannot follow ``previous``: a count, sum or bucket dropped, or the
+    bucket layout changed (the engine restarted, possibly with other buckets)."""
+    if previous.bounds != current.bounds:
+        return True
+    if current.count < previous.count or current.sum < previous.sum:
+        return True
+    return any(c < p for p, c in zip(previous.cumulative, current.cumulative, strict=True))
+
+
+def histogram_increase(previous: Histogram, current: Histogram) -> Histogram:
+    """Observations added between two scrapes (``current`` itself after a reset)."""
+    if histogram_reset(previous, current):
+        return current
+    return Histogram(
+        bounds=current.bounds,
+        cumulative=tuple(c - p for p, c in zip(previous.cumulative, current.cumulative, strict=True)),
+        sum=current.sum - previous.sum,
+        count=current.count - previous.count,
+    )
+
+
+def histogram_add(a: Histogram, b: Histogram) -> Histogram:
+    """Sum of two increases with the same bucket layout."""
+    if a.bounds != b.bounds:
+        raise ValueError("cannot add histograms with different buckets")
+    return Histogram(
+        bounds=a.bounds,
+        cumulative=tuple(x + y for x, y in zip(a.cumulative, b.cumulative, strict=True)),
+        sum=a.sum + b.sum,
+        count=a.count + b.count,
+    )
+
+
+def histogram_mean(h: Histogram) -> float | None:
+    """Mean observation, ``sum / count``; ``None`` without observations."""
+    return h.sum / h.count if h.count > 0 else None
+
+
+def histogram_quantile(q: float, h: Histogram) -> float | None:
+    """The ``q``-quantile (0 <= q <= 1) estimated from bucket counts, as PromQL's histogram_quantile.
+
+    Linear interpolation inside the bucket holding rank ``q * total``; the lowest bucket starts at
+    0 (if its bound is positive); a rank in the ``+Inf`` bucket returns the highest finite bound.
+    ``None`` (PromQL: NaN) without a ``+Inf`` bucket, with fewer than two buckets, or without
+    observations.
+    """
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile must be in [0, 1], got {q}")
+    bounds, counts = h.bounds, list(h.cumulative)
+    if len(bounds) < 2 or not math.isinf(bounds[-1]) or bounds[-1] < 0:
+        return None
+    # Float rounding can make cumulative counts dip; PromQL forces them monotonic the same way.
+    for i in range(1, len(counts)):
+        counts[i] = max(counts[i], counts[i - 1])
+    total = counts[-1]
+    if total <= 0:
+        return None
+    rank = q * total
+    b = bisect.bisect_left(counts, rank)
+    if b == len(bounds) - 1:
+        return bounds[-2]
+    if b == 0 and bounds[0] <= 0:
+        return bounds[0]
+    start, below = (0.0, 0.0) if b == 0 else (bounds[b - 1], counts[b - 1])
+    in_bucket = counts[b] - below
+    if in_bucket <= 0:  # only for q == 0 with an empty lowest bucket
+        return start
+    return start + (bounds[b] - start) * ((rank - below) / in_bucket)
+
+
+# -- the window ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Point:
+    at: float
+    reading: Reading
+
+
+class ScrapeWindow:
+    """The readings of one replica's good scrapes in the last ``window_s`` seconds.
+
+    The newest reading is always kept; older ones leave once more than ``window_s`` seconds
+    older than the newest. A reading at or before the newest time replaces the newer ones (the
+    clock never goes back, so that only happens with a replayed or reset clock).
+    """
+
+    def __init__(self, window_s: float = DEFAULT_WINDOW_S) -> None:
+        if not window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self.window_s = window_s
+        self._points: deque[_Point] = deque()
+
+    def __len__(self) -> int:
+        return len(self._points)
+
+    def add(self, at: float, reading: Reading) -> None:
+        while self._points and self._points[-1].at >= at:
+            self._points.pop()
+        self._points.append(_Point(at, reading))
+        while self._points[0].at < at - self.window_s - _TIME_EPSILON_S:
+            self._points.popleft()
+
+    @property
+    def covered_s(self) -> float:
+        """Seconds between the oldest and the newest reading (0.0 with fewer than two)."""
+        return self._points[-1].at - self._points[0].at if len(self._points) > 1 else 0.0
+
+    def counter_increase(self, name: CounterName) -> tuple[float, float] | None:
+        """(increase, seconds it took) over consecutive scrapes that both had the counter."""
+        increase, seconds, pairs = 0.0, 0.0, 0
+        for prev, cur in _pairs(self._points):
+            a, b = prev.reading.counters.get(name), cur.reading.counters.get(name)
+            if a is None or b is None:
+                continue
+            increase += counter_increase(a, b)
+            seconds += cur.at - prev.at
+            pairs += 1
+        return (increase, seconds) if pairs else None
+
+    def counter_rate(self, name: CounterName) -> float | None:
+        """Increase per second; ``None`` when unknown (absent, or fewer than two scrapes)."""
+        found = self.counter_increase(name)
+        return None if found is None or found[1] <= 0 else found[0] / found[1]
+
+    def histogram_increase(self, name: HistogramName) -> tuple[Histogram, float] | None:
+        """(observations added, seconds) over consecutive scrapes that both had the histogram.
+
+        A bucket-layout change restarts the sum, since buckets of two layouts cannot be added.
+        """
+        total: Histogram | None = None
+        seconds = 0.0
+        for prev, cur in _pairs(self._points):
+            a, b = prev.reading.histograms.get(name), cur.reading.histograms.get(name)
+            if a is None or b is None:
+                continue
+            step = histogram_increase(a, b)
+            if total is None or total.bounds != step.bounds:
+                total, seconds = step, 0.0
+            else:
+                total = histogram_add(total, step)
+            seconds += cur.at - prev.at
+        return None if total is None else (total, seconds)
+
+
+def _pairs(points: Sequence[_Point]) -> list[tuple[_Point, _Point]]:
+    return list(zip(points, list(points)[1:], strict=False))
+
+
+# -- snapshots --------------------------------------------------------------------------------------
+
+
+class SnapshotBuilder:
+    """Turns one replica's scrapes into ``ReplicaSnapshot`` values; keeps its window between them.
+
+    Call ``observe_text`` (or ``observe`` with pre-parsed samples) for each scrape body and
+    ``fail`` for each failed scrape; each returns the new snapshot. A failure never touches the
+    window: the next good scrape continues it (older readings age out by time as usual).
+    """
+
+    def __init__(self, name: str, dialect: Dialect, *, window_s: float = DEFAULT_WINDOW_S) -> None:
+        self.name = name
+        self.dialect = dialect
+        self._window = ScrapeWindow(window_s)
+        self._last_good: ReplicaSnapshot | None = None
+
+    @property
+    def last_good(self) -> ReplicaSnapshot | None:
+        """The snapshot of the newest good scrape, ``None`` before the first one."""
+        return self._last_good
+
+    def observe_text(self, text: str, now: float, in_flight: Sequence[InFlight] = ()) -> ReplicaSnapshot:
+        """Parse ``text`` and build the snapshot at ``now``; stale if it does not parse."""
+        try:
+            samples = parse_exposition(text)
+        except ExpositionError as exc:
+            return self.fail(str(exc), now, in_flight)
+        return self.observe(samples, now, in_flight)
+
+    def observe(self, samples: Samples, now: float, in_flight: Sequence[InFlight] = ()) -> ReplicaSnapshot:
+        """Add a parsed scrape taken at ``now``; stale if it holds no metric this dialect knows."""
+        reading = self.dialect.read(samples)
+        if reading.is_empty():
+            reason = f"no {self.dialect.name} metric in the scrape ({len(samples)} other names)"
+            return self.fail(reason, now, in_flight)
+        self._window.add(now, reading)
+        snapshot = build_snapshot(self.name, self.dialect.name, now, reading, self._window, in_flight)
+        self._last_good = snapshot
+        return snapshot
+
+    def fail(self, reason: str, now: float, in_flight: Sequence[InFlight] = ()) -> ReplicaSnapshot:
+        """A stale snapshot at ``now``: the last good metrics (if any), ``reason``, current in-flight."""
+        if self._last_good is None:
+            return ReplicaSnapshot(
+                name=self.name,
+                taken_at=now,
+                stale=True,
+                stale_reason=reason,
+                dialect=self.dialect.name,
+                in_flight=tuple(in_flight),
+            )
+        return replace(
+            self._last_good, taken_at=now, stale=True, stale_reason=reason, in_flight=tuple(in_flight)
+        )
+
+
+def build_snapshot(
+    name: str,
+    dialect: str,
+    now: float,
+    reading: Reading,
+    window: ScrapeWindow,
+    in_flight: Sequence[InFlight] = (),
+) -> ReplicaSnapshot:
+    """A fresh snapshot: gauges from ``reading`` (the newest scrape), the rest from ``window``."""
+    gauges = reading.gauges
+    iteration = window.histogram_increase(HistogramName.ITERATION_TOKENS)
+    itl = _histogram_stats(window, HistogramName.INTER_TOKEN_LATENCY)
+    ttft = _histogram_stats(window, HistogramName.TTFT)
+    return ReplicaSnapshot(
+        name=name,
+        taken_at=now,
+        stale=False,
+        stale_reason=None,
+        dialect=dialect,
+        metrics_at=now,
+        window_s=window.covered_s,
+        model_names=reading.model_names,
+        num_running=gauges.num_running,
+        num_waiting=gauges.num_waiting,
+        kv_cache_usage=gauges.kv_cache_usage,
+        kv_cache_usage_max=gauges.kv_cache_usage_max,
+        kv_capacity_tokens=gauges.kv_capacity_tokens,
+        block_size=gauges.block_size,
+        prompt_tokens_per_s=window.counter_rate(CounterName.PROMPT_TOKENS),
+        computed_prompt_tokens_per_s=computed_prompt_rate(window),
+        generation_tokens_per_s=window.counter_rate(CounterName.GENERATION_TOKENS),
+        steps_per_s=observations_per_s(iteration),
+        requests_finished_per_s=window.counter_rate(CounterName.REQUESTS_FINISHED),
+        preemptions_per_s=window.counter_rate(CounterName.PREEMPTIONS),
+        admission_rejections_per_s=window.counter_rate(CounterName.ADMISSION_REJECTIONS),
+        prefix_cache_hit_rate=prefix_cache_hit_rate(window),
+        mean_tokens_per_step=None if iteration is None else histogram_mean(iteration[0]),
+        itl_mean_s=itl.mean,
+        itl_p50_s=itl.p50,
+        itl_p90_s=itl.p90,
+        ttft_mean_s=ttft.mean,
+        ttft_p50_s=ttft.p50,
+        ttft_p90_s=ttft.p90,
+        queue_time_mean_s=_histogram_stats(window, HistogramName.QUEUE_TIME).mean,
+        e2e_mean_s=_histogram_stats(window, HistogramName.E2E).mean,
+        mean_prompt_tokens_per_request=_histogram_stats(window, HistogramName.REQUEST_PROMPT_TOKENS).mean,
+        mean_generation_tokens_per_request=_histogram_stats(
+            window, HistogramName.REQUEST_GENERATION_TOKENS
+        ).mean,
+        sources=tuple(sorted(reading.sources.items())),
+        in_flight=tuple(in_flight),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramStats:
+    """Mean, median and 90th percentile of a histogram's window increase; ``None`` where unknown."""
+
+    mean: float | None = None
+    p50: float | None = None
+    p90: float | None = None
+
+
+def _histogram_stats(window: ScrapeWindow, name: HistogramName) -> HistogramStats:
+    found = window.histogram_increase(name)
+    if found is None:
+        return HistogramStats()
+    h = found[0]
+    return HistogramStats(histogram_mean(h), histogram_quantile(0.5, h), histogram_quantile(0.9, h))
+
+
+def observations_per_s(found: tuple[Histogram, float] | None) -> float | None:
+    """Observations per second of a histogram's window increase (steps/s for iteration tokens)."""
+    if found is None or found[1] <= 0:
+        return None
+    return found[0].count / found[1]
+
+
+def computed_prompt_rate(window: ScrapeWindow) -> float | None:
+    """Prompt tokens computed per second: the engine's own split when exposed, else prompt tokens
+    minus prefix-cache hits (clamped at 0: the two are counted at different moments)."""
+    direct = window.counter_rate(CounterName.COMPUTED_PROMPT_TOKENS)
+    if direct is not None:
+        return direct
+    prompt = window.counter_rate(CounterName.PROMPT_TOKENS)
+    hits = window.counter_rate(CounterName.PREFIX_CACHE_HITS)
+    return None if prompt is None or hits is None else max(prompt - hits, 0.0)
+
+
+def prefix_cache_hit_rate(window: ScrapeWindow) -> float | None:
+    """Prefix-cache hits / queries over the window, 0-1; ``None`` without queries in it."""
+    queries = window.counter_increase(CounterName.PREFIX_CACHE_QUERIES)
+    hits = window.counter_increase(CounterName.PREFIX_CACHE_HITS)
+    if queries is None or hits is None or queries[0] <= 0:
+        return None
+    return min(hits[0] / queries[0], 1.0)

@@ -1,0 +1,261 @@
+"""The scrape loop: ``GET {replica}/metrics`` every ``interval_s``, one task per replica.
+
+What it does: each replica's task fetches ``/metrics`` with a ``timeout_s`` limit, parses the
+body in a worker thread (the prometheus_client parser takes ~10 ms on a full vLLM scrape, too long
+to hold the event loop), feeds a ``SnapshotBuilder`` and publishes the new ``ReplicaSnapshot``:
+``latest(name)`` returns it and every subscriber is called with it (the admission queue
+re-evaluates on each).
+
+Failures (refused connection, timeout, non-200, text the parser rejects, text without a known
+metric) produce a stale snapshot with a reason and keep the last good window; nothing raises out
+of the loop. Only transitions between good and stale are logged, once each.
+
+Inputs: the aiohttp session (owned by the caller, never closed here), the replica list via
+``add_replica``/``remove_replica``, and for each replica an optional ``in_flight`` callable giving
+the gateway's own unfinished requests on it. Timestamps come from the injected ``clock``
+(monotonic seconds); the pacing of scrapes uses the event loop's own clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from gateway.replicas.dialects import get_dialect
+from gateway.replicas.scrape import DEFAULT_WINDOW_S, ExpositionError, SnapshotBuilder, parse_exposition
+from gateway.replicas.snapshot import InFlight, ReplicaSnapshot
+
+log = logging.getLogger("sluice.scraper")
+
+InFlightSource = Callable[[], Sequence[InFlight]]
+SnapshotCallback = Callable[[ReplicaSnapshot], None]
+
+
+@dataclass(eq=False)
+class _Target:
+    name: str
+    metrics_url: str
+    builder: SnapshotBuilder
+    in_flight: InFlightSource | None
+    #: Scrapes of one replica never overlap (the loop and ``scrape_once`` share it).
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    task: asyncio.Task[None] | None = None
+    #: ``None`` before the first snapshot; then whether the latest one was stale.
+    stale: bool | None = None
+
+
+class MetricsScraper:
+    """Scrapes every added replica's ``/metrics`` on an interval and publishes ``ReplicaSnapshot``s.
+
+    ``interval_s``: seconds from the start of one scrape of a replica to the start of the next.
+    ``timeout_s``: limit on one whole request (connect + body). ``window_s``: seconds of scrapes
+    kept for rates and histogram statistics. ``clock``: monotonic seconds for snapshot times.
+    """
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        *,
+        interval_s: float = 1.0,
+        timeout_s: float = 1.0,
+        window_s: float = DEFAULT_WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        for label, value in (("interval_s", interval_s), ("timeout_s", timeout_s), ("window_s", window_s)):
+            if not value > 0:
+                raise ValueError(f"{label} must be > 0, got {value}")
+        self._session = session
+        self._interval_s = interval_s
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._timeout_s = timeout_s
+        self._window_s = window_s
+        self._clock = clock
+        self._targets: dict[str, _Target] = {}
+        self._latest: dict[str, ReplicaSnapshot] = {}
+        self._subscribers: list[SnapshotCallback] = []
+        self._retiring: set[asyncio.Task[None]] = set()
+        self._running = False
+
+    # -- replicas ---------------------------------------------------------------------------------
+
+    def add_replica(
+        self,
+        name: str,
+        base_url: str,
+        dialect: str = "vllm",
+        in_flight: InFlightSource | None = None,
+    ) -> None:
+        """Start scraping ``{base_url}/metrics`` as replica ``name`` (at once if started).
+
+        Adding a name again replaces it with a fresh window (its URL or dialect may have changed).
+        ``ValueError`` for an unknown dialect. ``in_flight`` is called at each scrape.
+        """
+        chosen = get_dialect(dialect)
+        if name in self._targets:
+            self.remove_replica(name)
+        target = _Target(
+            name=name,
+            metrics_url=base_url.rstrip("/") + "/metrics",
+            builder=SnapshotBuilder(name, chosen, window_s=self._window_s),
+            in_flight=in_flight,
+        )
+        self._targets[name] = target
+        if self._running:
+            self._start_task(target)
+
+    def remove_replica(self, name: str) -> None:
+        """Stop scraping ``name`` and forget its snapshots; unknown names are ignored."""
+        target = self._targets.pop(name, None)
+        self._latest.pop(name, None)
+        if target is not None and target.task is not None:
+            target.task.cancel()
+            # Cancelled tasks are awaited in ``stop``; until then keep a strong reference.
+            self._retiring.add(target.task)
+            target.task.add_done_callback(self._retiring.discard)
+
+    def replicas(self) -> list[str]:
+        """Names being scraped, in the order they were added."""
+        return list(self._targets)
+
+    # -- results ----------------------------------------------------------------------------------
+
+    def latest(self, name: str) -> ReplicaSnapshot | None:
+        """The newest snapshot of ``name``; ``None`` before its first scrape ended or if unknown."""
+        return self._latest.get(name)
+
+    def subscribe(self, callback: SnapshotCallback) -> Callable[[], None]:
+        """Call ``callback(snapshot)`` on every new snapshot, in the event loop, in order.
+
+        Returns a function that unsubscribes. A callback that raises is logged and skipped; it
+        does not stop the loop or the other subscribers.
+        """
+        self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with contextlib.suppress(ValueError):
+                self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start one scrape task per replica; the first scrapes begin at once."""
+        if self._running:
+            return
+        self._running = True
+        for target in self._targets.values():
+            self._start_task(target)
+
+    async def stop(self) -> None:
+        """Cancel every scrape task and wait for them to end. The session is left open."""
+        self._running = False
+        tasks = [t.task for t in self._targets.values() if t.task is not None]
+        tasks += list(self._retiring)
+        for target in self._targets.values():
+            target.task = None
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._retiring.clear()
+
+    def _start_task(self, target: _Target) -> None:
+        target.task = asyncio.create_task(self._run(target), name=f"sluice-scrape-{target.name}")
+
+    async def _run(self, target: _Target) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            await self._scrape(target)
+            await asyncio.sleep(max(self._interval_s - (loop.time() - started), 0.0))
+
+    # -- one scrape -------------------------------------------------------------------------------
+
+    async def scrape_once(self, name: str) -> ReplicaSnapshot:
+        """Scrape ``name`` now (outside the interval), publish and return the snapshot.
+
+        ``KeyError`` if ``name`` was not added. Useful at startup and in tests.
+        """
+        return await self._scrape(self._targets[name])
+
+    async def _scrape(self, target: _Target) -> ReplicaSnapshot:
+        async with target.lock:
+            try:
+                snapshot = await self._observe(target)
+            except Exception as exc:  # a bug here must not end the replica's loop (cancel still does)
+                log.exception("scraping replica %s failed unexpectedly", target.name)
+                snapshot = target.builder.fail(
+                    f"internal error: {exc.__class__.__name__}", self._clock(), self._in_flight(target)
+                )
+            self._publish(target, snapshot)
+            return snapshot
+
+    async def _observe(self, target: _Target) -> ReplicaSnapshot:
+        body = await self._fetch(target.metrics_url)
+        now = self._clock()
+        in_flight = self._in_flight(target)
+        if isinstance(body, _Failure):
+            return target.builder.fail(body.reason, now, in_flight)
+        try:
+            samples = await asyncio.to_thread(parse_exposition, body)
+        except ExpositionError as exc:
+            return target.builder.fail(str(exc), now, in_flight)
+        return target.builder.observe(samples, now, in_flight)
+
+    async def _fetch(self, url: str) -> str | _Failure:
+        """The body of ``GET url`` as text, or why there is none (one line)."""
+        try:
+            async with self._session.get(url, timeout=self._timeout) as resp:
+                if resp.status != 200:
+                    return _Failure(f"GET /metrics answered {resp.status}")
+                raw = await resp.read()
+        except TimeoutError:
+            return _Failure(f"GET /metrics timed out after {self._timeout_s:g} s")
+        except aiohttp.ClientError as exc:
+            return _Failure(f"GET /metrics failed: {exc.__class__.__name__}: {exc}")
+        # The exposition format is UTF-8; a stray byte must not fail the whole scrape here, the
+        # parser decides whether the text is usable.
+        return raw.decode("utf-8", errors="replace")
+
+    def _in_flight(self, target: _Target) -> tuple[InFlight, ...]:
+        if target.in_flight is None:
+            return ()
+        try:
+            return tuple(target.in_flight())
+        except Exception:
+            log.exception("in_flight source of replica %s failed; using none", target.name)
+            return ()
+
+    def _publish(self, target: _Target, snapshot: ReplicaSnapshot) -> None:
+        if self._targets.get(target.name) is not target:
+            return  # removed or replaced while this scrape ran
+        self._log_transition(target, snapshot)
+        self._latest[target.name] = snapshot
+        for callback in list(self._subscribers):
+            try:
+                callback(snapshot)
+            except Exception:
+                log.exception("snapshot subscriber %r failed for replica %s", callback, target.name)
+
+    @staticmethod
+    def _log_transition(target: _Target, snapshot: ReplicaSnapshot) -> None:
+        if snapshot.stale == target.stale:
+            return
+        if snapshot.stale:
+            log.warning("metrics of replica %s are stale: %s", target.name, snapshot.stale_reason)
+        elif target.stale is None:
+            log.info("metrics of replica %s: scraping %s", target.name, target.metrics_url)
+        else:
+            log.info("metrics of replica %s are fresh again", target.name)
+        target.stale = snapshot.stale
+
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    reason: str
