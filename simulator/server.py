@@ -27,8 +27,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
+import re
 import signal
 import sys
 import time
@@ -77,6 +79,12 @@ class ApiError(Exception):
         self.param = param
 
 
+class BodyParseError(Exception):
+    """A body FastAPI cannot even decode (not UTF-8): 400 with FastAPI's ``{"detail": ...}``."""
+
+    DETAIL: Final = "There was an error parsing the body"
+
+
 def error_body(message: str, *, status: int, err_type: str, param: str | None = None) -> dict[str, Any]:
     """vLLM's current error body.
 
@@ -94,21 +102,95 @@ def _error_response(err: ApiError) -> web.Response:
     return _json(body, status=err.status)
 
 
-def context_length_error(*, max_model_len: int, prompt_tokens: int, max_tokens: int | None) -> ApiError:
-    """vLLM's 400 for a prompt plus output that do not fit in ``max_model_len`` tokens.
+def validation_error(message: str, *, parameter: str | None = None, value: object = None) -> ApiError:
+    """vLLM's 400 ``BadRequestError`` for a ``VLLMValidationError``.
 
-    Wording of recent vLLM (``VLLMValidationError`` with ``parameter="input_tokens"``, whose
-    ``str()`` appends ``(parameter=..., value=...)``), as seen in real 0.3x error bodies.
+    Its ``str()`` appends ``(parameter=..., value=...)`` for whichever of the two is set, and the
+    body's ``param`` is the parameter (``vllm/exceptions.py``, 0.32).
     """
-    requested = max_tokens or 0
-    total = prompt_tokens + requested
-    return ApiError(
-        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-        f"{requested} output tokens and your prompt contains at least {prompt_tokens} input tokens, "
-        f"for a total of at least {total} tokens. Please reduce the length of the input prompt or "
-        f"the number of requested output tokens. (parameter=input_tokens, value={prompt_tokens})",
-        param="input_tokens",
+    extras = [f"{k}={v}" for k, v in (("parameter", parameter), ("value", value)) if v is not None]
+    return ApiError(f"{message} ({', '.join(extras)})" if extras else message, param=parameter)
+
+
+def prompt_too_long_error(*, max_model_len: int, prompt_tokens: int, text_prompt: bool) -> ApiError:
+    """vLLM 0.32's 400 for a prompt longer than ``max_model_len`` tokens (``param="input_tokens"``).
+
+    A text prompt (a completion string or a rendered chat) is tokenized with truncation to
+    ``max_model_len + 1`` tokens, so vLLM only knows it has "at least" that many; a prompt of token
+    ids is counted exactly, and says "at least" only when it has exactly ``max_model_len + 1``.
+    """
+    count = min(prompt_tokens, max_model_len + 1) if text_prompt else prompt_tokens
+    qualifier = "at least " if count == max_model_len + 1 else ""
+    return validation_error(
+        f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+        f"contains {qualifier}{count} input tokens, which exceeds this limit even without any output "
+        f"tokens. Please reduce the length of the input prompt.",
+        parameter="input_tokens",
+        value=count,
     )
+
+
+#: pydantic-core's internal ``loc`` segments, which vLLM drops from ``param`` (vLLM 0.32, Apache-2.0:
+#: ``vllm/entrypoints/serve/exception_handling/handlers/validation.py``).
+_INTERNAL_LOC_MARKERS: Final = frozenset(
+    {
+        "function-wrap", "function-after", "function-before", "function-plain", "json-or-python",
+        "lax-or-strict", "chain", "default", "nullable", "tagged-union", "union", "call", "arguments",
+        "is-instance", "is-subclass", "callable", "str", "int", "float", "bool", "bytes", "bytearray",
+        "list", "tuple", "dict", "set", "frozenset", "complex", "none", "nonetype",
+    }
+)  # fmt: skip
+_BRACKETED_RE: Final = re.compile(r"[\[\]{}()]")
+#: vLLM bounds the errors it reports and the size of each (same file).
+_MAX_REPORTED_ERRORS: Final = 10
+_MAX_ERROR_INPUT_CHARS: Final = 200
+_MAX_ERROR_CHARS: Final = 1000
+
+
+def _clean_loc(loc: Sequence[object]) -> str:
+    """A pydantic ``loc`` as vLLM's dotted ``param``: ``("body", "max_tokens")`` -> ``body.max_tokens``."""
+    parts = [
+        str(p) for p in loc if not (_BRACKETED_RE.search(str(p)) or str(p).lower() in _INTERNAL_LOC_MARKERS)
+    ]
+    return ".".join(parts or [str(p) for p in loc])
+
+
+def _summarize_input(value: object) -> object:
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = value if isinstance(value, str) else str(value)
+    if len(text) > _MAX_ERROR_INPUT_CHARS:
+        return text[:_MAX_ERROR_INPUT_CHARS] + "...[truncated]"
+    return text
+
+
+def _format_error(err: Mapping[str, Any] | str) -> str:
+    if isinstance(err, str):
+        return err
+    shown = dict(err)
+    if "input" in shown:
+        shown["input"] = _summarize_input(shown["input"])
+    shown["loc"] = _clean_loc(shown.get("loc", ()))
+    text = str(shown)
+    return text[:_MAX_ERROR_CHARS] + "...[truncated]" if len(text) > _MAX_ERROR_CHARS else text
+
+
+def request_validation_error(errors: Sequence[Mapping[str, Any] | str]) -> ApiError:
+    """vLLM's 400 for a body FastAPI cannot parse or validate (a ``RequestValidationError``).
+
+    ``errors`` are pydantic's (``loc`` starting with ``"body"``) or plain strings. As vLLM 0.32's
+    handler: ``type`` is ``"Bad Request"``, ``param`` the first error's dotted ``loc`` (e.g.
+    ``body.37`` for invalid JSON at character 37), the message ``"N validation error(s):"`` with
+    one indented line per error.
+    """
+    first = errors[0] if errors else None
+    param = _clean_loc(first["loc"]) if isinstance(first, Mapping) and first.get("loc") else None
+    label = "error" if len(errors) == 1 else "errors"
+    shown = errors[:_MAX_REPORTED_ERRORS]
+    message = f"{len(errors)} validation {label}:\n" + "".join(f"  {_format_error(e)}\n" for e in shown)
+    if len(errors) > len(shown):
+        message += f"  ...and {len(errors) - len(shown)} more {label}\n"
+    return ApiError(message.rstrip(), err_type="Bad Request", param=param)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,8 +230,15 @@ class _ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class _ChatBody(_SamplingFields):
+class _ChatMessages(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
     messages: list[_ChatMessage]
+
+
+# Bases in this order put ``messages`` first, as in vLLM's ChatCompletionRequest: the first
+# validation error names the body's ``param``.
+class _ChatBody(_SamplingFields, _ChatMessages):
     max_completion_tokens: int | None = None
 
 
@@ -161,7 +250,8 @@ class GenerationRequest:
     #: Model name echoed in responses (the served name).
     model: str
     prompt_tokens: int
-    #: Output cap after vLLM's defaulting (always >= 1).
+    #: Output cap after vLLM's defaulting and its clamp to ``max_model_len - prompt_tokens``
+    #: (always >= 1); what vLLM's ``request_params_max_tokens`` histogram records.
     max_tokens: int
     ignore_eos: bool
     min_tokens: int
@@ -172,67 +262,142 @@ class GenerationRequest:
     text_seed: int
 
 
+def check_content_type(content_type: str | None) -> str:
+    """vLLM's ``validate_json_request``: a generation body must be typed ``application/json``.
+
+    Returns the media type (``application/json``); raises vLLM's 400 for any other or none.
+    """
+    media_type = (content_type or "").lower().split(";", maxsplit=1)[0].strip()
+    if media_type != "application/json":
+        raise request_validation_error(["Unsupported Media Type: Only 'application/json' is allowed"])
+    return media_type
+
+
 def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400 as vLLM gives for a body it cannot parse."""
+    """The request body as a JSON object, or the 400 FastAPI gives (through vLLM's handler).
+
+    Empty: ``missing`` at ``body``; not JSON: ``json_invalid`` at ``body.<position>``; not an
+    object: ``model_attributes_type`` at ``body``; not UTF-8: :class:`BodyParseError`.
+    """
+    if not raw:
+        raise request_validation_error(
+            [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
+        )
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(f"JSON decode error: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise request_validation_error(
+            [
+                {
+                    "type": "json_invalid",
+                    "loc": ("body", exc.pos),
+                    "msg": "JSON decode error",
+                    "input": {},
+                    "ctx": {"error": exc.msg},
+                }
+            ]
+        ) from None
+    except UnicodeDecodeError:
+        raise BodyParseError(BodyParseError.DETAIL) from None
     if not isinstance(body, dict):
-        raise ApiError("Input should be a valid dictionary or object to extract fields from")
+        raise request_validation_error(
+            [
+                {
+                    "type": "model_attributes_type",
+                    "loc": ("body",),
+                    "msg": "Input should be a valid dictionary or object to extract fields from",
+                    "input": body,
+                }
+            ]
+        )
     return body
 
 
-def _validation_message(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors(include_url=False):
-        loc = ".".join(str(p) for p in err["loc"])
-        parts.append(f"{loc}: {err['msg']}" if loc else str(err["msg"]))
-    return "; ".join(parts)
+def _body_errors(exc: ValidationError) -> ApiError:
+    """pydantic's errors for a body, located under ``body`` as FastAPI reports them."""
+    errors: list[Mapping[str, Any]] = [
+        {**err, "loc": ("body", *err["loc"])} for err in exc.errors(include_url=False, include_context=True)
+    ]
+    return request_validation_error(errors)
 
 
 def _validate_model(requested: str | None, served: str) -> None:
     """vLLM serves a request that names no model with its (only) served model."""
     if requested and requested != served:
         raise ApiError(
-            f"The model `{requested}` does not exist.", status=404, err_type="NotFoundError", param="model"
+            f"The model `{requested}` does not exist. Valid aliases: {served}.",
+            status=404,
+            err_type="NotFoundError",
+            param="model",
         )
 
 
-def _validate_common(fields: _SamplingFields) -> None:
+def _validate_stream_options(fields: _SamplingFields) -> None:
+    # A "before" validator of vLLM's request models: it runs ahead of the model check.
+    if fields.stream_options is not None and not fields.stream:
+        raise validation_error(
+            "Stream options can only be defined when `stream=True`.", parameter="stream_options"
+        )
+
+
+def _check_output_limit(requested: int | None, *, param: str, max_model_len: int) -> None:
+    """vLLM's ``TokenizeParams`` check: asking for more output than the whole context is a 400."""
+    if requested is not None and requested > max_model_len:
+        raise validation_error(
+            f"{param}={requested} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            parameter=param,
+            value=requested,
+        )
+
+
+def _resolve_max_tokens(
+    *, requested: int | None, prompt_tokens: int, max_model_len: int, text_prompt: bool
+) -> int:
+    """The output cap vLLM 0.32 uses (``get_max_tokens``), or the 400 it gives.
+
+    A prompt longer than the context is refused; otherwise the cap is the request's (``None``:
+    no cap) clamped to what the context has left, ``max_model_len - prompt_tokens``: vLLM does not
+    refuse a prompt plus ``max_tokens`` that overflow, it stops the output at the context's end
+    (``finish_reason="length"``). A cap below 1 (asked for, or a prompt that fills the context)
+    is ``SamplingParams``' "max_tokens must be at least 1".
+    """
+    if prompt_tokens > max_model_len:
+        raise prompt_too_long_error(
+            max_model_len=max_model_len, prompt_tokens=prompt_tokens, text_prompt=text_prompt
+        )
+    room = max_model_len - prompt_tokens
+    max_tokens = room if requested is None else min(requested, room)
+    if max_tokens < 1:
+        raise validation_error(
+            f"max_tokens must be at least 1, got {max_tokens}.", parameter="max_tokens", value=max_tokens
+        )
+    return max_tokens
+
+
+def _check_sampling(fields: _SamplingFields, max_tokens: int) -> None:
+    """``SamplingParams``' own checks that the emulator acts on, in vLLM's order."""
     if fields.n < 1:
-        raise ApiError(f"n must be at least 1, got {fields.n}.", param="n")
+        raise ApiError(f"n must be at least 1, got {fields.n}.")
     if fields.n > 1:
         raise ApiError(
             f"n={fields.n} is not supported by this replica emulator: it generates one choice per request.",
             param="n",
         )
-    if fields.stream_options is not None and not fields.stream:
-        raise ApiError("Stream options can only be defined when `stream=True`.", param="stream_options")
     if fields.min_tokens < 0:
         raise ApiError(f"min_tokens must be greater than or equal to 0, got {fields.min_tokens}.")
-
-
-def _resolve_max_tokens(*, requested: int | None, prompt_tokens: int, max_model_len: int) -> int:
-    """The output cap vLLM uses, or the 400 it gives when prompt and output cannot fit.
-
-    ``requested`` None means "as much as fits": ``max_model_len - prompt_tokens``.
-    """
-    if requested is not None and requested < 1:
-        raise ApiError(f"max_tokens must be at least 1, got {requested}.", param="max_tokens")
-    if prompt_tokens >= max_model_len or (
-        requested is not None and prompt_tokens + requested > max_model_len
-    ):
-        raise context_length_error(
-            max_model_len=max_model_len, prompt_tokens=prompt_tokens, max_tokens=requested
+    if fields.min_tokens > max_tokens:
+        raise ApiError(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {fields.min_tokens}."
         )
-    return requested if requested is not None else max_model_len - prompt_tokens
 
 
 def _completion_prompt(prompt: list[int] | list[list[int]] | str | list[str] | None) -> str | list[int]:
     """The single prompt of a completion request (a text or token ids)."""
     if prompt is None or prompt == "" or prompt == []:
-        raise ApiError("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
+        raise validation_error(
+            "Either prompt or prompt_embeds must be provided and non-empty.", parameter="prompt"
+        )
     if isinstance(prompt, str):
         return prompt
     first = prompt[0]
@@ -245,7 +410,9 @@ def _completion_prompt(prompt: list[int] | list[list[int]] | str | list[str] | N
         )
     if isinstance(first, str):
         if first == "":
-            raise ApiError("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
+            raise validation_error(
+                "Either prompt or prompt_embeds must be provided and non-empty.", parameter="prompt"
+            )
         return first
     return list(first)
 
@@ -255,21 +422,25 @@ def parse_completion_request(
 ) -> GenerationRequest:
     """Validate a ``POST /v1/completions`` body as vLLM does (raises :class:`ApiError`).
 
-    An absent (or null) ``max_tokens`` is 16, vLLM's field default, and is checked against the
-    context like an explicit one.
+    An absent (or null) ``max_tokens`` is 16, vLLM's default, clamped like an explicit one.
     """
     try:
         req = _CompletionBody.model_validate(body)
     except ValidationError as exc:
-        raise ApiError(_validation_message(exc)) from None
+        raise _body_errors(exc) from None
+    _validate_stream_options(req)
     _validate_model(req.model, served_model)
-    _validate_common(req)
+    requested = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+    _check_output_limit(requested, param="max_tokens", max_model_len=max_model_len)
     prompt = _completion_prompt(req.prompt)
     prompt_tokens = tokens.count_completion_prompt(prompt)
-    requested = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     max_tokens = _resolve_max_tokens(
-        requested=requested, prompt_tokens=prompt_tokens, max_model_len=max_model_len
+        requested=requested,
+        prompt_tokens=prompt_tokens,
+        max_model_len=max_model_len,
+        text_prompt=isinstance(prompt, str),
     )
+    _check_sampling(req, max_tokens)
     seed_text = prompt if isinstance(prompt, str) else ",".join(map(str, prompt))
     return _generation_request("completion", req, served_model, prompt_tokens, max_tokens, seed_text)
 
@@ -285,15 +456,20 @@ def parse_chat_request(
     try:
         req = _ChatBody.model_validate(body)
     except ValidationError as exc:
-        raise ApiError(_validation_message(exc)) from None
+        raise _body_errors(exc) from None
+    _validate_stream_options(req)
     _validate_model(req.model, served_model)
-    _validate_common(req)
+    requested: int | None = req.max_tokens
+    param = "max_tokens"
+    if req.max_completion_tokens is not None:
+        requested, param = req.max_completion_tokens, "max_completion_tokens"
+    _check_output_limit(requested, param=param, max_model_len=max_model_len)
     messages = [m.model_dump() for m in req.messages]
     prompt_tokens = tokens.count_chat_prompt(messages)
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = _resolve_max_tokens(
-        requested=requested, prompt_tokens=prompt_tokens, max_model_len=max_model_len
+        requested=requested, prompt_tokens=prompt_tokens, max_model_len=max_model_len, text_prompt=True
     )
+    _check_sampling(req, max_tokens)
     seed_text = "\n".join(tokens.message_text(m.get("content")) for m in messages)
     return _generation_request("chat", req, served_model, prompt_tokens, max_tokens, seed_text)
 
@@ -314,7 +490,7 @@ def _generation_request(
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
         ignore_eos=req.ignore_eos,
-        min_tokens=min(req.min_tokens, max_tokens),
+        min_tokens=req.min_tokens,
         stream=stream,
         include_usage=stream and options is not None and bool(options.include_usage),
         continuous_usage_stats=stream and options is not None and bool(options.continuous_usage_stats),
@@ -325,6 +501,22 @@ def _generation_request(
 # ---------------------------------------------------------------------------------------------
 # Response bodies and SSE framing (pure)
 # ---------------------------------------------------------------------------------------------
+
+
+def random_id() -> str:
+    """16 random hex digits: vLLM's ``random_uuid()``, the tail of its response and permission ids."""
+    return f"{uuid.uuid4().int & (2**64 - 1):016x}"
+
+
+def system_fingerprint(profile: Profile) -> str:
+    """vLLM's default (``full``) fingerprint: ``vllm-<version>[-tp<N>]-<hash8>``.
+
+    vLLM hashes its whole config; the emulator hashes the profile, so a replica's fingerprint
+    changes exactly when what it emulates does.
+    """
+    digest = hashlib.sha256(profile.model_dump_json().encode()).hexdigest()[:8]
+    tp = f"-tp{profile.tensor_parallel}" if profile.tensor_parallel > 1 else ""
+    return f"vllm-{VLLM_VERSION}{tp}-{digest}"
 
 
 def _dumps(obj: object) -> str:
@@ -342,13 +534,29 @@ def sse_event(payload: Mapping[str, Any]) -> bytes:
     return f"data: {_dumps(payload)}\n\n".encode()
 
 
+def sse_error_event(err: ApiError) -> bytes:
+    """vLLM's mid-stream error event: its body through ``json.dumps`` (default separators)."""
+    body = error_body(err.message, status=err.status, err_type=err.err_type, param=err.param)
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """vLLM's ``UsageInfo`` (``prompt_tokens_details`` only with a server flag, so null)."""
+    """vLLM's ``UsageInfo`` in a whole body (the token details come only with server flags: null)."""
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
         "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
+
+
+def stream_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """``UsageInfo`` in a chunk: the three counts (vLLM leaves the unset or null details out)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
     }
 
 
@@ -360,19 +568,24 @@ class ResponseIds:
     #: Unix time, seconds.
     created: int
     model: str
+    #: The server's ``system_fingerprint`` (:func:`system_fingerprint`); None sends null.
+    fingerprint: str | None = None
 
 
 def completion_body(
     ids: ResponseIds, text: str, finish_reason: str | None, use: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """A non-streaming ``text_completion`` body."""
+    """A non-streaming ``text_completion`` body, with vLLM 0.32's keys."""
     choice = {
         "index": 0,
         "text": text,
         "logprobs": None,
         "finish_reason": finish_reason,
         "stop_reason": None,
+        "token_ids": None,
         "prompt_logprobs": None,
+        "prompt_token_ids": None,
+        "routed_experts": None,
     }
     return {
         "id": ids.id,
@@ -381,16 +594,18 @@ def completion_body(
         "model": ids.model,
         "choices": [choice],
         "service_tier": None,
-        "system_fingerprint": None,
+        "system_fingerprint": ids.fingerprint,
         "usage": dict(use),
         "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
     }
 
 
 def chat_body(
     ids: ResponseIds, text: str, finish_reason: str | None, use: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """A non-streaming ``chat.completion`` body."""
+    """A non-streaming ``chat.completion`` body, with vLLM 0.32's keys."""
     message: dict[str, Any] = {
         "role": "assistant",
         "content": text,
@@ -398,8 +613,7 @@ def chat_body(
         "annotations": None,
         "audio": None,
         "function_call": None,
-        "tool_calls": [],
-        "reasoning_content": None,
+        "reasoning": None,
     }
     choice = {
         "index": 0,
@@ -407,6 +621,8 @@ def chat_body(
         "logprobs": None,
         "finish_reason": finish_reason,
         "stop_reason": None,
+        "token_ids": None,
+        "routed_experts": None,
     }
     return {
         "id": ids.id,
@@ -415,27 +631,48 @@ def chat_body(
         "model": ids.model,
         "choices": [choice],
         "service_tier": None,
-        "system_fingerprint": None,
+        "system_fingerprint": ids.fingerprint,
         "usage": dict(use),
         "prompt_logprobs": None,
+        "prompt_token_ids": None,
+        "prompt_text": None,
         "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
     }
+
+
+def _chunk(obj: str, ids: ResponseIds, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"id": ids.id, "object": obj, "created": ids.created, "model": ids.model, "choices": choices}
 
 
 def completion_chunk(
-    ids: ResponseIds, text: str, finish_reason: str | None, use: Mapping[str, Any] | None = None
+    ids: ResponseIds,
+    text: str,
+    finish_reason: str | None,
+    use: Mapping[str, Any] | None = None,
+    *,
+    fingerprint: bool = False,
 ) -> dict[str, Any]:
-    """One streamed ``text_completion`` chunk; ``use`` only with ``continuous_usage_stats``."""
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
-    chunk: dict[str, Any] = {
-        "id": ids.id,
-        "object": "text_completion",
-        "created": ids.created,
-        "model": ids.model,
-        "choices": [choice],
+    """One streamed ``text_completion`` chunk.
+
+    ``use``: only with ``continuous_usage_stats``. ``fingerprint``: stamp ``system_fingerprint``,
+    which vLLM does on the finishing chunk when no usage chunk follows it.
+    """
+    choice = {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "stop_reason": None,
+        "prompt_token_ids": None,
+        "token_ids": None,
     }
+    chunk = _chunk("text_completion", ids, [choice])
     if use is not None:
         chunk["usage"] = dict(use)
+    if fingerprint:
+        chunk["system_fingerprint"] = ids.fingerprint
     return chunk
 
 
@@ -444,8 +681,15 @@ def chat_chunk(
     delta: Mapping[str, Any],
     finish_reason: str | None,
     use: Mapping[str, Any] | None = None,
+    *,
+    fingerprint: bool = False,
 ) -> dict[str, Any]:
-    """One streamed ``chat.completion.chunk``; the first carries ``delta.role``."""
+    """One streamed ``chat.completion.chunk``; the first (``delta.role`` set) has vLLM's own keys.
+
+    ``use`` and ``fingerprint`` as in :func:`completion_chunk`; a chunk's ``usage`` also has
+    ``completion_tokens_details`` (null), as vLLM sets it on chat chunks.
+    """
+    first = "role" in delta
     choice: dict[str, Any] = {
         "index": 0,
         "delta": dict(delta),
@@ -454,31 +698,29 @@ def chat_chunk(
     }
     if finish_reason is not None:
         choice["stop_reason"] = None
-    chunk: dict[str, Any] = {
-        "id": ids.id,
-        "object": "chat.completion.chunk",
-        "created": ids.created,
-        "model": ids.model,
-        "choices": [choice],
-    }
+    if not first:
+        choice["token_ids"] = None
+    chunk = _chunk("chat.completion.chunk", ids, [choice])
     if use is not None:
-        chunk["usage"] = dict(use)
+        chunk["usage"] = {**use, "completion_tokens_details": None}
+    if fingerprint:
+        chunk["system_fingerprint"] = ids.fingerprint
+    if first:
+        chunk["prompt_token_ids"] = None
+        chunk["prompt_text"] = None
     return chunk
 
 
 def usage_chunk(
     kind: Literal["completion", "chat"], ids: ResponseIds, use: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """The last chunk with ``stream_options.include_usage``: no choices, the final usage."""
+    """The last chunk with ``stream_options.include_usage``: no choices, the final usage, fingerprint."""
     obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
-    return {
-        "id": ids.id,
-        "object": obj,
-        "created": ids.created,
-        "model": ids.model,
-        "choices": [],
-        "usage": dict(use),
-    }
+    chunk = _chunk(obj, ids, [])
+    chunk["usage"] = dict(use)
+    if ids.fingerprint is not None:
+        chunk["system_fingerprint"] = ids.fingerprint
+    return chunk
 
 
 # ---------------------------------------------------------------------------------------------
@@ -515,6 +757,7 @@ class Replica:
         self.model_name: str = profile.served_model_name
         self.max_model_len: int = profile.engine.max_model_len
         self.created = int(time.time())
+        self.system_fingerprint = system_fingerprint(profile)
         self.metrics = VllmMetrics(
             engine=self.engine,
             model_name=self.model_name,
@@ -688,12 +931,16 @@ async def _next_events(entry: _Inflight) -> list[TokenEvent]:
 
 async def _generate(request: web.Request, kind: Literal["completion", "chat"]) -> web.StreamResponse:
     replica = request.app[REPLICA]
+    check_content_type(request.headers.get("Content-Type"))
     body = parse_json_body(await request.read())
     parse = parse_completion_request if kind == "completion" else parse_chat_request
     req = parse(body, served_model=replica.model_name, max_model_len=replica.max_model_len)
     # As in vLLM, the engine's request id is the response's id.
     ids = ResponseIds(
-        f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}", int(time.time()), req.model
+        f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{random_id()}",
+        int(time.time()),
+        req.model,
+        replica.system_fingerprint,
     )
     entry = replica.submit(ids.id, req, request)
     try:
@@ -752,9 +999,7 @@ async def _stream(
             if last.finish_reason == "abort":
                 err = _abort_error(replica)
                 if err is not None:
-                    await response.write(
-                        sse_event(error_body(err.message, status=err.status, err_type=err.err_type))
-                    )
+                    await response.write(sse_error_event(err))
                     await response.write(SSE_DONE)
                 return response
             new = last.num_output_tokens - sent
@@ -764,7 +1009,7 @@ async def _stream(
             if last.finished:
                 break
         if req.include_usage:
-            await response.write(sse_event(usage_chunk(req.kind, ids, usage(req.prompt_tokens, sent))))
+            await response.write(sse_event(usage_chunk(req.kind, ids, stream_usage(req.prompt_tokens, sent))))
         await response.write(SSE_DONE)
         await response.write_eof()
     except ConnectionError:
@@ -776,17 +1021,24 @@ async def _stream(
 def _step_chunks(
     req: GenerationRequest, ids: ResponseIds, sent: int, new: int, last: TokenEvent
 ) -> list[dict[str, Any]]:
-    """The SSE chunks for ``new`` tokens after ``sent``; ``finish_reason`` rides on the last one."""
+    """The SSE chunks for ``new`` tokens after ``sent``; ``finish_reason`` rides on the last one.
+
+    The finishing chunk carries ``system_fingerprint`` unless a usage chunk follows it (vLLM
+    stamps only the stream's true last message).
+    """
     text = tokens.fake_text(req.text_seed, sent, new)
     finish = last.finish_reason if last.finished else None
-    use = usage(req.prompt_tokens, sent + new) if req.continuous_usage_stats else None
+    stamp = finish is not None and not req.include_usage and ids.fingerprint is not None
+    continuous = req.continuous_usage_stats
+    use = stream_usage(req.prompt_tokens, sent + new) if continuous else None
     if req.kind == "completion":
-        return [completion_chunk(ids, text, finish, use)]
+        return [completion_chunk(ids, text, finish, use, fingerprint=stamp)]
     chunks = []
     if sent == 0:
-        # vLLM's first chat chunk announces the role, with empty content.
-        chunks.append(chat_chunk(ids, {"role": "assistant", "content": ""}, None, use))
-    chunks.append(chat_chunk(ids, {"content": text}, finish, use))
+        # vLLM's first chat chunk announces the role, with empty content and no output yet.
+        role_use = stream_usage(req.prompt_tokens, 0) if continuous else None
+        chunks.append(chat_chunk(ids, {"role": "assistant", "content": ""}, None, role_use))
+    chunks.append(chat_chunk(ids, {"content": text}, finish, use, fingerprint=stamp))
     return chunks
 
 
@@ -804,7 +1056,7 @@ async def handle_models(request: web.Request) -> web.Response:
     """``GET /v1/models``: vLLM's ``ModelList`` with the one served model."""
     replica = request.app[REPLICA]
     permission = {
-        "id": f"modelperm-{uuid.uuid4().hex}",
+        "id": f"modelperm-{random_id()}",
         "object": "model_permission",
         "created": replica.created,
         "allow_create_engine": False,
@@ -863,6 +1115,7 @@ async def handle_tokenize(request: web.Request) -> web.Response:
     completion request with the same input reports as ``usage.prompt_tokens``.
     """
     replica = request.app[REPLICA]
+    check_content_type(request.headers.get("Content-Type"))
     body = parse_json_body(await request.read())
     _validate_model(body.get("model"), replica.model_name)
     if "messages" in body:
@@ -896,6 +1149,8 @@ async def _errors_as_vllm(request: web.Request, handler: Callable[[web.Request],
         return response
     except ApiError as err:
         return _error_response(err)
+    except BodyParseError as err:
+        return _json({"detail": str(err)}, status=400)
     except web.HTTPException as exc:
         if exc.status in (404, 405):
             return _json({"detail": exc.reason}, status=exc.status)

@@ -10,12 +10,15 @@ Pure Python and the standard library only: importable from any test.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 SHAPES_PATH = Path(__file__).resolve().parent / "data" / "vllm-0.32.0-shapes.json"
+#: The model name the recorded server served (``--served-model-name``) and the exchanges ask for.
+RECORDED_MODEL = "tiny-llama"
 
 #: A shape: a JSON type name ("str", "int", "float", "bool", "null"), a dict of shapes, or a list
 #: holding the shape of its first element (``[]`` for an empty list).
@@ -181,14 +184,14 @@ NO_SPECIAL_TOKENS = {"logit_bias": {str(token_id): -100 for token_id in range(4)
 
 def chat_body(**fields: Any) -> bytes:
     """A chat completion request body for the served model, with ``fields`` added."""
-    base: dict[str, Any] = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hello there"}]}
+    base: dict[str, Any] = {"model": RECORDED_MODEL, "messages": [{"role": "user", "content": "Hello there"}]}
     return json.dumps({**base, **NO_SPECIAL_TOKENS, **fields}).encode()
 
 
 def completion_body(**fields: Any) -> bytes:
     """A text completion request body for the served model, with ``fields`` added."""
     return json.dumps(
-        {"model": "tiny-llama", "prompt": "Hello there", **NO_SPECIAL_TOKENS, **fields}
+        {"model": RECORDED_MODEL, "prompt": "Hello there", **NO_SPECIAL_TOKENS, **fields}
     ).encode()
 
 
@@ -231,6 +234,39 @@ EXCHANGES: tuple[Exchange, ...] = (
         chat_body(max_tokens=1020, ignore_eos=True),
     ),
 )
+
+
+def with_model(exchange: Exchange, model: str) -> Exchange:
+    """``exchange`` asking for ``model`` wherever it asks for :data:`RECORDED_MODEL`.
+
+    For replaying the exchanges against a server with another served name. The body is edited as
+    bytes, so the one that is not valid JSON is retargeted too; other model names are kept.
+    """
+    if exchange.body is None:
+        return exchange
+    old = b'"model": ' + json.dumps(RECORDED_MODEL).encode()
+    new = b'"model": ' + json.dumps(model).encode()
+    return dataclasses.replace(exchange, body=exchange.body.replace(old, new))
+
+
+def diff_entries(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
+    """Differences between two :func:`describe` entries, the request itself left out.
+
+    Status, content type and body or SSE shapes go through :func:`diff_shapes` with
+    ``null_matches=False`` (a null where the other side has a value is a difference); the SSE chunk
+    order is compared whole, since :func:`diff_shapes` looks at a list's first element only.
+    """
+    drop = {"request"}
+    out = diff_shapes(
+        {k: v for k, v in expected.items() if k not in drop},
+        {k: v for k, v in actual.items() if k not in drop},
+        null_matches=False,
+    )
+    want = expected.get("sse", {}).get("sequence")
+    got = actual.get("sse", {}).get("sequence")
+    if want is not None and got is not None and want != got:
+        out.append(f"$.sse.sequence: expected {json.dumps(want)}, got {json.dumps(got)}")
+    return sorted(set(out))
 
 
 def observe_http(base_url: str, exchange: Exchange, timeout_s: float = 60.0) -> Observation:

@@ -41,9 +41,12 @@ class Client:
     def replica(self) -> Replica:
         return self.app[REPLICA]
 
-    async def post(self, path: str, body: Any = None, *, raw: bytes | None = None) -> tuple[int, Any]:
-        data = raw if raw is not None else None
-        kwargs: dict[str, Any] = {"data": data} if raw is not None else {"json": body}
+    async def post(
+        self, path: str, body: Any = None, *, raw: bytes | None = None, content_type: str = "application/json"
+    ) -> tuple[int, Any]:
+        kwargs: dict[str, Any] = {"json": body}
+        if raw is not None:
+            kwargs = {"data": raw, "headers": {"Content-Type": content_type}}
         async with self.session.post(self.url(path), **kwargs) as resp:
             text = await resp.text()
             if resp.content_type == "application/json":
@@ -74,7 +77,8 @@ def vllm_error(status: int, err_type: str, param: str | None) -> dict[str, Any]:
     ("path", "body", "raw", "expected"),
     [
         pytest.param(
-            "/v1/completions", None, b"{oops", vllm_error(400, "BadRequestError", None), id="invalid-json"
+            # FastAPI's RequestValidationError through vLLM's handler: param is where decoding failed.
+            "/v1/completions", None, b"{oops", vllm_error(400, "Bad Request", "body.1"), id="invalid-json"
         ),
         pytest.param(
             "/v1/completions", {"max_tokens": 3}, None, vllm_error(400, "BadRequestError", "prompt"),
@@ -85,17 +89,21 @@ def vllm_error(status: int, err_type: str, param: str | None) -> dict[str, Any]:
             vllm_error(404, "NotFoundError", "model"), id="unknown-model",
         ),
         pytest.param(
-            "/v1/chat/completions", {"max_tokens": 3}, None, vllm_error(400, "BadRequestError", None),
+            "/v1/chat/completions", {"max_tokens": 3}, None, vllm_error(400, "Bad Request", "body.messages"),
             id="missing-messages",
         ),
         pytest.param(
             # As in vLLM (FastAPI validates the body before the model is looked up): 400 wins.
-            "/v1/chat/completions", {"model": "x"}, None, vllm_error(400, "BadRequestError", None),
+            "/v1/chat/completions", {"model": "x"}, None, vllm_error(400, "Bad Request", "body.messages"),
             id="invalid-body-before-unknown-model",
         ),
         pytest.param(
-            "/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, None,
-            vllm_error(400, "BadRequestError", "input_tokens"), id="prompt-plus-max-tokens-too-long",
+            "/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN + 1}, None,
+            vllm_error(400, "BadRequestError", "max_tokens"), id="max-tokens-over-max-model-len",
+        ),
+        pytest.param(
+            "/v1/completions", {"prompt": [1] * (MAX_MODEL_LEN + 1), "max_tokens": 3}, None,
+            vllm_error(400, "BadRequestError", "input_tokens"), id="prompt-over-max-model-len",
         ),
         pytest.param(
             "/v1/completions", {"prompt": "hi", "n": 3}, None, vllm_error(400, "BadRequestError", "n"),
@@ -117,6 +125,35 @@ async def test_error_bodies(
         expected["code"],
     )
     assert error["message"]
+
+
+async def test_generation_body_must_be_typed_json(client: Client) -> None:
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    status, payload = await client.post("/v1/completions", raw=body, content_type="text/plain")
+    assert status == 400
+    assert payload["error"]["type"] == "Bad Request"
+    assert payload["error"]["param"] is None
+    assert "Only 'application/json' is allowed" in payload["error"]["message"]
+
+
+async def test_body_that_is_not_utf8_gets_fastapis_detail(client: Client) -> None:
+    status, payload = await client.post("/v1/completions", raw=b'{"prompt": "\xff\xfe"}')
+    assert (status, payload) == (400, {"detail": "There was an error parsing the body"})
+
+
+async def test_prompt_plus_max_tokens_over_context_is_capped_not_rejected(client: Client) -> None:
+    # vLLM 0.32 answers 200 and stops the output where the context ends.
+    prompt = [1] * (MAX_MODEL_LEN - 6)
+    status, payload = await client.post("/v1/completions", {"prompt": prompt, "max_tokens": MAX_MODEL_LEN})
+    assert status == 200
+    assert payload["usage"] == {
+        "prompt_tokens": MAX_MODEL_LEN - 6,
+        "total_tokens": MAX_MODEL_LEN,
+        "completion_tokens": 6,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
+    assert payload["choices"][0]["finish_reason"] == "length"
 
 
 async def test_routing_errors_look_like_fastapi(client: Client) -> None:

@@ -147,7 +147,14 @@ async def test_async_chat_and_completion_streams_concurrently(
     [
         pytest.param({"model": "no-such-model"}, openai.NotFoundError, 404, "model", id="unknown-model"),
         pytest.param(
-            {"max_tokens": MAX_MODEL_LEN}, openai.BadRequestError, 400, "input_tokens", id="too-long"
+            {"max_tokens": MAX_MODEL_LEN + 1}, openai.BadRequestError, 400, "max_tokens", id="too-long"
+        ),
+        pytest.param(
+            {"prompt": "x " * MAX_MODEL_LEN},
+            openai.BadRequestError,
+            400,
+            "input_tokens",
+            id="prompt-too-long",
         ),
         pytest.param({"n": 2}, openai.BadRequestError, 400, "n", id="n-above-one"),
         pytest.param({"max_tokens": 0}, openai.BadRequestError, 400, "max_tokens", id="zero-max-tokens"),

@@ -142,7 +142,7 @@ def test_errors_reach_the_sdk_typed(stack: Stack) -> None:
     client = _client(stack)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=USER, max_tokens=4)
-    with pytest.raises(openai.BadRequestError):  # the replica's own 400: prompt + max_tokens too long
+    with pytest.raises(openai.BadRequestError):  # the replica's own 400: max_tokens over max_model_len
         client.chat.completions.create(model=stack.model, messages=USER, max_tokens=10_000_000)
 
 

@@ -10,6 +10,8 @@ from simulator import tokens
 from simulator.server import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ApiError,
+    BodyParseError,
+    check_content_type,
     error_body,
     parse_chat_request,
     parse_completion_request,
@@ -45,6 +47,10 @@ CHAT_OVERHEAD = tokens.BOS_TOKENS + tokens.CHAT_TOKENS_PER_MESSAGE + tokens.CHAT
         pytest.param({"prompt": ["a b c"]}, 4, 16, id="list-of-one-string"),
         pytest.param({"prompt": [[9, 9]]}, 2, 16, id="list-of-one-id-list"),
         pytest.param({"prompt": [1] * 90, "max_tokens": 10}, 90, 10, id="exactly-fills-context"),
+        # vLLM 0.32 does not refuse a prompt plus max_tokens over the context: it caps the output.
+        pytest.param({"prompt": [1] * 90, "max_tokens": 11}, 90, 10, id="capped-to-context"),
+        pytest.param({"prompt": [1] * 95}, 95, 5, id="default-16-capped-too"),
+        pytest.param({"prompt": [1] * 99, "max_tokens": 100}, 99, 1, id="max-tokens-equal-to-limit-capped"),
     ],
 )
 def test_completion_tokens_and_max_tokens(body: dict[str, Any], prompt_tokens: int, max_tokens: int) -> None:
@@ -63,6 +69,7 @@ def test_completion_tokens_and_max_tokens(body: dict[str, Any], prompt_tokens: i
             3,
             id="completion-tokens-win",
         ),
+        pytest.param({"messages": user("hi"), "max_tokens": 95}, MAX_LEN - (CHAT_OVERHEAD + 1), id="capped"),
     ],
 )
 def test_chat_max_tokens(body: dict[str, Any], max_tokens: int) -> None:
@@ -104,9 +111,9 @@ def test_stream_flags(body: dict[str, Any], stream: bool, include_usage: bool, c
 
 
 def test_ignore_eos_and_min_tokens_pass_through() -> None:
-    req = completion({"prompt": "x", "max_tokens": 8, "ignore_eos": True, "min_tokens": 20})
+    req = completion({"prompt": "x", "max_tokens": 8, "ignore_eos": True, "min_tokens": 5})
     assert req.ignore_eos
-    assert req.min_tokens == 8  # capped at max_tokens
+    assert req.min_tokens == 5
 
 
 def test_same_prompt_same_seed() -> None:
@@ -126,9 +133,15 @@ def test_same_prompt_same_seed() -> None:
         pytest.param(
             completion, {"prompt": ["a", "b"]}, 400, "BadRequestError", "prompt", "batch", id="batch"
         ),
-        pytest.param(chat, {}, 400, "BadRequestError", None, "messages", id="missing-messages"),
+        pytest.param(chat, {}, 400, "Bad Request", "body.messages", "Field required", id="missing-messages"),
         pytest.param(
-            chat, {"messages": "hi"}, 400, "BadRequestError", None, "messages", id="messages-not-list"
+            chat,
+            {"messages": "hi"},
+            400,
+            "Bad Request",
+            "body.messages",
+            "Input should be a valid list",
+            id="messages-not-list",
         ),
         pytest.param(
             completion,
@@ -161,14 +174,41 @@ def test_same_prompt_same_seed() -> None:
             completion,
             {"prompt": "x", "max_tokens": "many"},
             400,
+            "Bad Request",
+            "body.max_tokens",
+            "'type': 'int_parsing'",
+            id="max-tokens-not-int",
+        ),
+        pytest.param(
+            completion,
+            {"prompt": "x", "max_tokens": 101},
+            400,
+            "BadRequestError",
+            "max_tokens",
+            "max_tokens=101 cannot be greater than max_model_len=100.",
+            id="max-tokens-over-max-model-len",
+        ),
+        pytest.param(
+            chat,
+            {"messages": user("x"), "max_tokens": 5, "max_completion_tokens": 101},
+            400,
+            "BadRequestError",
+            "max_completion_tokens",
+            "max_completion_tokens=101 cannot be greater than max_model_len=100.",
+            id="max-completion-tokens-over-max-model-len",
+        ),
+        pytest.param(
+            completion,
+            {"prompt": "x", "max_tokens": 4, "min_tokens": 5},
+            400,
             "BadRequestError",
             None,
-            "max_tokens",
-            id="max-tokens-not-int",
+            "min_tokens must be less than or equal to max_tokens=4, got 5.",
+            id="min-tokens-over-max-tokens",
         ),
         pytest.param(completion, {"prompt": "x", "n": 2}, 400, "BadRequestError", "n", "n=2", id="n-above-1"),
         pytest.param(
-            completion, {"prompt": "x", "n": 0}, 400, "BadRequestError", "n", "at least 1", id="n-zero"
+            completion, {"prompt": "x", "n": 0}, 400, "BadRequestError", None, "at least 1", id="n-zero"
         ),
         pytest.param(
             completion,
@@ -181,29 +221,20 @@ def test_same_prompt_same_seed() -> None:
         ),
         pytest.param(
             completion,
-            {"prompt": [1] * 90, "max_tokens": 11},
+            {"prompt": [1] * 101},
             400,
             "BadRequestError",
             "input_tokens",
             "maximum context length is 100 tokens",
-            id="prompt-plus-output-too-long",
-        ),
-        pytest.param(
-            completion,
-            {"prompt": [1] * 95},
-            400,
-            "BadRequestError",
-            "input_tokens",
-            "requested 16 output tokens",
-            id="default-16-is-checked-too",
+            id="prompt-over-context",
         ),
         pytest.param(
             completion,
             {"prompt": [1] * 100},
             400,
             "BadRequestError",
-            "input_tokens",
-            "prompt contains at least 100 input tokens",
+            "max_tokens",
+            "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
             id="prompt-fills-context",
         ),
         pytest.param(
@@ -212,7 +243,7 @@ def test_same_prompt_same_seed() -> None:
             400,
             "BadRequestError",
             "input_tokens",
-            "requested 0 output tokens",
+            "your prompt contains at least 101 input tokens",
             id="chat-prompt-too-long-no-max",
         ),
     ],
@@ -227,31 +258,105 @@ def test_rejections(
     assert fragment in err.message
 
 
-def test_context_length_message_has_vllm_wording() -> None:
+@pytest.mark.parametrize(
+    ("prompt", "count"),
+    [
+        # A text is tokenized with truncation to max_model_len + 1: vLLM knows only "at least" that.
+        pytest.param("w " * 200, "at least 101", id="text-truncated"),
+        pytest.param([1] * 101, "at least 101", id="ids-one-over"),
+        pytest.param([1] * 150, "150", id="ids-counted-exactly"),
+    ],
+)
+def test_prompt_too_long_message_has_vllm_wording(prompt: str | list[int], count: str) -> None:
     with pytest.raises(ApiError) as caught:
-        completion({"prompt": [1] * 90, "max_tokens": 20})
+        completion({"prompt": prompt, "max_tokens": 4})
+    value = count.removeprefix("at least ")
     assert caught.value.message == (
-        "This model's maximum context length is 100 tokens. However, you requested 20 output tokens "
-        "and your prompt contains at least 90 input tokens, for a total of at least 110 tokens. "
-        "Please reduce the length of the input prompt or the number of requested output tokens. "
-        "(parameter=input_tokens, value=90)"
+        f"This model's maximum context length is 100 tokens. However, your prompt contains {count} "
+        "input tokens, which exceeds this limit even without any output tokens. Please reduce the "
+        f"length of the input prompt. (parameter=input_tokens, value={value})"
     )
 
 
 @pytest.mark.parametrize(
-    "raw",
+    ("raw", "param", "message"),
     [
-        pytest.param(b"{not json", id="malformed"),
-        pytest.param(b"", id="empty"),
-        pytest.param(b"\xff\xfe", id="not-utf8"),
-        pytest.param(b"[1, 2]", id="array-not-object"),
-        pytest.param(b'"text"', id="string-not-object"),
+        # Each message is what the real vLLM 0.32 answered to the same body.
+        pytest.param(
+            b"{not json",
+            "body.1",
+            "1 validation error:\n  {'type': 'json_invalid', 'loc': 'body.1', 'msg': 'JSON decode error', "
+            "'input': '<dict of 0 items>', "
+            "'ctx': {'error': 'Expecting property name enclosed in double quotes'}}",
+            id="malformed",
+        ),
+        pytest.param(
+            b"",
+            "body",
+            "1 validation error:\n  "
+            "{'type': 'missing', 'loc': 'body', 'msg': 'Field required', 'input': 'None'}",
+            id="empty",
+        ),
+        pytest.param(
+            b"[1, 2]",
+            "body",
+            "1 validation error:\n  {'type': 'model_attributes_type', 'loc': 'body', 'msg': 'Input should be "
+            "a valid dictionary or object to extract fields from', 'input': '<list of 2 items>'}",
+            id="array-not-object",
+        ),
+        pytest.param(b'"text"', "body", None, id="string-not-object"),
+        pytest.param(b"\xff\xfe", "body.0", None, id="utf16-bom-not-json"),
     ],
 )
-def test_bad_json_is_400(raw: bytes) -> None:
+def test_bad_json_is_fastapis_400(raw: bytes, param: str, message: str | None) -> None:
     with pytest.raises(ApiError) as caught:
         parse_json_body(raw)
-    assert caught.value.status == 400
+    err = caught.value
+    assert (err.status, err.err_type, err.param) == (400, "Bad Request", param)
+    if message is not None:
+        assert err.message == message
+
+
+def test_body_that_is_not_utf8_is_fastapis_parse_error() -> None:
+    with pytest.raises(BodyParseError, match="There was an error parsing the body"):
+        parse_json_body(b'{"model": "\xff\xfe"}')
+
+
+def test_several_validation_errors_are_listed_with_the_first_as_param() -> None:
+    with pytest.raises(ApiError) as caught:
+        chat({"max_tokens": "x", "n": "y"})
+    err = caught.value
+    # vLLM's request model lists messages first, so the missing messages is the first error.
+    assert err.param == "body.messages"
+    assert err.message.startswith("3 validation errors:\n  {'type': 'missing', 'loc': 'body.messages'")
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        pytest.param("application/json", id="json"),
+        pytest.param("application/json; charset=utf-8", id="json-charset"),
+        pytest.param("Application/JSON", id="case-insensitive"),
+    ],
+)
+def test_json_content_types_are_accepted(content_type: str) -> None:
+    assert check_content_type(content_type) == "application/json"
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        pytest.param("text/plain", id="text"),
+        pytest.param("application/octet-stream", id="octet-stream"),
+        pytest.param(None, id="absent"),
+    ],
+)
+def test_other_content_types_are_vllms_400(content_type: str | None) -> None:
+    with pytest.raises(ApiError) as caught:
+        check_content_type(content_type)
+    err = caught.value
+    assert (err.status, err.err_type, err.param) == (400, "Bad Request", None)
+    assert err.message == "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed"
 
 
 def test_json_object_parses() -> None:

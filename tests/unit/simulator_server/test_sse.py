@@ -16,14 +16,17 @@ from simulator.server import (
     chat_body,
     completion_body,
     sse_event,
+    stream_usage,
     usage,
     usage_chunk,
 )
 
-IDS = ResponseIds(id="cmpl-1", created=1700000000, model="m")
+IDS = ResponseIds(id="cmpl-1", created=1700000000, model="m", fingerprint="vllm-0.32.0-0123abcd")
 
 
-def request(kind: str = "completion", *, continuous: bool = False) -> GenerationRequest:
+def request(
+    kind: str = "completion", *, continuous: bool = False, include_usage: bool = True
+) -> GenerationRequest:
     return GenerationRequest(
         kind=kind,  # type: ignore[arg-type]
         model="m",
@@ -32,7 +35,7 @@ def request(kind: str = "completion", *, continuous: bool = False) -> Generation
         ignore_eos=False,
         min_tokens=0,
         stream=True,
-        include_usage=True,
+        include_usage=include_usage,
         continuous_usage_stats=continuous,
         text_seed=42,
     )
@@ -60,7 +63,13 @@ def test_usage_totals() -> None:
         "total_tokens": 13,
         "completion_tokens": 3,
         "prompt_tokens_details": None,
+        "completion_tokens_details": None,
     }
+
+
+def test_stream_usage_has_only_the_counts() -> None:
+    # vLLM's final usage chunk is dumped with exclude_none: the null details are left out.
+    assert stream_usage(10, 3) == {"prompt_tokens": 10, "total_tokens": 13, "completion_tokens": 3}
 
 
 @pytest.mark.parametrize(
@@ -99,7 +108,39 @@ def test_chat_later_step_has_no_role_and_finish_on_last() -> None:
 
 def test_continuous_usage_in_every_chunk() -> None:
     (chunk,) = _step_chunks(request(continuous=True), IDS, 1, 1, event(2))
-    assert chunk["usage"]["completion_tokens"] == 2
+    assert chunk["usage"] == {"prompt_tokens": 10, "total_tokens": 12, "completion_tokens": 2}
+
+
+def test_chat_continuous_usage_counts_nothing_on_the_role_chunk() -> None:
+    role, content = _step_chunks(request("chat", continuous=True), IDS, 0, 1, event(1))
+    # As vLLM: the role chunk comes before any output; chat chunks set completion_tokens_details.
+    assert role["usage"] == {**stream_usage(10, 0), "completion_tokens_details": None}
+    assert content["usage"] == {**stream_usage(10, 1), "completion_tokens_details": None}
+
+
+def test_chat_chunk_keys_are_vllms() -> None:
+    role, content = _step_chunks(request("chat"), IDS, 0, 1, event(1))
+    (finish,) = _step_chunks(request("chat"), IDS, 1, 1, event(2, finish="length"))
+    assert set(role) == {"id", "object", "created", "model", "choices", "prompt_token_ids", "prompt_text"}
+    assert set(role["choices"][0]) == {"index", "delta", "logprobs", "finish_reason"}
+    assert set(content["choices"][0]) == {"index", "delta", "logprobs", "finish_reason", "token_ids"}
+    assert set(finish["choices"][0]) == {
+        "index", "delta", "logprobs", "finish_reason", "stop_reason", "token_ids"
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+@pytest.mark.parametrize(
+    ("include_usage", "stamped"),
+    [pytest.param(True, False, id="usage-chunk-follows"), pytest.param(False, True, id="no-usage-chunk")],
+)
+def test_fingerprint_rides_on_the_streams_last_message(kind: str, include_usage: bool, stamped: bool) -> None:
+    req = request(kind, include_usage=include_usage)
+    middle = _step_chunks(req, IDS, 1, 1, event(2))[-1]
+    finish = _step_chunks(req, IDS, 2, 1, event(3, finish="length"))[-1]
+    assert "system_fingerprint" not in middle
+    assert finish.get("system_fingerprint") == (IDS.fingerprint if stamped else None)
+    assert usage_chunk(kind, IDS, stream_usage(10, 3))["system_fingerprint"] == IDS.fingerprint  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
