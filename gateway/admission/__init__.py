@@ -1,0 +1,77 @@
+"""SLO-aware admission: the pure core (no I/O, no clock reads; times come in as ``now``).
+
+``AdmissionController`` is the entry point: it forecasts a request on every healthy replica,
+routes it to the one with the most slack, and admits, queues or rejects it (with a Retry-After
+computed from the forecast). Everything here is synchronous and imports neither aiohttp, redis
+nor prometheus_client, so the live gateway and the virtual-time replay drive the same objects.
+"""
+
+from gateway.admission.classes import ClassChoice, ClassSource, InvalidHeader, choose_class, client_deadline_s
+from gateway.admission.config import (
+    AdmissionSettings,
+    ClassSettings,
+    HeaderSettings,
+    QueueSettings,
+    RetryAfterSettings,
+    ShadowSettings,
+)
+from gateway.admission.core import AdmissionController
+from gateway.admission.decision import (
+    ADMITTERS,
+    Admit,
+    Admitter,
+    Blocker,
+    Decision,
+    Queue,
+    Reject,
+    RejectReason,
+    Rule,
+    SloAdmitter,
+    make_admitter,
+)
+from gateway.admission.headers import decision_headers
+from gateway.admission.queue import AdmissionQueue, QueueEntry, Reevaluation
+from gateway.admission.request import AdmissionRequest
+from gateway.admission.retry_after import RetryAfter, RetryAfterPolicy, UniformSource
+from gateway.admission.shares import ClassLoad, StreamingRequest
+from gateway.admission.stats import AdmissionStats, Outcome
+from gateway.admission.views import ReplicaView
+
+__all__ = [
+    "ADMITTERS",
+    "AdmissionController",
+    "AdmissionQueue",
+    "AdmissionRequest",
+    "AdmissionSettings",
+    "AdmissionStats",
+    "Admit",
+    "Admitter",
+    "Blocker",
+    "ClassChoice",
+    "ClassLoad",
+    "ClassSettings",
+    "ClassSource",
+    "Decision",
+    "HeaderSettings",
+    "InvalidHeader",
+    "Outcome",
+    "Queue",
+    "QueueEntry",
+    "QueueSettings",
+    "Reevaluation",
+    "Reject",
+    "RejectReason",
+    "ReplicaView",
+    "RetryAfter",
+    "RetryAfterPolicy",
+    "RetryAfterSettings",
+    "Rule",
+    "ShadowSettings",
+    "SloAdmitter",
+    "StreamingRequest",
+    "UniformSource",
+    "choose_class",
+    "client_deadline_s",
+    "decision_headers",
+    "make_admitter",
+]

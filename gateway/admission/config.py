@@ -1,0 +1,361 @@
+"""The ``admission:`` section: request classes and their targets, the queue, Retry-After, shadow mode.
+
+Pydantic v2 models in the house style (``gateway.settings.Section``: unknown keys rejected, frozen,
+strict types). Cross-field rules raise ``SettingsViolations`` listing every broken rule at once with
+a path relative to ``admission``. Units are in the field names (``_s`` seconds, ``_tokens``);
+fractions are plain floats in the stated range.
+
+Times: a class's ``ttft_target_s`` counts from the request's arrival at the gateway, so time spent
+in Sluice's queue is part of it (that is what a client and the goodput benchmark measure).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from gateway.settings import Name, PositiveSeconds, Section, SettingsViolations, Violation
+
+__all__ = [
+    "AdmissionSettings",
+    "ClassSettings",
+    "HeaderSettings",
+    "QueueSettings",
+    "RetryAfterSettings",
+    "ShadowSettings",
+]
+
+#: An HTTP header name as Sluice reads it: lower-case token characters (RFC 9110 ``token``).
+HeaderName = Annotated[str, Field(pattern=r"^[a-z0-9!#$%&'*+.^_`|~-]+$")]
+Fraction = Annotated[float, Field(gt=0, le=1)]
+
+#: Largest Retry-After Sluice ever sends, in seconds: the ``openai`` SDKs up to v2.51 ignore larger
+#: values and fall back to their own short backoff (math.md §8).
+RETRY_AFTER_CAP_S = 60.0
+
+
+class ClassSettings(Section):
+    """One request class: its latency targets, its deadline, its place in the queue, its limits."""
+
+    ttft_target_s: Annotated[
+        PositiveSeconds,
+        Field(
+            description="Time-to-first-token target, in seconds, counted from the request's arrival at "
+            "Sluice (queue wait included). A request is sent to a replica only if its predicted first "
+            "token comes within it."
+        ),
+    ] = 2.0
+    tpot_target_s: Annotated[
+        PositiveSeconds,
+        Field(
+            description="Time-per-output-token target, in seconds: the request's own predicted mean TPOT "
+            "must stay within it, and no newcomer may push a running request of this class past it."
+        ),
+    ] = 0.1
+    max_queue_wait_s: Annotated[
+        float,
+        Field(
+            ge=0,
+            description="Deadline for leaving Sluice's queue, in seconds after arrival: a queued request "
+            "still waiting then is rejected with deadline_exceeded. 0 = never queue (reject at once "
+            "when no replica can take the request).",
+        ),
+    ] = 1.0
+    priority: Annotated[
+        int,
+        Field(
+            ge=0,
+            description="Queue priority; LOWER is more important. Queued requests of a more important "
+            "class are always dispatched first.",
+        ),
+    ] = 0
+    max_prompt_tokens: Annotated[
+        int,
+        Field(
+            ge=1, description="Largest prompt accepted in this class, in tokens; larger -> prompt_too_large."
+        ),
+    ] = 131_072
+    queue_capacity: Annotated[
+        int,
+        Field(ge=0, description="Most requests of this class waiting in Sluice's queue; full -> overloaded."),
+    ] = 256
+    kv_share: Annotated[
+        Fraction,
+        Field(
+            description="Largest share (0-1] of each replica's KV cache this class's requests may hold "
+            "together, counted at their projected size (prompt + predicted output). 1 = no limit."
+        ),
+    ] = 1.0
+    slot_share: Annotated[
+        Fraction,
+        Field(
+            description="Largest share (0-1] of each replica's decode slots this class may hold; the slots "
+            "are min(max_num_seqs, the decode batch the step model says meets the tightest TPOT target). "
+            "1 = no limit."
+        ),
+    ] = 1.0
+    yields_to: Annotated[
+        list[Name],
+        Field(
+            description="Classes (more important, by priority) whose slack this class may only use: it is "
+            "admitted on a replica only if a typical request of each of them (see probe_*) would still "
+            "meet its targets with `admission.yield_margin` to spare afterwards."
+        ),
+    ] = Field(default_factory=list)
+    max_stall_s: Annotated[
+        PositiveSeconds | None,
+        Field(
+            description="Longest extra pause, in seconds, a newcomer's prefill may add to a running "
+            "stream of this class (a long prompt freezes every stream for its prefill steps). "
+            "null = only the mean-TPOT rule protects these streams."
+        ),
+    ] = None
+    probe_prompt_tokens: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="Prompt size, in tokens, of a typical request of this class: the probe that "
+            "classes yielding to this one must leave room for.",
+        ),
+    ] = 1024
+    probe_output_tokens: Annotated[
+        int,
+        Field(ge=1, description="Output size, in tokens, of the typical request (see probe_prompt_tokens)."),
+    ] = 256
+
+
+def _interactive() -> ClassSettings:
+    return ClassSettings()
+
+
+def _batch() -> ClassSettings:
+    return ClassSettings(
+        ttft_target_s=60.0,
+        tpot_target_s=0.5,
+        max_queue_wait_s=30.0,
+        priority=10,
+        queue_capacity=1024,
+        kv_share=0.5,
+        slot_share=0.5,
+        yields_to=["interactive"],
+    )
+
+
+class HeaderSettings(Section):
+    """Request headers a client may use to steer admission (names in lower case)."""
+
+    request_class: Annotated[
+        HeaderName,
+        Field(description="Header naming the request's class; honoured only for classes the tenant may use."),
+    ] = "x-sluice-class"
+    deadline_ms: Annotated[
+        HeaderName,
+        Field(
+            description="Header giving the client's own first-token deadline, in milliseconds after "
+            "arrival; it can only tighten the class's TTFT target, never loosen it."
+        ),
+    ] = "x-sluice-deadline-ms"
+
+
+class ShadowSettings(Section):
+    """Rules run in shadow mode: decided, counted and logged, but every request is admitted anyway.
+
+    A rule in shadow never rejects or queues; the decision says what it would have done
+    (``enforced`` False) and names the replica the request goes to instead.
+    """
+
+    slo: Annotated[
+        bool, Field(description="Shadow the TTFT/TPOT targets and deadlines (and the queue they feed).")
+    ] = False
+    protect_streams: Annotated[
+        bool,
+        Field(description="Shadow the rule that newcomers keep running streams within their TPOT targets."),
+    ] = False
+    batch_isolation: Annotated[
+        bool, Field(description="Shadow the KV/slot shares and the yield-to-more-important-classes rule.")
+    ] = False
+    prompt_size: Annotated[
+        bool,
+        Field(description="Shadow the per-class max_prompt_tokens limit (max_model_len is always enforced)."),
+    ] = False
+
+
+class RetryAfterSettings(Section):
+    """How Retry-After is derived from the forecast and spread."""
+
+    jitter_fraction: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=1,
+            description="Spread added to each Retry-After: the delay is drawn uniformly from "
+            "[d, d x (1 + jitter_fraction)], d the predicted drain time, so clients rejected together "
+            "come back apart.",
+        ),
+    ] = 0.5
+    min_s: Annotated[
+        float, Field(gt=0, le=RETRY_AFTER_CAP_S, description="Smallest delay sent, in seconds.")
+    ] = 0.1
+    max_s: Annotated[
+        float,
+        Field(
+            gt=0,
+            le=RETRY_AFTER_CAP_S,
+            description="Largest delay sent, in seconds (at most 60: clients ignore or refuse larger ones).",
+        ),
+    ] = RETRY_AFTER_CAP_S
+    no_replica_s: Annotated[
+        PositiveSeconds,
+        Field(description="Delay suggested with a 503 when no replica is healthy, in seconds (jittered)."),
+    ] = 2.0
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> RetryAfterSettings:
+        if self.min_s > self.max_s:
+            raise SettingsViolations(
+                [Violation(("min_s",), f"must not exceed max_s ({self.max_s!r})", self.min_s)]
+            )
+        return self
+
+
+class QueueSettings(Section):
+    """Sluice's queue: shortest predicted job first within a priority, with aging."""
+
+    aging_rate: Annotated[
+        float,
+        Field(
+            ge=0,
+            description="Seconds of predicted job size forgiven per second waited (dimensionless): a "
+            "job's sort key is size - aging_rate x wait, so a long job overtakes newer short ones.",
+        ),
+    ] = 1.0
+    reserve_after_s: Annotated[
+        PositiveSeconds | None,
+        Field(
+            description="Waiting time, in seconds, after which a request that still cannot be placed "
+            "holds back every request of its priority and below (queued or new) until it can: without "
+            "it, smaller requests that fit could keep a large one out forever. null = never hold back."
+        ),
+    ] = 5.0
+    prompt_token_cost_s: Annotated[
+        float,
+        Field(
+            ge=0, description="Job size per prompt token, in seconds (default: Llama-3-8B prefill on H100)."
+        ),
+    ] = 3.0e-5
+    output_token_cost_s: Annotated[
+        float,
+        Field(
+            ge=0,
+            description="Job size per predicted output token, in seconds (a decode slot's share of a step).",
+        ),
+    ] = 1.0e-4
+    max_examined: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="Most queued requests re-forecast per re-evaluation (bounds the work per event; "
+            "hard deadlines are checked for every entry regardless).",
+        ),
+    ] = 256
+
+
+class AdmissionSettings(Section):
+    """SLO-aware admission: classes, routing by slack, the queue, Retry-After, shadow mode."""
+
+    policy: Annotated[
+        Literal["slo", "admit_all"],
+        Field(
+            description="Admitter: `slo` admits what will meet its targets; `admit_all` routes by slack "
+            "but admits everything (a baseline)."
+        ),
+    ] = "slo"
+    classes: Annotated[
+        dict[Name, ClassSettings],
+        Field(description="Request classes by name; defaults: `interactive` and `batch`."),
+    ] = Field(default_factory=lambda: {"interactive": _interactive(), "batch": _batch()})
+    default_class: Annotated[
+        Name, Field(description="Class of a request that names none (and whose tenant sets none).")
+    ] = "interactive"
+    headers: Annotated[HeaderSettings, Field(description="Headers clients may use.")] = HeaderSettings()
+    shadow: Annotated[ShadowSettings, Field(description="Rules run in shadow mode.")] = ShadowSettings()
+    expose_prediction_headers: Annotated[
+        bool,
+        Field(
+            description="Add x-sluice-predicted-ttft-ms, x-sluice-predicted-tpot-ms and x-sluice-admission "
+            "to every response, admitted or not."
+        ),
+    ] = True
+    retry_after: Annotated[RetryAfterSettings, Field(description="Retry-After derivation.")] = (
+        RetryAfterSettings()
+    )
+    queue: Annotated[QueueSettings, Field(description="Sluice's queue.")] = QueueSettings()
+    stale_margin: Annotated[
+        float,
+        Field(
+            ge=0,
+            description="Safety margin for replicas whose metrics are stale: their predicted TTFT, TPOT "
+            "and inflicted TPOT are multiplied by (1 + stale_margin).",
+        ),
+    ] = 0.5
+    yield_margin: Annotated[
+        float,
+        Field(
+            ge=0,
+            lt=1,
+            description="Share of a protected class's targets kept free by classes that yield to it: "
+            "its probe must be predicted within (1 - yield_margin) x each target.",
+        ),
+    ] = 0.2
+    unmodelled_max_in_flight: Annotated[
+        int,
+        Field(
+            ge=0,
+            description="Requests Sluice may have in flight on a healthy replica with no step model yet "
+            "(unknown hardware, not calibrated); it gets traffic only when no modelled replica can "
+            "take the request. 0 = never use such replicas.",
+        ),
+    ] = 4
+
+    @model_validator(mode="after")
+    def _classes_are_consistent(self) -> AdmissionSettings:
+        violations = [*self._default_class_exists(), *self._yields_are_valid()]
+        if violations:
+            raise SettingsViolations(violations)
+        return self
+
+    def _default_class_exists(self) -> list[Violation]:
+        if not self.classes:
+            return [Violation(("classes",), "at least one class is required", {})]
+        if self.default_class in self.classes:
+            return []
+        known = ", ".join(sorted(self.classes))
+        return [Violation(("default_class",), f"not a configured class (known: {known})", self.default_class)]
+
+    def _yields_are_valid(self) -> list[Violation]:
+        """Every ``yields_to`` entry names another, strictly more important class (so no cycles)."""
+        found: list[Violation] = []
+        for name, cls in self.classes.items():
+            for index, other in enumerate(cls.yields_to):
+                path = ("classes", name, "yields_to", index)
+                target = self.classes.get(other)
+                if other == name:
+                    found.append(Violation(path, "a class cannot yield to itself", other))
+                elif target is None:
+                    found.append(Violation(path, "not a configured class", other))
+                elif target.priority >= cls.priority:
+                    message = (
+                        f"must name a more important class (lower priority than {cls.priority}), "
+                        f"but its priority is {target.priority}"
+                    )
+                    found.append(Violation(path, message, other))
+        return found
+
+    def class_settings(self, name: str) -> ClassSettings:
+        """The named class, or the default class when ``name`` is not configured."""
+        return self.classes.get(name) or self.classes[self.default_class]
+
+    def tightest_tpot_target_s(self) -> float:
+        """The smallest TPOT target of any class, in seconds (sizes the decode slots)."""
+        return min(c.tpot_target_s for c in self.classes.values())

@@ -1,0 +1,752 @@
+"""The per-request decision: forecast on every healthy replica, route by slack, admit, queue or reject.
+
+For a request of class C on replica r (predictions multiplied by ``1 + stale_margin`` when r's
+metrics are stale), each constraint has a **slack**, its spare capacity as a fraction of its limit
+(negative = violated):
+
+=============== ================================================================ ===============
+blocker          slack                                                            rule
+=============== ================================================================ ===============
+ttft             (first-token deadline - now - TTFT) / C.ttft_target              slo
+tpot             (C.tpot_target - TPOT) / C.tpot_target                           slo
+streams_tpot     min over classes k streaming on r of                             protect_streams
+                 (min headroom_k - inflicted TPOT) / k.tpot_target
+streams_stall    min over classes k with max_stall of (max_stall - stall) / max  protect_streams
+kv_share         (C.kv_share x KV capacity - class KV - own KV) / limit           batch_isolation
+slot_share       (C.slot_share x decode slots - class seqs - 1) / limit           batch_isolation
+yield_ttft/tpot  for each class P in C.yields_to, a typical P request queued       batch_isolation
+                 behind this one: ((1 - yield_margin) x P.target - probe) / target
+=============== ================================================================ ===============
+
+Headroom of a stream = its class's TPOT target - its TPOT now (as predicted, at least the
+replica's current decode step, plus what requests admitted since the view was built inflict).
+The first-token deadline is arrival + TTFT target, or the client's earlier deadline, so time spent
+in Sluice's queue counts. The replica's slack is the minimum; the request goes to the replica with
+the most slack among those where it is >= 0. A long prompt that would push running streams past
+their targets is therefore sent where it hurts least, or held. A replica with no step model yet is
+used only when no modelled one can take the request, below ``unmodelled_max_in_flight``.
+
+When no replica can take it now, each replica's *wait* is estimated (``retry_after``: drain times
+of the failing constraints) and its predicted first token is ``now + wait + TTFT``. If even the
+earliest of these is after the first-token deadline the request is rejected at once (before any
+GPU work): ``deadline_exceeded`` when the client's deadline binds (or it was queued), else
+``slo_unattainable``. Otherwise it is queued when its class queues and the wait fits its queue
+deadline, else rejected ``overloaded`` (streams or shares block) or ``slo_unattainable`` (its
+own TPOT target). Retry-After is the earliest replica's drain time, jittered; ``None`` when even an
+idle replica could not meet the targets (retrying cannot help).
+
+Cost: one ``forecast_request`` per healthy replica (plus one per yielded-to class for classes
+that yield, on replicas where the other rules hold), and O(classes) arithmetic; the blocked path
+adds the wait estimates and, for a rejection, one forecast on an idle copy of the best replica
+(is retrying hopeless?).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Final, Protocol
+
+from gateway.admission.config import AdmissionSettings, ClassSettings, ShadowSettings
+from gateway.admission.request import AdmissionRequest
+from gateway.admission.retry_after import RetryAfter, RetryAfterPolicy, decode_drain_s, ttft_excess_s
+from gateway.admission.shares import decode_slot_capacity, kv_share_limit, slot_share_limit
+from gateway.admission.views import ReplicaView, with_queued
+from predictor import (
+    CandidateRequest,
+    Forecast,
+    ForecastConfig,
+    ForecastReason,
+    ReplicaState,
+    forecast_request,
+)
+
+__all__ = [
+    "ADMITTERS",
+    "Admit",
+    "Admitter",
+    "Blocker",
+    "Decision",
+    "Queue",
+    "Reject",
+    "RejectReason",
+    "Rule",
+    "SloAdmitter",
+    "make_admitter",
+]
+
+
+class RejectReason(StrEnum):
+    """Why a request is refused; the OpenAI error ``code``. Bounded: safe as a metric label."""
+
+    OVERLOADED = "overloaded"
+    SLO_UNATTAINABLE = "slo_unattainable"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    PROMPT_TOO_LARGE = "prompt_too_large"
+    NO_HEALTHY_REPLICA = "no_healthy_replica"
+
+
+class Blocker(StrEnum):
+    """The constraint that kept a request off its best replica. Bounded: safe as a metric label."""
+
+    TTFT = "ttft"
+    TPOT = "tpot"
+    STREAMS_TPOT = "streams_tpot"
+    STREAMS_STALL = "streams_stall"
+    KV_SHARE = "kv_share"
+    SLOT_SHARE = "slot_share"
+    YIELD_TTFT = "yield_ttft"
+    YIELD_TPOT = "yield_tpot"
+    UNMODELLED = "unmodelled"  # no step model yet, and its in-flight cap is reached
+    NO_REPLICA = "no_replica"
+    PROMPT_SIZE = "prompt_size"
+    QUEUE_FULL = "queue_full"
+    HELD_BACK = "held_back"  # a long-waiting queued request of its priority goes first
+
+
+class Rule(StrEnum):
+    """Rules that can run in shadow mode (``admission.shadow``)."""
+
+    SLO = "slo"
+    PROTECT_STREAMS = "protect_streams"
+    BATCH_ISOLATION = "batch_isolation"
+    PROMPT_SIZE = "prompt_size"
+
+
+#: Constraint slots of a candidate's slack vector, in this order.
+_SLOTS: Final = (
+    Blocker.TTFT,
+    Blocker.TPOT,
+    Blocker.STREAMS_TPOT,
+    Blocker.STREAMS_STALL,
+    Blocker.KV_SHARE,
+    Blocker.SLOT_SHARE,
+    Blocker.YIELD_TTFT,
+    Blocker.YIELD_TPOT,
+)
+_TTFT, _TPOT, _STREAMS, _STALL, _KV, _SLOT, _YTTFT, _YTPOT = range(8)
+_RULE_SLOTS: Final = {
+    Rule.SLO: (_TTFT, _TPOT),
+    Rule.PROTECT_STREAMS: (_STREAMS, _STALL),
+    Rule.BATCH_ISOLATION: (_KV, _SLOT, _YTTFT, _YTPOT),
+}
+#: Blockers that are the load's fault (others' streams, shares), not the request's own targets.
+_LOAD_BLOCKERS: Final = frozenset(
+    {Blocker.STREAMS_TPOT, Blocker.STREAMS_STALL, Blocker.KV_SHARE, Blocker.SLOT_SHARE}
+    | {Blocker.YIELD_TTFT, Blocker.YIELD_TPOT, Blocker.UNMODELLED, Blocker.QUEUE_FULL, Blocker.HELD_BACK}
+)
+_INF: Final = math.inf
+#: Shared by every candidate of a class that yields to none (never mutated).
+_NO_PROBES: Final[list[tuple[ClassSettings, Forecast]]] = []
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """Send the request to ``replica`` now.
+
+    ``forecast``: the prediction there, stale margin applied (for the prediction headers).
+    ``slack``: the replica's slack, >= 0 (NaN on a replica with no step model yet).
+    """
+
+    replica: str
+    forecast: Forecast | None
+    slack: float
+    enforced: bool = True
+
+    @property
+    def admits(self) -> bool:
+        """The caller sends the request to ``replica`` now."""
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class Queue:
+    """Hold the request in Sluice's queue: no replica can take it now, but one should in time.
+
+    ``blocker``: what keeps it off its best replica. ``earliest_retry_s``: predicted seconds until
+    a replica could take it (worth scheduling a re-evaluation then). ``replica``/``forecast``: its
+    best replica now. ``entry_id``: its queue entry, set by the controller once queued.
+    ``enforced`` False (shadow mode): admit it to ``replica`` anyway.
+    """
+
+    blocker: Blocker
+    earliest_retry_s: float
+    replica: str | None
+    forecast: Forecast | None
+    enforced: bool = True
+    entry_id: int | None = None
+
+    @property
+    def reason(self) -> Blocker:
+        """Why it waits (same as ``blocker``)."""
+        return self.blocker
+
+    @property
+    def admits(self) -> bool:
+        """The caller sends the request to ``replica`` now (shadow mode)."""
+        return not self.enforced and self.replica is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """Refuse the request.
+
+    ``retry_after``: when to come back; ``None`` means retrying cannot help (prompt too large,
+    targets unattainable even on an idle replica). ``message``: one line for the client and the log.
+    ``forecast``: the prediction on the best replica, if any. ``enforced`` False (shadow mode):
+    admit it to ``replica`` anyway.
+    """
+
+    reason: RejectReason
+    retry_after: RetryAfter | None
+    forecast: Forecast | None
+    message: str
+    blocker: Blocker | None = None
+    replica: str | None = None
+    enforced: bool = True
+
+    @property
+    def admits(self) -> bool:
+        """The caller sends the request to ``replica`` now (shadow mode)."""
+        return not self.enforced and self.replica is not None
+
+    @property
+    def retry_after_s(self) -> float | None:
+        """The jittered delay in seconds, ``None`` when not retryable."""
+        return None if self.retry_after is None else self.retry_after.delay_s
+
+
+Decision = Admit | Queue | Reject
+
+
+class Admitter(Protocol):
+    """Decides one request against the current replica views. Pure: ``now`` is the only clock."""
+
+    def decide(
+        self, request: AdmissionRequest, views: Sequence[ReplicaView], now: float, *, queued: bool = False
+    ) -> Decision:
+        """``queued``: the request is already in Sluice's queue (being re-evaluated): it then gets
+        ``Queue`` to stay, ``Admit`` to go, or ``Reject`` with ``deadline_exceeded``."""
+        ...
+
+
+@dataclass(slots=True)
+class _Candidate:
+    """One healthy replica's verdict for one request."""
+
+    view: ReplicaView
+    forecast: Forecast | None  # stale margin applied; None without a step model
+    slacks: tuple[float, ...] | None  # by _SLOTS; None without a step model
+    slack: float  # minimum over every rule
+    slack_enforced: float  # minimum over the enforced rules
+    probes: list[tuple[ClassSettings, Forecast]]
+
+
+def _scaled(f: Forecast, scale: float) -> Forecast:
+    return replace(
+        f,
+        ttft_s=f.ttft_s * scale,
+        tpot_s=f.tpot_s * scale,
+        inflicted_tpot_s=f.inflicted_tpot_s * scale,
+        inflicted_stall_s=f.inflicted_stall_s * scale,
+        admission_wait_s=f.admission_wait_s * scale,
+    )
+
+
+def _idle(state: ReplicaState) -> ReplicaState:
+    """The same replica with nothing running or waiting."""
+    return ReplicaState(
+        0,
+        0,
+        0,
+        0,
+        state.kv_capacity_tokens,
+        state.max_num_seqs,
+        state.max_num_batched_tokens,
+        state.max_model_len,
+    )
+
+
+def _enforced_slots(shadow: ShadowSettings) -> tuple[int, ...]:
+    skipped = {Rule.SLO: shadow.slo, Rule.PROTECT_STREAMS: shadow.protect_streams}
+    skipped[Rule.BATCH_ISOLATION] = shadow.batch_isolation
+    return tuple(i for rule, slots in _RULE_SLOTS.items() if not skipped[rule] for i in slots)
+
+
+class SloAdmitter:
+    """The SLO admitter (``policy: slo``): see the module docstring for the rules.
+
+    ``forecast_config`` is passed through to ``predictor.forecast_request``.
+    """
+
+    def __init__(
+        self,
+        settings: AdmissionSettings,
+        retry: RetryAfterPolicy,
+        *,
+        forecast_config: ForecastConfig | None = None,
+        shadow_all: bool = False,
+    ) -> None:
+        self._settings = settings
+        self._retry = retry
+        self._fc = forecast_config if forecast_config is not None else ForecastConfig()
+        self._margin = 1.0 + settings.stale_margin
+        shadow = settings.shadow
+        if shadow_all:
+            shadow = ShadowSettings(slo=True, protect_streams=True, batch_isolation=True, prompt_size=True)
+        self._shadow = shadow
+        self._all = tuple(range(len(_SLOTS)))
+        self._enforced = _enforced_slots(shadow)
+        self._all_enforced = self._enforced == self._all
+        self._slo_enforced = not shadow.slo
+        self._default = settings.classes[settings.default_class]
+        #: (TPOT target, max stall) per class, for the streams already running.
+        self._stream_limits = {n: (c.tpot_target_s, c.max_stall_s) for n, c in settings.classes.items()}
+        self._default_limits = (self._default.tpot_target_s, self._default.max_stall_s)
+        tightest = min(settings.classes.values(), key=lambda c: c.tpot_target_s)
+        self._tightest_tpot_s = tightest.tpot_target_s
+        self._typical_context = tightest.probe_prompt_tokens + tightest.probe_output_tokens / 2.0
+        self._probes = {
+            name: tuple(
+                (
+                    settings.classes[p],
+                    CandidateRequest(
+                        settings.classes[p].probe_prompt_tokens,
+                        settings.classes[p].probe_output_tokens,
+                        float(settings.classes[p].probe_output_tokens),
+                    ),
+                )
+                for p in cls.yields_to
+            )
+            for name, cls in settings.classes.items()
+        }
+
+    @property
+    def settings(self) -> AdmissionSettings:
+        return self._settings
+
+    # -- the decision ------------------------------------------------------------------------
+
+    def decide(
+        self, request: AdmissionRequest, views: Sequence[ReplicaView], now: float, *, queued: bool = False
+    ) -> Decision:
+        """Admit, queue or reject ``request`` given ``views`` at ``now`` (see ``Admitter``)."""
+        s = self._settings
+        name = request.request_class if request.request_class in s.classes else s.default_class
+        cls = s.classes[name]
+        prompt_reject = self._class_prompt_check(request, cls)
+        if prompt_reject is not None and prompt_reject.enforced:
+            return prompt_reject
+        deadline = request.first_token_deadline_s(cls)
+        candidates: list[_Candidate] = []
+        fits_somewhere = False
+        need_len, need_kv = request.min_model_len, request.min_kv_tokens
+        evaluate = self._evaluate
+        for view in views:
+            state = view.state
+            if state.max_model_len >= need_len and state.kv_capacity_tokens >= need_kv:
+                fits_somewhere = True
+                if view.healthy:
+                    c = evaluate(request, name, cls, view, now, deadline)
+                    if c is not None:
+                        candidates.append(c)
+        if views and not fits_somewhere:
+            return Reject(
+                RejectReason.PROMPT_TOO_LARGE,
+                None,
+                None,
+                f"{request.prompt_tokens} prompt tokens (plus the output cap) exceed every replica's "
+                "context length or KV cache",
+                Blocker.PROMPT_SIZE,
+            )
+        if not candidates:
+            if queued:
+                return Queue(Blocker.NO_REPLICA, s.retry_after.no_replica_s, None, None)
+            return Reject(
+                RejectReason.NO_HEALTHY_REPLICA,
+                self._retry.no_replica(),
+                None,
+                "no healthy replica can serve this request right now",
+                Blocker.NO_REPLICA,
+            )
+        best_all = self._pick(candidates, enforced=False)
+        if best_all is not None and prompt_reject is None:
+            return self._admit(best_all)
+        if self._all_enforced and prompt_reject is None:
+            return self._blocked(request, cls, candidates, now, deadline, queued, self._all)
+        best_enforced = self._pick(candidates, enforced=True)
+        if best_enforced is not None:
+            full: Queue | Reject
+            if prompt_reject is not None:
+                full = prompt_reject
+            else:
+                full = self._blocked(request, cls, candidates, now, deadline, queued, self._all)
+            return replace(
+                full, enforced=False, replica=best_enforced.view.name, forecast=best_enforced.forecast
+            )
+        return self._blocked(request, cls, candidates, now, deadline, queued, self._enforced)
+
+    def _class_prompt_check(self, request: AdmissionRequest, cls: ClassSettings) -> Reject | None:
+        """``prompt_too_large`` (never retryable) over the class's ``max_prompt_tokens`` (``enforced``
+        False when that rule is shadowed). A prompt over every replica's context length or KV cache
+        is refused in ``decide`` (always enforced: the engine would refuse it)."""
+        if request.prompt_tokens <= cls.max_prompt_tokens:
+            return None
+        return Reject(
+            RejectReason.PROMPT_TOO_LARGE,
+            None,
+            None,
+            f"{request.prompt_tokens} prompt tokens exceed this class's limit of {cls.max_prompt_tokens}",
+            Blocker.PROMPT_SIZE,
+            enforced=not self._shadow.prompt_size,
+        )
+
+    def _evaluate(
+        self,
+        request: AdmissionRequest,
+        name: str,
+        cls: ClassSettings,
+        view: ReplicaView,
+        now: float,
+        deadline: float,
+    ) -> _Candidate | None:
+        """Forecast on one replica and compute its slack vector; ``None`` if it cannot serve it."""
+        state = view.state
+        f = forecast_request(request.candidate(state.max_model_len), state, view.model, self._fc)
+        if not f.valid and f.reason != ForecastReason.STALE_STATE:
+            if f.reason == ForecastReason.NO_STEP_MODEL:
+                return self._unmodelled(view)
+            return None
+        if view.stale:
+            f = _scaled(f, self._margin)
+        infl = f.inflicted_tpot_s
+        stall = f.inflicted_stall_s
+        streams = stalls = _INF
+        extra = view.extra_tpot_s
+        limits, fallback = self._stream_limits, self._default_limits
+        for stream_class, load in view.loads.items():
+            target, max_stall = limits.get(stream_class, fallback)
+            s = (target - load.max_tpot_s - extra - infl) / target
+            if s < streams:
+                streams = s
+            if max_stall is not None:
+                s = (max_stall - stall) / max_stall
+                if s < stalls:
+                    stalls = s
+        kv = slot = yttft = ytpot = _INF
+        if cls.kv_share < 1.0 or cls.slot_share < 1.0:
+            own = view.loads.get(name)
+            if cls.kv_share < 1.0:
+                limit = kv_share_limit(cls.kv_share, state)
+                used = own.kv_tokens if own is not None else 0.0
+                kv = (limit - used - request.prompt_tokens - f.output_tokens_used) / limit
+            if cls.slot_share < 1.0:
+                slots = self._slot_limit(cls, view)
+                slot = (slots - (own.seqs if own is not None else 0) - 1) / slots
+        s_ttft = (deadline - now - f.ttft_s) / cls.ttft_target_s
+        s_tpot = (cls.tpot_target_s - f.tpot_s) / cls.tpot_target_s
+        probes: list[tuple[ClassSettings, Forecast]] = _NO_PROBES
+        plan = self._probes[name]
+        # The probes cost a forecast each: skip them where another enforced rule already fails.
+        if plan and not (self._all_enforced and min(s_ttft, s_tpot, streams, stalls, kv, slot) < 0.0):
+            probes = []
+            after = with_queued(state, request.prompt_tokens, request.cached_prompt_tokens)
+            keep = 1.0 - self._settings.yield_margin
+            for protected, probe in plan:
+                pf = forecast_request(probe, after, view.model, self._fc)
+                if view.stale:
+                    pf = _scaled(pf, self._margin)
+                probes.append((protected, pf))
+                t, p = protected.ttft_target_s, protected.tpot_target_s
+                yttft = min(yttft, (keep * t - pf.ttft_s) / t)
+                ytpot = min(ytpot, (keep * p - pf.tpot_s) / p)
+        slacks = (
+            s_ttft,
+            s_tpot,
+            streams,
+            stalls,
+            kv,
+            slot,
+            yttft,
+            ytpot,
+        )
+        slack = min(slacks)
+        enforced = slack if self._all_enforced else min((slacks[i] for i in self._enforced), default=_INF)
+        return _Candidate(view, f, slacks, slack, enforced, probes)
+
+    def _slot_limit(self, cls: ClassSettings, view: ReplicaView) -> int:
+        """Decode slots ``cls`` may hold on ``view``: its share of the slots the step model allows at
+        the tightest TPOT target (contexts as running now, else a typical request's)."""
+        state = view.state
+        context = state.kv_tokens_in_use / state.decode_seqs if state.decode_seqs else self._typical_context
+        slots = decode_slot_capacity(view.model, state, self._tightest_tpot_s, context)
+        return slot_share_limit(cls.slot_share, slots)
+
+    def _unmodelled(self, view: ReplicaView) -> _Candidate:
+        """A replica with no step model: usable below its in-flight cap, as a last resort."""
+        cap = self._settings.unmodelled_max_in_flight
+        open_ = view.gateway_streams < cap
+        enforced = 0.0 if open_ or not self._slo_enforced else -1.0
+        return _Candidate(view, None, None, 0.0 if open_ else -1.0, enforced, _NO_PROBES)
+
+    def _pick(self, candidates: list[_Candidate], *, enforced: bool) -> _Candidate | None:
+        """The candidate with the most slack among those admissible under every rule (or, with
+        ``enforced``, under the enforced rules only); replicas without a step model only when no
+        modelled one is admissible (the one with the fewest of the gateway's requests)."""
+        best: _Candidate | None = None
+        fallback: _Candidate | None = None
+        for c in candidates:
+            if (c.slack_enforced if enforced else c.slack) < 0.0:
+                continue
+            if c.slacks is None:
+                if fallback is None or c.view.gateway_streams < fallback.view.gateway_streams:
+                    fallback = c
+            elif best is None or c.slack > best.slack:
+                # Ranked by the full slack even when some rules are shadowed: routing stays the same.
+                best = c
+        return best if best is not None else fallback
+
+    def _admit(self, c: _Candidate) -> Admit:
+        return Admit(c.view.name, c.forecast, c.slack if c.slacks is not None else math.nan)
+
+    # -- blocked: queue or reject ------------------------------------------------------------
+
+    def _blocked(
+        self,
+        request: AdmissionRequest,
+        cls: ClassSettings,
+        candidates: list[_Candidate],
+        now: float,
+        deadline: float,
+        queued: bool,
+        slots: tuple[int, ...],
+    ) -> Queue | Reject:
+        """The decision when no candidate passes the constraints in ``slots``."""
+        best: _Candidate | None = None
+        best_first = best_wait = best_retry = _INF
+        for c in candidates:
+            if c.slacks is None or c.forecast is None:
+                continue
+            wait, retry = self._waits(request, cls, c, slots)
+            first = now + wait + c.forecast.ttft_s
+            if best is None or first < best_first:
+                best, best_first, best_wait = c, first, wait
+            best_retry = min(best_retry, retry)
+        if best is None or best.forecast is None:
+            return self._blocked_unmodelled(request, cls, candidates, now, queued)
+        blocker = self._blocker(best, slots)
+        forecast = best.forecast
+        checks_slo = _TTFT in slots
+        if checks_slo and best_first > deadline:
+            reason = RejectReason.DEADLINE_EXCEEDED
+            if not queued and not request.client_bound(cls):
+                reason = RejectReason.SLO_UNATTAINABLE
+            hopeless = not math.isfinite(best_retry) or self._hopeless(request, cls, best)
+            after = None if hopeless else self._retry.after(best_retry)
+            return Reject(
+                reason,
+                after,
+                forecast,
+                self._late_message(request, cls, best, best_first, deadline, hopeless),
+                blocker,
+                best.view.name,
+            )
+        queue_deadline = (
+            request.queue_deadline_s(cls) if checks_slo else request.arrival_s + cls.max_queue_wait_s
+        )
+        fits_queue = now + best_wait <= queue_deadline
+        if queued:
+            if fits_queue:
+                return Queue(blocker, best_wait, best.view.name, forecast)
+            return Reject(
+                RejectReason.DEADLINE_EXCEEDED,
+                self._retry.after(best_retry),
+                forecast,
+                f"still waiting for a replica ({blocker}); predicted to wait past its queue deadline",
+                blocker,
+                best.view.name,
+            )
+        if cls.queue_capacity > 0 and cls.max_queue_wait_s > 0.0 and fits_queue:
+            return Queue(blocker, best_wait, best.view.name, forecast)
+        reason = RejectReason.OVERLOADED if blocker in _LOAD_BLOCKERS else RejectReason.SLO_UNATTAINABLE
+        hopeless = not math.isfinite(best_retry) or (
+            reason == RejectReason.SLO_UNATTAINABLE and self._hopeless(request, cls, best)
+        )
+        return Reject(
+            reason,
+            None if hopeless else self._retry.after(best_retry),
+            forecast,
+            self._blocked_message(cls, best, blocker, hopeless),
+            blocker,
+            best.view.name,
+        )
+
+    def _blocked_unmodelled(
+        self,
+        request: AdmissionRequest,
+        cls: ClassSettings,
+        candidates: list[_Candidate],
+        now: float,
+        queued: bool,
+    ) -> Queue | Reject:
+        """Only replicas without a step model, all at their in-flight cap."""
+        guess = self._settings.retry_after.no_replica_s
+        fits_queue = now + guess <= request.arrival_s + cls.max_queue_wait_s
+        if queued or (cls.queue_capacity > 0 and cls.max_queue_wait_s > 0.0 and fits_queue):
+            return Queue(Blocker.UNMODELLED, guess, candidates[0].view.name, None)
+        return Reject(
+            RejectReason.OVERLOADED,
+            self._retry.after(guess),
+            None,
+            "every replica is still being calibrated and at its in-flight limit",
+            Blocker.UNMODELLED,
+            candidates[0].view.name,
+        )
+
+    @staticmethod
+    def _blocker(c: _Candidate, slots: tuple[int, ...]) -> Blocker:
+        """The violated constraint with the least slack (among ``slots``)."""
+        assert c.slacks is not None
+        i = min(slots, key=c.slacks.__getitem__)
+        return _SLOTS[i]
+
+    def _waits(
+        self, request: AdmissionRequest, cls: ClassSettings, c: _Candidate, slots: tuple[int, ...]
+    ) -> tuple[float, float]:
+        """(seconds until the failing non-TTFT constraints could hold, seconds until a fresh retry
+        could be admitted here): the first delays its first token, the second is its Retry-After."""
+        assert c.slacks is not None
+        assert c.forecast is not None
+        wait = 0.0
+        for i in slots:
+            if c.slacks[i] < 0.0 and i != _TTFT:
+                wait = max(wait, self._wait_for(i, request, cls, c))
+        retry = wait
+        if _TTFT in slots and c.slacks[_TTFT] < 0.0:
+            retry = max(retry, ttft_excess_s(c.forecast.ttft_s, request.fresh_ttft_budget_s(cls)))
+        return wait, retry
+
+    def _wait_for(self, slot: int, request: AdmissionRequest, cls: ClassSettings, c: _Candidate) -> float:
+        """Predicted seconds until constraint ``slot`` would hold on ``c`` (drain estimates)."""
+        view, f = c.view, c.forecast
+        assert f is not None
+        state, model = view.state, view.model
+        name = (
+            request.request_class
+            if request.request_class in self._settings.classes
+            else self._settings.default_class
+        )
+        own = view.loads.get(name)
+        if slot == _TPOT:
+            return decode_drain_s(state, model, f.tpot_s - cls.tpot_target_s, f.tpot_s)
+        if slot == _STREAMS:
+            infl, extra = f.inflicted_tpot_s, view.extra_tpot_s
+            waits = []
+            for stream_class, load in view.loads.items():
+                limit = self._settings.classes.get(stream_class, self._default).tpot_target_s - infl - extra
+                if load.max_tpot_s > limit:
+                    waits.append(load.wait_for_tpot_below_s(limit))
+            return self._or_typical(max(waits, default=0.0), state, f)
+        if slot == _STALL:
+            stall = f.inflicted_stall_s
+            waits = []
+            for stream_class, load in view.loads.items():
+                k = self._settings.classes.get(stream_class, self._default)
+                if k.max_stall_s is not None and k.max_stall_s < stall:
+                    waits.append(load.max_finish_s)
+            return self._or_typical(max(waits, default=0.0), state, f)
+        if slot == _KV:
+            limit = kv_share_limit(cls.kv_share, state)
+            used = own.kv_tokens if own is not None else 0.0
+            if request.prompt_tokens + f.output_tokens_used > limit:
+                return _INF  # larger than the whole share: never here
+            need_kv = used + request.prompt_tokens + f.output_tokens_used - limit
+            return self._or_typical(own.wait_for_kv_s(need_kv) if own is not None else 0.0, state, f)
+        if slot == _SLOT and own is not None:
+            limit_seqs = self._slot_limit(cls, view)
+            return self._or_typical(own.wait_for_finishes_s(own.seqs + 1 - limit_seqs), state, f)
+        if slot == _YTTFT:
+            keep = 1.0 - self._settings.yield_margin
+            return max((ttft_excess_s(pf.ttft_s, keep * p.ttft_target_s) for p, pf in c.probes), default=0.0)
+        if slot == _YTPOT:
+            keep = 1.0 - self._settings.yield_margin
+            return max(
+                (
+                    decode_drain_s(state, model, pf.tpot_s - keep * p.tpot_target_s, pf.tpot_s)
+                    for p, pf in c.probes
+                ),
+                default=0.0,
+            )
+        return self._or_typical(0.0, state, f)
+
+    @staticmethod
+    def _or_typical(wait: float, state: ReplicaState, f: Forecast) -> float:
+        """``wait``, or when the blocking streams are not known individually (admitted since the
+        view was built), the time a typical running request takes to finish."""
+        if wait > 0.0:
+            return wait
+        rest = state.mean_remaining_output_tokens or 256.0
+        return rest * f.tpot_s
+
+    def _hopeless(self, request: AdmissionRequest, cls: ClassSettings, c: _Candidate) -> bool:
+        """Whether even an idle copy of the replica would miss the TTFT budget or TPOT target."""
+        view = c.view
+        f = forecast_request(
+            request.candidate(view.state.max_model_len), _idle(view.state), view.model, self._fc
+        )
+        if view.stale:
+            f = _scaled(f, self._margin)
+        if math.isnan(f.ttft_s):
+            return False
+        return f.ttft_s > request.fresh_ttft_budget_s(cls) or f.tpot_s > cls.tpot_target_s
+
+    @staticmethod
+    def _late_message(
+        request: AdmissionRequest,
+        cls: ClassSettings,
+        c: _Candidate,
+        first: float,
+        deadline: float,
+        hopeless: bool,
+    ) -> str:
+        target = (
+            "the client's deadline"
+            if request.client_bound(cls)
+            else f"the {cls.ttft_target_s:.3g} s TTFT target"
+        )
+        tail = "; not attainable even on an idle replica" if hopeless else ""
+        if not math.isfinite(first):
+            return f"no replica can take this request within its limits before {target}{tail}"
+        late = first - deadline
+        return f"first token predicted {late:.3g} s after {target} (best replica {c.view.name}){tail}"
+
+    @staticmethod
+    def _blocked_message(cls: ClassSettings, c: _Candidate, blocker: Blocker, hopeless: bool) -> str:
+        f = c.forecast
+        assert f is not None
+        if blocker == Blocker.TPOT:
+            tail = "; not attainable even on an idle replica" if hopeless else ""
+            return (
+                f"predicted time per output token {f.tpot_s * 1e3:.3g} ms exceeds the "
+                f"{cls.tpot_target_s * 1e3:.3g} ms target{tail}"
+            )
+        return f"no replica can take this request now without breaking its limits ({blocker})"
+
+
+def _admit_all(settings: AdmissionSettings, retry: RetryAfterPolicy) -> Admitter:
+    """``policy: admit_all``: the SLO admitter with every rule in shadow (routes by slack, admits all)."""
+    return SloAdmitter(settings, retry, shadow_all=True)
+
+
+#: Admitters by their ``admission.policy`` name.
+ADMITTERS: Final[dict[str, Callable[[AdmissionSettings, RetryAfterPolicy], Admitter]]] = {
+    "slo": SloAdmitter,
+    "admit_all": _admit_all,
+}
+
+
+def make_admitter(settings: AdmissionSettings, retry: RetryAfterPolicy) -> Admitter:
+    """The admitter ``settings.policy`` names."""
+    return ADMITTERS[settings.policy](settings, retry)

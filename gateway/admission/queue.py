@@ -1,0 +1,284 @@
+"""Sluice's queue: requests no replica can take now, released as replicas free up.
+
+Order: strict class priority (lower number first), then shortest predicted job first with aging.
+A job's key is ``size_s - aging_rate x (now - enqueued_at)``; since every entry ages at the same
+rate this orders exactly like the static ``size_s + aging_rate x enqueued_at``, so one heap per
+priority level stays valid as time passes (no re-keying). Ties go to the earlier entry.
+
+Re-evaluation (``reevaluate``, on every request finish and every scrape) walks each priority's
+heap in key order and asks the admitter again (``queued=True``): ``Admit`` -> dispatched (and the
+views updated with ``ReplicaView.with_admitted``, so the next entry sees it), ``Reject`` ->
+answered (``deadline_exceeded``), ``Queue`` -> stays. A request still blocked after
+``reserve_after_s`` stops the walk for its priority and below, and holds back new requests of
+those priorities (``holds_back``), so smaller requests cannot keep it out forever.
+
+Hard deadlines (``AdmissionRequest.queue_deadline_s``) sit in their own heap and are enforced on
+every call for every entry, even those the walk does not reach.
+
+Complexity (n entries): ``push`` O(log n); ``cancel`` O(1) (lazy deletion; the heaps are compacted
+when stale items outnumber live ones, O(n) amortised over as many cancels); ``reevaluate``
+O((e + m) log n + m x R forecasts) for e expired entries and m <= ``max_examined`` examined ones
+on R replicas.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from gateway.admission.config import AdmissionSettings, ClassSettings
+from gateway.admission.decision import Admitter, Blocker, Decision, Queue, Reject, RejectReason
+from gateway.admission.request import AdmissionRequest
+from gateway.admission.retry_after import RetryAfterPolicy
+from gateway.admission.views import ReplicaView
+
+__all__ = ["AdmissionQueue", "QueueEntry", "Reevaluation"]
+
+#: Stale heap items tolerated beyond the live entries before the heaps are rebuilt.
+_COMPACT_SLACK = 64
+
+
+@dataclass(slots=True, eq=False)
+class QueueEntry:
+    """One waiting request.
+
+    ``id``: unique, increasing (FIFO tie-break). ``size_s``: predicted job size (seconds of
+    weighted tokens). ``enqueued_at`` / ``deadline_s``: admission-clock seconds; past the deadline
+    it is rejected. ``blocker`` / ``earliest_retry_s``: from its latest evaluation.
+    """
+
+    id: int
+    request: AdmissionRequest
+    request_class: str
+    priority: int
+    size_s: float
+    enqueued_at: float
+    deadline_s: float
+    blocker: Blocker
+    earliest_retry_s: float
+
+    def waited_s(self, now: float) -> float:
+        """Seconds spent in the queue so far."""
+        return now - self.enqueued_at
+
+    def sort_key(self, aging_rate: float) -> float:
+        """Static heap key: ``size_s + aging_rate x enqueued_at`` (smaller goes first)."""
+        return self.size_s + aging_rate * self.enqueued_at
+
+
+@dataclass(slots=True)
+class Reevaluation:
+    """What one re-evaluation decided.
+
+    ``dispatched``: entries to send now, each with its decision (``decision.admits`` is True;
+    ``decision.replica`` says where). ``rejected``: entries to answer with their ``Reject``.
+    ``views``: the views passed in, updated for the dispatched requests.
+    """
+
+    dispatched: list[tuple[QueueEntry, Decision]] = field(default_factory=list)
+    rejected: list[tuple[QueueEntry, Reject]] = field(default_factory=list)
+    views: list[ReplicaView] = field(default_factory=list)
+
+
+class AdmissionQueue:
+    """Bounded per class; priority, then aged shortest-job-first; deadline-aware. Pure: the caller
+    passes the time."""
+
+    def __init__(self, settings: AdmissionSettings, admitter: Admitter, retry: RetryAfterPolicy) -> None:
+        self._settings = settings
+        self._admitter = admitter
+        self._retry = retry
+        self._entries: dict[int, QueueEntry] = {}
+        self._heaps: dict[int, list[tuple[float, int]]] = {}
+        self._deadlines: list[tuple[float, int]] = []
+        self._depth: dict[str, int] = {}
+        self._next_id = 0
+        self._stale = 0
+        self._reserved: int | None = None
+        self._reserved_retry_s = 0.0
+        self._reserver: int | None = None
+        self._walking = False  # no compaction while reevaluate holds popped items
+
+    def reconfigure(self, settings: AdmissionSettings, admitter: Admitter, retry: RetryAfterPolicy) -> None:
+        """Swap settings (hot reload). Entries keep their place; capacities apply to new pushes."""
+        self._settings, self._admitter, self._retry = settings, admitter, retry
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def depth(self, request_class: str) -> int:
+        """Requests of ``request_class`` waiting."""
+        return self._depth.get(request_class, 0)
+
+    def depths(self) -> dict[str, int]:
+        """Requests waiting per class (classes with none omitted)."""
+        return {c: n for c, n in self._depth.items() if n}
+
+    def entry(self, entry_id: int) -> QueueEntry | None:
+        """The waiting entry with this id, if it is still queued."""
+        return self._entries.get(entry_id)
+
+    def next_deadline_s(self) -> float | None:
+        """The earliest hard deadline of a waiting entry: when ``reevaluate`` must run at the latest."""
+        while self._deadlines and self._deadlines[0][1] not in self._entries:
+            heapq.heappop(self._deadlines)
+            self._stale -= 1
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def holds_back(self, priority: int) -> bool:
+        """Whether a long-waiting entry currently holds back requests of ``priority``."""
+        return self._reserved is not None and priority >= self._reserved
+
+    @property
+    def held_back_retry_s(self) -> float:
+        """Predicted seconds until the entry that holds back its priority can be placed."""
+        return self._reserved_retry_s
+
+    def _class_of(self, request: AdmissionRequest) -> tuple[str, ClassSettings]:
+        s = self._settings
+        name = request.request_class if request.request_class in s.classes else s.default_class
+        return name, s.classes[name]
+
+    def push(self, request: AdmissionRequest, decision: Queue, now: float) -> QueueEntry | Reject:
+        """Queue ``request`` (which ``decision`` said to queue); ``Reject(overloaded)`` when its
+        class's queue is full. O(log n)."""
+        name, cls = self._class_of(request)
+        if self.depth(name) >= cls.queue_capacity:
+            return Reject(
+                RejectReason.OVERLOADED,
+                self._retry.after(decision.earliest_retry_s),
+                decision.forecast,
+                f"the {name} queue is full ({cls.queue_capacity} requests waiting)",
+                Blocker.QUEUE_FULL,
+                decision.replica,
+            )
+        if self._settings.shadow.slo:
+            deadline = request.arrival_s + cls.max_queue_wait_s
+        else:
+            deadline = request.queue_deadline_s(cls)
+        entry = QueueEntry(
+            id=self._next_id,
+            request=request,
+            request_class=name,
+            priority=cls.priority,
+            size_s=request.job_size_s(self._settings.queue),
+            enqueued_at=now,
+            deadline_s=deadline,
+            blocker=decision.blocker,
+            earliest_retry_s=decision.earliest_retry_s,
+        )
+        self._next_id += 1
+        self._entries[entry.id] = entry
+        self._depth[name] = self._depth.get(name, 0) + 1
+        heap = self._heaps.setdefault(entry.priority, [])
+        heapq.heappush(heap, (entry.sort_key(self._settings.queue.aging_rate), entry.id))
+        heapq.heappush(self._deadlines, (deadline, entry.id))
+        return entry
+
+    def cancel(self, entry_id: int) -> QueueEntry | None:
+        """Drop a waiting entry (its client went away); ``None`` if it is no longer queued. O(1)."""
+        entry = self._entries.get(entry_id)
+        if entry is not None:
+            self._remove(entry)
+        return entry
+
+    def _remove(self, entry: QueueEntry) -> None:
+        del self._entries[entry.id]
+        if entry.id == self._reserver:
+            self._reserved = self._reserver = None
+        self._depth[entry.request_class] -= 1
+        self._stale += 2  # its items in the order heap and the deadline heap
+        if not self._walking and self._stale > len(self._entries) + _COMPACT_SLACK:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild the heaps from the live entries, dropping stale items. O(n)."""
+        aging = self._settings.queue.aging_rate
+        heaps: dict[int, list[tuple[float, int]]] = {}
+        for e in self._entries.values():
+            heaps.setdefault(e.priority, []).append((e.sort_key(aging), e.id))
+        for heap in heaps.values():
+            heapq.heapify(heap)
+        self._heaps = heaps
+        self._deadlines = [(e.deadline_s, e.id) for e in self._entries.values()]
+        heapq.heapify(self._deadlines)
+        self._stale = 0
+
+    def reevaluate(self, now: float, views: Sequence[ReplicaView]) -> Reevaluation:
+        """Expire overdue entries, then offer the waiting ones to the replicas in queue order."""
+        out = Reevaluation(views=list(views))
+        self._walking = True
+        try:
+            self._expire(now, out)
+            self._walk(now, out)
+        finally:
+            self._walking = False
+        if self._stale > len(self._entries) + _COMPACT_SLACK:
+            self._compact()
+        return out
+
+    def _expire(self, now: float, out: Reevaluation) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, entry_id = heapq.heappop(self._deadlines)
+            entry = self._entries.get(entry_id)
+            if entry is None:
+                self._stale -= 1
+                continue
+            self._remove_popped(entry)
+            reject = Reject(
+                RejectReason.DEADLINE_EXCEEDED,
+                self._retry.after(entry.earliest_retry_s),
+                None,
+                f"waited {entry.waited_s(now):.3g} s in the queue ({entry.blocker}); its deadline passed",
+                entry.blocker,
+            )
+            out.rejected.append((entry, reject))
+
+    def _walk(self, now: float, out: Reevaluation) -> None:
+        """Offer entries to the admitter in order, at most ``max_examined`` of them."""
+        budget = self._settings.queue.max_examined
+        reserve_after = self._settings.queue.reserve_after_s
+        self._reserved = self._reserver = None
+        index = {v.name: i for i, v in enumerate(out.views)}
+        for priority in sorted(self._heaps):
+            heap = self._heaps[priority]
+            keep: list[tuple[float, int]] = []
+            while heap and budget > 0 and self._reserved is None:
+                item = heapq.heappop(heap)
+                entry = self._entries.get(item[1])
+                if entry is None:
+                    self._stale -= 1
+                    continue
+                budget -= 1
+                decision = self._admitter.decide(entry.request, out.views, now, queued=True)
+                if decision.admits:
+                    self._dispatch(entry, decision, index, out)
+                elif isinstance(decision, Reject):
+                    self._remove_popped(entry)
+                    out.rejected.append((entry, decision))
+                else:
+                    assert isinstance(decision, Queue)
+                    entry.blocker, entry.earliest_retry_s = decision.blocker, decision.earliest_retry_s
+                    keep.append(item)
+                    if reserve_after is not None and entry.waited_s(now) >= reserve_after:
+                        self._reserved, self._reserved_retry_s = priority, decision.earliest_retry_s
+                        self._reserver = entry.id
+            for item in keep:
+                heapq.heappush(heap, item)
+            if budget == 0 or self._reserved is not None:
+                return
+
+    def _remove_popped(self, entry: QueueEntry) -> None:
+        """Remove an entry one of whose two heap items was already popped."""
+        self._stale -= 1
+        self._remove(entry)
+
+    def _dispatch(
+        self, entry: QueueEntry, decision: Decision, index: dict[str, int], out: Reevaluation
+    ) -> None:
+        self._remove_popped(entry)
+        out.dispatched.append((entry, decision))
+        i = index.get(decision.replica) if decision.replica is not None else None
+        if i is not None:
+            out.views[i] = out.views[i].with_admitted(entry.request, decision.forecast, entry.request_class)

@@ -1,0 +1,109 @@
+"""The request as admission sees it: sizes, class, arrival and deadline (no HTTP, no clock)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from gateway.admission.config import ClassSettings, QueueSettings
+from predictor import CandidateRequest
+
+__all__ = ["AdmissionRequest"]
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionRequest:
+    """One request to admit.
+
+    ``request_class``: the resolved class name (``classes.choose_class``); an unknown name is judged
+    as the default class. ``prompt_tokens`` (>= 1): counted or estimated prompt size.
+    ``max_tokens``: the client's output cap; ``None`` means the engine's default, the rest of the
+    replica's ``max_model_len``. ``expected_output_tokens``: the predicted output length
+    (``predictor.OutputLengthPredictor``), ``output_quantile`` the quantile it is.
+    ``arrival_s``: when it reached the gateway, on the admission clock (seconds).
+    ``deadline_s``: the client's own first-token deadline on the same clock (from the deadline
+    header, ``classes.client_deadline_s``), or ``None``; it only ever tightens the class target.
+    ``cached_prompt_tokens``: prompt tokens expected to hit the prefix cache.
+    """
+
+    request_id: str
+    request_class: str
+    prompt_tokens: int
+    max_tokens: int | None
+    expected_output_tokens: float
+    arrival_s: float
+    output_quantile: float | None = None
+    deadline_s: float | None = None
+    cached_prompt_tokens: int = 0
+    tenant: str | None = None
+    _candidate: CandidateRequest | None = field(default=None, init=False, repr=False, compare=False)
+    #: Smallest ``max_model_len`` and KV capacity (tokens) a replica needs to hold it at all.
+    min_model_len: int = field(default=0, init=False, repr=False, compare=False)
+    min_kv_tokens: float = field(default=0.0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1:
+            raise ValueError(f"prompt_tokens must be >= 1, got {self.prompt_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+        if not (math.isfinite(self.expected_output_tokens) and self.expected_output_tokens >= 0):
+            raise ValueError(
+                f"expected_output_tokens must be finite and >= 0, got {self.expected_output_tokens}"
+            )
+        output = self.expected_output_tokens
+        if self.max_tokens is not None:
+            object.__setattr__(self, "_candidate", self._build(self.max_tokens))
+            output = min(output, float(self.max_tokens))
+        # A missing cap is the engine's default (the rest of the context): at least one token.
+        object.__setattr__(self, "min_model_len", self.prompt_tokens + (self.max_tokens or 1))
+        object.__setattr__(self, "min_kv_tokens", self.prompt_tokens + max(1.0, output))
+
+    def _build(self, max_tokens: int) -> CandidateRequest:
+        return CandidateRequest(
+            self.prompt_tokens,
+            max_tokens,
+            self.expected_output_tokens,
+            self.output_quantile,
+            self.cached_prompt_tokens,
+        )
+
+    def candidate(self, max_model_len: int) -> CandidateRequest:
+        """The predictor's view of it on a replica with ``max_model_len`` (which fills a missing cap)."""
+        if self._candidate is not None:
+            return self._candidate
+        return self._build(max(1, max_model_len - self.prompt_tokens))
+
+    def max_tokens_on(self, max_model_len: int) -> int:
+        """Its output cap on a replica with ``max_model_len``, in tokens."""
+        return self.max_tokens if self.max_tokens is not None else max(1, max_model_len - self.prompt_tokens)
+
+    def fits(self, max_model_len: int, kv_capacity_tokens: int) -> bool:
+        """Whether a replica with these limits can hold it at all (else the engine answers 400)."""
+        return max_model_len >= self.min_model_len and kv_capacity_tokens >= self.min_kv_tokens
+
+    def first_token_deadline_s(self, cls: ClassSettings) -> float:
+        """Latest acceptable first token, on the admission clock: arrival + TTFT target, or the
+        client's deadline when that is earlier (a client can tighten, never loosen)."""
+        target = self.arrival_s + cls.ttft_target_s
+        return target if self.deadline_s is None else min(target, self.deadline_s)
+
+    def client_bound(self, cls: ClassSettings) -> bool:
+        """Whether the client's deadline, not the class target, sets ``first_token_deadline_s``."""
+        return self.deadline_s is not None and self.deadline_s < self.arrival_s + cls.ttft_target_s
+
+    def fresh_ttft_budget_s(self, cls: ClassSettings) -> float:
+        """TTFT a retry of this request would be allowed, in seconds (target or client deadline)."""
+        return self.first_token_deadline_s(cls) - self.arrival_s
+
+    def queue_deadline_s(self, cls: ClassSettings) -> float:
+        """Latest time it may still be waiting in Sluice's queue: the earlier of arrival +
+        ``max_queue_wait_s`` and its first-token deadline."""
+        return min(self.arrival_s + cls.max_queue_wait_s, self.first_token_deadline_s(cls))
+
+    def job_size_s(self, queue: QueueSettings) -> float:
+        """Predicted job size for shortest-job-first, in seconds of weighted tokens."""
+        output = self.expected_output_tokens
+        if self.max_tokens is not None:
+            output = min(output, float(self.max_tokens))
+        uncached = self.prompt_tokens - min(self.cached_prompt_tokens, self.prompt_tokens - 1)
+        return uncached * queue.prompt_token_cost_s + output * queue.output_token_cost_s

@@ -1,0 +1,132 @@
+"""One replica as the admitter sees it: health, step model, load, and the streams it must protect.
+
+A view holds facts only (no class targets), so a settings reload never leaves views that judge
+by the old targets: the admitter reads targets from the settings in force at each decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from gateway.admission.request import AdmissionRequest
+from gateway.admission.shares import EMPTY_LOAD, ClassLoad, StreamingRequest, class_loads
+from predictor import Forecast, ReplicaState, StepBatch, StepModel
+
+__all__ = ["ReplicaView", "current_step_s", "with_queued"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """A replica at one instant, ready for admission checks (build with ``ReplicaView.build``).
+
+    ``healthy``: False means never route here. ``stale``: its metrics are older than trusted; the
+    ``state`` should then come from the gateway's own in-flight accounting
+    (``ReplicaState.from_sequences``) and predictions get ``admission.stale_margin`` added.
+    ``model``: the replica's current step model (the last fitted one when stale).
+    ``loads``: the gateway's streams there, per class name (as the streams named it).
+    ``extra_tpot_s``: TPOT added to every stream by requests admitted since the view was built
+    (``with_admitted``): a stream's TPOT is its load's figure plus this.
+    ``gateway_streams``: the gateway's unfinished requests there.
+    """
+
+    name: str
+    healthy: bool
+    model: StepModel
+    state: ReplicaState
+    stale: bool
+    loads: Mapping[str, ClassLoad]
+    gateway_streams: int
+    extra_tpot_s: float = 0.0
+
+    @classmethod
+    def build(
+        cls,
+        name: str,
+        *,
+        healthy: bool,
+        model: StepModel,
+        state: ReplicaState,
+        streams: Iterable[StreamingRequest] = (),
+        stale: bool = False,
+    ) -> ReplicaView:
+        """Aggregate ``streams`` (the gateway's requests running there) once: O(k log k).
+
+        ``stale`` or ``state.stale`` marks the view stale. Each stream's TPOT is floored at the
+        replica's current decode step time (``current_step_s``).
+        """
+        items = list(streams)
+        loads = class_loads(items, current_step_s(model, state))
+        return cls(name, healthy, model, state, stale or state.stale, loads, len(items))
+
+    def with_admitted(
+        self, request: AdmissionRequest, forecast: Forecast | None, request_class: str | None = None
+    ) -> ReplicaView:
+        """This view after ``request`` was sent here with ``forecast`` (margin applied; ``None`` on
+        a replica without a step model): its prompt joins the engine's queue, its class
+        (``request_class``, default the request's) holds one more stream, and every stream's TPOT
+        grows by the TPOT it inflicts. O(classes); lets one re-evaluation dispatch several
+        requests safely."""
+        name = request.request_class if request_class is None else request_class
+        inflicted = tpot = 0.0
+        output = request.expected_output_tokens
+        if forecast is not None:
+            inflicted = forecast.inflicted_tpot_s if math.isfinite(forecast.inflicted_tpot_s) else 0.0
+            tpot = forecast.tpot_s if math.isfinite(forecast.tpot_s) else 0.0
+            output = forecast.output_tokens_used
+        extra = self.extra_tpot_s + inflicted
+        loads = dict(self.loads)
+        current = loads.get(name, EMPTY_LOAD)
+        loads[name] = current.with_stream(request.prompt_tokens + output, tpot - extra)
+        return dataclasses.replace(
+            self,
+            state=with_queued(self.state, request.prompt_tokens, request.cached_prompt_tokens),
+            loads=loads,
+            gateway_streams=self.gateway_streams + 1,
+            extra_tpot_s=extra,
+        )
+
+
+def current_step_s(model: StepModel, state: ReplicaState) -> float:
+    """The replica's decode step time now, in seconds (0 without a model or decodes).
+
+    Every running stream's TPOT from now on is at least this, so a view built from streams whose
+    predictions date from their admission still sees the load that joined since.
+    """
+    if not model.valid or state.decode_seqs == 0:
+        return 0.0
+    batch = StepBatch(
+        prefill_tokens=state.background_prefill_tokens_per_step,
+        decode_seqs=state.decode_seqs,
+        kv_tokens_read=state.kv_tokens_in_use,
+    )
+    return model.step_time(batch)
+
+
+def with_queued(state: ReplicaState, prompt_tokens: int, cached_prompt_tokens: int = 0) -> ReplicaState:
+    """``state`` with one more request waiting in the engine's queue (its uncached prompt to prefill)."""
+    own = prompt_tokens - min(cached_prompt_tokens, prompt_tokens - 1)
+    pairs = state.queued_prefill_attn_pairs
+    if pairs is not None:
+        pairs += own * (own / 2.0 + (prompt_tokens - own))
+    # Positional construction: dataclasses.replace costs several times more on this hot path.
+    return ReplicaState(
+        state.num_running,
+        state.num_waiting + 1,
+        state.decode_seqs,
+        state.kv_tokens_in_use,
+        state.kv_capacity_tokens,
+        state.max_num_seqs,
+        state.max_num_batched_tokens,
+        state.max_model_len,
+        state.queued_prefill_tokens + own,
+        state.queued_requests + 1,
+        pairs,
+        state.mean_remaining_output_tokens,
+        state.release_steps,
+        state.release_kv_cumulative,
+        state.background_prefill_tokens_per_step,
+        state.stale,
+    )
