@@ -1,0 +1,174 @@
+"""YAML sections of the limiter: ``limits:`` (backend, Redis, failure policy) and per-tenant budgets.
+
+``LimitsSettings`` is meant to be mounted as ``Settings.limits``; ``TenantLimitSettings`` is meant
+to be embedded in each tenant's entry. Both follow ``gateway.settings.Section``: unknown keys
+rejected, frozen, strict types, units in the field names.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from gateway.limits.base import TenantLimits
+from gateway.settings import PositiveSeconds, Section, SettingsViolations, Violation
+
+PerMinute = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class TenantLimitSettings(Section):
+    """One tenant's budgets; an absent key means unlimited."""
+
+    tokens_per_minute: Annotated[
+        PerMinute | None,
+        Field(
+            description="Weighted tokens (w_in x prompt + w_out x output) the tenant may use per minute, "
+            "shared by all gateways; null means unlimited."
+        ),
+    ] = None
+    requests_per_minute: Annotated[
+        PerMinute | None, Field(description="Requests the tenant may start per minute; null means unlimited.")
+    ] = None
+    max_concurrent: Annotated[
+        int | None,
+        Field(ge=1, description="Requests the tenant may have in flight at once; null means unlimited."),
+    ] = None
+    token_burst: Annotated[
+        PerMinute | None,
+        Field(
+            description="Token bucket capacity, in weighted tokens: the most a tenant can spend at once "
+            "after being idle; a single request costing more is refused as never admissible. "
+            "Default: tokens_per_minute (one minute's worth)."
+        ),
+    ] = None
+    request_burst: Annotated[
+        float | None,
+        Field(
+            ge=1,
+            allow_inf_nan=False,
+            description="Request bucket capacity, in requests. "
+            "Default: requests_per_minute (one minute's worth).",
+        ),
+    ] = None
+
+    @model_validator(mode="after")
+    def _burst_needs_rate(self) -> TenantLimitSettings:
+        violations = [
+            Violation((burst,), f"needs {rate} (a burst without a rate limits nothing)", getattr(self, burst))
+            for burst, rate in (
+                ("token_burst", "tokens_per_minute"),
+                ("request_burst", "requests_per_minute"),
+            )
+            if getattr(self, burst) is not None and getattr(self, rate) is None
+        ]
+        if violations:
+            raise SettingsViolations(violations)
+        return self
+
+    def to_limits(self) -> TenantLimits:
+        """The value the limiter takes."""
+        return TenantLimits(
+            tokens_per_minute=self.tokens_per_minute,
+            requests_per_minute=self.requests_per_minute,
+            max_concurrent=self.max_concurrent,
+            token_burst=self.token_burst,
+            request_burst=self.request_burst,
+        )
+
+
+class RedisSettings(Section):
+    """Where the shared budgets live. Restart required for every key."""
+
+    url: Annotated[
+        str,
+        Field(
+            pattern=r"^rediss?://\S+$",
+            description="Redis URL, e.g. redis://10.0.0.7:6379/0 (rediss:// for TLS); "
+            "with cluster: any node.",
+        ),
+    ]
+    cluster: Annotated[
+        bool, Field(description="The URL names a Redis Cluster node; keys are hash-tagged.")
+    ] = False
+    timeout_s: Annotated[
+        PositiveSeconds,
+        Field(
+            le=10,
+            description="Longest a limiter call may take, waiting for a connection included, in seconds; "
+            "past it the call counts as a storage failure and on_storage_error decides.",
+        ),
+    ] = 0.05
+    max_connections: Annotated[
+        int,
+        Field(ge=1, description="Most concurrent Redis calls (and pooled connections, per cluster node)."),
+    ] = 64
+    key_prefix: Annotated[
+        str,
+        Field(
+            pattern=r"^[A-Za-z0-9_.:-]{1,64}$",
+            description="Prefix of every key: <prefix>:{<tenant>}:tokens|requests|leases.",
+        ),
+    ] = "sluice"
+
+
+class LimitsSettings(Section):
+    """Tenant budgets' storage and what happens when it fails."""
+
+    backend: Annotated[
+        Literal["memory", "redis"],
+        Field(
+            description="memory: budgets kept in this process (one gateway); redis: shared by every gateway. "
+            "Restart required."
+        ),
+    ] = "memory"
+    redis: Annotated[RedisSettings | None, Field(description="Required when backend is redis.")] = None
+    on_storage_error: Annotated[
+        Literal["fail_open", "fail_closed"],
+        Field(
+            description="When Redis fails or is slower than redis.timeout_s: fail_open answers from local "
+            "buckets at this gateway's share (1/expected_gateways) of every budget; fail_closed answers 503."
+        ),
+    ] = "fail_open"
+    expected_gateways: Annotated[
+        int, Field(ge=1, description="Gateway replicas sharing the budgets; each falls back to 1/N of them.")
+    ] = 1
+    retry_backoff_s: Annotated[
+        PositiveSeconds, Field(description="Wait before asking Redis again after it failed, in seconds.")
+    ] = 1.0
+    retry_backoff_max_s: Annotated[
+        PositiveSeconds, Field(description="Longest wait between two probes of a failed Redis, in seconds.")
+    ] = 30.0
+    lease_ttl_s: Annotated[
+        PositiveSeconds,
+        Field(
+            description="How long an unsettled request holds its concurrency slot, in seconds (frees the "
+            "slots of a crashed gateway); should exceed the longest request."
+        ),
+    ] = 900.0
+    over_limit_cache: Annotated[
+        bool,
+        Field(description="Answer tenants known to be over a limit from memory until their retry time."),
+    ] = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LimitsSettings:
+        violations: list[Violation] = []
+        if self.backend == "redis" and self.redis is None:
+            violations.append(Violation(("redis",), "required when backend is 'redis'", None))
+        if self.retry_backoff_max_s < self.retry_backoff_s:
+            violations.append(
+                Violation(
+                    ("retry_backoff_max_s",),
+                    f"must not be below retry_backoff_s ({self.retry_backoff_s!r})",
+                    self.retry_backoff_max_s,
+                )
+            )
+        if violations:
+            raise SettingsViolations(violations)
+        return self
+
+    @property
+    def fallback_share(self) -> float:
+        """The part of each budget one gateway enforces on its own while Redis is down."""
+        return 1.0 / self.expected_gateways

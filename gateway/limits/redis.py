@@ -1,0 +1,304 @@
+"""Redis limiter: one budget shared by every gateway replica.
+
+What it does
+    ``reserve``, ``settle`` and ``in_flight`` are each one EVALSHA of a Lua script shipped as
+    package data (``token_bucket.lua``, ``settle.lua``, ``in_flight.lua``), so each is one round
+    trip and atomic on the server. The scripts take the time from Redis ``TIME``, so gateways with
+    skewed clocks still share one bucket.
+
+Inputs consumed
+    A ``redis.asyncio.Redis`` or ``redis.asyncio.cluster.RedisCluster`` client (``connect``
+    builds one). Keys are ``{prefix}:{{tenant}}:tokens``, ``:requests`` and ``:leases``: the
+    ``{tenant}`` hash tag keeps one tenant's keys, and so every script call, in one cluster slot.
+
+Configuration
+    ``timeout_s`` (default 50 ms) bounds every call, waiting for a pooled connection included;
+    past it, or on any Redis or socket error, the call raises ``LimiterUnavailable``, never hangs.
+    ``lease_ttl_s`` bounds how long an unsettled reservation (a crashed gateway's) holds its
+    concurrency slot; it should exceed the longest request. ``max_concurrent_calls`` caps calls
+    in flight, so the connection pool (per node on a cluster) never runs out; give ``connect``
+    the same number as ``max_connections``.
+
+Trade-offs
+    redis-py's ``Script`` objects send EVALSHA and, on NOSCRIPT (a restarted or flushed server),
+    load the script and retry once, so a restart costs one extra round trip, not an error.
+    Every script is idempotent per request id (a repeated reserve takes nothing more; a repeated
+    settle does nothing), so redis-py may retry a call on a fresh connection safely. A call that
+    timed out may still have run on the server: a reserve would then hold a concurrency slot for
+    ``lease_ttl_s``, so a failed reserve or settle is repaired once in the background after
+    ``repair_delay_s`` (an idempotent settle that releases the lease and refunds its tokens).
+    A settle whose lease already expired is a no-op: its refund is lost, never double-applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import redis.asyncio
+import redis.exceptions
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
+
+from gateway.limits.base import (
+    LimiterStats,
+    LimiterUnavailable,
+    LimitKind,
+    Reservation,
+    TenantLimits,
+    build_reservation,
+)
+from gateway.limits.memory import DEFAULT_LEASE_TTL_S
+
+RedisClient = redis.asyncio.Redis | RedisCluster
+
+_BLOCKED_BITS: tuple[tuple[int, LimitKind], ...] = ((1, "tokens"), (2, "requests"), (4, "concurrency"))
+_OVERSIZE_BIT = 8
+
+
+def script_text(name: str) -> str:
+    """The text of ``gateway/limits/<name>`` (a ``.lua`` file shipped as package data)."""
+    return resources.files("gateway.limits").joinpath(name).read_text(encoding="utf-8")
+
+
+def connect(
+    url: str, *, cluster: bool = False, timeout_s: float = 0.05, max_connections: int = 64
+) -> RedisClient:
+    """A client for ``url`` (``redis://host:port/db`` or ``rediss://``), not yet connected.
+
+    Socket and connect timeouts are ``timeout_s``; a failed command is retried once on a fresh
+    connection (a server restart leaves stale pooled sockets), within the caller's timeout.
+    With ``cluster``, ``url`` names any node; the others are discovered.
+    """
+    if cluster:
+        return RedisCluster.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            max_connections=max_connections,
+            retry=Retry(NoBackoff(), 3),
+        )
+    return redis.asyncio.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        max_connections=max_connections,
+        retry=Retry(NoBackoff(), 1),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TenantKeys:
+    """The Redis keys of one tenant; all share the ``{tenant}`` hash tag."""
+
+    tokens: str
+    requests: str
+    leases: str
+
+
+class RedisLimiter:
+    """A ``Limiter`` on Redis or Redis Cluster; see the module docstring."""
+
+    def __init__(
+        self,
+        client: RedisClient,
+        *,
+        timeout_s: float = 0.05,
+        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+        key_prefix: str = "sluice",
+        max_concurrent_calls: int = 64,
+        repair_delay_s: float = 1.0,
+        stats: LimiterStats | None = None,
+        name: str = "redis",
+    ) -> None:
+        if timeout_s <= 0 or lease_ttl_s <= 0 or max_concurrent_calls < 1 or repair_delay_s < 0:
+            raise ValueError(
+                "timeout_s and lease_ttl_s must be > 0, max_concurrent_calls >= 1, repair_delay_s >= 0"
+            )
+        if "{" in key_prefix or "}" in key_prefix:
+            raise ValueError(
+                f"key_prefix must not contain braces (they are the hash tag), got {key_prefix!r}"
+            )
+        self.name = name
+        self.timeout_s = timeout_s
+        self.lease_ttl_s = lease_ttl_s
+        self.key_prefix = key_prefix
+        self.repair_delay_s = repair_delay_s
+        self.stats = stats if stats is not None else LimiterStats()
+        self._client = client
+        self._calls = asyncio.Semaphore(max_concurrent_calls)
+        # redis-py's async cluster client races when many commands trigger its lazy topology
+        # discovery at once (connections closed under other commands): discover it once, first.
+        self._needs_init = isinstance(client, RedisCluster)
+        self._init_lock = asyncio.Lock()
+        self._reserve = client.register_script(script_text("token_bucket.lua"))
+        self._settle = client.register_script(script_text("settle.lua"))
+        self._in_flight = client.register_script(script_text("in_flight.lua"))
+        self._repairs: set[asyncio.Task[None]] = set()
+
+    def keys(self, tenant: str) -> TenantKeys:
+        """The keys of ``tenant``; raises ValueError for a name with braces (it would break the tag)."""
+        if "{" in tenant or "}" in tenant:
+            raise ValueError(f"tenant names must not contain braces, got {tenant!r}")
+        base = f"{self.key_prefix}:{{{tenant}}}"
+        return TenantKeys(tokens=f"{base}:tokens", requests=f"{base}:requests", leases=f"{base}:leases")
+
+    async def load_scripts(self, timeout_s: float = 5.0) -> None:
+        """SCRIPT LOAD every script (on every primary of a cluster) ahead of the first request.
+
+        Optional: EVALSHA loads a missing script on demand. Raises ``LimiterUnavailable``.
+        """
+        try:
+            async with asyncio.timeout(timeout_s):
+                for script in (self._reserve, self._settle, self._in_flight):
+                    await self._client.script_load(script.script)
+        except Exception as exc:  # see _call
+            raise LimiterUnavailable(f"{self.name}: cannot load scripts: {exc!r}") from exc
+
+    async def reserve(
+        self, tenant: str, *, cost_tokens: float, limits: TenantLimits, request_id: str
+    ) -> Reservation:
+        if cost_tokens < 0 or not math.isfinite(cost_tokens):
+            raise ValueError(f"cost_tokens must be a finite number >= 0, got {cost_tokens!r}")
+        keys = self.keys(tenant)
+        args = (
+            request_id,
+            cost_tokens,
+            *_rate_and_capacity(limits.tokens_per_minute, limits.token_capacity),
+            *_rate_and_capacity(limits.requests_per_minute, limits.request_capacity),
+            -1 if limits.max_concurrent is None else limits.max_concurrent,
+            self.lease_ttl_s,
+        )
+        try:
+            raw = await self._call(self._reserve, (keys.tokens, keys.requests, keys.leases), args)
+        except LimiterUnavailable:
+            # The script may have run and only its reply been lost: give back whatever it took.
+            self._repair_later(keys, (request_id, -cost_tokens, *args[2:4]))
+            raise
+        reservation = _reservation(
+            tenant=tenant,
+            request_id=request_id,
+            cost_tokens=cost_tokens,
+            limits=limits,
+            mask=int(raw[1]),
+            token_level=float(raw[2]),
+            request_level=float(raw[3]),
+            in_flight=int(raw[4]),
+            origin=self.name,
+        )
+        self.stats.count_reserve(reservation)
+        return reservation
+
+    async def settle(self, reservation: Reservation, *, actual_cost_tokens: float) -> None:
+        if actual_cost_tokens < 0 or not math.isfinite(actual_cost_tokens):
+            raise ValueError(f"actual_cost_tokens must be a finite number >= 0, got {actual_cost_tokens!r}")
+        if not reservation.allowed:
+            self.stats.count_settle(False)
+            return
+        keys = self.keys(reservation.tenant)
+        limits = reservation.limits
+        args = (
+            reservation.request_id,
+            actual_cost_tokens - reservation.cost_tokens,
+            *_rate_and_capacity(limits.tokens_per_minute, limits.token_capacity),
+        )
+        try:
+            applied = await self._call(self._settle, (keys.tokens, keys.leases), args)
+        except LimiterUnavailable:
+            self._repair_later(keys, args)  # settling is idempotent: trying again is safe
+            raise
+        self.stats.count_settle(int(applied) == 1)
+
+    async def in_flight(self, tenant: str) -> int:
+        return int(await self._call(self._in_flight, (self.keys(tenant).leases,), ()))
+
+    async def close(self) -> None:
+        for task in list(self._repairs):
+            task.cancel()
+        await asyncio.gather(*self._repairs, return_exceptions=True)
+        await self._client.aclose()
+
+    def pending_repairs(self) -> int:
+        """Repairs scheduled and not yet finished (see ``_repair_later``)."""
+        return len(self._repairs)
+
+    def _repair_later(self, keys: TenantKeys, settle_args: tuple[str | float, ...]) -> None:
+        """After ``repair_delay_s``, run the settle script once more with ``settle_args``.
+
+        A call that failed may still have run on the server (a timeout only loses the reply), and
+        a reserve that ran holds a concurrency slot for ``lease_ttl_s``. Settling is idempotent
+        per request id, so this repair releases such a lease (refunding its tokens) exactly once,
+        and does nothing if the original call never ran. The delay lets a command still queued on
+        the server run first. If storage is still down, the lease expires on its own.
+        """
+        task = asyncio.get_running_loop().create_task(self._repair(keys, settle_args))
+        self._repairs.add(task)
+        task.add_done_callback(self._repairs.discard)
+
+    async def _repair(self, keys: TenantKeys, settle_args: tuple[str | float, ...]) -> None:
+        await asyncio.sleep(self.repair_delay_s)
+        with contextlib.suppress(LimiterUnavailable):
+            await self._call(self._settle, (keys.tokens, keys.leases), settle_args)
+
+    async def _call(self, script: AsyncScript, keys: Sequence[str], args: Sequence[str | float | int]) -> Any:
+        """Run ``script`` within ``timeout_s`` (queueing for a call slot included)."""
+        try:
+            async with asyncio.timeout(self.timeout_s), self._calls:
+                if self._needs_init:
+                    await self._initialize_cluster()
+                return await script(keys=keys, args=args)
+        except Exception as exc:
+            # Beyond RedisError, OSError and the timeout, redis-py's cluster client has been seen
+            # to raise AttributeError from a connection torn down under a command: every failure
+            # of the storage call must become the one error the failure policy handles.
+            raise LimiterUnavailable(f"{self.name}: {type(exc).__name__}: {exc}") from exc
+
+    async def _initialize_cluster(self) -> None:
+        """Discover the cluster's topology once, before any concurrent command (see ``__init__``)."""
+        async with self._init_lock:
+            if self._needs_init and isinstance(self._client, RedisCluster):
+                await self._client.initialize()
+                self._needs_init = False
+
+
+def _rate_and_capacity(per_minute: float | None, capacity: float | None) -> tuple[float, float]:
+    """Script arguments for one bucket: (rate per second, capacity), or (-1, 0) for unlimited."""
+    if per_minute is None or capacity is None:
+        return (-1.0, 0.0)
+    return (per_minute / 60.0, capacity)
+
+
+def _reservation(
+    *,
+    tenant: str,
+    request_id: str,
+    cost_tokens: float,
+    limits: TenantLimits,
+    mask: int,
+    token_level: float,
+    request_level: float,
+    in_flight: int,
+    origin: str,
+) -> Reservation:
+    """A ``Reservation`` from the reserve script's reply (see ``token_bucket.lua``)."""
+    return build_reservation(
+        tenant=tenant,
+        request_id=request_id,
+        cost_tokens=cost_tokens,
+        limits=limits,
+        enforced=limits,
+        token_level=token_level,
+        token_need=cost_tokens,
+        request_level=request_level,
+        in_flight=in_flight,
+        blocked=frozenset(kind for bit, kind in _BLOCKED_BITS if mask & bit),
+        oversize=bool(mask & _OVERSIZE_BIT),
+        origin=origin,
+    )
