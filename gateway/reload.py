@@ -86,8 +86,18 @@ class ConfigReloader:
     for tests; it is awaited once per poll with the interval in seconds.
     """
 
-    def __init__(self, path: str | Path, store: SettingsStore, *, sleep: Sleep = asyncio.sleep) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        store: SettingsStore,
+        *,
+        sleep: Sleep = asyncio.sleep,
+        on_result: Callable[[bool], None] | None = None,
+    ) -> None:
+        """``on_result`` is told every reload attempt's outcome: True when the file was valid
+        (swapped or unchanged), False when it was rejected (for the reload metrics)."""
         self._path = Path(path)
+        self._on_result = on_result
         self._store = store
         self._sleep = sleep
         self._lock = asyncio.Lock()
@@ -138,9 +148,20 @@ class ConfigReloader:
             try:
                 loaded = await asyncio.to_thread(load_settings, self._path)
             except ConfigError as exc:
-                log.error("config reload rejected, keeping the running configuration: %s", exc)
+                self._rejected(exc)
                 return False
             return self._apply(loaded)
+
+    def _rejected(self, exc: ConfigError) -> None:
+        log.error("config reload rejected, keeping the running configuration: %s", exc)
+        self._report(False)
+
+    def _report(self, ok: bool) -> None:
+        if self._on_result is not None:
+            try:
+                self._on_result(ok)
+            except Exception:
+                log.exception("reload result callback failed")
 
     def _apply(self, loaded: Settings) -> bool:
         old = self._store.current
@@ -157,8 +178,9 @@ class ConfigReloader:
                 keep_restart_only(old, loaded).model_dump(), f"{self._path} (restart-only values kept)"
             )
         except ConfigError as exc:
-            log.error("config reload rejected, keeping the running configuration: %s", exc)
+            self._rejected(exc)
             return False
+        self._report(True)
         sections = changed_sections(old, new)
         if not sections:
             log.info("config %s reloaded: nothing to change", self._path)

@@ -59,6 +59,20 @@ class RequestOutcome:
     first_token_at: float | None = None
     finished_at: float | None = None
     error: str | None = None
+    #: Admission (issue 4) and tenancy (issue 5); ``None`` until those layers set them.
+    request_class: str | None = None
+    tenant: str | None = None
+    #: ``admitted``, ``rejected`` or ``shadow_rejected``.
+    decision: str | None = None
+    #: Why the decision was taken (a ``RejectReason`` value, or ``None`` for a plain admit).
+    reason: str | None = None
+    queue_wait_s: float | None = None
+    retry_after_s: float | None = None
+    ttft_target_s: float | None = None
+    tpot_target_s: float | None = None
+    #: The engine forecast for the replica the request was sent to, in seconds.
+    predicted_ttft_s: float | None = None
+    predicted_tpot_s: float | None = None
 
     @property
     def ttft_s(self) -> float | None:

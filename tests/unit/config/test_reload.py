@@ -365,3 +365,22 @@ async def test_sighup_reloads(tmp_path: Path, logs: LogWatch) -> None:
         await reloader.stop()
     assert sleep.calls == 0  # watch: false means no polling at all
     assert any("SIGHUP" in m for m in logs.messages(logging.INFO))
+
+
+@pytest.mark.parametrize(
+    ("new_text", "results"),
+    [
+        pytest.param(config_text(interval_s=3.0), [True], id="valid_change"),
+        pytest.param(config_text(), [True], id="valid_unchanged"),
+        pytest.param("server: [", [False], id="invalid_yaml"),
+        pytest.param(config_text(interval_s=-1.0), [False], id="invalid_value"),
+    ],
+)
+async def test_reload_reports_each_attempt(
+    config_path: Path, store: SettingsStore, new_text: str, results: list[bool]
+) -> None:
+    seen: list[bool] = []
+    write_config(config_path, new_text)
+    reloader = ConfigReloader(config_path, store, on_result=seen.append)
+    await reloader.reload_now()
+    assert seen == results
