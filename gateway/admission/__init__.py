@@ -29,6 +29,7 @@ from gateway.admission.decision import (
     SloAdmitter,
     make_admitter,
 )
+from gateway.admission.fairness import TenantKey, TokenWeights, VirtualTokenCounter
 from gateway.admission.headers import decision_headers
 from gateway.admission.queue import AdmissionQueue, QueueEntry, Reevaluation
 from gateway.admission.request import AdmissionRequest
@@ -69,7 +70,10 @@ __all__ = [
     "ShadowSettings",
     "SloAdmitter",
     "StreamingRequest",
+    "TenantKey",
+    "TokenWeights",
     "UniformSource",
+    "VirtualTokenCounter",
     "choose_class",
     "client_deadline_s",
     "decision_headers",

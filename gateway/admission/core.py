@@ -9,6 +9,7 @@ The gateway (wall clock, sockets) and the trace replay (virtual clock) drive the
 
     result = controller.reevaluate(now, views)           # on request finish, scrape, next_deadline_s()
     controller.cancel(entry_id, now)                     # the queued request's client went away
+    controller.fairness.charge_output(tenant, tokens)    # output produced (per chunk, or the total at end)
 
 Nothing here reads a clock, sleeps, or does I/O.
 """
@@ -29,6 +30,7 @@ from gateway.admission.decision import (
     RejectReason,
     make_admitter,
 )
+from gateway.admission.fairness import TokenWeights, VirtualTokenCounter
 from gateway.admission.queue import AdmissionQueue, QueueEntry, Reevaluation
 from gateway.admission.request import AdmissionRequest
 from gateway.admission.retry_after import RetryAfterPolicy, UniformSource
@@ -44,6 +46,10 @@ class AdmissionController:
 
     ``rng``: the seeded uniform source for Retry-After jitter (``random.Random(seed)`` or a numpy
     ``Generator``). ``admitter``: overrides the one ``settings.policy`` names (tests, experiments).
+    ``fairness``: the tenants' virtual token counters (default: token weights from the queue's
+    job-size costs, every tenant weighing 1; set them with ``fairness.set_token_weights`` and
+    ``fairness.set_tenant_weights``). Every request sent to a replica, at once or from the queue,
+    is charged its prompt there; its output is the gateway's to charge (``fairness.charge_output``).
     """
 
     def __init__(
@@ -54,6 +60,7 @@ class AdmissionController:
         stats: AdmissionStats | None = None,
         admitter: Admitter | None = None,
         forecast_config: ForecastConfig | None = None,
+        fairness: VirtualTokenCounter | None = None,
     ) -> None:
         self._rng = rng
         self._forecast_config = forecast_config
@@ -61,8 +68,16 @@ class AdmissionController:
         self._settings = settings
         self._retry = RetryAfterPolicy(settings.retry_after, rng)
         self._admitter = admitter if admitter is not None else make_admitter(settings, self._retry)
-        self._queue = AdmissionQueue(settings, self._admitter, self._retry)
+        if fairness is None:
+            fairness = VirtualTokenCounter(TokenWeights.from_queue_settings(settings.queue))
+        self._fairness = fairness
+        self._queue = AdmissionQueue(settings, self._admitter, self._retry, fairness)
         self._update_depths()
+
+    @property
+    def fairness(self) -> VirtualTokenCounter:
+        """The tenants' virtual token counters (shared with the queue)."""
+        return self._fairness
 
     @property
     def settings(self) -> AdmissionSettings:
@@ -77,7 +92,10 @@ class AdmissionController:
         return self._admitter
 
     def reconfigure(self, settings: AdmissionSettings) -> None:
-        """Swap in a new validated ``admission`` section (hot reload); queued requests stay."""
+        """Swap in a new validated ``admission`` section (hot reload); queued requests stay, and the
+        fairness counters too. Token weights that were the old queue costs follow the new ones."""
+        if self._fairness.token_weights == TokenWeights.from_queue_settings(self._settings.queue):
+            self._fairness.set_token_weights(TokenWeights.from_queue_settings(settings.queue))
         self._settings = settings
         self._retry = RetryAfterPolicy(settings.retry_after, self._rng)
         self._admitter = make_admitter(settings, self._retry)
@@ -100,6 +118,8 @@ class AdmissionController:
             pushed = self._queue.push(request, decision, now)
             decision = pushed if isinstance(pushed, Reject) else replace(decision, entry_id=pushed.id)
             self._update_depths()
+        if decision.admits:
+            self._fairness.charge_dispatch(request.tenant, request.prompt_tokens)
         self._record(name, decision, queued=False)
         return decision
 

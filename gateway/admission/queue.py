@@ -1,24 +1,32 @@
 """Sluice's queue: requests no replica can take now, released as replicas free up.
 
-Order: strict class priority (lower number first), then shortest predicted job first with aging.
-A job's key is ``size_s - aging_rate x (now - enqueued_at)``; since every entry ages at the same
-rate this orders exactly like the static ``size_s + aging_rate x enqueued_at``, so one heap per
-priority level stays valid as time passes (no re-keying). Ties go to the earlier entry.
+Order: strict class priority (lower number first); within a priority, the tenant with the smallest
+virtual token counter (``fairness.VirtualTokenCounter``: weighted tokens served / tenant weight)
+when several tenants wait; within a tenant, shortest predicted job first with aging. A job's key
+is ``size_s - aging_rate x (now - enqueued_at)``; since every entry ages at the same rate this
+orders exactly like the static ``size_s + aging_rate x enqueued_at``, so one heap per (priority,
+tenant) stays valid as time passes (no re-keying). Ties go to the earlier entry; between tenants
+with equal counters, to the smaller (aged) job. With one tenant (or none) the order is plain
+priority-then-aged-SJF.
 
-Re-evaluation (``reevaluate``, on every request finish and every scrape) walks each priority's
-heap in key order and asks the admitter again (``queued=True``): ``Admit`` -> dispatched (and the
-views updated with ``ReplicaView.with_admitted``, so the next entry sees it), ``Reject`` ->
-answered (``deadline_exceeded``), ``Queue`` -> stays. A request still blocked after
-``reserve_after_s`` stops the walk for its priority and below, and holds back new requests of
-those priorities (``holds_back``), so smaller requests cannot keep it out forever.
+Re-evaluation (``reevaluate``, on every request finish and every scrape) walks each priority in
+that order, asking the admitter again (``queued=True``): ``Admit`` -> dispatched (its tenant's
+counter charged with the prompt at once, so the next pick sees it; the views updated with
+``ReplicaView.with_admitted``, so the next entry sees the load), ``Reject`` -> answered
+(``deadline_exceeded``), ``Queue`` -> stays (and the walk goes on: to the same tenant's next
+entry only after every other waiting tenant's entry that stayed, so a request that fits is not
+kept out by another tenant's that does not). A request still blocked after ``reserve_after_s``
+stops the walk for its priority and below, and holds back new requests of those priorities
+(``holds_back``), so smaller requests cannot keep it out forever.
 
 Hard deadlines (``AdmissionRequest.queue_deadline_s``) sit in their own heap and are enforced on
 every call for every entry, even those the walk does not reach.
 
-Complexity (n entries): ``push`` O(log n); ``cancel`` O(1) (lazy deletion; the heaps are compacted
-when stale items outnumber live ones, O(n) amortised over as many cancels); ``reevaluate``
-O((e + m) log n + m x R forecasts) for e expired entries and m <= ``max_examined`` examined ones
-on R replicas.
+Complexity (n entries, T tenants waiting in a priority): ``push`` O(log n) (plus O(T) when a
+tenant's first request arrives: the counter lift); ``cancel`` O(1) (lazy deletion; the heaps are
+compacted when stale items outnumber live ones, O(n) amortised over as many cancels);
+``reevaluate`` O((e + m) log n + T log T + m x R forecasts) for e expired entries and
+m <= ``max_examined`` examined ones on R replicas.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from dataclasses import dataclass, field
 
 from gateway.admission.config import AdmissionSettings, ClassSettings
 from gateway.admission.decision import Admitter, Blocker, Decision, Queue, Reject, RejectReason
+from gateway.admission.fairness import TenantKey, TokenWeights, VirtualTokenCounter
 from gateway.admission.request import AdmissionRequest
 from gateway.admission.retry_after import RetryAfterPolicy
 from gateway.admission.views import ReplicaView
@@ -37,6 +46,12 @@ __all__ = ["AdmissionQueue", "QueueEntry", "Reevaluation"]
 
 #: Stale heap items tolerated beyond the live entries before the heaps are rebuilt.
 _COMPACT_SLACK = 64
+
+#: A heap item: (static sort key, entry id).
+_Item = tuple[float, int]
+#: A tenant's place in one walk: (its entries that stayed queued so far in this walk, its counter,
+#: its next entry's sort key, that entry's id, the tenant's index).
+_Pick = tuple[int, float, float, int, int]
 
 
 @dataclass(slots=True, eq=False)
@@ -82,15 +97,28 @@ class Reevaluation:
 
 
 class AdmissionQueue:
-    """Bounded per class; priority, then aged shortest-job-first; deadline-aware. Pure: the caller
-    passes the time."""
+    """Bounded per class; priority, then tenant fair share, then aged shortest-job-first;
+    deadline-aware. Pure: the caller passes the time.
 
-    def __init__(self, settings: AdmissionSettings, admitter: Admitter, retry: RetryAfterPolicy) -> None:
+    ``fairness``: the tenants' counters, shared with whoever charges output (default: a fresh one
+    weighing tokens by the queue's job-size costs).
+    """
+
+    def __init__(
+        self,
+        settings: AdmissionSettings,
+        admitter: Admitter,
+        retry: RetryAfterPolicy,
+        fairness: VirtualTokenCounter | None = None,
+    ) -> None:
         self._settings = settings
         self._admitter = admitter
         self._retry = retry
+        if fairness is None:
+            fairness = VirtualTokenCounter(TokenWeights.from_queue_settings(settings.queue))
+        self._fairness = fairness
         self._entries: dict[int, QueueEntry] = {}
-        self._heaps: dict[int, list[tuple[float, int]]] = {}
+        self._heaps: dict[int, dict[TenantKey, list[_Item]]] = {}
         self._deadlines: list[tuple[float, int]] = []
         self._depth: dict[str, int] = {}
         self._next_id = 0
@@ -106,6 +134,11 @@ class AdmissionQueue:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def fairness(self) -> VirtualTokenCounter:
+        """The tenants' virtual token counters this queue orders by."""
+        return self._fairness
 
     def depth(self, request_class: str) -> int:
         """Requests of ``request_class`` waiting."""
@@ -171,9 +204,10 @@ class AdmissionQueue:
         self._next_id += 1
         self._entries[entry.id] = entry
         self._depth[name] = self._depth.get(name, 0) + 1
-        heap = self._heaps.setdefault(entry.priority, [])
+        heap = self._heaps.setdefault(entry.priority, {}).setdefault(request.tenant, [])
         heapq.heappush(heap, (entry.sort_key(self._settings.queue.aging_rate), entry.id))
         heapq.heappush(self._deadlines, (deadline, entry.id))
+        self._fairness.enqueued(request.tenant)
         return entry
 
     def cancel(self, entry_id: int) -> QueueEntry | None:
@@ -188,6 +222,7 @@ class AdmissionQueue:
         if entry.id == self._reserver:
             self._reserved = self._reserver = None
         self._depth[entry.request_class] -= 1
+        self._fairness.dequeued(entry.request.tenant)
         self._stale += 2  # its items in the order heap and the deadline heap
         if not self._walking and self._stale > len(self._entries) + _COMPACT_SLACK:
             self._compact()
@@ -195,11 +230,14 @@ class AdmissionQueue:
     def _compact(self) -> None:
         """Rebuild the heaps from the live entries, dropping stale items. O(n)."""
         aging = self._settings.queue.aging_rate
-        heaps: dict[int, list[tuple[float, int]]] = {}
+        heaps: dict[int, dict[TenantKey, list[_Item]]] = {}
         for e in self._entries.values():
-            heaps.setdefault(e.priority, []).append((e.sort_key(aging), e.id))
-        for heap in heaps.values():
-            heapq.heapify(heap)
+            heaps.setdefault(e.priority, {}).setdefault(e.request.tenant, []).append(
+                (e.sort_key(aging), e.id)
+            )
+        for by_tenant in heaps.values():
+            for heap in by_tenant.values():
+                heapq.heapify(heap)
         self._heaps = heaps
         self._deadlines = [(e.deadline_s, e.id) for e in self._entries.values()]
         heapq.heapify(self._deadlines)
@@ -238,36 +276,65 @@ class AdmissionQueue:
     def _walk(self, now: float, out: Reevaluation) -> None:
         """Offer entries to the admitter in order, at most ``max_examined`` of them."""
         budget = self._settings.queue.max_examined
-        reserve_after = self._settings.queue.reserve_after_s
         self._reserved = self._reserver = None
         index = {v.name: i for i, v in enumerate(out.views)}
         for priority in sorted(self._heaps):
-            heap = self._heaps[priority]
-            keep: list[tuple[float, int]] = []
-            while heap and budget > 0 and self._reserved is None:
-                item = heapq.heappop(heap)
-                entry = self._entries.get(item[1])
-                if entry is None:
-                    self._stale -= 1
-                    continue
-                budget -= 1
-                decision = self._admitter.decide(entry.request, out.views, now, queued=True)
-                if decision.admits:
-                    self._dispatch(entry, decision, index, out)
-                elif isinstance(decision, Reject):
-                    self._remove_popped(entry)
-                    out.rejected.append((entry, decision))
-                else:
-                    assert isinstance(decision, Queue)
-                    entry.blocker, entry.earliest_retry_s = decision.blocker, decision.earliest_retry_s
-                    keep.append(item)
-                    if reserve_after is not None and entry.waited_s(now) >= reserve_after:
-                        self._reserved, self._reserved_retry_s = priority, decision.earliest_retry_s
-                        self._reserver = entry.id
-            for item in keep:
-                heapq.heappush(heap, item)
+            budget = self._walk_priority(priority, budget, now, index, out)
             if budget == 0 or self._reserved is not None:
                 return
+
+    def _walk_priority(
+        self, priority: int, budget: int, now: float, index: dict[str, int], out: Reevaluation
+    ) -> int:
+        """Offer one priority's entries, each time the least-served tenant's shortest aged job
+        (counters change as requests are dispatched). A tenant whose entry must stay goes behind
+        every tenant with fewer such entries in this walk, so one tenant's blocked backlog cannot
+        use up the examination budget while others' requests would fit. Returns the budget left."""
+        reserve_after = self._settings.queue.reserve_after_s
+        by_tenant = self._heaps[priority]
+        tenants = list(by_tenant)
+        stayed = [0] * len(tenants)
+        picks: list[_Pick] = []
+        for i, tenant in enumerate(tenants):
+            self._offer(picks, i, tenant, by_tenant[tenant], 0)
+        keep: list[tuple[TenantKey, _Item]] = []
+        while picks and budget > 0 and self._reserved is None:
+            i = heapq.heappop(picks)[-1]
+            tenant = tenants[i]
+            heap = by_tenant[tenant]
+            item = heapq.heappop(heap)  # live: _offer dropped the stale items above it
+            entry = self._entries[item[1]]
+            budget -= 1
+            decision = self._admitter.decide(entry.request, out.views, now, queued=True)
+            if decision.admits:
+                self._dispatch(entry, decision, index, out)
+            elif isinstance(decision, Reject):
+                self._remove_popped(entry)
+                out.rejected.append((entry, decision))
+            else:
+                assert isinstance(decision, Queue)
+                entry.blocker, entry.earliest_retry_s = decision.blocker, decision.earliest_retry_s
+                keep.append((tenant, item))
+                stayed[i] += 1
+                if reserve_after is not None and entry.waited_s(now) >= reserve_after:
+                    self._reserved, self._reserved_retry_s = priority, decision.earliest_retry_s
+                    self._reserver = entry.id
+            self._offer(picks, i, tenant, heap, stayed[i])
+        for tenant, item in keep:
+            heapq.heappush(by_tenant[tenant], item)
+        for tenant in tenants:
+            if not by_tenant[tenant]:
+                del by_tenant[tenant]  # tenants come and go: keep the walk O(tenants waiting)
+        return budget
+
+    def _offer(self, picks: list[_Pick], i: int, tenant: TenantKey, heap: list[_Item], stayed: int) -> None:
+        """Put tenant ``i`` in the walk's order (entries that stayed, counter, next live entry)."""
+        while heap and heap[0][1] not in self._entries:
+            heapq.heappop(heap)
+            self._stale -= 1
+        if heap:
+            key, entry_id = heap[0]
+            heapq.heappush(picks, (stayed, self._fairness.counter(tenant), key, entry_id, i))
 
     def _remove_popped(self, entry: QueueEntry) -> None:
         """Remove an entry one of whose two heap items was already popped."""
@@ -278,6 +345,7 @@ class AdmissionQueue:
         self, entry: QueueEntry, decision: Decision, index: dict[str, int], out: Reevaluation
     ) -> None:
         self._remove_popped(entry)
+        self._fairness.charge_dispatch(entry.request.tenant, entry.request.prompt_tokens)
         out.dispatched.append((entry, decision))
         i = index.get(decision.replica) if decision.replica is not None else None
         if i is not None:

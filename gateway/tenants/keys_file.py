@@ -1,0 +1,142 @@
+"""The keys file: more API key hashes per tenant, kept apart from the main configuration.
+
+An operator (or a secrets pipeline) may keep keys out of the main YAML, in a file of the form::
+
+    team-a:
+      - sha256:<64 hex digits>
+    team-b: ["sha256:<64 hex digits>", "sha256:<64 hex digits>"]
+
+``apply_keys_file`` reads the file ``TenantsSettings.keys_file`` names, validates it as strictly as
+``api_keys`` (hashes only, every tenant configured, no hash used twice, here or in the main
+configuration), and returns the settings with those hashes added. It is meant to run wherever the
+configuration is loaded (``sluice serve``, ``check-config``, reload), so the keys file reloads with
+the rest. Problems raise ``gateway.config.ConfigError`` naming the keys file, one line each, with
+every value that might be a secret shown as ``<redacted>``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Final
+
+import yaml
+
+from gateway.tenants.config import TenantsSettings
+from gateway.tenants.keys import REDACTED, key_hash_problem, normalise_key_hash
+
+__all__ = ["apply_keys_file", "keys_file_path", "load_keys_file", "parse_keys_file"]
+
+_EXPECTED: Final = "expected a mapping of tenant names to lists of key hashes (sha256:<hex>)"
+
+
+def keys_file_path(settings: TenantsSettings, base_dir: Path | None = None) -> Path | None:
+    """The keys file ``settings`` names, relative paths taken from ``base_dir`` (the configuration
+    file's directory; ``None``: the working directory); ``None`` when there is none."""
+    if settings.keys_file is None:
+        return None
+    path = Path(settings.keys_file)
+    return path if path.is_absolute() or base_dir is None else base_dir / path
+
+
+def apply_keys_file(settings: TenantsSettings, base_dir: Path | None = None) -> TenantsSettings:
+    """``settings`` with the keys file's hashes appended to each tenant's ``api_keys``; ``settings``
+    itself when it names no keys file. Raises ``ConfigError`` (for the keys file) on any problem."""
+    path = keys_file_path(settings, base_dir)
+    if path is None:
+        return settings
+    extra = load_keys_file(path, settings)
+    tenants = {
+        name: tenant.model_copy(update={"api_keys": [*tenant.api_keys, *extra.get(name, [])]})
+        for name, tenant in settings.tenants.items()
+    }
+    # Validated above, rule by rule: copying without re-validation keeps the snapshot frozen and exact.
+    return settings.model_copy(update={"tenants": tenants})
+
+
+def load_keys_file(path: str | Path, settings: TenantsSettings) -> dict[str, list[str]]:
+    """Read and validate the keys file at ``path`` against ``settings``; see ``parse_keys_file``."""
+    # gateway.config imports the settings that mount this package: import it when called.
+    from gateway.config import ConfigError, _read_text, _StrictSafeLoader
+
+    text = _read_text(path)
+    try:
+        data = yaml.load(text, Loader=_StrictSafeLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(path, [_describe_yaml_error(exc)]) from None
+    problems, keys = _check(data, settings)
+    if problems:
+        raise ConfigError(path, problems)
+    return keys
+
+
+def parse_keys_file(data: object, settings: TenantsSettings, source: str) -> dict[str, list[str]]:
+    """Validate parsed keys-file data (``None``: an empty file, no keys) against ``settings``.
+
+    Returns canonical hashes per tenant. Raises ``ConfigError(source, problems)`` listing every
+    problem: not a mapping, a tenant not configured in ``settings``, a value that is not a list,
+    an entry that is not a ``sha256:`` hash (plaintext keys included), a hash used twice.
+    """
+    from gateway.config import ConfigError
+
+    problems, keys = _check(data, settings)
+    if problems:
+        raise ConfigError(source, problems)
+    return keys
+
+
+def _describe_yaml_error(exc: yaml.YAMLError) -> str:
+    """Where and what, without the offending line (``gateway.config`` shows it): it may hold a key."""
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return "invalid YAML"
+    mark = exc.problem_mark or exc.context_mark
+    problem = exc.problem or exc.context or "syntax error"
+    where = "(top level)" if mark is None else f"line {mark.line + 1}, column {mark.column + 1}"
+    return f"{where}: invalid YAML: {problem} (the line is not shown: it may hold a key)"
+
+
+def _unknown_tenant(name: object, position: int, known: list[str]) -> str:
+    """A mapping key that is no configured tenant: shown only when it is close to a tenant's name
+    (a typo); anything else may be a key pasted the wrong way round, so it is shown by position."""
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6) if isinstance(name, str) else []
+    if close:
+        return f"{name}: not a configured tenant; did you mean {close[0]!r}? (got {name!r})"
+    listed = ", ".join(known) or "none"
+    return f"(entry {position}): not a configured tenant (known: {listed}) (got {REDACTED!r})"
+
+
+def _check(data: object, settings: TenantsSettings) -> tuple[list[str], dict[str, list[str]]]:
+    if data is None:
+        return [], {}
+    if not isinstance(data, dict):
+        return [f"(top level): {_EXPECTED} (got {REDACTED!r})"], {}
+    first = {
+        key_hash: f"tenants.{name}.api_keys.{index} in the configuration"
+        for name, tenant in settings.tenants.items()
+        for index, key_hash in enumerate(tenant.api_keys)
+    }
+    problems: list[str] = []
+    keys: dict[str, list[str]] = {}
+    known = list(settings.tenants)
+    for position, (name, hashes) in enumerate(data.items(), start=1):
+        if not (isinstance(name, str) and name in settings.tenants):
+            problems.append(_unknown_tenant(name, position, known))
+            continue
+        if not isinstance(hashes, list):
+            problems.append(f"{name}: should be a list of key hashes (sha256:<hex>) (got {REDACTED!r})")
+            continue
+        keys[name] = []
+        for index, item in enumerate(hashes):
+            problem = key_hash_problem(item)
+            if problem is not None:
+                problems.append(f"{name}.{index}: {problem} (got {REDACTED!r})")
+                continue
+            assert isinstance(item, str)
+            key_hash = normalise_key_hash(item)
+            if key_hash in first:
+                where = first[key_hash]
+                problems.append(f"{name}.{index}: key hash already used at {where} (got {key_hash!r})")
+                continue
+            first[key_hash] = f"{name}.{index} in this file"
+            keys[name].append(key_hash)
+    return problems, keys
