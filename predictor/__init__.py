@@ -24,6 +24,7 @@ from predictor.forecast import (
     ReplicaState,
     RunningSeq,
     forecast_request,
+    prefill_share,
 )
 from predictor.hardware import GPUS, UNKNOWN_GPU, GpuSpec, gpu_names, lookup_gpu
 from predictor.model import MODELS, ModelArch, llama_style, lookup_model, model_names
@@ -90,6 +91,7 @@ __all__ = [
     "lookup_model",
     "model_names",
     "observation_from_window",
+    "prefill_share",
     "roofline_prior",
     "roofline_terms",
     "unknown_step_model",

@@ -151,38 +151,42 @@ class Observation:
 def mean_excess_tokens(
     buckets: tuple[tuple[float, float], ...], mean_tokens: float, knee_tokens: float
 ) -> float | None:
-    """Mean of ``max(0, N - knee)`` over steps, from cumulative histogram buckets of N.
+    """Mean of ``max(0, N - knee)`` over steps, from cumulative histogram buckets of N and its mean.
 
-    Tokens are taken uniform inside each finite bucket; the ``+Inf`` bucket is a point at the value
-    that makes the histogram's mean equal ``mean_tokens``. ``None`` when the buckets hold no count.
+    Uses ``E[max(0, N - k)] = E[N] - E[min(N, k)]``: the exact mean carries every step above the
+    knee (which all count ``k`` in the second term), so only the buckets below the knee need a
+    guess about where their steps lie (uniform inside a bucket). Buckets are coarse (vLLM's go
+    512, 1024, 2048...) and prompt lengths are not uniform inside them, so this is much closer than
+    placing every step at its bucket's midpoint. The result is clamped to what the buckets allow
+    (each step between its bucket's bounds). ``None`` when the buckets hold no count.
     """
     total = buckets[-1][1] if buckets else 0.0
     if total <= 0.0:
         return None
-    lo, prev_cum, acc, mass_sum = 0.0, 0.0, 0.0, 0.0
+    lo, prev_cum, below, low_bound, high_bound = 0.0, 0.0, 0.0, 0.0, 0.0
     for le, cum in buckets:
         count = max(0.0, cum - prev_cum)
         prev_cum = max(prev_cum, cum)
         if count > 0.0:
-            if math.isinf(le):
-                # Whatever mean the finite buckets leave unexplained sits in the overflow bucket.
-                point = max(lo, (mean_tokens * total - mass_sum) / count)
-                acc += count * max(0.0, point - knee_tokens)
-            else:
-                acc += count * _uniform_excess(lo, le, knee_tokens)
-                mass_sum += count * (lo + le) / 2.0
+            below += count * _uniform_min(lo, le, knee_tokens)
+            low_bound += count * max(0.0, lo - knee_tokens)
+            high_bound += count * max(0.0, le - knee_tokens)
         if not math.isinf(le):
             lo = le
-    return acc / total
+    estimate = mean_tokens - below / total
+    return min(max(estimate, low_bound / total), high_bound / total)
 
 
-def _uniform_excess(lo: float, hi: float, knee: float) -> float:
-    """E[max(0, X - knee)] for X uniform on [lo, hi]."""
-    if hi <= knee:
-        return 0.0
-    if lo >= knee or hi <= lo:
-        return max(0.0, (lo + hi) / 2.0 - knee)
-    return (hi - knee) ** 2 / (2.0 * (hi - lo))
+def _uniform_min(lo: float, hi: float, knee: float) -> float:
+    """E[min(X, knee)] for X uniform on [lo, hi] (``hi`` may be infinite: then ``knee`` if lo < knee)."""
+    if lo >= knee:
+        return knee
+    if math.isinf(hi):
+        return knee  # unbounded above: its steps are taken past the knee
+    if hi <= knee or hi <= lo:
+        return (lo + hi) / 2.0
+    share_below = (knee - lo) / (hi - lo)
+    return share_below * (lo + knee) / 2.0 + (1.0 - share_below) * knee
 
 
 def observation_from_window(window: WindowStats, knee_tokens: float) -> Observation:

@@ -25,9 +25,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Final
+from typing import Final, NamedTuple
 
-from predictor.step_model import StepModel
+from predictor.step_model import StepBatch, StepModel
 
 __all__ = [
     "CandidateRequest",
@@ -37,6 +37,7 @@ __all__ = [
     "ReplicaState",
     "RunningSeq",
     "forecast_request",
+    "prefill_share",
 ]
 
 _EULER: Final = 0.5772156649015329
@@ -103,6 +104,18 @@ class ReplicaState:
     ``background_prefill_tokens_per_step``: prompt tokens later arrivals add per step (observed
     prefill tokens per step of the recent window); loads the steps of the newcomer's decode.
     ``stale``: the metrics behind this state are older than the gateway trusts.
+    ``step_remaining_s``: seconds until the engine's step in progress ends (>= 0). A newcomer
+    joins the next step at the earliest; the counts above describe the engine after that step.
+    ``prefill_share``: the share of step time (0-1) the running decodes are expected to spend on
+    other requests' prefill chunks during the newcomer's decode (``prefill_share`` from a
+    window's measured inter-token latency); ``None``: unknown, then the prefill a step carries is
+    modelled from ``background_prefill_tokens_per_step``. Prefill arrives in lumps (a whole
+    prompt in one step, then decode-only steps), which a mean per step cannot price: the step
+    cost has a knee.
+    ``finish_rate_per_s``: requests the replica finished per second recently (``None``: unknown).
+    A full engine admits a waiting request per finished one, so a newcomer that cannot be
+    admitted at once waits for the requests ahead of it at this rate; without it, the wait is
+    estimated from the running requests' expected remaining outputs.
     """
 
     num_running: int
@@ -121,6 +134,9 @@ class ReplicaState:
     release_kv_cumulative: tuple[float, ...] = ()
     background_prefill_tokens_per_step: float = 0.0
     stale: bool = False
+    step_remaining_s: float = 0.0
+    prefill_share: float | None = None
+    finish_rate_per_s: float | None = None
 
     @classmethod
     def from_sequences(
@@ -134,6 +150,9 @@ class ReplicaState:
         max_model_len: int,
         background_prefill_tokens_per_step: float = 0.0,
         stale: bool = False,
+        step_remaining_s: float = 0.0,
+        prefill_share: float | None = None,
+        finish_rate_per_s: float | None = None,
     ) -> ReplicaState:
         """Aggregate per-request detail (running in schedule order, waiting FCFS) into a state.
 
@@ -182,6 +201,9 @@ class ReplicaState:
             release_kv_cumulative=tuple(cumulative),
             background_prefill_tokens_per_step=background_prefill_tokens_per_step,
             stale=stale,
+            step_remaining_s=step_remaining_s,
+            prefill_share=prefill_share,
+            finish_rate_per_s=finish_rate_per_s,
         )
 
 
@@ -208,6 +230,10 @@ class Forecast:
     ``inflicted_stall_s``: total extra time its prefill adds to each running stream.
     ``admission_wait_s``: part of TTFT spent waiting for a sequence slot or KV room.
     ``prefill_steps``: engine steps until its first token (after any admission wait).
+    ``step_wait_s``: part of TTFT spent waiting for the engine's step in progress to end.
+    ``prefill_batch``: the mean composition of its prefill steps (what ``ttft_s - step_wait_s -
+    admission_wait_s`` is the time of, ``prefill_steps`` times); ``None`` when not valid. A
+    measured TTFT thus gives a step-time observation (``predictor.calibrate``).
     """
 
     ttft_s: float
@@ -220,6 +246,8 @@ class Forecast:
     inflicted_stall_s: float = 0.0
     admission_wait_s: float = 0.0
     prefill_steps: int = 0
+    step_wait_s: float = 0.0
+    prefill_batch: StepBatch | None = None
 
 
 def _invalid(request: CandidateRequest, reason: ForecastReason, output: float = math.nan) -> Forecast:
@@ -241,11 +269,32 @@ def _check(request: CandidateRequest, state: ReplicaState) -> ForecastReason | N
         return ForecastReason.BAD_STATE
     if s.mean_remaining_output_tokens < 0 or s.background_prefill_tokens_per_step < 0:
         return ForecastReason.BAD_STATE
+    if not s.step_remaining_s >= 0.0:
+        return ForecastReason.BAD_STATE
+    if s.prefill_share is not None and not 0.0 <= s.prefill_share < 1.0:
+        return ForecastReason.BAD_STATE
+    if s.finish_rate_per_s is not None and not (
+        math.isfinite(s.finish_rate_per_s) and s.finish_rate_per_s >= 0.0
+    ):
+        return ForecastReason.BAD_STATE
     if len(s.release_steps) != len(s.release_kv_cumulative):
         return ForecastReason.BAD_STATE
     if r.prompt_tokens + r.max_tokens > s.max_model_len:
         return ForecastReason.EXCEEDS_MAX_MODEL_LEN
     return None
+
+
+class _Prefill(NamedTuple):
+    """One way through the prefill: its seconds and the step shape it implies."""
+
+    seconds: float
+    steps: int
+    last: float
+    n_mid: float
+    kv_mid: float
+    per_step: float
+    full: float
+    ahead_pairs: float
 
 
 def _harmonic(n: float) -> float:
@@ -275,6 +324,20 @@ def _release(
     k = min(n, max(need_slots, k_kv))
     # Memoryless remaining outputs: the k-th of n to finish does so after mean x (H_n - H_{n-k}).
     return float(k), mean_rest * (_harmonic(n) - _harmonic(n - k)), k * per_request_kv
+
+
+def prefill_share(model: StepModel, itl_s: float, decode_seqs: float, kv_tokens: float) -> float | None:
+    """Share of step time (0-1) spent on prefill chunks, from a window's measured mean ITL.
+
+    A decode waits one step per token; a step costs the decode batch's time (``decode_seqs``
+    sequences reading ``kv_tokens`` KV tokens) plus whatever prefill rides along, so
+    ``1 - decode step / ITL`` is the share the prefill took. ``None`` when the model is not
+    valid or the inputs make no sense; clamped to [0, 0.95].
+    """
+    if not model.valid or not (math.isfinite(itl_s) and itl_s > 0.0) or min(decode_seqs, kv_tokens) < 0.0:
+        return None
+    decode = model.step_time(StepBatch(0.0, decode_seqs, kv_tokens, 0.0))
+    return min(max(1.0 - decode / itl_s, 0.0), 0.95)
 
 
 def forecast_request(
@@ -308,45 +371,83 @@ def forecast_request(
     seqs_cap, budget = state.max_num_seqs, state.max_num_batched_tokens
     n0, kv0 = state.decode_seqs, state.kv_tokens_in_use
     queued, queued_reqs = state.queued_prefill_tokens, state.queued_requests
+    queue_pairs = state.queued_prefill_attn_pairs
+    if queue_pairs is None:
+        queue_pairs = queued * queued / (2.0 * max(1, queued_reqs))
     cached = min(request.cached_prompt_tokens, prompt - 1)  # the last prompt token is always computed
     own = prompt - cached
+
+    own_pairs = own * (own / 2.0 + cached)
+
+    def prefill(ahead: int, ahead_reqs: int, ahead_pairs: float, n: float, kv: float) -> _Prefill:
+        """Prefill of ``ahead`` queued tokens then this prompt, at (budget - decodes) tokens per step.
+
+        The queue's requests join the decodes as they finish, so half of them decode on average.
+        """
+        n_mid = min(float(seqs_cap), n + ahead_reqs / 2.0)
+        per_step = max(1.0, budget - n_mid)
+        total = ahead + own
+        steps = math.ceil(total / per_step)
+        last = total - (steps - 1) * per_step
+        kv_mid = kv + ahead / 2.0 + n_mid * steps / 2.0
+        full = gemm(per_step + n_mid)
+        seconds = (
+            steps * (base + cd * n_mid + ckv * kv_mid)
+            + (steps - 1) * full
+            + gemm(last + n_mid)
+            + ca * (ahead_pairs + own_pairs)
+        )
+        return _Prefill(seconds, steps, last, n_mid, kv_mid, per_step, full, ahead_pairs)
 
     # 1. Engine admission: a sequence slot and KV room for everything ahead plus this prompt.
     decode_step = base + gemm(n0) + cd * n0 + ckv * kv0
     need_slots = state.num_running + state.num_waiting + 1 - seqs_cap
     need_kv = kv0 + queued + own - state.kv_capacity_tokens
     released = freed = wait_s = 0.0
-    if need_slots > 0 or need_kv > 0:
-        released, wait_steps, freed = _release(state, need_slots, need_kv, config.default_window_tokens)
-        wait_s = wait_steps * decode_step
+    replaced = False
+    rate = state.finish_rate_per_s
+    full_engine = need_slots > 0 or need_kv > 0
+    if full_engine and rate is not None and rate > 0.0:
+        # A full engine admits one waiting request per finished one: the queue ahead is admitted
+        # (and prefilled) while it waits, at the measured finish rate, and the batch stays full.
+        # Unless prefilling the queue takes longer still: both bounds hold, the larger one binds.
+        mean_prompt = (queued + own) / (queued_reqs + 1.0)
+        waiting_out = min(queued_reqs + 1.0, max(float(need_slots), need_kv / mean_prompt))
+        admitted = prefill(0, 0, 0.0, n0, kv0)
+        through = prefill(queued, queued_reqs, queue_pairs, n0, kv0)
+        if waiting_out / rate + admitted.seconds >= through.seconds:
+            # Each request ahead replaced a finished one: the batch it joins is today's.
+            wait_s, pre, replaced = waiting_out / rate, admitted, True
+            queued, queued_reqs = 0, 0
+        else:
+            pre = through
+    else:
+        if full_engine:
+            released, wait_steps, freed = _release(state, need_slots, need_kv, config.default_window_tokens)
+            wait_s = wait_steps * decode_step
+        pre = prefill(queued, queued_reqs, queue_pairs, max(0.0, n0 - released), max(0.0, kv0 - freed))
     n1 = max(0.0, n0 - released)
     kv1 = max(0.0, kv0 - freed)
+    prefill_s, steps, last, n_mid, kv_mid, per_step, full = pre[:7]
 
-    # 2. Prefill: the queue ahead, then this prompt, at (budget - decodes) tokens per step. The
-    # queue's requests join the decodes as they finish, so half of them decode on average.
-    n_mid = min(float(seqs_cap), n1 + queued_reqs / 2.0)
-    per_step = max(1.0, budget - n_mid)
-    total = queued + own
-    steps = math.ceil(total / per_step)
-    last = total - (steps - 1) * per_step
-    kv_mid = kv1 + queued / 2.0 + n_mid * steps / 2.0
-    queue_pairs = state.queued_prefill_attn_pairs
-    if queue_pairs is None:
-        queue_pairs = queued * queued / (2.0 * max(1, queued_reqs))
-    own_pairs = own * (own / 2.0 + cached)
-    full = gemm(per_step + n_mid)
-    prefill_s = (
-        steps * (base + cd * n_mid + ckv * kv_mid)
-        + (steps - 1) * full
-        + gemm(last + n_mid)
-        + ca * (queue_pairs + own_pairs)
-    )
-
-    # 3. Decode: the batch it joins, its own context half grown, background prefill piggy-backing.
-    n_join = min(float(seqs_cap), n1 + queued_reqs + 1.0)
+    # 3. Decode: the batch it joins, its own context half grown, background prefill piggy-backing;
+    # never more sequences or KV than the engine holds.
+    # Requests finish while it waits for its first token; on a backlogged replica the ones
+    # admitted after it merely replace them.
+    gone = 0.0 if replaced else min(n1, (state.finish_rate_per_s or 0.0) * (wait_s + prefill_s))
+    n_join = n1 - gone + queued_reqs + 1.0
+    kv_join = kv1 * (1.0 - gone / n1 if n1 > 0.0 else 1.0) + queued + prompt + output / 2.0
+    if kv_join > state.kv_capacity_tokens:
+        n_join *= state.kv_capacity_tokens / kv_join
+        kv_join = float(state.kv_capacity_tokens)
+    n_join = max(1.0, min(float(seqs_cap), n_join))
     bg = state.background_prefill_tokens_per_step
-    kv_join = kv1 + queued + prompt + output / 2.0
-    tpot = base + gemm(bg + n_join) + cd * n_join + ckv * kv_join
+    if state.prefill_share is not None:
+        # Decode steps at the batch it joins, stretched by the measured share of prefill work.
+        decode = base + gemm(n_join) + cd * n_join + ckv * kv_join
+        tpot = decode / (1.0 - state.prefill_share)
+    else:
+        tpot = base + gemm(bg + n_join) + cd * n_join + ckv * kv_join
 
     # 4. What it costs the streams already decoding: its chunks' extra step time, then its decode.
     stall = inflicted = 0.0
@@ -368,7 +469,7 @@ def forecast_request(
 
     reason = ForecastReason.STALE_STATE if state.stale else None
     return Forecast(
-        ttft_s=wait_s + prefill_s,
+        ttft_s=state.step_remaining_s + wait_s + prefill_s,
         tpot_s=tpot,
         inflicted_tpot_s=inflicted,
         valid=not state.stale,
@@ -378,4 +479,11 @@ def forecast_request(
         inflicted_stall_s=stall,
         admission_wait_s=wait_s,
         prefill_steps=steps,
+        step_wait_s=state.step_remaining_s,
+        prefill_batch=StepBatch(
+            prefill_tokens=(queued + own) / steps,
+            decode_seqs=n_mid,
+            kv_tokens_read=kv_mid,
+            prefill_attn_pairs=(pre.ahead_pairs + own_pairs) / steps,
+        ),
     )

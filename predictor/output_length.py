@@ -13,6 +13,7 @@ prediction is an index into a sorted array, not a sort.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from statistics import NormalDist
@@ -72,15 +73,16 @@ class OutputLengthEstimate:
 
 
 class _Ring:
-    """Fixed-size ring of recent lengths with a lazily refreshed sorted copy."""
+    """Fixed-size ring of recent lengths with a lazily refreshed sorted copy (and its suffix sums)."""
 
-    __slots__ = ("_buf", "_count", "_next", "_sorted", "_stale")
+    __slots__ = ("_buf", "_count", "_next", "_sorted", "_stale", "_suffix")
 
     def __init__(self, size: int) -> None:
         self._buf: npt.NDArray[np.float64] = np.zeros(size)
         self._next = 0
         self._count = 0
         self._sorted: npt.NDArray[np.float64] = np.zeros(0)
+        self._suffix: npt.NDArray[np.float64] = np.zeros(1)
         self._stale = 0
 
     @property
@@ -93,16 +95,36 @@ class _Ring:
         self._count = min(self._count + 1, len(self._buf))
         self._stale += 1
 
-    def quantile(self, q: float, resort_every: int) -> float:
-        """The ``q`` quantile (linear interpolation between order statistics)."""
+    def _refresh(self, resort_every: int) -> None:
         if self._stale >= resort_every or len(self._sorted) == 0:
             self._sorted = np.sort(self._buf[: self._count])
+            # suffix[i] = sum of sorted[i:]; suffix[len] = 0.
+            self._suffix = np.concatenate((np.cumsum(self._sorted[::-1])[::-1], [0.0]))
             self._stale = 0
+
+    def quantile(self, q: float, resort_every: int) -> float:
+        """The ``q`` quantile (linear interpolation between order statistics)."""
+        self._refresh(resort_every)
         s = self._sorted
         pos = q * (len(s) - 1)
         lo = math.floor(pos)
         hi = min(lo + 1, len(s) - 1)
         return float(s[lo] + (s[hi] - s[lo]) * (pos - lo))
+
+    def means_above(self, values: npt.NDArray[np.float64], resort_every: int) -> npt.NDArray[np.float64]:
+        """``mean_above`` for every value at once; NaN where no kept length is above it."""
+        self._refresh(resort_every)
+        i = np.searchsorted(self._sorted, values, side="right")
+        n = len(self._sorted) - i
+        result: npt.NDArray[np.float64] = np.where(n > 0, self._suffix[i] / np.maximum(n, 1), np.nan)
+        return result
+
+    def mean_above(self, value: float, resort_every: int) -> float | None:
+        """Mean of the kept lengths strictly above ``value``; ``None`` when none is."""
+        self._refresh(resort_every)
+        i = int(np.searchsorted(self._sorted, value, side="right"))
+        n = len(self._sorted) - i
+        return float(self._suffix[i]) / n if n > 0 else None
 
 
 class OutputLengthPredictor:
@@ -157,6 +179,70 @@ class OutputLengthPredictor:
             value, population, n = self._prior(quantile), Population.PRIOR, 0
         tokens = max(1, math.ceil(value))
         return OutputLengthEstimate(min(tokens, max_tokens), quantile, population, n, tokens > max_tokens)
+
+    def expected_remaining(
+        self, model: str, tenant: str | None, generated: int, max_tokens: int | None = None
+    ) -> float:
+        """Expected output tokens still to come for a request that has produced ``generated`` (>= 0).
+
+        The mean of the population's lengths above ``generated`` (the lengths it can still end
+        with), minus ``generated``, capped at ``max_tokens - generated``; the same population choice
+        as ``predict``. Without data, or when ``generated`` exceeds every kept length, the lognormal
+        prior's conditional mean. Always >= 1 (a request still running emits at least one more).
+        """
+        if generated < 0:
+            raise ValueError(f"generated must be >= 0, got {generated}")
+        ring = self._population(model, tenant)
+        mean = ring.mean_above(float(generated), self._config.resort_every) if ring is not None else None
+        if mean is None:
+            mean = self._prior_mean_above(float(generated))
+        rest = mean - generated
+        if max_tokens is not None:
+            rest = min(rest, float(max_tokens - generated))
+        return max(1.0, rest)
+
+    def expected_remaining_many(
+        self, model: str, tenant: str | None, generated: Sequence[int], max_tokens: Sequence[int | None]
+    ) -> list[float]:
+        """``expected_remaining`` for many requests of one population at once (same results).
+
+        One sorted-array search for all of them: a replica's in-flight list is hundreds long.
+        """
+        if len(generated) != len(max_tokens):
+            raise ValueError("generated and max_tokens must have the same length")
+        if any(g < 0 for g in generated):
+            raise ValueError("generated must be >= 0")
+        ring = self._population(model, tenant)
+        done = np.asarray(generated, dtype=np.float64)
+        if ring is None:
+            means = np.array([self._prior_mean_above(float(g)) for g in generated])
+        else:
+            means = ring.means_above(done, self._config.resort_every)
+            for i in np.flatnonzero(np.isnan(means)):
+                means[i] = self._prior_mean_above(float(done[i]))
+        caps = np.array([np.inf if m is None else float(m) for m in max_tokens])
+        rest = np.minimum(means - done, caps - done)
+        return [float(x) for x in np.maximum(rest, 1.0)]
+
+    def _population(self, model: str, tenant: str | None) -> _Ring | None:
+        """The ring ``predict`` would use (tenant, else model), ``None`` when neither has enough."""
+        cfg = self._config
+        ring = self._tenants.get((model, tenant)) if tenant is not None else None
+        if ring is not None and ring.count >= cfg.min_tenant_samples:
+            return ring
+        ring = self._models.get(model)
+        return ring if ring is not None and ring.count >= cfg.min_model_samples else None
+
+    def _prior_mean_above(self, value: float) -> float:
+        """E[L | L > value] for the lognormal prior (closed form)."""
+        mu, sigma = math.log(self._config.prior_median_tokens), self._config.prior_sigma
+        if sigma <= 0.0:
+            return max(math.exp(mu), value + 1.0)
+        z = (math.log(max(value, 1e-9)) - mu) / sigma
+        tail = 1.0 - _STANDARD_NORMAL.cdf(z)
+        if tail <= 1e-12:
+            return value + 1.0
+        return math.exp(mu + sigma * sigma / 2.0) * (1.0 - _STANDARD_NORMAL.cdf(z - sigma)) / tail
 
     def _prior(self, quantile: float) -> float:
         q = min(max(quantile, 1e-6), 1.0 - 1e-6)

@@ -168,6 +168,14 @@ class ScrapeWindow:
         while self._points[0].at < at - self.window_s - _TIME_EPSILON_S:
             self._points.popleft()
 
+    def newest_interval(self) -> ScrapeWindow | None:
+        """A window of the two newest readings only (the last scrape interval); ``None`` with fewer."""
+        if len(self._points) < 2:
+            return None
+        last = ScrapeWindow(self.window_s)
+        last._points.extend(list(self._points)[-2:])
+        return last
+
     @property
     def covered_s(self) -> float:
         """Seconds between the oldest and the newest reading (0.0 with fewer than two)."""
@@ -278,8 +286,20 @@ def build_snapshot(
     reading: Reading,
     window: ScrapeWindow,
     in_flight: Sequence[InFlight] = (),
+    *,
+    with_interval: bool = True,
 ) -> ReplicaSnapshot:
-    """A fresh snapshot: gauges from ``reading`` (the newest scrape), the rest from ``window``."""
+    """A fresh snapshot: gauges from ``reading`` (the newest scrape), the rest from ``window``.
+
+    ``with_interval``: also fill ``last_interval``, the same statistics over the newest scrape
+    interval alone.
+    """
+    interval = window.newest_interval() if with_interval else None
+    last = (
+        None
+        if interval is None
+        else build_snapshot(name, dialect, now, reading, interval, (), with_interval=False)
+    )
     gauges = reading.gauges
     iteration = window.histogram_increase(HistogramName.ITERATION_TOKENS)
     itl = _histogram_stats(window, HistogramName.INTER_TOKEN_LATENCY)
@@ -308,6 +328,7 @@ def build_snapshot(
         admission_rejections_per_s=window.counter_rate(CounterName.ADMISSION_REJECTIONS),
         prefix_cache_hit_rate=prefix_cache_hit_rate(window),
         mean_tokens_per_step=None if iteration is None else histogram_mean(iteration[0]),
+        tokens_per_step_buckets=() if iteration is None else histogram_buckets(iteration[0]),
         itl_mean_s=itl.mean,
         itl_p50_s=itl.p50,
         itl_p90_s=itl.p90,
@@ -322,6 +343,7 @@ def build_snapshot(
         ).mean,
         sources=tuple(sorted(reading.sources.items())),
         in_flight=tuple(in_flight),
+        last_interval=last,
     )
 
 
@@ -340,6 +362,13 @@ def _histogram_stats(window: ScrapeWindow, name: HistogramName) -> HistogramStat
         return HistogramStats()
     h = found[0]
     return HistogramStats(histogram_mean(h), histogram_quantile(0.5, h), histogram_quantile(0.9, h))
+
+
+def histogram_buckets(h: Histogram) -> tuple[tuple[float, float], ...]:
+    """A histogram's ``(le, cumulative count)`` pairs; empty when it has no buckets or no count."""
+    if h.count <= 0 or not h.bounds:
+        return ()
+    return tuple(zip(h.bounds, h.cumulative, strict=True))
 
 
 def observations_per_s(found: tuple[Histogram, float] | None) -> float | None:

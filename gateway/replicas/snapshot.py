@@ -24,6 +24,9 @@ class InFlight:
     ``tokens_streamed``: output tokens relayed to the client so far (0 before the first token).
     ``started_at``: monotonic seconds (the scraper's clock) when the request was dispatched.
     ``max_tokens``: the request's output cap in tokens; ``None`` when the client set none.
+    ``last_token_at``: monotonic seconds when its latest output token was relayed; ``None`` before
+    the first token or when not tracked. Tokens of all running requests land at the end of each
+    engine step, so the newest of these tells the prediction where the engine's step cycle is.
     """
 
     request_id: str
@@ -31,6 +34,7 @@ class InFlight:
     tokens_streamed: int
     started_at: float
     max_tokens: int | None = None
+    last_token_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +97,10 @@ class ReplicaSnapshot:
     # Histogram statistics over the window (mean = d_sum / d_count; quantiles as PromQL).
     #: Tokens per engine step (prompt + generated of the step's outputs), mean.
     mean_tokens_per_step: float | None = None
+    #: The window's increase of the tokens-per-step histogram as cumulative ``(le, count)`` pairs,
+    #: ascending ``le`` (the last is ``inf`` in a complete histogram); empty when unknown. The
+    #: step model needs the spread of step sizes, not only their mean (its cost has a knee).
+    tokens_per_step_buckets: tuple[tuple[float, float], ...] = ()
     #: Inter-token latency in seconds (~ decode step time).
     itl_mean_s: float | None = None
     itl_p50_s: float | None = None
@@ -115,6 +123,12 @@ class ReplicaSnapshot:
 
     #: The gateway's own unfinished requests on this replica at ``taken_at``.
     in_flight: tuple[InFlight, ...] = ()
+
+    #: The same statistics over the newest scrape interval alone (its ``window_s`` is that
+    #: interval; its ``in_flight`` is empty and it has no ``last_interval``); ``None`` with fewer
+    #: than two scrapes in the window. Short, non-overlapping intervals vary in composition from
+    #: one to the next, which is what lets a step-model fit tell its coefficients apart.
+    last_interval: ReplicaSnapshot | None = None
 
     @property
     def gateway_in_flight(self) -> int:

@@ -331,6 +331,11 @@ def test_unusable_windows_are_rejected_and_counted(overrides: dict[str, object],
         (((8.0, 5.0), (16384.0, 5.0), (math.inf, 10.0)), 10_000.0, 1000.0, 9_498.0),
         ((), 500.0, 100.0, None),
         (((8.0, 0.0), (math.inf, 0.0)), 0.0, 100.0, None),
+        # vLLM's coarse buckets: 9 decode steps of 24 tokens, one 1000-token prefill step. The
+        # exact mean places the big step at 1000, not at its bucket's midpoint (768 -> 58.3).
+        (((16.0, 0.0), (32.0, 9.0), (512.0, 9.0), (1024.0, 10.0), (math.inf, 10.0)), 121.6, 185.0, 81.5),
+        # A mean the buckets cannot hold (all steps in (512, 1024]) is clamped to their bounds.
+        (((512.0, 0.0), (1024.0, 10.0), (math.inf, 10.0)), 5000.0, 100.0, 924.0),
     ],
     ids=[
         "below-knee",
@@ -339,6 +344,8 @@ def test_unusable_windows_are_rejected_and_counted(overrides: dict[str, object],
         "overflow-bucket",
         "no-buckets",
         "empty",
+        "skewed-coarse-bucket",
+        "mean-outside-buckets",
     ],
 )
 def test_mean_excess_tokens(

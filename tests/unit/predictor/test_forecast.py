@@ -15,6 +15,7 @@ from predictor.forecast import (
     ReplicaState,
     RunningSeq,
     forecast_request,
+    prefill_share,
 )
 from predictor.hardware import GPUS
 from predictor.model import MODELS
@@ -355,3 +356,100 @@ def test_state_from_sequences_aggregates_detail() -> None:
     f = forecast_request(request(200), state, MODEL)
     assert f.valid
     assert f.prefill_steps >= 2
+
+
+@pytest.mark.parametrize(
+    ("remaining", "contexts", "queue"),
+    [(0.0, [], []), (0.004, [1000] * 8, []), (0.050, [1000] * 64, [2000])],
+    ids=["idle", "mid-decode-step", "long-step-with-queue"],
+)
+def test_step_in_progress_delays_the_first_token(
+    remaining: float, contexts: list[int], queue: list[int]
+) -> None:
+    base = state_of(contexts, queue)
+    waiting = dataclasses.replace(base, step_remaining_s=remaining)
+    f0, f1 = forecast_request(request(500), base, MODEL), forecast_request(request(500), waiting, MODEL)
+    assert f1.ttft_s == pytest.approx(f0.ttft_s + remaining, rel=1e-12)
+    assert (f1.step_wait_s, f1.tpot_s) == (remaining, f0.tpot_s)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.25, 0.6], ids=["no-prefill", "quarter", "most"])
+def test_measured_prefill_share_stretches_the_decode_steps(share: float) -> None:
+    contexts, prompt, output = [2000] * 50, 1000, 200.0
+    state = state_of(contexts, [], prefill_share=share, background_prefill_tokens_per_step=5000.0)
+    f = forecast_request(request(prompt, output), state, MODEL)
+    decode = MODEL.step_time(StepBatch(decode_seqs=51, kv_tokens_read=sum(contexts) + prompt + output / 2))
+    # The measured share replaces the modelled background prefill entirely.
+    assert f.tpot_s == pytest.approx(decode / (1.0 - share), rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("itl_s", "expected"),
+    [(None, None), (0.010, 0.0), (0.040, None), (10.0, 0.95)],
+    ids=["model-invalid", "itl-below-decode-step", "quarter-decode", "clamped"],
+)
+def test_prefill_share_from_measured_itl(itl_s: float | None, expected: float | None) -> None:
+    decode = MODEL.step_time(StepBatch(decode_seqs=64, kv_tokens_read=64_000))
+    if itl_s is None:
+        assert prefill_share(unknown_step_model("x"), 0.02, 64, 64_000) is None
+        return
+    got = prefill_share(MODEL, itl_s, 64, 64_000)
+    assert got == pytest.approx(expected if expected is not None else 1.0 - decode / itl_s)
+
+
+@pytest.mark.parametrize(
+    ("queue", "need", "rate"),
+    [([], 1, 10.0), ([1000] * 9, 10, 10.0), ([1000] * 9, 10, 20.0)],
+    ids=["alone-behind-full-batch", "nine-ahead", "nine-ahead-faster-finishes"],
+)
+def test_full_replica_admits_one_waiting_request_per_finished_one(
+    queue: list[int], need: int, rate: float
+) -> None:
+    # KV full: every request ahead (and this one) waits for one running request to finish.
+    contexts = [1000] * 100
+    state = state_of(contexts, queue, kv_capacity=sum(contexts), finish_rate_per_s=rate)
+    f = forecast_request(request(1000), state, MODEL)
+    assert f.admission_wait_s == pytest.approx(need / rate, rel=1e-9)
+    # The queue ahead is prefilled during the wait: what is left is its own prefill step.
+    alone = forecast_request(request(1000), state_of(contexts, []), MODEL)
+    assert f.ttft_s - f.admission_wait_s == pytest.approx(alone.ttft_s, rel=1e-9)
+
+
+def test_full_replica_with_a_long_queue_is_bound_by_prefill_instead() -> None:
+    # 60 prompts of 2000 tokens ahead take ~15 full steps to prefill, longer than 60 finishes at
+    # 100 per second: the prefill throughput binds, and the forecast says so.
+    contexts, queue = [1000] * 100, [2000] * 60
+    bound = state_of(contexts, queue, kv_capacity=sum(contexts), finish_rate_per_s=100.0)
+    unbound = state_of(contexts, queue)
+    f, through = (
+        forecast_request(request(1000), bound, MODEL),
+        forecast_request(request(1000), unbound, MODEL),
+    )
+    assert f.admission_wait_s == 0.0
+    assert f.ttft_s == pytest.approx(through.ttft_s, rel=1e-9)
+    assert f.ttft_s > 61 / 100.0
+
+
+def test_joined_batch_never_exceeds_the_kv_cache() -> None:
+    # 500 queued requests could never all decode at once in a 100K-token cache.
+    contexts = [1000] * 50
+    state = state_of(contexts, [1000] * 500, kv_capacity=100_000, finish_rate_per_s=20.0)
+    f = forecast_request(request(1000, 100), state, MODEL)
+    biggest = MODEL.step_time(StepBatch(decode_seqs=1024, kv_tokens_read=100_000))
+    assert f.valid
+    assert f.tpot_s < biggest
+
+
+@pytest.mark.parametrize(
+    ("contexts", "queue", "prompt"),
+    [([], [], 500), ([1000] * 32, [], 2000), ([1000] * 32, [3000, 800], 700), ([500] * 8, [], 20_000)],
+    ids=["alone", "with-decodes", "with-queue", "chunked"],
+)
+def test_prefill_batch_is_what_the_prefill_part_of_ttft_prices(
+    contexts: list[int], queue: list[int], prompt: int
+) -> None:
+    f = forecast_request(request(prompt), state_of(contexts, queue), MODEL)
+    assert f.prefill_batch is not None
+    assert f.prefill_batch.prefill_tokens * f.prefill_steps == pytest.approx(sum(queue) + prompt)
+    if f.prefill_steps == 1:  # one step: its mean composition is the step itself
+        assert f.ttft_s == pytest.approx(MODEL.step_time(f.prefill_batch), rel=1e-9)

@@ -108,14 +108,54 @@ def test_population_count_is_bounded() -> None:
 
 
 @pytest.mark.parametrize(
+    ("generated", "max_tokens", "expected"),
+    [
+        (0, None, 49.5),  # mean of 1..100 is 50.5, minus the 0 generated... of those above 0
+        (50, None, 25.5),  # lengths it can still end with: 51..100, mean 75.5
+        (50, 60, 10.0),  # the cap leaves 10
+        (99, None, 1.0),  # only 100 is left: one more token
+        (500, None, None),  # longer than anything seen: the prior's conditional mean
+    ],
+    ids=["fresh", "half-way", "capped", "last-token", "beyond-the-data"],
+)
+def test_expected_remaining_is_conditional_on_what_was_generated(
+    generated: int, max_tokens: int | None, expected: float | None
+) -> None:
+    p = predictor_with(list(range(1, 101)))
+    got = p.expected_remaining("m", None, generated, max_tokens)
+    if expected is not None:
+        assert got == pytest.approx(expected + (1.0 if generated == 0 else 0.0))
+    else:
+        assert got > 1.0  # a lognormal tail still has somewhere to go
+
+
+def test_expected_remaining_without_data_uses_the_prior() -> None:
+    p = OutputLengthPredictor(CFG)
+    fresh, later = p.expected_remaining("m", None, 0), p.expected_remaining("m", None, 300)
+    # Lognormal prior (median 256, sigma 1): mean exp(mu + 1/2) ~ 422 from scratch.
+    assert fresh == pytest.approx(CFG.prior_median_tokens * math.exp(0.5), rel=1e-6)
+    assert later > 1.0
+
+
+@pytest.mark.parametrize(
     ("call", "message"),
     [
         (lambda p: p.predict("m", None, 100, 1.5), "quantile"),
         (lambda p: p.predict("m", None, 0), "max_tokens"),
         (lambda p: p.observe("m", None, -1), "output_tokens"),
+        (lambda p: p.expected_remaining("m", None, -1), "generated"),
     ],
-    ids=["quantile-above-one", "zero-max-tokens", "negative-length"],
+    ids=["quantile-above-one", "zero-max-tokens", "negative-length", "negative-generated"],
 )
 def test_bad_arguments_raise(call: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call(OutputLengthPredictor())  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("samples", [0, 100], ids=["prior", "data"])
+def test_expected_remaining_many_matches_one_by_one(samples: int) -> None:
+    p = predictor_with(list(range(1, samples + 1)))
+    generated, caps = [0, 5, 50, 99, 300], [None, 20, None, 1000, None]
+    many = p.expected_remaining_many("m", None, generated, caps)
+    one = [p.expected_remaining("m", None, g, c) for g, c in zip(generated, caps, strict=True)]
+    assert many == pytest.approx(one)

@@ -1,0 +1,474 @@
+"""Predicted vs measured TTFT and TPOT, per request, on emulated replicas fed a real trace.
+
+For each emulator profile and each offered load (a fraction of one replica's capacity for the
+trace's length mix, times the number of replicas), ``gateway.replay`` replays a slice of the Azure
+LLM inference trace 2023 (conversation) in virtual time: every arrival is forecast by the same
+``PredictionService`` the gateway runs (fed by the same scrape parsing and calibration), then the
+engine measures what really happened. Reported per cell: median and p90 absolute percentage error
+(APE) of TTFT and TPOT, and whether the issue's targets hold.
+
+Run: ``.venv/bin/python -m bench.predictor_accuracy`` (writes docs/predictor-accuracy.md);
+``--quick`` for a smaller run, ``--profiles`` / ``--loads`` to select cells, ``--no-write`` to
+only print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import numpy as np
+
+from gateway.prediction import ReplicaFacts
+from gateway.replay import (
+    ReplayConfig,
+    TraceRequest,
+    at_rate,
+    fit_to_model_len,
+    load_azure_trace,
+    measure_capacity,
+    run_replay,
+)
+from simulator.profile import load_profile
+
+#: What an operator would write for each profile's deployment (never read from the profile).
+FACTS: Final[dict[str, ReplicaFacts]] = {
+    # One H100 SXM5 80GB, vLLM defaults for >= 70 GiB GPUs.
+    "llama3-8b-h100": ReplicaFacts(
+        gpu="H100-SXM",
+        model="meta-llama/Meta-Llama-3-8B-Instruct",
+        tensor_parallel=1,
+        max_num_seqs=1024,
+        max_num_batched_tokens=8192,
+        max_model_len=8192,
+    ),
+    # One A100 SXM4 80GB, vLLM's A100 defaults.
+    "llama3-8b-a100": ReplicaFacts(
+        gpu="A100-80GB-SXM",
+        model="meta-llama/Meta-Llama-3-8B-Instruct",
+        tensor_parallel=1,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        max_model_len=8192,
+    ),
+    # Four H100 SXM5 80GB, tensor parallel.
+    "llama2-70b-h100-tp4": ReplicaFacts(
+        gpu="H100-SXM",
+        model="meta-llama/Llama-2-70b-chat-hf",
+        tensor_parallel=4,
+        max_num_seqs=1024,
+        max_num_batched_tokens=8192,
+        max_model_len=4096,
+    ),
+}
+
+LOADS: Final = (0.2, 0.4, 0.6, 0.8, 1.0, 1.2)
+
+#: The issue's targets (fractions) and the absolute error that counts as met whatever the ratio.
+TTFT_MEDIAN, TTFT_P90, TPOT_MEDIAN, TPOT_P90 = 0.15, 0.35, 0.10, 0.25
+ABS_MET_S: Final = 0.005
+
+DOC: Final = Path(__file__).resolve().parents[1] / "docs" / "predictor-accuracy.md"
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorStats:
+    """Median and p90 of one latency's APE (fractions) and absolute error (s) over ``n`` requests."""
+
+    n: int
+    median_ape: float
+    p90_ape: float
+    median_abs_s: float
+    p90_abs_s: float
+    bias: float  # median of (predicted - actual) / actual: > 0 means over-prediction
+
+    def met(self, median_target: float, p90_target: float) -> tuple[bool, bool]:
+        """Whether the median and the p90 targets hold (an absolute error under 5 ms counts as met)."""
+        return (
+            self.median_ape <= median_target or self.median_abs_s < ABS_MET_S,
+            self.p90_ape <= p90_target or self.p90_abs_s < ABS_MET_S,
+        )
+
+
+def error_stats(pairs: Sequence[tuple[float, float]]) -> ErrorStats:
+    """Error statistics of ``(predicted, actual)`` pairs (actual > 0)."""
+    if not pairs:
+        nan = math.nan
+        return ErrorStats(0, nan, nan, nan, nan, nan)
+    pred = np.array([p for p, _ in pairs])
+    act = np.array([a for _, a in pairs])
+    signed = (pred - act) / act
+    ape = np.abs(signed)
+    err = np.abs(pred - act)
+    return ErrorStats(
+        len(pairs),
+        float(np.median(ape)),
+        float(np.percentile(ape, 90)),
+        float(np.median(err)),
+        float(np.percentile(err, 90)),
+        float(np.median(signed)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """One (profile, load) result."""
+
+    profile: str
+    load: float
+    rate_per_s: float
+    requests: int
+    measured: int
+    invalid: int
+    ttft: ErrorStats
+    tpot: ErrorStats
+    mean_ttft_s: float
+    mean_tpot_s: float
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """How long a cell runs, in virtual seconds: warm-up, measured arrivals, then cool-down.
+
+    Requests arriving during the warm-up (the batch and the fit settle) are not scored; nor are
+    those of the cool-down, which only keep the load up while the measured ones finish. The
+    measured period is stretched to hold at least ``min_measured`` requests at low rates.
+    """
+
+    warmup_s: float = 40.0
+    measure_s: float = 100.0
+    cooldown_s: float = 40.0
+    min_measured: int = 600
+    max_requests: int = 4000
+
+    def measured_span(self, rate: float) -> tuple[float, float]:
+        """(first, last) arrival time scored at ``rate`` requests/s."""
+        return self.warmup_s, self.warmup_s + max(self.measure_s, self.min_measured / rate)
+
+
+def run_cell(
+    profile_name: str,
+    load: float,
+    trace: Sequence[TraceRequest],
+    capacity_per_s: float,
+    *,
+    replicas: int,
+    schedule: Schedule,
+    seed: int,
+) -> Cell:
+    """Replay the trace at ``load`` x capacity on ``replicas`` replicas and score the forecasts."""
+    started = time.perf_counter()
+    profile = load_profile(profile_name)
+    rate = load * capacity_per_s * replicas
+    first, last = schedule.measured_span(rate)
+    count = min(len(trace), schedule.max_requests, math.ceil(rate * (last + schedule.cooldown_s)) + 1)
+    requests = at_rate(trace[:count], rate)
+    finish = sum(1 for r in requests if r.arrival_s < last)
+    config = ReplayConfig(profile=profile, facts=FACTS[profile_name], replicas=replicas, seed=seed)
+    result = run_replay(requests, config, finish=finish)
+    records = [r for r in result.records if first <= r.arrival_s < last]
+    valid = [r for r in records if r.forecast.valid]
+    ttft = error_stats([(r.forecast.ttft_s, r.ttft_s) for r in valid if r.ttft_s])
+    tpot = error_stats([(r.forecast.tpot_s, r.tpot_s) for r in valid if r.tpot_s])
+    ttfts = [r.ttft_s for r in records if r.ttft_s]
+    tpots = [r.tpot_s for r in records if r.tpot_s]
+    return Cell(
+        profile=profile_name,
+        load=load,
+        rate_per_s=rate,
+        requests=len(requests),
+        measured=len(records),
+        invalid=len(records) - len(valid),
+        ttft=ttft,
+        tpot=tpot,
+        mean_ttft_s=float(np.mean(ttfts)) if ttfts else math.nan,
+        mean_tpot_s=float(np.mean(tpots)) if tpots else math.nan,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _pct(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{100 * x:.1f} %"
+
+
+def _verdict(stats: ErrorStats, median_target: float, p90_target: float) -> str:
+    """``yes`` / ``**no**`` for the median and the p90 target; ``yes*`` when only the 5 ms rule met it."""
+
+    def one(ape: float, abs_s: float, target: float) -> str:
+        if ape <= target:
+            return "yes"
+        return "yes*" if abs_s < ABS_MET_S else "**no**"
+
+    return (
+        f"{one(stats.median_ape, stats.median_abs_s, median_target)} / "
+        f"{one(stats.p90_ape, stats.p90_abs_s, p90_target)}"
+    )
+
+
+def table(cells: Sequence[Cell]) -> str:
+    """The results as a markdown table."""
+    head = (
+        "| profile | load | req/s | n | TTFT mean | TTFT APE med | TTFT APE p90 | TTFT met | "
+        "TPOT mean | TPOT APE med | TPOT APE p90 | TPOT met |\n"
+        "|---|---:|---:|---:|---:|---:|---:|:---:|---:|---:|---:|:---:|\n"
+    )
+    rows = [
+        f"| {c.profile} | {100 * c.load:.0f} % | {c.rate_per_s:.2f} | {c.ttft.n} | "
+        f"{1e3 * c.mean_ttft_s:.0f} ms | {_pct(c.ttft.median_ape)} | {_pct(c.ttft.p90_ape)} | "
+        f"{_verdict(c.ttft, TTFT_MEDIAN, TTFT_P90)} | {1e3 * c.mean_tpot_s:.1f} ms | "
+        f"{_pct(c.tpot.median_ape)} | {_pct(c.tpot.p90_ape)} | {_verdict(c.tpot, TPOT_MEDIAN, TPOT_P90)} |"
+        for c in cells
+    ]
+    return head + "\n".join(rows) + "\n"
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One table: every profile x load on one slice of the trace."""
+
+    trace_start: int
+    cells: tuple[Cell, ...]
+    capacities: tuple[tuple[str, float, int], ...]  # (profile, req/s per replica, too long)
+
+
+def run_slice(
+    profiles: Sequence[str],
+    loads: Sequence[float],
+    *,
+    trace_start: int,
+    trace_rows: int,
+    replicas: int,
+    schedule: Schedule,
+    seed: int,
+) -> Run:
+    """Every (profile, load) cell on rows ``trace_start ..`` of the trace, progress on stderr."""
+    cells: list[Cell] = []
+    capacities: list[tuple[str, float, int]] = []
+    raw = load_azure_trace(start=trace_start, count=trace_rows)
+    for name in profiles:
+        profile = load_profile(name)
+        trace, too_long = fit_to_model_len(raw, profile.engine.max_model_len)
+        capacity = measure_capacity(profile, trace, seed=seed)
+        capacities.append((name, capacity, too_long))
+        print(
+            f"{name} (rows {trace_start}+): capacity {capacity:.2f} req/s per replica; "
+            f"{too_long} of {len(raw)} requests exceed max_model_len",
+            file=sys.stderr,
+        )
+        for load in loads:
+            cell = run_cell(name, load, trace, capacity, replicas=replicas, schedule=schedule, seed=seed)
+            cells.append(cell)
+            print(
+                f"  {100 * load:.0f} %: n={cell.measured} "
+                f"TTFT {_pct(cell.ttft.median_ape)} / {_pct(cell.ttft.p90_ape)} "
+                f"(bias {_pct(cell.ttft.bias)}) TPOT {_pct(cell.tpot.median_ape)} / "
+                f"{_pct(cell.tpot.p90_ape)} (bias {_pct(cell.tpot.bias)}) "
+                f"invalid {cell.invalid}, {cell.seconds:.1f} s",
+                file=sys.stderr,
+            )
+    return Run(trace_start, tuple(cells), tuple(capacities))
+
+
+def _capacity_lines(run: Run) -> str:
+    return "\n".join(
+        f"- `{name}`: {cap:.2f} req/s per replica ({too_long} of the slice's requests exceed its "
+        "`max_model_len` and are left out, as the engine would answer them 400)"
+        for name, cap, too_long in run.capacities
+    )
+
+
+def document(main_run: Run, check: Run | None, command: str, schedule: Schedule, replicas: int) -> str:
+    """docs/predictor-accuracy.md: the tables, the command, and what was measured and how."""
+    check_part = ""
+    if check is not None:
+        check_part = (
+            f"\n### A second slice of the trace (rows {check.trace_start}+)\n\n"
+            "The same run on another part of the trace, as a check that nothing above is tuned to "
+            "one slice. This slice is harder for TPOT: its prompts are bimodal (median 424 tokens, "
+            "p90 4,079), so a decode's TPOT depends on whether a 4K-token prefill happens to land "
+            "during its short life (median output 96 tokens). It is harder for TTFT on the A100 "
+            "too, whose 2,048-token steps split those prompts into several chunks that the "
+            "gateway sees no token of until the last.\n\n"
+            f"{_capacity_lines(check)}\n\n{table(check.cells)}"
+        )
+    return DOC_TEMPLATE.format(
+        command=command,
+        table=table(main_run.cells),
+        capacities=_capacity_lines(main_run),
+        trace_start=main_run.trace_start,
+        check=check_part,
+        warmup=f"{schedule.warmup_s:.0f}",
+        measure=f"{schedule.measure_s:.0f}",
+        cooldown=f"{schedule.cooldown_s:.0f}",
+        min_measured=schedule.min_measured,
+        replicas=replicas,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--profiles", nargs="+", default=list(FACTS), choices=list(FACTS))
+    parser.add_argument("--loads", nargs="+", type=float, default=list(LOADS))
+    parser.add_argument("--trace-start", type=int, default=0, help="first trace row (default 0)")
+    parser.add_argument("--trace-rows", type=int, default=4000, help="trace rows per slice (default 4000)")
+    parser.add_argument(
+        "--check-start", type=int, default=9000, help="first row of the second slice; -1 skips it"
+    )
+    parser.add_argument("--check-loads", nargs="+", type=float, default=[0.2, 0.6, 1.0])
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--warmup", type=float, default=40.0, help="virtual seconds not scored")
+    parser.add_argument("--measure", type=float, default=100.0, help="virtual seconds scored")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-write", action="store_true", help="print only; do not write docs/")
+    args = parser.parse_args(argv)
+    schedule = Schedule(warmup_s=args.warmup, measure_s=args.measure, max_requests=args.trace_rows)
+
+    started = time.perf_counter()
+
+    def run(start: int, loads: Sequence[float]) -> Run:
+        return run_slice(
+            args.profiles,
+            loads,
+            trace_start=start,
+            trace_rows=args.trace_rows,
+            replicas=args.replicas,
+            schedule=schedule,
+            seed=args.seed,
+        )
+
+    main_run = run(args.trace_start, args.loads)
+    check = run(args.check_start, args.check_loads) if args.check_start >= 0 else None
+    print(table(main_run.cells))
+    if check is not None:
+        print(table(check.cells))
+    print(f"total {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    if not args.no_write:
+        given = list(sys.argv[1:] if argv is None else argv)
+        command = " ".join([".venv/bin/python -m bench.predictor_accuracy", *given])
+        DOC.parent.mkdir(parents=True, exist_ok=True)
+        DOC.write_text(document(main_run, check, command, schedule, args.replicas), encoding="utf-8")
+        print(f"wrote {DOC}", file=sys.stderr)
+    return 0
+
+
+DOC_TEMPLATE: Final = """# Predictor accuracy: predicted vs measured TTFT and TPOT
+
+Generated by `bench/predictor_accuracy.py`; regenerate with
+
+```
+{command}
+```
+
+(about three minutes on a 2-core machine: everything runs in virtual time, no GPU, no sockets).
+
+## What is measured
+
+Every request of a real trace is forecast at the moment the gateway would dispatch it, by the
+same `PredictionService` the live gateway runs, and then served by the replica emulator, which
+measures what really happened. The forecast is compared with the outcome, request by request.
+
+- **Ground truth:** the emulator's engine (`simulator/engine.py`: vLLM V1-style continuous
+  batching, chunked prefill, paged KV blocks, preemption; step times from measured Vidur
+  per-layer timings, 2 % step-time jitter), for three profiles: `llama3-8b-h100` (1x H100,
+  `max_num_seqs` 1024, 8192 batched tokens), `llama3-8b-a100` (1x A100, 256 sequences, 2048
+  batched tokens) and `llama2-70b-h100-tp4` (4x H100 tensor parallel, `max_model_len` 4096).
+  The emulator is never changed to make predictions look better.
+- **What the predictor is told:** only `ReplicaFacts`, what an operator writes in YAML (GPU
+  kind, model name, tensor parallelism, `max_num_seqs`, `max_num_batched_tokens`,
+  `max_model_len`). It never reads the profile. Everything else it learns from the replica's
+  `/metrics`, rendered every second by `simulator.metrics.VllmMetrics` (the exposition the live
+  emulator serves) and read through `SnapshotBuilder.observe_text` (prometheus_client's parser,
+  10-second window) into `PredictionService.on_snapshot`: the code path of the live gateway.
+  It also sees what a gateway sees of its own requests: their prompt sizes, the tokens streamed so
+  far and when the latest one arrived, and at the end their usage and measured TTFT.
+- **Trace:** the Azure LLM inference trace 2023, conversation service (CC-BY 4.0, copied with
+  its licence under `tests/data/traces/`), 4,000 rows from row {trace_start}: real prompt and
+  output lengths, and real arrival times compressed (or stretched) by one factor to the offered
+  rate, which keeps the trace's burst shape. Each request's `max_tokens` is 1,000 (the trace's
+  cap), lowered to `max_model_len - prompt` where needed; the engine stops it at the trace's
+  output length. Requests longer than `max_model_len` would get a 400 and are left out (counted
+  below).
+- **Capacity and offered load:** a replica's capacity for this length mix is measured by a
+  saturation run in virtual time: the slice's requests (cycled to 3,000) all arrive at once, so
+  the queue never empties and the engine runs as full as its `max_num_seqs` and KV cache allow;
+  capacity is the completion rate between the 30th and the 90th percentile completion (the
+  first completions are the short requests of the first batch, the last ones an emptying batch).
+  An offered load of x % means arrivals at x % of that rate, times {replicas} replica(s), routed
+  to the least outstanding replica.
+- **Warm-up and scoring:** requests arriving in the first {warmup} s of virtual time are not
+  scored (the batch builds up and the fit settles: it starts from the roofline prior); scored
+  are the arrivals of the next {measure} s (longer when needed to hold at least {min_measured}
+  requests); arrivals keep coming for {cooldown} s more so that the last scored requests do not
+  finish on an emptying replica.
+- **Errors:** TTFT is the engine's arrival-to-first-token time, TPOT its mean time per output
+  token after the first (requests with one output token have none). APE = |predicted -
+  measured| / measured, per request; the table gives its median and 90th percentile. Targets
+  (issue 3): TTFT median <= 15 % and p90 <= 35 %, TPOT median <= 10 % and p90 <= 25 %; an
+  absolute error under 5 ms counts as met (marked `yes*`; `**no**` = missed). "n" counts scored
+  requests; every forecast was valid.
+
+Capacities measured:
+
+{capacities}
+
+## Results
+
+{table}
+{check}
+## Reading the results
+
+**TTFT** holds its median target in every cell, overload included, and its p90 target up to
+80 % of capacity; from 100 % some cells sit at or just over the 35 % line. What makes it work:
+
+- the step in progress is followed from the last time a token landed (every running request
+  gets its token at the end of a step), so a newcomer's wait for the current step and which
+  queued prompts that step already carries are known, not guessed;
+- the prefill steps are priced by the calibrated step model, and every finished request's
+  measured TTFT becomes one more step-time observation of exactly the prefill-heavy steps a
+  TTFT forecast needs (scrape windows are dominated by decode steps and barely tell the
+  per-token prefill cost from the fixed cost);
+- a newcomer on a full replica waits for the requests ahead of it to be admitted, one per
+  finished request at the replica's measured finish rate, or for the queue ahead to be
+  prefilled, whichever takes longer (a replica whose queue outgrows its prefill throughput is
+  bound by the second).
+
+The p90 rises with load because of what no forecast made at dispatch can know: a long prompt
+that arrives a few milliseconds *after* a request but before the next step starts shares that
+step and delays its first token. At saturation the engine also preempts running requests when
+its KV cache runs out; they go back to the front of the queue to be recomputed, which the
+gateway cannot see (they already streamed tokens), so waits are then underestimated.
+
+**TPOT** meets its targets at light and moderate load and misses them as load grows. A request's
+TPOT is the mean step time over its whole decode, seconds long, and the steps are slowed by the
+prefills of requests that arrive *during* that decode. The forecast takes the batch it joins (from
+the gateway's in-flight list) and the share of step time prefills took recently (from the
+measured inter-token latency, shrunk toward the replica's longer-run share because bursts pass),
+so it is unbiased, but future arrivals are not knowable: in the trace they come in bursts, and
+during development the prompt tokens arriving over the next seconds were found to correlate only
+weakly (correlation about 0.2) with those of the last seconds. The error is largest for short
+outputs (a few dozen tokens), whose TPOT depends on whether one long prefill lands in their
+one-second life. At 100 % and 120 % of capacity the queue's prefill work keeps steps long
+(the forecast then keeps the recent share rather than the long-run one), and the remaining error
+is again the arrivals nobody has seen yet. These misses are reported as measured; they are a
+property of per-request point forecasts on bursty traffic, not something to tune away on one
+trace slice.
+
+## How to read the implementation
+
+`gateway/prediction/service.py` (the service), `gateway/prediction/state.py` (snapshot to
+`WindowStats`, in-flight list to `ReplicaState`, the step in progress), `predictor/forecast.py`
+(the closed-form forecast), `predictor/calibrate.py` (the online fit), `gateway/replay.py` (this
+replay). The unit test `tests/unit/prediction/test_replay.py` runs a short replay at about 20 %
+load and asserts the targets there.
+"""
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

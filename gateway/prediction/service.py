@@ -1,0 +1,440 @@
+"""``PredictionService``: one step model per replica, fitted from its scrapes, and forecasts with it.
+
+The live gateway and the virtual-time replay drive it the same way:
+
+* ``set_replica(name, facts)`` when a replica is configured (the roofline prior comes from the
+  facts; unknown hardware or model means no prior, the fit learns from observations alone);
+* ``on_snapshot(snapshot)`` for every scrape: the window becomes a ``WindowStats``, the replica's
+  ``StepCalibrator`` takes it, and the step model is refitted (at most every
+  ``PredictionConfig.refit_interval_s``);
+* ``forecast(...)`` per candidate request and replica: the gateway's in-flight list (fresh) and the
+  last snapshot (other clients, the background prefill rate) become a ``ReplicaState`` and
+  ``predictor.forecast_request`` does the rest;
+* ``on_finished(...)`` with every response's usage: output lengths (per model and tenant) and
+  characters per token (per model) are learned from it.
+
+Synchronous, no I/O, no clock reads: times come in as arguments on the caller's monotonic clock.
+Not thread-safe (the gateway calls it from its event loop only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from gateway.prediction.facts import ReplicaFacts
+from gateway.prediction.state import GaugeMeans, Limits, Load, replica_state, window_stats
+from gateway.replicas.snapshot import InFlight, ReplicaSnapshot
+from predictor import (
+    FEATURE_NAMES,
+    CalibrationConfig,
+    CandidateRequest,
+    Efficiency,
+    FitReport,
+    Forecast,
+    ForecastConfig,
+    ForecastReason,
+    Observation,
+    OutputLengthConfig,
+    OutputLengthPredictor,
+    PromptTokenConfig,
+    PromptTokenEstimator,
+    StepCalibrator,
+    StepModel,
+    StepParams,
+    WindowStats,
+    forecast_request,
+    observation_from_window,
+    prefill_share,
+)
+
+__all__ = ["PredictionConfig", "PredictionService"]
+
+# Stand-ins for limits nobody has told us yet: large enough never to bind.
+_UNKNOWN_KV_CAPACITY: Final = 1 << 40
+_UNKNOWN_MAX_MODEL_LEN: Final = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class PredictionConfig:
+    """Knobs of the service (the predictor's own configs are nested as they are).
+
+    ``refit_interval_s``: least seconds between two fits of one replica (0 = on every snapshot).
+    ``stale_after_s``: a forecast built on metrics older than this is flagged ``stale_state``.
+    ``efficiency``: the roofline prior's efficiency guesses.
+    ``prefill_share_memory_s``: seconds of windows the long-run prefill share is averaged over.
+    ``prefill_share_weight``: weight (0-1) of the newest window's share against that mean.
+    """
+
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    forecast: ForecastConfig = field(default_factory=ForecastConfig)
+    output_length: OutputLengthConfig = field(default_factory=OutputLengthConfig)
+    prompt_tokens: PromptTokenConfig = field(default_factory=PromptTokenConfig)
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    refit_interval_s: float = 0.0
+    stale_after_s: float = 5.0
+    prefill_share_memory_s: float = 60.0
+    prefill_share_weight: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.refit_interval_s < 0 or self.stale_after_s <= 0 or self.prefill_share_memory_s <= 0:
+            raise ValueError("refit_interval_s must be >= 0, stale_after_s and prefill_share_memory_s > 0")
+        if not 0.0 <= self.prefill_share_weight <= 1.0:
+            raise ValueError(f"prefill_share_weight must be in [0, 1], got {self.prefill_share_weight}")
+
+
+@dataclass(slots=True)
+class _Replica:
+    """Everything the service keeps about one replica."""
+
+    facts: ReplicaFacts
+    calibrator: StepCalibrator
+    model: StepModel
+    report: FitReport
+    snapshot: ReplicaSnapshot | None = None
+    #: (taken_at, running, waiting, kv tokens) of recent good scrapes, for window means.
+    gauges: deque[tuple[float, float, float, float]] = field(default_factory=deque)
+    load: Load = field(default_factory=Load)
+    last_observation: Observation | None = None
+    last_fit_at: float | None = None
+    #: (window end, step stretch 1 / (1 - prefill share)) of recent windows, for the long-run mean.
+    shares: deque[tuple[float, float]] = field(default_factory=deque)
+    #: Newest time a token of any request on it was seen to land (a step boundary).
+    last_token_at: float | None = None
+    snapshots: int = 0
+    stale_snapshots: int = 0
+
+
+class PredictionService:
+    """Per-replica step models, output-length and prompt-token learning, and forecasts."""
+
+    def __init__(self, *, output_quantile: float = 0.5, config: PredictionConfig | None = None) -> None:
+        if not 0.0 <= output_quantile <= 1.0:
+            raise ValueError(f"output_quantile must be in [0, 1], got {output_quantile}")
+        self._quantile = output_quantile
+        self._config = config or PredictionConfig()
+        self._replicas: dict[str, _Replica] = {}
+        self._outputs = OutputLengthPredictor(self._config.output_length)
+        self._prompts = PromptTokenEstimator(self._config.prompt_tokens)
+
+    # ------------------------------------------------------------------ replicas
+
+    def set_replica(self, name: str, facts: ReplicaFacts) -> None:
+        """Add ``name`` or update its facts. Unchanged facts keep the fit; changed facts restart it
+        (a new prior, and observations of another configuration would mislead)."""
+        current = self._replicas.get(name)
+        if current is not None and current.facts == facts:
+            return
+        prior = facts.prior(self._config.efficiency)
+        calibrator = StepCalibrator(prior, self._config.calibration)
+        fitted = calibrator.fit(0.0)
+        self._replicas[name] = _Replica(facts, calibrator, fitted.model, fitted.report)
+
+    def remove_replica(self, name: str) -> None:
+        """Forget ``name`` and its fit; unknown names are ignored."""
+        self._replicas.pop(name, None)
+
+    def replicas(self) -> tuple[str, ...]:
+        """Names of the replicas the service knows, in insertion order."""
+        return tuple(self._replicas)
+
+    # ------------------------------------------------------------------ learning
+
+    def on_snapshot(self, snapshot: ReplicaSnapshot) -> None:
+        """Take one scrape's snapshot: keep it, feed its window to the fit, refit when due.
+
+        Stale snapshots are kept (their in-flight and staleness matter) but teach nothing.
+        Snapshots of unknown replicas are ignored.
+        """
+        r = self._replicas.get(snapshot.name)
+        if r is None:
+            return
+        r.snapshot = snapshot
+        r.snapshots += 1
+        if snapshot.stale:
+            r.stale_snapshots += 1
+            return
+        self._remember_gauges(r, snapshot)
+        gauges = self._gauge_means(r, snapshot.taken_at - snapshot.window_s)
+        window = window_stats(snapshot, gauges)
+        if window is not None:
+            seen = observation_from_window(window, r.calibrator.prior.params.knee_tokens)
+            if seen.valid:
+                share = self._prefill_share(r, window, gauges)
+                r.load = Load(seen.batch.prefill_tokens, share, snapshot.requests_finished_per_s)
+        # The fit learns from the newest scrape interval alone: consecutive windows overlap
+        # almost entirely, intervals do not, and their differing mixes identify the coefficients.
+        interval = snapshot.last_interval
+        stats = None
+        if interval is not None:
+            stats = window_stats(interval, self._gauge_means(r, interval.taken_at - interval.window_s))
+        if stats is None:
+            return
+        obs = r.calibrator.observe_window(stats)
+        r.last_observation = obs
+        now = stats.at_s
+        due = r.last_fit_at is None or now - r.last_fit_at >= self._config.refit_interval_s
+        if obs.valid and due:
+            fitted = r.calibrator.fit(now)
+            r.model, r.report, r.last_fit_at = fitted.model, fitted.report, now
+
+    def _prefill_share(self, r: _Replica, window: WindowStats, gauges: GaugeMeans) -> float | None:
+        """The prefill share to expect: the window's, shrunk toward the long-run mean.
+
+        How much prefill the next seconds bring depends on arrivals not yet made; the last
+        window's share predicts it only weakly (bursts pass), the replica's longer-run mean
+        share is the better part of the guess (``PredictionConfig.prefill_share_weight``).
+        """
+        if window.mean_itl_s is None:
+            return r.load.prefill_share
+        # The batch in running requests: the unit the in-flight list counts in.
+        share = prefill_share(r.model, window.mean_itl_s, gauges.running, gauges.kv_tokens)
+        if share is None:
+            return r.load.prefill_share
+        # Averaged as stretch factors 1 / (1 - share), the unit TPOT scales with (a mean of
+        # shares would under-price the windows with much prefill).
+        history = r.shares
+        history.append((window.at_s, 1.0 / (1.0 - share)))
+        while history and history[0][0] < window.at_s - self._config.prefill_share_memory_s:
+            history.popleft()
+        usual = statistics.median(h[1] for h in history)
+        # A queue in the engine is prefill work already there: the near future is like the
+        # recent past, not like the long-run mean.
+        weight = 1.0 if gauges.waiting >= 1.0 else self._config.prefill_share_weight
+        stretch = usual + weight * (history[-1][1] - usual)
+        return 1.0 - 1.0 / stretch
+
+    def _remember_gauges(self, r: _Replica, s: ReplicaSnapshot) -> None:
+        kv = (s.kv_cache_usage or 0.0) * (s.kv_capacity_tokens or 0)
+        r.gauges.append((s.taken_at, float(s.num_running or 0), float(s.num_waiting or 0), kv))
+        while r.gauges and r.gauges[0][0] < s.taken_at - s.window_s:
+            r.gauges.popleft()
+
+    def _gauge_means(self, r: _Replica, since: float) -> GaugeMeans:
+        """Means of the gauges of the good scrapes taken at ``since`` or later (the newest included)."""
+        kept = [g for g in r.gauges if g[0] >= since - 1e-9] or [r.gauges[-1]]
+        n = len(kept)
+        return GaugeMeans(
+            running=sum(g[1] for g in kept) / n,
+            waiting=sum(g[2] for g in kept) / n,
+            kv_tokens=sum(g[3] for g in kept) / n,
+            busy=all(g[1] + g[2] > 0 for g in kept),
+        )
+
+    def on_finished(
+        self,
+        *,
+        replica: str,
+        model: str,
+        tenant: str | None,
+        prompt_chars: int | None,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+        finished_at: float | None = None,
+        forecast: Forecast | None = None,
+        ttft_s: float | None = None,
+    ) -> None:
+        """Learn from a finished request: its output length, chars per prompt token, its prefill.
+
+        ``None`` means the response carried no such number (no usage block, a non-text prompt).
+        ``finished_at``: monotonic seconds its last token landed, when known (a step boundary of
+        ``replica``, which tells the forecast where the engine's step cycle is).
+        ``forecast`` (the one made for it on ``replica`` at dispatch) and ``ttft_s`` (its measured
+        time to first token, seconds): the prefill steps the forecast priced become one step-time
+        observation for ``replica``'s fit. Scrape windows are dominated by decode steps; these are
+        the prefill-heavy steps the forecast needs most, measured where they happen.
+        """
+        r = self._replicas.get(replica)
+        if r is not None and finished_at is not None:
+            r.last_token_at = finished_at if r.last_token_at is None else max(r.last_token_at, finished_at)
+        if r is not None and forecast is not None and ttft_s is not None:
+            self._observe_prefill(r, forecast, ttft_s, finished_at)
+        if completion_tokens is not None and completion_tokens >= 0:
+            self._outputs.observe(model, tenant, completion_tokens)
+        if prompt_chars is not None and prompt_tokens is not None:
+            self._prompts.observe(model, prompt_chars, prompt_tokens)
+
+    def _observe_prefill(self, r: _Replica, forecast: Forecast, ttft_s: float, at: float | None) -> None:
+        """One step observation from a measured TTFT: the time left after the step it waited for.
+
+        Only forecasts without an admission wait are used: that wait is a guess about other
+        requests' output lengths, not step time.
+        """
+        batch = forecast.prefill_batch
+        if batch is None or forecast.prefill_steps < 1 or forecast.admission_wait_s > 0.0:
+            return
+        if forecast.step_wait_s > 0.5 * ttft_s:
+            return  # mostly a guess about the step it waited for, hardly a measurement
+        prefill_s = (ttft_s - forecast.step_wait_s) / forecast.prefill_steps
+        expected = r.model.step_time(batch) if r.model.valid else math.nan
+        if math.isfinite(expected) and not 0.25 * expected <= prefill_s <= 4.0 * expected:
+            # Not the steps the forecast priced (a long prompt joined them, a preemption): a
+            # relative-error fit must not see a step "measured" at a fraction of its cost.
+            return
+        when = at if at is not None else (r.last_fit_at or 0.0)
+        r.calibrator.observe_step(when, batch, prefill_s)
+
+    def estimate_prompt_tokens(self, model: str, prompt_chars: int) -> int:
+        """Prompt tokens for ``prompt_chars`` characters at ``model``'s learned ratio (>= 1)."""
+        return self._prompts.estimate(model, max(0, prompt_chars)).tokens
+
+    # ------------------------------------------------------------------ forecasting
+
+    def forecast(
+        self,
+        replica: str,
+        *,
+        model: str,
+        tenant: str | None,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        in_flight: Sequence[InFlight],
+        now: float,
+    ) -> Forecast:
+        """TTFT, TPOT and inflicted TPOT of a request of ``prompt_tokens`` on ``replica`` at ``now``.
+
+        ``max_tokens`` ``None`` means the engine's default, ``max_model_len - prompt_tokens``.
+        ``in_flight``: the gateway's unfinished requests on that replica now. Never raises for a
+        bad request or an unknown replica: the forecast is ``valid=False`` with a reason.
+        """
+        r = self._replicas.get(replica)
+        limits = self._limits(r)
+        cap = max_tokens if max_tokens is not None else limits.max_model_len - prompt_tokens
+        cap = max(1, cap)
+        estimate = self._outputs.predict(model, tenant, cap, self._quantile)
+        request = CandidateRequest(prompt_tokens, cap, float(estimate.tokens), self._quantile)
+        if r is None:
+            return _no_model(request)
+        snapshot = r.snapshot
+        stale = snapshot is None or snapshot.metrics_at is None
+        if snapshot is not None and snapshot.metrics_at is not None:
+            stale = now - snapshot.metrics_at > self._config.stale_after_s
+        if snapshot is None and not r.model.valid:
+            return _no_model(request)
+
+        def remaining(generated: Sequence[int], max_out: Sequence[int | None]) -> list[float]:
+            return self._outputs.expected_remaining_many(model, tenant, generated, max_out)
+
+        for f in in_flight:
+            if f.last_token_at is not None and (r.last_token_at is None or f.last_token_at > r.last_token_at):
+                r.last_token_at = f.last_token_at
+        state = replica_state(
+            in_flight,
+            snapshot,
+            limits=limits,
+            load=r.load,
+            remaining=remaining,
+            stale=stale and snapshot is not None,
+            model=r.model,
+            now=now,
+            last_boundary=r.last_token_at,
+        )
+        return forecast_request(request, state, r.model, self._config.forecast)
+
+    def _limits(self, r: _Replica | None) -> Limits:
+        if r is None:
+            return Limits(_UNKNOWN_KV_CAPACITY, 1, 1, _UNKNOWN_MAX_MODEL_LEN)
+        f, s = r.facts, r.snapshot
+        capacity = s.kv_capacity_tokens if s is not None and s.kv_capacity_tokens else _UNKNOWN_KV_CAPACITY
+        return Limits(
+            kv_capacity_tokens=capacity,
+            max_num_seqs=f.max_num_seqs,
+            max_num_batched_tokens=f.max_num_batched_tokens,
+            max_model_len=f.max_model_len or _UNKNOWN_MAX_MODEL_LEN,
+        )
+
+    def refit(self, replica: str, now: float) -> FitReport | None:
+        """Fit ``replica``'s step model now (``on_snapshot`` does so by itself); its report."""
+        r = self._replicas.get(replica)
+        if r is None:
+            return None
+        fitted = r.calibrator.fit(now)
+        r.model, r.report, r.last_fit_at = fitted.model, fitted.report, now
+        return r.report
+
+    # ------------------------------------------------------------------ reporting
+
+    def step_model(self, replica: str) -> StepModel | None:
+        """The step model in use for ``replica`` (``None`` if unknown)."""
+        r = self._replicas.get(replica)
+        return None if r is None else r.model
+
+    def report(self, replica: str) -> FitReport | None:
+        """The latest fit report of ``replica`` (``None`` if unknown)."""
+        r = self._replicas.get(replica)
+        return None if r is None else r.report
+
+    def describe(self) -> dict[str, object]:
+        """JSON-ready state for an admin endpoint: per replica its facts, fit and freshness."""
+        replicas: dict[str, object] = {}
+        for name, r in self._replicas.items():
+            s = r.snapshot
+            obs = r.last_observation
+            replicas[name] = {
+                "facts": dataclasses.asdict(r.facts),
+                "fit": _describe_report(r.report),
+                "snapshots": r.snapshots,
+                "stale_snapshots": r.stale_snapshots,
+                "last_snapshot_at": None if s is None else s.taken_at,
+                "metrics_at": None if s is None else s.metrics_at,
+                "stale": None if s is None else s.stale,
+                "stale_reason": None if s is None else s.stale_reason,
+                "last_observation": None
+                if obs is None
+                else {
+                    "valid": obs.valid,
+                    "reason": None if obs.reason is None else str(obs.reason),
+                    "source": str(obs.source),
+                    "step_s": _finite(obs.step_s),
+                },
+                "background_prefill_tokens_per_step": r.load.prefill_tokens_per_step,
+                "prefill_share": r.load.prefill_share,
+            }
+        return {"output_quantile": self._quantile, "replicas": replicas}
+
+
+def _no_model(request: CandidateRequest) -> Forecast:
+    nan = math.nan
+    return Forecast(
+        nan,
+        nan,
+        nan,
+        False,
+        ForecastReason.NO_STEP_MODEL,
+        min(max(request.expected_output_tokens, 1.0), float(request.max_tokens)),
+        request.output_quantile,
+        nan,
+        nan,
+        0,
+    )
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _params(p: StepParams) -> dict[str, float]:
+    values = dict(zip(FEATURE_NAMES, p.coefficients(), strict=True))
+    return {**values, "knee_tokens": p.knee_tokens, "attn_pair_tokens": p.attn_pair_tokens}
+
+
+def _describe_report(rep: FitReport) -> dict[str, object]:
+    return {
+        "source": str(rep.source),
+        "valid": rep.valid,
+        "reason": rep.reason,
+        "params": _params(rep.params),
+        "prior": None if rep.prior is None else _params(rep.prior),
+        "mdape": rep.mdape,
+        "prior_mdape": rep.prior_mdape,
+        "observations_total": rep.observations_total,
+        "observations_kept": rep.observations_kept,
+        "effective_observations": rep.effective_observations,
+        "prior_weight": rep.prior_weight,
+        "rejected": {str(k): v for k, v in rep.rejected},
+    }

@@ -1,0 +1,313 @@
+"""From a replica's snapshots and the gateway's in-flight list to the predictor's inputs.
+
+Two mappings, both pure:
+
+* ``window_stats``: one ``ReplicaSnapshot`` (its window's rates, means and histogram buckets) plus
+  the gauge history the service kept -> ``predictor.WindowStats``, the step calibrator's input;
+* ``replica_state``: the gateway's unfinished requests on the replica (fresh: the gateway saw
+  their tokens a moment ago) plus what the last scrape adds (requests of other clients, the
+  background prefill rate) -> ``predictor.ReplicaState``, the forecast's input.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from gateway.replicas.snapshot import InFlight, ReplicaSnapshot
+from predictor import ReplicaState, RunningSeq, StepBatch, StepModel, WindowStats
+
+__all__ = [
+    "GaugeMeans",
+    "Limits",
+    "Load",
+    "StepInProgress",
+    "replica_state",
+    "step_in_progress",
+    "window_stats",
+]
+
+
+#: Expected further output tokens of requests that generated ``[0]`` of at most ``[1]`` tokens.
+Remaining = Callable[[Sequence[int], Sequence[int | None]], list[float]]
+
+
+@dataclass(frozen=True, slots=True)
+class GaugeMeans:
+    """Means of the gauges over the scrapes of one window (the snapshot has only the newest).
+
+    ``busy``: every scrape in the window saw a request running or waiting.
+    """
+
+    running: float
+    waiting: float
+    kv_tokens: float
+    busy: bool
+
+
+def window_stats(snapshot: ReplicaSnapshot, gauges: GaugeMeans) -> WindowStats | None:
+    """The calibrator's view of ``snapshot``'s window; ``None`` when it has no window or no steps.
+
+    Prompt tokens are the computed ones (prefix-cache hits cost no step time) when the replica
+    says, else all prompt tokens. Missing token rates are measured zeros only when the engine
+    stepped at all, which ``steps_per_s`` tells.
+    """
+    s = snapshot
+    if s.stale or s.window_s <= 0.0 or s.steps_per_s is None:
+        return None
+    prompt_rate = s.computed_prompt_tokens_per_s
+    if prompt_rate is None:
+        prompt_rate = s.prompt_tokens_per_s
+    return WindowStats(
+        at_s=s.metrics_at if s.metrics_at is not None else s.taken_at,
+        window_s=s.window_s,
+        steps_per_s=s.steps_per_s,
+        mean_tokens_per_step=s.mean_tokens_per_step,
+        mean_itl_s=s.itl_mean_s,
+        running=gauges.running,
+        waiting=gauges.waiting,
+        kv_tokens_in_use=gauges.kv_tokens,
+        prompt_tokens_per_s=prompt_rate or 0.0,
+        generation_tokens_per_s=s.generation_tokens_per_s or 0.0,
+        mean_ttft_s=s.ttft_mean_s,
+        mean_prompt_tokens=s.mean_prompt_tokens_per_request,
+        busy=gauges.busy,
+        tokens_per_step_buckets=s.tokens_per_step_buckets,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """What recent windows say about the traffic a new request will share steps with.
+
+    ``prefill_tokens_per_step``: prompt tokens computed per engine step (arrivals' prefills).
+    ``prefill_share``: expected share of step time spent on others' prefill chunks (0-1);
+    ``None`` until a window with inter-token latencies and a valid step model.
+    ``finish_rate_per_s``: requests finished per second over the window (``None``: unknown).
+    """
+
+    prefill_tokens_per_step: float = 0.0
+    prefill_share: float | None = None
+    finish_rate_per_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The engine limits the forecast needs (tokens and sequences, all >= 1)."""
+
+    kv_capacity_tokens: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass(slots=True)
+class _Prefill:
+    """A request the gateway has seen no token of yet: prompt tokens done and to do."""
+
+    request: InFlight
+    done: int = 0
+
+    @property
+    def rest(self) -> int:
+        return self.request.prompt_tokens - self.done
+
+
+@dataclass(frozen=True, slots=True)
+class StepInProgress:
+    """Where the engine's step cycle is at ``now``.
+
+    ``remaining_s``: until the step in progress ends (0 when idle). ``completed``: requests whose
+    prefill that step completes (they decode from the next one); ``partial``: prefills it leaves
+    unfinished, with the tokens done; ``later``: requests it does not touch, FCFS.
+    """
+
+    remaining_s: float
+    completed: tuple[InFlight, ...]
+    partial: tuple[tuple[InFlight, int], ...]
+    later: tuple[InFlight, ...]
+
+
+# Steps followed forward from the last boundary at most (long prompts chunked over many steps).
+_MAX_STEPS_FOLLOWED = 64
+
+
+def step_in_progress(
+    decoding: Sequence[InFlight],
+    pending: Sequence[InFlight],
+    *,
+    last_boundary: float | None,
+    now: float,
+    model: StepModel,
+    budget: int,
+    max_num_seqs: int,
+) -> StepInProgress:
+    """Follow the engine's steps from the last step boundary the gateway saw to ``now``.
+
+    A step boundary is when tokens land (``last_boundary``: the newest token of any request). At a
+    boundary the engine schedules the next step at once if it has work: every decoding request,
+    then prefill chunks of the requests that had arrived by then, FCFS, within ``budget`` tokens
+    and ``max_num_seqs`` sequences; an idle engine starts when the first request arrives. Each
+    step's duration comes from the step model. ``pending`` must be in dispatch order.
+
+    Without a known boundary the phase is unknown: half a decode step is assumed left (the mean
+    residual of a uniformly random arrival) and no prefill is assumed under way.
+    """
+    if not decoding and not pending:
+        return StepInProgress(0.0, (), (), ())
+    kv = float(sum(r.prompt_tokens + r.tokens_streamed for r in decoding))
+    n = len(decoding)
+    if last_boundary is None or not model.valid:
+        decode_step = model.step_time(StepBatch(0.0, n, kv, 0.0)) if n and model.valid else 0.0
+        return StepInProgress(0.5 * decode_step, (), (), tuple(pending))
+    queue = [_Prefill(r) for r in pending]
+    if queue and queue[0].request.started_at < last_boundary and queue[0].rest > budget - n:
+        # A prompt that needs several steps may be part-way through them. (One that fits a
+        # step and is still without a token was blocked, by a full engine: no progress.)
+        _catch_up(queue[:1], n, kv, last_boundary, model, budget, max_num_seqs)
+    if n or (queue and queue[0].request.started_at <= last_boundary):
+        start = last_boundary
+    else:
+        start = queue[0].request.started_at  # idle until the first of them arrived
+    completed: list[InFlight] = []
+    for _ in range(_MAX_STEPS_FOLLOWED):
+        decodes = n + len(completed)
+        batch, chunks = _plan(queue, start, decodes, kv, budget, max_num_seqs)
+        end = start + model.step_time(batch)
+        finished_here = [e for e, chunk in chunks if e.done + chunk == e.request.prompt_tokens]
+        for entry, chunk in chunks:
+            entry.done += chunk
+        completed.extend(e.request for e in finished_here)
+        queue = [e for e in queue if e.rest > 0]
+        if end >= now or decodes or finished_here:
+            # A step that emitted tokens but should be over already: the model was slow to
+            # predict it; its tokens are about to land.
+            return _progress(max(0.0, end - now), completed, queue)
+        start = end  # a step of unfinished chunks only: no token marked its end
+    return _progress(0.0, completed, queue)
+
+
+def _plan(
+    queue: list[_Prefill], start: float, decodes: int, kv: float, budget: int, max_num_seqs: int
+) -> tuple[StepBatch, list[tuple[_Prefill, int]]]:
+    """The step scheduled at ``start``: the decodes, then chunks of the prompts arrived by then."""
+    room, seqs = budget - decodes, max_num_seqs - decodes
+    chunks: list[tuple[_Prefill, int]] = []
+    prefill, pairs = 0, 0.0
+    for entry in queue:
+        if room <= 0 or seqs <= 0 or entry.request.started_at > start:
+            break
+        chunk = min(room, entry.rest)
+        chunks.append((entry, chunk))
+        pairs += chunk * (chunk / 2.0 + entry.done)
+        prefill += chunk
+        room -= chunk
+        seqs -= 1
+    return StepBatch(float(prefill), float(decodes), kv, pairs), chunks
+
+
+def _catch_up(
+    queue: list[_Prefill],
+    n: int,
+    kv: float,
+    boundary: float,
+    model: StepModel,
+    budget: int,
+    max_num_seqs: int,
+) -> None:
+    """Prefill done before ``boundary`` on prompts that arrived before it (steps the gateway saw no
+    token of), replayed with the step model from the first arrival; only steps that end before
+    the boundary count, and no prompt is taken as finished (its token would have been seen)."""
+    t = queue[0].request.started_at
+    for _ in range(_MAX_STEPS_FOLLOWED):
+        batch, chunks = _plan(queue, t, n, kv, budget, max_num_seqs)
+        if not chunks:
+            return
+        t += model.step_time(batch)
+        if t > boundary:
+            return
+        for entry, chunk in chunks:
+            entry.done = min(entry.done + chunk, entry.request.prompt_tokens - 1)
+
+
+def _progress(remaining_s: float, completed: list[InFlight], queue: list[_Prefill]) -> StepInProgress:
+    return StepInProgress(
+        remaining_s,
+        tuple(completed),
+        tuple((e.request, e.done) for e in queue if e.done > 0),
+        tuple(e.request for e in queue if e.done == 0),
+    )
+
+
+def replica_state(
+    in_flight: Sequence[InFlight],
+    snapshot: ReplicaSnapshot | None,
+    *,
+    limits: Limits,
+    load: Load,
+    remaining: Remaining,
+    stale: bool,
+    model: StepModel,
+    now: float,
+    last_boundary: float | None,
+) -> ReplicaState:
+    """The forecast's view of one replica: the gateway's requests, plus other clients' from the scrape.
+
+    A request that has streamed tokens is decoding (its KV holds prompt + output so far); one that
+    has not is still queued for prefill, FCFS by dispatch time. The step in progress is followed
+    (``step_in_progress``): the state describes the engine after it, and its remaining time is
+    ``step_remaining_s``. ``remaining(generated, max_tokens)`` gives decoding requests' expected
+    further output (all of them in one call). Requests the replica reports beyond the gateway's
+    own (other clients; the gateway's count at the scrape is in ``snapshot.in_flight``) are added
+    as decodes with the replica's mean context.
+    """
+    decoding: list[InFlight] = []
+    pending: list[InFlight] = []
+    for r in in_flight:
+        (decoding if r.tokens_streamed > 0 else pending).append(r)
+    pending.sort(key=lambda r: r.started_at)
+    cycle = step_in_progress(
+        decoding,
+        pending,
+        last_boundary=last_boundary,
+        now=now,
+        model=model,
+        budget=limits.max_num_batched_tokens,
+        max_num_seqs=limits.max_num_seqs,
+    )
+    # (prompt, computed, generated, max_tokens) of every request the engine runs after the step.
+    bump = 1 if cycle.remaining_s > 0.0 else 0
+    rows = [(r.prompt_tokens, r.prompt_tokens, r.tokens_streamed + bump, r.max_tokens) for r in decoding]
+    rows += [(r.prompt_tokens, r.prompt_tokens, 1, r.max_tokens) for r in cycle.completed]
+    rows += [(r.prompt_tokens, done, 0, r.max_tokens) for r, done in cycle.partial]
+    rests = remaining([g for _, _, g, _ in rows], [m for _, _, _, m in rows]) if rows else []
+    running = [RunningSeq(p, c, g, g + rest) for (p, c, g, _), rest in zip(rows, rests, strict=True)]
+    running.extend(_foreign(snapshot, remaining))
+    return ReplicaState.from_sequences(
+        running,
+        [r.prompt_tokens for r in cycle.later],
+        kv_capacity_tokens=limits.kv_capacity_tokens,
+        max_num_seqs=limits.max_num_seqs,
+        max_num_batched_tokens=limits.max_num_batched_tokens,
+        max_model_len=limits.max_model_len,
+        background_prefill_tokens_per_step=load.prefill_tokens_per_step,
+        stale=stale,
+        step_remaining_s=cycle.remaining_s,
+        prefill_share=load.prefill_share,
+        finish_rate_per_s=load.finish_rate_per_s,
+    )
+
+
+def _foreign(snapshot: ReplicaSnapshot | None, remaining: Remaining) -> list[RunningSeq]:
+    """Decodes of other clients: what the replica held at the scrape beyond the gateway's own."""
+    if snapshot is None or snapshot.num_running is None:
+        return []
+    engine_total = snapshot.num_running + (snapshot.num_waiting or 0)
+    extra = engine_total - len(snapshot.in_flight)
+    if extra <= 0:
+        return []
+    kv = (snapshot.kv_cache_usage or 0.0) * (snapshot.kv_capacity_tokens or 0)
+    context = max(1, math.ceil(kv / max(1, snapshot.num_running)))
+    rest = remaining([0], [None])[0]
+    return [RunningSeq(context, context, 0, rest)] * extra
