@@ -6,7 +6,17 @@
 1. one shared ``aiohttp.ClientSession`` (keep-alive connection pool) for all replicas;
 2. the emulator child processes, when ``emulators:`` is set (started and awaited, stopped last);
 3. the replica registry, one health-check round before serving, then the health-check task;
-4. the disconnect monitor and the ``Proxy`` the request handlers call.
+4. the metrics scraper (one task per replica, on the shared session) feeding the prediction
+   service, both kept in step with the registry (``gateway.forecasts.LivePredictions``);
+5. SLO-aware admission (``gateway.live_admission.LiveAdmission``): the admission core driven by
+   the wall clock, re-evaluating its queue on every finish, scrape and deadline;
+6. the disconnect monitor and the ``Proxy`` the request handlers call.
+
+``/metrics`` (``gateway.observability.metrics``) is installed last and fed by all of them.
+
+Every proxied response carries the forecast made for it (``x-sluice-replica``,
+``x-sluice-predicted-ttft-ms``, ``x-sluice-predicted-tpot-ms``, ``x-sluice-prediction``), and
+``GET /sluice/v1/replicas`` shows each replica's state, last snapshot and fitted step model.
 
 ``run_gateway(store)`` serves it on ``server.host:server.port`` until SIGINT/SIGTERM, then stops
 accepting, gives in-flight requests ``server.shutdown_grace_s`` seconds, and tears everything
@@ -25,18 +35,25 @@ import aiohttp
 from aiohttp import web
 
 from gateway.errors import error_middleware
+from gateway.forecasts import LivePredictions, add_prediction_headers
+from gateway.live_admission import LiveAdmission
 from gateway.observability.logs import (
     add_request_id_header,
     configure_logging,
     request_context_middleware,
 )
+from gateway.observability.metrics import METRICS
+from gateway.observability.metrics import install as install_metrics
 from gateway.openai_api import models_list
+from gateway.prediction.service import PredictionService
 from gateway.proxy import DisconnectMonitor, OutcomeListener, Proxy
 from gateway.replicas.emulators import EmulatorProcess, start_emulators, stop_emulators
 from gateway.replicas.health import HealthChecker
 from gateway.replicas.registry import ReplicaRegistry
+from gateway.replicas.scraper import MetricsScraper
 from gateway.settings import Settings
 from gateway.store import SettingsStore
+from gateway.tenancy import install_tenancy
 
 log = logging.getLogger("sluice.app")
 
@@ -52,6 +69,10 @@ HEALTH = web.AppKey("health", HealthChecker)
 DISCONNECTS = web.AppKey("disconnects", DisconnectMonitor)
 PROXY = web.AppKey("proxy", Proxy)
 EMULATORS: web.AppKey[list[EmulatorProcess]] = web.AppKey("emulators")
+PREDICTION_SERVICE = web.AppKey("prediction_service", PredictionService)
+SCRAPER = web.AppKey("scraper", MetricsScraper)
+PREDICTIONS = web.AppKey("predictions", LivePredictions)
+ADMISSION = web.AppKey("admission", LiveAdmission)
 #: Called with each proxied request's ``RequestOutcome`` when it is over; append before startup.
 OUTCOME_LISTENERS: web.AppKey[list[OutcomeListener]] = web.AppKey("outcome_listeners")
 
@@ -64,7 +85,8 @@ class Reloader(Protocol):
     async def stop(self) -> None: ...
 
 
-ReloaderFactory = Callable[[SettingsStore], Reloader]
+#: ``factory(store, on_result)``: ``on_result(ok)`` is told each reload attempt's outcome (metrics).
+ReloaderFactory = Callable[[SettingsStore, Callable[[bool], None]], Reloader]
 
 
 def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Application:
@@ -84,17 +106,27 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
     app[OUTCOME_LISTENERS] = []
     app[DISCONNECTS] = DisconnectMonitor()
     app[EMULATORS] = []
+    # Pure and synchronous: built here so that it exists (and can be inspected) before startup.
+    app[PREDICTION_SERVICE] = PredictionService()
     app.on_response_prepare.append(add_request_id_header)
+    app.on_response_prepare.append(add_prediction_headers)
     app.cleanup_ctx.append(_client_session)
     if spawn_emulators and settings.emulators:
         app.cleanup_ctx.append(_emulators)
     app.cleanup_ctx.append(_replicas)
+    app.cleanup_ctx.append(_predictions)
+    app.cleanup_ctx.append(_admission)
     app.cleanup_ctx.append(_proxy)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
+    # Admin view, on the public listener for now: issue 5 moves admin endpoints behind their own
+    # protection (a separate listener or an admin token). It exposes no secrets, only load and fits.
+    app.router.add_get("/sluice/v1/replicas", _replicas_view)
+    install_metrics(app)
+    install_tenancy(app)
     return app
 
 
@@ -135,6 +167,46 @@ async def _replicas(app: web.Application) -> AsyncIterator[None]:
         registry.close()
 
 
+async def _predictions(app: web.Application) -> AsyncIterator[None]:
+    """Scrape every replica's ``/metrics`` into the prediction service, following reloads.
+
+    ``scrape:`` is read once here (restart required). The scraper's tasks start at once and run
+    beside request handling: a slow or failing scrape marks a snapshot stale, never a request.
+    """
+    scrape = app[STORE].current.scrape
+    scraper = MetricsScraper(
+        app[SESSION], interval_s=scrape.interval_s, timeout_s=scrape.timeout_s, window_s=scrape.window_s
+    )
+    service = app[PREDICTION_SERVICE]
+    predictions = LivePredictions(app[REGISTRY], scraper, service)
+    scraper.subscribe(service.on_snapshot)
+    app[REGISTRY].on_reconcile(lambda _: predictions.sync())
+    app[HEALTH].on_models(predictions.on_models)
+    predictions.sync()
+    app[SCRAPER], app[PREDICTIONS] = scraper, predictions
+    await scraper.start()
+    try:
+        yield
+    finally:
+        predictions.close()
+        await scraper.stop()
+
+
+async def _admission(app: web.Application) -> AsyncIterator[None]:
+    """Admission over the registry and the prediction service; every scrape re-evaluates its queue."""
+    admission = LiveAdmission(app[STORE], app[REGISTRY], app[PREDICTIONS])
+    app[ADMISSION] = admission
+    unsubscribe = app[SCRAPER].subscribe(admission.on_snapshot)
+    metrics = app.get(METRICS)
+    if metrics is not None:
+        metrics.track_queue(admission.queue_lengths)
+    try:
+        yield
+    finally:
+        unsubscribe()
+        admission.close()
+
+
 async def _proxy(app: web.Application) -> AsyncIterator[None]:
     monitor = app[DISCONNECTS]
     app[PROXY] = Proxy(
@@ -144,6 +216,8 @@ async def _proxy(app: web.Application) -> AsyncIterator[None]:
         disconnects=monitor,
         listeners=app[OUTCOME_LISTENERS],
         on_replica_failure=app[HEALTH].poke,
+        predictions=app[PREDICTIONS],
+        admission=app[ADMISSION],
     )
     task = asyncio.create_task(monitor.run(), name="sluice-disconnects")
     try:
@@ -179,11 +253,18 @@ async def _readyz(request: web.Request) -> web.Response:
     return web.json_response({"ready": ready, "replicas": registry.describe()}, status=200 if ready else 503)
 
 
+async def _replicas_view(request: web.Request) -> web.Response:
+    """Admin: every replica's state, in-flight requests, last snapshot summary, and the prediction
+    service's per-replica facts, fitted parameters and fit error."""
+    return web.json_response(request.app[PREDICTIONS].describe())
+
+
 def _reloader_ctx(
     factory: ReloaderFactory, store: SettingsStore
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        reloader = factory(store)
+        metrics = app.get(METRICS)
+        reloader = factory(store, metrics.observe_reload if metrics is not None else _ignore_result)
         await reloader.start()
         try:
             yield
@@ -191,6 +272,10 @@ def _reloader_ctx(
             await reloader.stop()
 
     return ctx
+
+
+def _ignore_result(ok: bool) -> None:
+    """A reload outcome nobody counts."""
 
 
 def _follow_logging(old: Settings, new: Settings) -> None:
@@ -218,7 +303,8 @@ def _log_banner(message: object) -> None:
 def run_gateway(store: SettingsStore, *, reloader_factory: ReloaderFactory | None = None) -> None:
     """Serve the gateway until SIGINT or SIGTERM; returns after a graceful shutdown.
 
-    ``reloader_factory(store)`` (e.g. ``lambda s: ConfigReloader(path, s)``) is started after the
+    ``reloader_factory(store, on_result)`` (e.g. ``lambda s, r: ConfigReloader(path, s, on_result=r)``,
+    ``on_result`` feeding the reload metrics) is started after the
     replicas are up and stopped first on shutdown. Logging must already be configured
     (``configure_logging``); it is reconfigured when a reload changes ``logging:``.
     Raises ``EmulatorStartError`` when an emulator does not come up.

@@ -1,4 +1,4 @@
-"""The `sluice` command line: serve, check-config, sim.
+"""The `sluice` command line: serve, check-config, hash-key, sim.
 
 Exit codes: 0 success, 1 runtime failure, 2 usage or configuration error.
 """
@@ -41,6 +41,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument("file", type=Path)
 
+    sub.add_parser(
+        "hash-key",
+        help="print the hash of an API key (read from stdin) for tenants.*.api_keys",
+        description="Read one API key from stdin (a prompt that does not echo when stdin is a "
+        "terminal; surrounding whitespace and the trailing newline are dropped) and print the "
+        "sha256:<hex> hash that api_keys, the keys file and auth.admin_token_hash hold. The key "
+        "itself is never printed.",
+    )
+
     sim = sub.add_parser(
         "sim",
         help="run a vLLM-compatible replica emulator",
@@ -68,6 +77,21 @@ def _check_config(path: Path) -> int:
     return EXIT_OK
 
 
+def _hash_key() -> int:
+    """``sluice hash-key``: the stored form of the key on stdin; exit 2 for an unusable key."""
+    import getpass
+
+    from gateway.tenants import hash_api_key
+
+    key = getpass.getpass("API key (not echoed): ") if sys.stdin.isatty() else sys.stdin.read()
+    try:
+        print(hash_api_key(key.strip()))
+    except ValueError as exc:
+        print(f"sluice hash-key: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    return EXIT_OK
+
+
 def _serve(config: Path | None) -> int:
     from gateway.app import run_gateway
     from gateway.reload import ConfigReloader
@@ -86,7 +110,7 @@ def _serve(config: Path | None) -> int:
         if config is None:
             run_gateway(store)
         else:
-            run_gateway(store, reloader_factory=lambda s: ConfigReloader(config, s))
+            run_gateway(store, reloader_factory=lambda s, r: ConfigReloader(config, s, on_result=r))
     except EmulatorStartError as exc:
         print(f"sluice: {exc}", file=sys.stderr)
         return EXIT_FAILURE
@@ -108,23 +132,28 @@ def _served_model_name(settings: Settings) -> str:
 
 
 def _print_banner(settings: Settings) -> None:
-    """The ready-to-paste examples for the embedded default."""
+    """The ready-to-paste examples for the embedded default (its demo tenant's key, ``sk-demo``)."""
+    from gateway.tenants import DEMO_API_KEY
+
     base = f"http://{settings.server.host}:{settings.server.port}"
+    key = DEMO_API_KEY
     model = _served_model_name(settings)
     emulators = ", ".join(f"{e.name} ({e.profile}, port {e.port})" for e in settings.emulators)
     print(
         f"""
 Sluice: gateway on {base} in front of emulated replicas: {emulators}.
 Ctrl-C stops the gateway and the replicas it started.
+The demo tenant's API key is {key} (config/demo.yaml; docs/tenants.md for your own tenants).
 
 Try it:
 
-  curl -sN {base}/v1/chat/completions -H 'content-type: application/json' \\
+  curl -sN {base}/v1/chat/completions \\
+    -H 'Authorization: Bearer {key}' -H 'content-type: application/json' \\
     -d '{{"model": "{model}", "stream": true, "max_tokens": 32,
          "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
   python -c 'from openai import OpenAI
-c = OpenAI(base_url="{base}/v1", api_key="none")
+c = OpenAI(base_url="{base}/v1", api_key="{key}")
 r = c.chat.completions.create(model="{model}", max_tokens=32,
     messages=[{{"role": "user", "content": "Hello!"}}])
 print(r.choices[0].message.content, r.usage)'
@@ -140,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         return _check_config(args.file)
     if args.command == "serve":
         return _serve(args.config)
+    if args.command == "hash-key":
+        return _hash_key()
     if args.command == "sim":
         from simulator.server import main as sim_main
 

@@ -22,7 +22,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from gateway.settings import EmulatorSettings, Settings, SettingsViolations
+from gateway.settings import EmulatorSettings, HardwareSettings, Settings, SettingsViolations
+from gateway.tenants import apply_keys_file, demo_tenants
 
 #: Longest rendering of an offending value, in characters; longer ones are cut with "...".
 MAX_VALUE_CHARS = 80
@@ -49,19 +50,45 @@ def default_settings() -> Settings:
 
     The gateway on 127.0.0.1:8080 in front of two emulated llama3-8b-h100 replicas on ports 8101
     and 8102, with fixed seeds and 2 % step-time jitter so runs are repeatable but not robotic.
+    The predictor is told what an operator would know of such a replica: an H100-SXM serving
+    Llama-3-8B with the engine limits vLLM was launched with (the profile's ``engine:`` section).
+    One tenant, ``demo``, whose API key is ``sk-demo`` (``gateway.tenants.demo_tenants``): keys are
+    required, and its budgets are generous enough for the README's examples and a demo load.
     """
+    hardware = HardwareSettings(
+        gpu="H100-SXM", model="Llama-3-8B", max_num_seqs=1024, max_num_batched_tokens=8192
+    )
     return Settings(
         emulators=[
-            EmulatorSettings(name="emu-0", profile="llama3-8b-h100", port=8101, seed=0, jitter=0.02),
-            EmulatorSettings(name="emu-1", profile="llama3-8b-h100", port=8102, seed=1, jitter=0.02),
-        ]
+            EmulatorSettings(
+                name="emu-0", profile="llama3-8b-h100", port=8101, seed=0, jitter=0.02, hardware=hardware
+            ),
+            EmulatorSettings(
+                name="emu-1", profile="llama3-8b-h100", port=8102, seed=1, jitter=0.02, hardware=hardware
+            ),
+        ],
+        tenants=demo_tenants(),
     )
 
 
 def load_settings(path: str | Path) -> Settings:
-    """Read the YAML file at ``path`` and validate it; raises ``ConfigError`` listing every problem."""
+    """Read the YAML file at ``path`` and validate it; raises ``ConfigError`` listing every problem.
+
+    When ``tenants.keys_file`` names a keys file (relative paths: from ``path``'s directory), its
+    hashes are validated and added to their tenants' ``api_keys`` here, so ``serve``,
+    ``check-config`` and every reload read it with the rest (``ConfigError`` names the keys file).
+    """
     text = _read_text(path)
-    return parse_settings(_parse_yaml(text, path), str(path))
+    settings = parse_settings(_parse_yaml(text, path), str(path))
+    return _with_keys_file(settings, Path(path).parent)
+
+
+def _with_keys_file(settings: Settings, base_dir: Path) -> Settings:
+    tenants = apply_keys_file(settings.tenants, base_dir)
+    if tenants is settings.tenants:
+        return settings
+    # Validated rule by rule by apply_keys_file; a copy keeps the snapshot frozen and exact.
+    return settings.model_copy(update={"tenants": tenants})
 
 
 def parse_settings(data: object, source: str) -> Settings:
@@ -218,9 +245,11 @@ def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
     """The settings model that validates the mapping at ``loc``, or ``None`` when there is none."""
     current: object = Settings
     for part in loc:
-        if isinstance(part, int):
-            args = typing.get_args(current)
-            current = args[0] if typing.get_origin(current) is list and args else None
+        origin, args = typing.get_origin(current), typing.get_args(current)
+        if origin is dict and len(args) == 2:
+            current = args[1]  # a named entry of a map (e.g. admission.classes.<name>)
+        elif isinstance(part, int):
+            current = args[0] if origin is list and args else None
         elif isinstance(current, type) and issubclass(current, BaseModel) and part in current.model_fields:
             current = current.model_fields[part].annotation
         else:

@@ -22,9 +22,14 @@ from typing import Any, ClassVar
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from gateway.admission.decision import Reject, RejectReason
+from gateway.admission.retry_after import RetryAfter
 from gateway.observability.logs import REQUEST_ID
 
 log = logging.getLogger("sluice.errors")
+
+#: Tells the ``openai`` SDKs whether to retry, whatever the status says.
+SHOULD_RETRY = "x-should-retry"
 
 
 class GatewayError(Exception):
@@ -37,6 +42,8 @@ class GatewayError(Exception):
     status: int = 500
     error_type: ClassVar[str] = "server_error"
     default_code: ClassVar[str | None] = None
+    #: Level ``log_error`` logs it at; ``None``: INFO for 4xx, WARNING for 5xx.
+    log_level: ClassVar[int | None] = None
 
     def __init__(
         self,
@@ -138,6 +145,55 @@ class NoHealthyReplica(GatewayError):
         return retry_after_headers(self.retry_after_s)
 
 
+class AdmissionRejected(GatewayError):
+    """429: admission refused the request because of load (``gateway.admission.Reject``).
+
+    ``type`` and ``code`` are the reason (``overloaded``, ``slo_unattainable``,
+    ``deadline_exceeded``). ``retry_after``: the forecast's jittered delay (``Retry-After`` in
+    integer seconds, RFC 9110, plus ``retry-after-ms``, at most 60 s); ``None`` means retrying
+    cannot help (the targets are out of reach even on an idle replica), said with
+    ``x-should-retry: false``, which the ``openai`` SDKs obey.
+    """
+
+    status = 429
+    error_type = "overloaded"
+    # Counted in metrics and in the access line; one log line per refusal would flood the log
+    # exactly when the gateway is busiest.
+    log_level = logging.DEBUG
+
+    def __init__(self, message: str, *, reason: str, retry_after: RetryAfter | None) -> None:
+        super().__init__(message, code=reason)
+        self.reason = reason
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        body["error"]["type"] = self.reason
+        return body
+
+    @property
+    def retry_after_s(self) -> float | None:
+        """The delay sent, seconds; ``None`` when not retryable."""
+        return None if self.retry_after is None else self.retry_after.delay_s
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {SHOULD_RETRY: "false"}
+        return self.retry_after.headers()
+
+
+class PromptTooLarge(GatewayError):
+    """400: the prompt exceeds its class's ``max_prompt_tokens`` or every replica's context or KV
+    cache. Never retryable: no ``Retry-After``, and ``x-should-retry: false``."""
+
+    status = 400
+    error_type = "invalid_request_error"
+    default_code = "prompt_too_large"
+
+    def headers(self) -> dict[str, str]:
+        return {SHOULD_RETRY: "false"}
+
+
 class ClientClosedRequest(GatewayError):
     """499 (nginx's code): the client went away before its request was answered; nobody reads it."""
 
@@ -152,6 +208,19 @@ class InternalError(GatewayError):
     status = 500
     error_type = "server_error"
     default_code = "internal_error"
+
+
+def admission_error(reject: Reject) -> GatewayError:
+    """The HTTP error for an enforced admission ``Reject``: 429 for load (``overloaded``,
+    ``slo_unattainable``, ``deadline_exceeded``), 503 when no replica is healthy, 400 for
+    ``prompt_too_large``."""
+    reason = reject.reason
+    if reason == RejectReason.PROMPT_TOO_LARGE:
+        return PromptTooLarge(reject.message, param="messages")
+    if reason == RejectReason.NO_HEALTHY_REPLICA:
+        delay = reject.retry_after.delay_s if reject.retry_after is not None else 1.0
+        return NoHealthyReplica(reject.message, retry_after_s=delay)
+    return AdmissionRejected(reject.message, reason=reason.value, retry_after=reject.retry_after)
 
 
 def retry_after_headers(retry_after_s: float) -> dict[str, str]:
@@ -199,10 +268,15 @@ def _client_error_for(status: int, reason: str) -> GatewayError:
 
 
 def log_error(err: GatewayError, request_id: str | None, *, exc_info: bool = False) -> None:
-    """Log ``err`` once: WARNING for 5xx (ERROR with traceback when ``exc_info``), INFO for 4xx."""
+    """Log ``err`` once: WARNING for 5xx (ERROR with traceback when ``exc_info``), INFO for 4xx,
+    or the error's own ``log_level`` (admission's 429s: DEBUG)."""
     level = logging.INFO if err.status < 500 else logging.WARNING
+    if err.log_level is not None:
+        level = err.log_level
     if exc_info:
         level = logging.ERROR
+    if not log.isEnabledFor(level):
+        return
     log.log(
         level,
         "request %s failed: %d %s: %s",
@@ -245,3 +319,67 @@ def error_middleware() -> Middleware:
             return error_response(internal)
 
     return impl
+
+
+# -- tenants: authentication and budgets (gateway.tenancy raises these) ------------------------------
+
+
+class Unauthenticated(GatewayError):
+    """401: no API key, a malformed one or an unknown one (``code`` ``invalid_api_key``, what
+    OpenAI answers and its SDKs raise ``AuthenticationError`` for); also a missing or wrong admin
+    token on ``/metrics`` and ``/sluice/v1/*`` (``code`` ``invalid_admin_token``). The message never
+    contains the key. ``www_authenticate`` is the RFC 6750 challenge."""
+
+    status = 401
+    error_type = "invalid_request_error"
+    default_code = "invalid_api_key"
+
+    def __init__(self, message: str, *, www_authenticate: str, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.www_authenticate = www_authenticate
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": self.www_authenticate}
+
+
+class TenantRateLimited(GatewayError):
+    """429: the tenant's token, request or concurrency budget is spent (``type`` and ``code``
+    ``rate_limit_exceeded``).
+
+    ``retry_after_s``: seconds until the budgets hold this request again (``Retry-After`` in whole
+    seconds rounded up, ``retry-after-ms``); ``None`` sends neither but ``x-should-retry: false``
+    (the request can never fit). ``rate_limit_headers``: OpenAI's ``x-ratelimit-limit-*``,
+    ``-remaining-*``, ``-reset-*``.
+    """
+
+    status = 429
+    error_type = "rate_limit_exceeded"
+    default_code = "rate_limit_exceeded"
+
+    def __init__(
+        self, message: str, *, retry_after_s: float | None, rate_limit_headers: dict[str, str]
+    ) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.rate_limit_headers = dict(rate_limit_headers)
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {SHOULD_RETRY: "false", **self.rate_limit_headers}
+        return {**retry_after_headers(self.retry_after_s), **self.rate_limit_headers}
+
+
+class RateLimitStorageUnavailable(GatewayError):
+    """503: the shared budget store (Redis) is down and ``limits.on_storage_error`` is
+    ``fail_closed``; retry after ``retry_after_s`` seconds (the limiter's next probe)."""
+
+    status = 503
+    error_type = "service_unavailable_error"
+    default_code = "rate_limit_unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return retry_after_headers(self.retry_after_s)

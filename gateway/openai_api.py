@@ -59,6 +59,8 @@ class ParsedRequest:
     ``body`` is the decoded JSON object exactly as sent; ``raw`` the original bytes.
     ``include_usage`` is true when the client itself asked for the usage chunk of a stream.
     ``max_tokens`` is ``max_completion_tokens`` or ``max_tokens`` (``None`` when absent).
+    ``prompt_chars`` is the prompt's text length in characters (``prompt_size``);
+    ``prompt_token_ids`` the prompt's length in tokens when it was sent as token ids, else ``None``.
     """
 
     endpoint: Endpoint
@@ -68,6 +70,8 @@ class ParsedRequest:
     max_tokens: int | None
     body: Mapping[str, Any]
     raw: bytes
+    prompt_chars: int = 0
+    prompt_token_ids: int | None = None
 
 
 def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
@@ -83,6 +87,7 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
     except ValidationError as exc:
         raise _invalid_from(exc) from None
     options = parsed.stream_options
+    chars, token_ids = prompt_size(endpoint, body)
     return ParsedRequest(
         endpoint=endpoint,
         model=parsed.model,
@@ -93,6 +98,43 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
         ),
         body=body,
         raw=raw,
+        prompt_chars=chars,
+        prompt_token_ids=token_ids,
+    )
+
+
+def prompt_size(endpoint: Endpoint, body: Mapping[str, Any]) -> tuple[int, int | None]:
+    """(characters of prompt text, prompt tokens when given as token ids else ``None``).
+
+    Chat: the text of every message (string content and ``text`` parts; images and other parts
+    count nothing). Completions: the string(s), or the token ids' count. Cheap (no tokenizer):
+    the prediction service turns characters into tokens with a ratio learned from usage reports.
+    Expects a body that ``parse_request`` validated.
+    """
+    if endpoint == "chat":
+        return sum(_message_chars(m) for m in body.get("messages") or ()), None
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt), None
+    if not isinstance(prompt, list) or not prompt:
+        return 0, None
+    if all(isinstance(p, str) for p in prompt):
+        return sum(len(p) for p in prompt), None
+    if all(isinstance(p, list) for p in prompt):
+        return 0, sum(len(p) for p in prompt)
+    return 0, len(prompt)
+
+
+def _message_chars(message: object) -> int:
+    if not isinstance(message, dict):
+        return 0
+    content = message.get("content")
+    if isinstance(content, str):
+        return len(content)
+    if not isinstance(content, list):
+        return 0
+    return sum(
+        len(part["text"]) for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)
     )
 
 

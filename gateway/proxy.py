@@ -2,13 +2,21 @@
 
 What it does:
 
-* picks a healthy replica serving the model (``ReplicaRegistry.pick``) and holds a lease on it
-  until the response or stream has fully ended;
+* asks admission (``gateway.live_admission``) where the request goes: the replica with the
+  most slack that meets its targets, after a wait in Sluice's queue if need be, or a typed
+  rejection (429 / 503 / 400 from ``gateway.errors``); without admission, the least-outstanding
+  healthy replica (``ReplicaRegistry.pick``). It holds a lease on that replica until the response
+  or stream has fully ended;
 * streams SSE events to the client as they arrive, one write per event, never buffering the body;
   a streaming request always asks the replica for usage, and the extra usage chunk is removed
   again when the client did not ask for it;
-* records prompt/completion tokens, TTFT, replica and status in the request's ``RequestOutcome``
-  and hands it to the outcome listeners when the request is over;
+* records prompt/completion tokens, TTFT, replica, status and the admission decision in the
+  request's ``RequestOutcome`` and hands it to the outcome listeners when the request is over,
+  requests refused before dispatch included;
+* keeps the request in the replica's in-flight view (``LiveRequest``: prompt tokens, tokens
+  streamed so far, one increment per content-carrying event) from dispatch until it is over, and,
+  with ``predictions``, forecasts it on the chosen replica (``x-sluice-*`` response headers) and
+  hands its usage to the prediction service at the end;
 * notices a client that went away (``DisconnectMonitor``) and then closes the upstream response
   (``close``, not ``release``) so the replica aborts the request and frees its KV cache.
 
@@ -42,6 +50,8 @@ from gateway.errors import (
     log_error,
     sse_error_event,
 )
+from gateway.forecasts import PREDICTION_HEADERS, Admitted, LivePredictions
+from gateway.live_admission import LiveAdmission, Ticket
 from gateway.observability.logs import OUTCOME, REQUEST_ID, REQUEST_ID_HEADER, RequestOutcome
 from gateway.openai_api import (
     ENDPOINT_PATHS,
@@ -53,7 +63,7 @@ from gateway.openai_api import (
     upstream_body,
     usage_of,
 )
-from gateway.replicas.registry import NoReplica, Replica, ReplicaRegistry
+from gateway.replicas.registry import LiveRequest, NoReplica, Replica, ReplicaRegistry
 from gateway.settings import Settings
 from gateway.sse import DONE, Event, EventSplitter
 from gateway.store import SettingsStore
@@ -159,6 +169,8 @@ class _Exchange:
     replica: Replica
     settings: Settings
     outcome: RequestOutcome
+    #: Its entry in the replica's in-flight view; the relay counts streamed tokens on it.
+    live: LiveRequest
     #: The client's stream response, once one was created.
     response: web.StreamResponse | None = None
 
@@ -175,6 +187,8 @@ class Proxy:
         disconnects: DisconnectMonitor,
         listeners: list[OutcomeListener] | None = None,
         on_replica_failure: Callable[[], None] | None = None,
+        predictions: LivePredictions | None = None,
+        admission: LiveAdmission | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
@@ -183,6 +197,8 @@ class Proxy:
         self._disconnects = disconnects
         self.listeners: list[OutcomeListener] = listeners if listeners is not None else []
         self._on_replica_failure = on_replica_failure
+        self._predictions = predictions
+        self._admission = admission
         self._clock = clock
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -193,24 +209,50 @@ class Proxy:
         """
         outcome = request[OUTCOME]
         settings = self._store.current
+        ticket: Ticket | None = None
         try:
             raw = await _read_body(request, settings.server.max_body_bytes)
             parsed = parse_request(endpoint, raw)
             outcome.model, outcome.stream = parsed.model, parsed.stream
-            replica = self._pick(parsed.model, settings)
+            if self._admission is not None:
+                ticket = await self._admission.admit(request, parsed, outcome, watch=self._disconnects.watch)
+                replica = ticket.replica
+                admitted = Admitted(ticket.live, ticket.forecast, ticket.headers)
+            else:
+                replica = self._pick(parsed.model, settings)
+                admitted = self._admit(request, replica, parsed)
         except GatewayError as err:
+            # Refused before dispatch (bad body, unknown model, admission): still an outcome.
             outcome.status, outcome.error = err.status, err.code
+            outcome.finished_at = self._clock()
+            self._notify(outcome)
             raise
+        live = admitted.live
         try:
-            with self._registry.lease(replica):
+            with self._registry.lease(replica, live):
                 outcome.replica = replica.name
-                return await self._forward(_Exchange(request, parsed, replica, settings, outcome))
+                return await self._forward(_Exchange(request, parsed, replica, settings, outcome, live))
         except GatewayError as err:
             outcome.status, outcome.error = err.status, err.code
             raise
         finally:
             outcome.finished_at = self._clock()
+            outcome.tokens_streamed = live.tokens_streamed
+            if ticket is not None and self._admission is not None:
+                self._admission.finished(ticket, outcome)
+            if self._predictions is not None:
+                self._predictions.finished(parsed, outcome, admitted)
             self._notify(outcome)
+
+    def _admit(self, request: web.Request, replica: Replica, parsed: ParsedRequest) -> Admitted:
+        """The request's in-flight entry; with predictions, also its forecast and headers."""
+        request_id = request[REQUEST_ID]
+        if self._predictions is None:
+            prompt = parsed.prompt_token_ids or max(parsed.prompt_chars // 4, 1)
+            return Admitted(LiveRequest(request_id, prompt, self._clock(), parsed.max_tokens), None, {})
+        admitted = self._predictions.admit(replica, parsed, request_id)
+        request[PREDICTION_HEADERS] = admitted.headers
+        return admitted
 
     def _pick(self, model: str, settings: Settings) -> Replica:
         picked = self._registry.pick(model)
@@ -353,7 +395,7 @@ class Proxy:
         body = await self._read_upstream(ex, upstream)
         ex.outcome.status = upstream.status
         with contextlib.suppress(ValueError):
-            _record_usage(ex.outcome, json.loads(body))
+            _record_usage(ex.outcome, json.loads(body), ex.live)
         return web.Response(status=upstream.status, body=body, headers=_relayed(upstream.headers))
 
     async def _relay_stream(
@@ -387,21 +429,34 @@ class Proxy:
             raise UpstreamError(f"replica {ex.replica.name} failed mid-stream: {_describe(exc)}") from exc
 
     def _inspect(self, ex: _Exchange, event: Event) -> bool:
-        """Record what ``event`` tells (first token, usage); return whether to relay it."""
+        """Record what ``event`` tells (first token, tokens streamed, usage); return whether to
+        relay it.
+
+        The hot path: after the first token, an event without usage is one more streamed token
+        (vLLM sends one chunk per engine step per sequence) and is not parsed. Its arrival time
+        tells the forecast where the replica's step cycle is (tokens land at step ends).
+        """
         data = event.data
         if data is None or data == DONE:
             return True
         outcome = ex.outcome
-        # Parse only what can matter: chunks before the first token, and chunks with usage.
         if outcome.first_token_at is not None and '"usage"' not in data:
+            live = ex.live
+            live.tokens_streamed += 1
+            live.last_token_at = self._clock()
             return True
+        # Parse only what can matter: chunks before the first token, and chunks with usage.
         try:
             payload = json.loads(data)
         except ValueError:
             return True
-        if outcome.first_token_at is None and carries_tokens(payload):
-            outcome.first_token_at = self._clock()
-        _record_usage(outcome, payload)
+        if carries_tokens(payload):
+            now = self._clock()
+            ex.live.tokens_streamed += 1
+            ex.live.last_token_at = now
+            if outcome.first_token_at is None:
+                outcome.first_token_at = now
+        _record_usage(outcome, payload, ex.live)
         return ex.parsed.include_usage or not is_usage_only_chunk(payload)
 
     async def _end_with_error(self, ex: _Exchange, response: web.StreamResponse, err: UpstreamError) -> None:
@@ -450,12 +505,15 @@ def _relayed(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _NOT_RELAYED_DOWN)
 
 
-def _record_usage(outcome: RequestOutcome, payload: object) -> None:
+def _record_usage(outcome: RequestOutcome, payload: object, live: LiveRequest) -> None:
+    """Take the replica's usage counts, if ``payload`` has them; the real prompt size replaces
+    the in-flight entry's estimate."""
     usage = usage_of(payload)
     if usage is None:
         return
     if usage.prompt_tokens is not None:
         outcome.prompt_tokens = usage.prompt_tokens
+        live.prompt_tokens = usage.prompt_tokens
     if usage.completion_tokens is not None:
         outcome.completion_tokens = usage.completion_tokens
 

@@ -11,6 +11,13 @@ change is acted on once the file has looked the same on two polls in a row, so a
 file is not loaded; a file that disappears (mid-rename, or deleted) is reported once and the
 running configuration stays until it comes back. Two in-place writes of the same size within the
 file system's timestamp granularity can look identical; SIGHUP always reloads.
+
+The keys file the running configuration names (``tenants.keys_file``) is watched the same way: a
+change to it alone reloads the whole configuration, keys file included, through the same
+``load_settings``.
+
+``limits:`` builds the limiter at start-up, so every key of it but ``token_weights`` (read per
+request) keeps its running value until a restart.
 """
 
 from __future__ import annotations
@@ -25,14 +32,34 @@ from pathlib import Path
 from gateway.config import ConfigError, load_settings, parse_settings
 from gateway.settings import Settings
 from gateway.store import SettingsStore
+from gateway.tenants import keys_file_path
 
 log = logging.getLogger(__name__)
 
 #: Settings read once at start-up: a reload keeps their running values and logs "requires restart".
-RESTART_ONLY: tuple[str, ...] = ("server.host", "server.port", "server.uvloop", "emulators")
+RESTART_ONLY: tuple[str, ...] = (
+    "server.host",
+    "server.port",
+    "server.uvloop",
+    "emulators",
+    "scrape",
+    "limits.backend",
+    "limits.redis",
+    "limits.on_storage_error",
+    "limits.expected_gateways",
+    "limits.retry_backoff_s",
+    "limits.retry_backoff_max_s",
+    "limits.lease_ttl_s",
+    "limits.over_limit_cache",
+)
+
+#: Restart-only values a log line names without showing them.
+_NOT_SHOWN = frozenset({"limits.redis", "scrape"})
 
 #: What ``os.stat`` says about the file: (device, inode, size, mtime ns, ctime ns); ``None`` = absent.
 Fingerprint = tuple[int, int, int, int, int] | None
+#: The configuration file's fingerprint and its keys file's (``None`` when it names none).
+Fingerprints = tuple[Fingerprint, Fingerprint]
 
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -63,7 +90,10 @@ def keep_restart_only(old: Settings, new: Settings) -> Settings:
     server = new.server.model_copy(
         update={"host": old.server.host, "port": old.server.port, "uvloop": old.server.uvloop}
     )
-    return new.model_copy(update={"server": server, "emulators": old.emulators})
+    limits = old.limits.model_copy(update={"token_weights": new.limits.token_weights})
+    return new.model_copy(
+        update={"server": server, "emulators": old.emulators, "scrape": old.scrape, "limits": limits}
+    )
 
 
 def changed_sections(old: Settings, new: Settings) -> list[str]:
@@ -73,7 +103,8 @@ def changed_sections(old: Settings, new: Settings) -> list[str]:
 
 def _describe_change(old: Settings, new: Settings, path: str) -> str:
     before, after = _value_at(old, path), _value_at(new, path)
-    if isinstance(before, list):
+    # Lists are long, and limits.redis holds a URL that may carry a password.
+    if isinstance(before, list) or path in _NOT_SHOWN:
         return f"{path} (changed)"
     return f"{path} ({before!r} -> {after!r})"
 
@@ -106,19 +137,27 @@ class ConfigReloader:
         self._sighup_installed = False
         self._poller: asyncio.Task[None] | None = None
         self._signal_tasks: set[asyncio.Task[bool]] = set()
-        # The file version last loaded or rejected, and one seen once but not yet stable.
-        self._seen: Fingerprint = None
-        self._pending: Fingerprint = None
+        # The file versions last loaded or rejected, and ones seen once but not yet stable.
+        self._seen: Fingerprints = (None, None)
+        self._pending: Fingerprints | None = None
 
     @property
     def path(self) -> Path:
         return self._path
 
+    def keys_path(self) -> Path | None:
+        """The keys file the running configuration names (relative to the config file's directory)."""
+        return keys_file_path(self._store.current.tenants, self._path.parent)
+
+    def _fingerprints(self) -> Fingerprints:
+        keys = self.keys_path()
+        return fingerprint(self._path), None if keys is None else fingerprint(keys)
+
     async def start(self) -> None:
         """Install the SIGHUP handler and, when ``reload.watch`` is true, start polling."""
         if self._running:
             return
-        self._seen = fingerprint(self._path)
+        self._seen = self._fingerprints()
         self._pending = None
         self._running = True
         if not self._subscribed:
@@ -143,7 +182,7 @@ class ConfigReloader:
     async def reload_now(self) -> bool:
         """Load and validate the file; swap it in if valid and different. True when swapped."""
         async with self._lock:
-            self._seen = fingerprint(self._path)
+            self._seen = self._fingerprints()
             self._pending = None
             try:
                 loaded = await asyncio.to_thread(load_settings, self._path)
@@ -213,15 +252,15 @@ class ConfigReloader:
                 log.exception("config watch of %s failed; will retry", self._path)
 
     async def _poll_once(self) -> None:
-        current = fingerprint(self._path)
+        current = self._fingerprints()
         if current == self._seen:
             self._pending = None
             return
-        if current is None:
+        if current[0] is None:
             log.warning(
                 "config file %s is missing or unreadable; keeping the running configuration", self._path
             )
-            self._seen = None
+            self._seen = current
             return
         if current != self._pending:
             self._pending = current  # wait one more poll so a writer can finish

@@ -13,49 +13,36 @@ broken rule with a path relative to the model that raised it, so ``gateway.confi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")]
-Port = Annotated[int, Field(ge=1, le=65535)]
-PositiveSeconds = Annotated[float, Field(gt=0)]
-#: A host name or IP address: non-empty, no whitespace.
-Host = Annotated[str, Field(pattern=r"^\S+$")]
+from gateway.admission.config import AdmissionSettings
+from gateway.limits.config import LimitsSettings
+from gateway.section import (
+    HF_ID,
+    Host,
+    Name,
+    Port,
+    PositiveSeconds,
+    Section,
+    SettingsViolations,
+    Violation,
+)
+from gateway.tenants.config import TenantsSettings, class_violations
+from predictor.hardware import UNKNOWN_GPU, gpu_names, lookup_gpu
+from predictor.model import lookup_model, model_names
 
-
-@dataclass(frozen=True)
-class Violation:
-    """One broken cross-field rule.
-
-    ``path`` is relative to the model whose validator found it (``("timeout_s",)`` inside
-    ``health``); ``value`` is the offending value, shown to the operator.
-    """
-
-    path: tuple[str | int, ...]
-    message: str
-    value: object
-
-
-class SettingsViolations(ValueError):
-    """Raised by model validators; carries every cross-field violation found, not just the first."""
-
-    def __init__(self, violations: Sequence[Violation]) -> None:
-        self.violations = tuple(violations)
-        super().__init__(
-            "; ".join(
-                f"{'.'.join(str(p) for p in v.path) or '(top level)'}: {v.message} (got {v.value!r})"
-                for v in self.violations
-            )
-        )
-
-
-class Section(BaseModel):
-    """Base of every section: unknown keys are errors, values are immutable, types are strict."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+__all__ = [
+    "HF_ID",
+    "Host",
+    "Name",
+    "Port",
+    "PositiveSeconds",
+    "Section",
+    "SettingsViolations",
+    "Violation",
+]
 
 
 class ServerSettings(Section):
@@ -93,6 +80,78 @@ class ServerSettings(Section):
     ] = True
 
 
+class HardwareSettings(Section):
+    """What the operator knows about a replica's hardware and engine limits (vLLM does not expose
+    them); the predictor builds its roofline prior from them. Every key may be left out: a replica
+    without a known GPU and model is learned from its own metrics alone."""
+
+    gpu: Annotated[
+        str | None,
+        Field(
+            description="GPU kind of one device, a name from the predictor's table (e.g. H100-SXM) or the "
+            "name nvidia-smi prints; null or 'unknown' means learn the replica's speed from its metrics."
+        ),
+    ] = None
+    model: Annotated[
+        str | None,
+        Field(
+            description="Model served, a name from the predictor's catalogue (e.g. Llama-3-8B) or a Hugging "
+            "Face id (owner/name); null means learn from the replica's metrics."
+        ),
+    ] = None
+    tensor_parallel: Annotated[
+        int, Field(ge=1, description="GPUs one replica spans (vLLM --tensor-parallel-size).")
+    ] = 1
+    max_num_seqs: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="Most sequences in one engine step (vLLM --max-num-seqs); null means the "
+            "predictor's default assumption (256).",
+        ),
+    ] = None
+    max_num_batched_tokens: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="Token budget of one engine step (vLLM --max-num-batched-tokens); null means the "
+            "predictor's default assumption (8192).",
+        ),
+    ] = None
+
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpu(cls, value: str | None) -> str | None:
+        if value is not None and lookup_gpu(value) is None:
+            known = [name for name in gpu_names() if lookup_gpu(name) is not UNKNOWN_GPU]
+            raise ValueError(f"unknown GPU; known: {', '.join(known)} (or 'unknown')")
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str | None) -> str | None:
+        if value is not None and lookup_model(value) is None and not HF_ID.match(value):
+            raise ValueError(
+                f"neither a catalogue model ({', '.join(model_names())}) nor a Hugging Face id (owner/name)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _budget_holds_a_step(self) -> HardwareSettings:
+        # vLLM refuses to start with a token budget smaller than its sequence limit.
+        seqs, budget = self.max_num_seqs, self.max_num_batched_tokens
+        if seqs is not None and budget is not None and budget < seqs:
+            raise SettingsViolations(
+                [Violation(("max_num_batched_tokens",), f"must be at least max_num_seqs ({seqs})", budget)]
+            )
+        return self
+
+    def canonical_gpu(self) -> str | None:
+        """The predictor's canonical name for ``gpu``; ``None`` when unset or unknown hardware."""
+        spec = None if self.gpu is None else lookup_gpu(self.gpu)
+        return None if spec is None or spec is UNKNOWN_GPU else spec.name
+
+
 class ReplicaSettings(Section):
     """One inference replica Sluice forwards to (started and owned by someone else)."""
 
@@ -108,6 +167,10 @@ class ReplicaSettings(Section):
         Literal["vllm"],
         Field(description="Which engine serves it; decides the metric dialect and error formats."),
     ] = "vllm"
+    hardware: Annotated[
+        HardwareSettings,
+        Field(description="GPU, model and engine limits of the replica, for the latency predictor."),
+    ] = HardwareSettings()
 
 
 class EmulatorSettings(Section):
@@ -137,6 +200,12 @@ class EmulatorSettings(Section):
             description="Relative standard deviation of step-time jitter (0 = deterministic step times).",
         ),
     ] = 0.0
+    hardware: Annotated[
+        HardwareSettings,
+        Field(
+            description="What the predictor is told about the emulated hardware (it never reads the profile)."
+        ),
+    ] = HardwareSettings()
 
 
 class HealthSettings(Section):
@@ -170,6 +239,39 @@ class HealthSettings(Section):
                     )
                 ]
             )
+        return self
+
+
+class ScrapeSettings(Section):
+    """Scraping of every replica's ``/metrics`` for the latency predictor. Restart required."""
+
+    interval_s: Annotated[
+        PositiveSeconds, Field(description="Time between two scrapes of one replica, in seconds.")
+    ] = 1.0
+    timeout_s: Annotated[
+        PositiveSeconds,
+        Field(
+            description="Time one scrape may take before the replica's metrics count as stale, in seconds."
+        ),
+    ] = 1.0
+    window_s: Annotated[
+        PositiveSeconds,
+        Field(description="Span of scrapes that rates and histogram statistics cover, in seconds."),
+    ] = 10.0
+
+    @model_validator(mode="after")
+    def _timing_is_coherent(self) -> ScrapeSettings:
+        found: list[Violation] = []
+        if self.timeout_s > self.interval_s:
+            found.append(
+                Violation(("timeout_s",), f"must not exceed interval_s ({self.interval_s!r})", self.timeout_s)
+            )
+        # A rate needs two scrapes inside the window.
+        if self.window_s < 2 * self.interval_s:
+            message = f"must be at least twice interval_s ({2 * self.interval_s!r})"
+            found.append(Violation(("window_s",), message, self.window_s))
+        if found:
+            raise SettingsViolations(found)
         return self
 
 
@@ -216,14 +318,32 @@ class Settings(Section):
     health: Annotated[HealthSettings, Field(description="Active health checks of every replica.")] = (
         HealthSettings()
     )
+    scrape: Annotated[
+        ScrapeSettings, Field(description="Scraping of every replica's /metrics. Restart required.")
+    ] = ScrapeSettings()
     reload: Annotated[ReloadSettings, Field(description="Hot reload of the configuration file.")] = (
         ReloadSettings()
     )
     logging: Annotated[LoggingSettings, Field(description="Log level and format.")] = LoggingSettings()
+    admission: Annotated[
+        AdmissionSettings,
+        Field(description="SLO-aware admission: request classes, their targets, the gateway queue."),
+    ] = AdmissionSettings()
+    tenants: Annotated[
+        TenantsSettings, Field(description="API keys, tenants, their fair-share weights and limits.")
+    ] = TenantsSettings()
+    limits: Annotated[
+        LimitsSettings, Field(description="Where tenant token buckets live (memory or Redis).")
+    ] = LimitsSettings()
 
     @model_validator(mode="after")
     def _replicas_are_consistent(self) -> Settings:
-        violations = [*self._missing_replicas(), *self._repeated_names(), *self._emulator_port_clashes()]
+        violations = [
+            *self._missing_replicas(),
+            *self._repeated_names(),
+            *self._emulator_port_clashes(),
+            *class_violations(self.tenants, self.admission.classes, prefix=("tenants",)),
+        ]
         if violations:
             raise SettingsViolations(violations)
         return self
@@ -266,7 +386,7 @@ class Settings(Section):
     def all_replicas(self) -> list[ReplicaSettings]:
         """Static replicas plus one entry per emulator, in configuration order."""
         emulated = [
-            ReplicaSettings(name=e.name, url=f"http://{e.host}:{e.port}", backend="vllm")
+            ReplicaSettings(name=e.name, url=f"http://{e.host}:{e.port}", backend="vllm", hardware=e.hardware)
             for e in self.emulators
         ]
         return [*self.replicas, *emulated]

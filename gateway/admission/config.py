@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from gateway.settings import Name, PositiveSeconds, Section, SettingsViolations, Violation
+from gateway.section import Name, PositiveSeconds, Section, SettingsViolations, Violation
 
 __all__ = [
     "AdmissionSettings",
@@ -291,12 +291,22 @@ class AdmissionSettings(Section):
         RetryAfterSettings()
     )
     queue: Annotated[QueueSettings, Field(description="Sluice's queue.")] = QueueSettings()
+    forecast_margin: Annotated[
+        float,
+        Field(
+            ge=0,
+            description="Safety margin on every forecast: predicted TTFT, TPOT and inflicted TPOT are "
+            "multiplied by (1 + forecast_margin) before they are held against the targets, so that the "
+            "predictor's errors (about +10 % at the 90th percentile on the emulator) do not push "
+            "admitted requests past them. 0 = trust the forecast as it is.",
+        ),
+    ] = 0.15
     stale_margin: Annotated[
         float,
         Field(
             ge=0,
             description="Safety margin for replicas whose metrics are stale: their predicted TTFT, TPOT "
-            "and inflicted TPOT are multiplied by (1 + stale_margin).",
+            "and inflicted TPOT are multiplied by (1 + stale_margin), on top of forecast_margin.",
         ),
     ] = 0.5
     yield_margin: Annotated[

@@ -1,8 +1,8 @@
 """The per-request decision: forecast on every healthy replica, route by slack, admit, queue or reject.
 
-For a request of class C on replica r (predictions multiplied by ``1 + stale_margin`` when r's
-metrics are stale), each constraint has a **slack**, its spare capacity as a fraction of its limit
-(negative = violated):
+For a request of class C on replica r (predictions multiplied by ``1 + forecast_margin``, and by
+``1 + stale_margin`` as well when r's metrics are stale), each constraint has a **slack**, its
+spare capacity as a fraction of its limit (negative = violated):
 
 =============== ================================================================ ===============
 blocker          slack                                                            rule
@@ -292,7 +292,9 @@ class SloAdmitter:
         self._settings = settings
         self._retry = retry
         self._fc = forecast_config if forecast_config is not None else ForecastConfig()
-        self._margin = 1.0 + settings.stale_margin
+        #: Forecast multipliers: every replica, and a replica whose metrics are stale.
+        self._fresh_scale = 1.0 + settings.forecast_margin
+        self._stale_scale = self._fresh_scale * (1.0 + settings.stale_margin)
         shadow = settings.shadow
         if shadow_all:
             shadow = ShadowSettings(slo=True, protect_streams=True, batch_isolation=True, prompt_size=True)
@@ -419,8 +421,7 @@ class SloAdmitter:
             if f.reason == ForecastReason.NO_STEP_MODEL:
                 return self._unmodelled(view)
             return None
-        if view.stale:
-            f = _scaled(f, self._margin)
+        f = self._with_margin(f, view)
         infl = f.inflicted_tpot_s
         stall = f.inflicted_stall_s
         streams = stalls = _INF
@@ -456,8 +457,7 @@ class SloAdmitter:
             keep = 1.0 - self._settings.yield_margin
             for protected, probe in plan:
                 pf = forecast_request(probe, after, view.model, self._fc)
-                if view.stale:
-                    pf = _scaled(pf, self._margin)
+                pf = self._with_margin(pf, view)
                 probes.append((protected, pf))
                 t, p = protected.ttft_target_s, protected.tpot_target_s
                 yttft = min(yttft, (keep * t - pf.ttft_s) / t)
@@ -475,6 +475,11 @@ class SloAdmitter:
         slack = min(slacks)
         enforced = slack if self._all_enforced else min((slacks[i] for i in self._enforced), default=_INF)
         return _Candidate(view, f, slacks, slack, enforced, probes)
+
+    def _with_margin(self, f: Forecast, view: ReplicaView) -> Forecast:
+        """``f`` times ``1 + forecast_margin`` (and ``1 + stale_margin`` on a stale replica)."""
+        scale = self._stale_scale if view.stale else self._fresh_scale
+        return f if scale == 1.0 else _scaled(f, scale)
 
     def _slot_limit(self, cls: ClassSettings, view: ReplicaView) -> int:
         """Decode slots ``cls`` may hold on ``view``: its share of the slots the step model allows at
@@ -591,10 +596,10 @@ class SloAdmitter:
         now: float,
         queued: bool,
     ) -> Queue | Reject:
-        """Only replicas without a step model, all at their in-flight cap."""
+        """Only replicas without a step model, all at their in-flight cap. How long until one has
+        room is unknown (no model): a class that queues waits, and its queue deadline decides."""
         guess = self._settings.retry_after.no_replica_s
-        fits_queue = now + guess <= request.arrival_s + cls.max_queue_wait_s
-        if queued or (cls.queue_capacity > 0 and cls.max_queue_wait_s > 0.0 and fits_queue):
+        if queued or (cls.queue_capacity > 0 and cls.max_queue_wait_s > 0.0):
             return Queue(Blocker.UNMODELLED, guess, candidates[0].view.name, None)
         return Reject(
             RejectReason.OVERLOADED,
@@ -696,8 +701,7 @@ class SloAdmitter:
         f = forecast_request(
             request.candidate(view.state.max_model_len), _idle(view.state), view.model, self._fc
         )
-        if view.stale:
-            f = _scaled(f, self._margin)
+        f = self._with_margin(f, view)
         if math.isnan(f.ttft_s):
             return False
         return f.ttft_s > request.fresh_ttft_budget_s(cls) or f.tpot_s > cls.tpot_target_s

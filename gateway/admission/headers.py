@@ -43,5 +43,5 @@ def decision_headers(decision: Decision, request_class: str, settings: Admission
     f = decision.forecast
     if f is not None and math.isfinite(f.ttft_s) and math.isfinite(f.tpot_s):
         headers[PREDICTED_TTFT_MS] = f"{f.ttft_s * 1e3:.1f}"
-        headers[PREDICTED_TPOT_MS] = f"{f.tpot_s * 1e3:.1f}"
+        headers[PREDICTED_TPOT_MS] = f"{f.tpot_s * 1e3:.2f}"
     return headers

@@ -12,9 +12,11 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from gateway.limits.base import TenantLimits
-from gateway.settings import PositiveSeconds, Section, SettingsViolations, Violation
+from gateway.section import PositiveSeconds, Section, SettingsViolations, Violation
 
 PerMinute = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+#: A cost weight: finite and > 0.
+Weight = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
 class TenantLimitSettings(Section):
@@ -75,6 +77,19 @@ class TenantLimitSettings(Section):
             token_burst=self.token_burst,
             request_burst=self.request_burst,
         )
+
+
+class TokenWeightSettings(Section):
+    """The two weights of a tenant's token cost, pinned by the operator (else from the step model)."""
+
+    prompt: Annotated[
+        Weight,
+        Field(description="Weighted tokens one prompt (prefill) token costs; > 0."),
+    ]
+    output: Annotated[
+        Weight,
+        Field(description="Weighted tokens one output (decode) token costs; > 0."),
+    ]
 
 
 class RedisSettings(Section):
@@ -146,6 +161,14 @@ class LimitsSettings(Section):
             "slots of a crashed gateway); should exceed the longest request."
         ),
     ] = 900.0
+    token_weights: Annotated[
+        TokenWeightSettings | None,
+        Field(
+            description="Cost of a request in weighted tokens = prompt x prompt tokens + output x output "
+            "tokens. null: prompt 1 and output = the step model's GPU time of a decode token over a "
+            "prefill token, averaged over the replicas with a step model (2 until one has)."
+        ),
+    ] = None
     over_limit_cache: Annotated[
         bool,
         Field(description="Answer tenants known to be over a limit from memory until their retry time."),

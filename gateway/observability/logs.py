@@ -73,6 +73,9 @@ class RequestOutcome:
     #: The engine forecast for the replica the request was sent to, in seconds.
     predicted_ttft_s: float | None = None
     predicted_tpot_s: float | None = None
+    #: Content-carrying SSE events relayed (one per engine step per sequence on vLLM): what a
+    #: stream cut before its usage chunk really produced.
+    tokens_streamed: int = 0
 
     @property
     def ttft_s(self) -> float | None:

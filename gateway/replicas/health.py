@@ -7,7 +7,9 @@ is cached on the replica for routing and for the gateway's own ``/v1/models``.
 
 Inputs consumed: ``store.current.health`` read at every round (so reloads apply at once), the
 registry's replicas. ``poke()`` starts the next round early (the proxy calls it after a
-connection error). Only state transitions are logged (by ``Replica.record``).
+connection error). Only state transitions are logged (by ``Replica.record``). ``on_models``
+listeners hear of every replica whose model list changed (the predictor takes ``max_model_len``
+from it).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 import aiohttp
 
@@ -66,6 +69,12 @@ class HealthChecker:
         self._registry = registry
         self._session = session
         self._poked = asyncio.Event()
+        self._model_listeners: list[Callable[[Replica], None]] = []
+
+    def on_models(self, listener: Callable[[Replica], None]) -> None:
+        """Call ``listener(replica)`` whenever a replica's model list is fetched and differs from
+        the one it had (errors are logged, never raised)."""
+        self._model_listeners.append(listener)
 
     def poke(self) -> None:
         """Start the next round now instead of at the end of the interval."""
@@ -83,11 +92,19 @@ class HealthChecker:
             models = await fetch_models(self._session, replica, health.timeout_s)
             if isinstance(models, str):
                 error = models
-            else:
+            elif models != replica.models:
                 replica.models = models
+                self._models_changed(replica)
         if replica.retired:
             return None
         return replica.record(error is None, health, error=error)
+
+    def _models_changed(self, replica: Replica) -> None:
+        for listener in list(self._model_listeners):
+            try:
+                listener(replica)
+            except Exception:
+                log.exception("model-list listener %r failed for replica %s", listener, replica.name)
 
     async def run(self) -> None:
         """Check every ``health.interval_s`` seconds (or sooner when poked) until cancelled.

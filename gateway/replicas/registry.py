@@ -2,7 +2,13 @@
 
 What it does: keeps one ``Replica`` object per configured replica name, reconciles them when the
 settings are swapped (objects for unchanged replicas survive, so outstanding counts and health
-carry over a reload), and picks a replica for a request.
+carry over a reload; a change of ``hardware:`` alone updates the object in place), and picks a
+replica for a request.
+
+In-flight view: each replica also keeps the gateway's own unfinished requests on it
+(``LiveRequest``: prompt size, tokens streamed so far, dispatch time, output cap), which the
+scraper merges into every ``ReplicaSnapshot`` and the forecast reads (``Replica.in_flight``). The
+gateway knows them a millisecond ago; the replica's own gauges lag by a scrape interval.
 
 Routing: only healthy replicas that serve the requested model are candidates; the one with the
 fewest outstanding requests wins, ties broken round robin. A request is outstanding from dispatch
@@ -16,12 +22,13 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.openai_api import ModelCard
+from gateway.replicas.snapshot import InFlight
 from gateway.settings import HealthSettings, ReplicaSettings, Settings
 from gateway.store import SettingsStore
 
@@ -36,6 +43,49 @@ class ReplicaState(enum.StrEnum):
     UNHEALTHY = "unhealthy"
 
 
+class LiveRequest:
+    """One request the gateway dispatched to a replica and has not finished (mutable, in place).
+
+    The proxy bumps ``tokens_streamed`` and sets ``last_token_at`` once per content-carrying SSE
+    event (vLLM sends one chunk per engine step per sequence), so this is a plain slotted object:
+    two attribute stores per event, no allocation. ``freeze()`` gives the immutable ``InFlight``
+    the scraper and the forecast take. ``prompt_tokens`` is an estimate (characters / learned
+    characters-per-token) until the replica's usage arrives; ``started_at`` and
+    ``last_token_at`` are monotonic seconds (dispatch; latest token relayed, ``None`` before the
+    first); ``max_tokens`` is the output cap in tokens (``None``: the client set none).
+    """
+
+    __slots__ = (
+        "last_token_at",
+        "max_tokens",
+        "prompt_tokens",
+        "request_id",
+        "started_at",
+        "tokens_streamed",
+    )
+
+    def __init__(
+        self, request_id: str, prompt_tokens: int, started_at: float, max_tokens: int | None = None
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.tokens_streamed = 0
+        self.started_at = started_at
+        self.max_tokens = max_tokens
+        self.last_token_at: float | None = None
+
+    def freeze(self) -> InFlight:
+        """The request as of now, as an immutable ``InFlight``."""
+        return InFlight(
+            self.request_id,
+            self.prompt_tokens,
+            self.tokens_streamed,
+            self.started_at,
+            self.max_tokens,
+            last_token_at=self.last_token_at,
+        )
+
+
 class Replica:
     """One replica. Mutated only from the event loop (no locks needed)."""
 
@@ -44,6 +94,9 @@ class Replica:
         self.state = ReplicaState.UNKNOWN
         #: Requests dispatched to it and not yet fully answered.
         self.outstanding = 0
+        #: The leased requests that carry a ``LiveRequest``, in dispatch order (a dict as an
+        #: ordered set: ids are client-chosen and may repeat, objects never do).
+        self._live: dict[LiveRequest, None] = {}
         #: Its models, by id, from its last successful ``/v1/models``; ``None`` = never fetched.
         self.models: dict[str, ModelCard] | None = None
         self.consecutive_ok = 0
@@ -96,6 +149,22 @@ class Replica:
     def serves(self, model: str) -> bool:
         return self.models is not None and model in self.models
 
+    def in_flight(self) -> tuple[InFlight, ...]:
+        """The gateway's unfinished requests on this replica, oldest dispatch first."""
+        return tuple(live.freeze() for live in self._live)
+
+    @property
+    def in_flight_count(self) -> int:
+        """How many requests ``in_flight()`` would return."""
+        return len(self._live)
+
+    def max_model_len(self) -> int | None:
+        """The smallest context length its ``/v1/models`` lists, in tokens; ``None`` if none says."""
+        if not self.models:
+            return None
+        lengths = [card.max_model_len for card in self.models.values() if card.max_model_len is not None]
+        return min(lengths) if lengths else None
+
     def describe(self) -> dict[str, Any]:
         """A JSON-ready summary for ``/readyz``."""
         return {
@@ -103,6 +172,7 @@ class Replica:
             "url": self.base_url,
             "state": self.state.value,
             "outstanding": self.outstanding,
+            "in_flight": len(self._live),
             "models": sorted(self.models) if self.models is not None else None,
             "error": self.last_error,
         }
@@ -124,6 +194,10 @@ class ReconcileResult:
     kept: tuple[str, ...]
 
 
+#: Called after every reconcile that follows a settings swap.
+ReconcileListener = Callable[[ReconcileResult], None]
+
+
 class ReplicaRegistry:
     """All replicas of the current settings, in configuration order, plus any still draining."""
 
@@ -133,6 +207,7 @@ class ReplicaRegistry:
         self._draining: set[Replica] = set()
         self._next = 0
         self._closed = False
+        self._listeners: list[ReconcileListener] = []
         self.reconcile(store.current.all_replicas())
         store.subscribe(self._on_swap)
 
@@ -140,16 +215,28 @@ class ReplicaRegistry:
         """Stop following settings swaps (the store offers no unsubscribe)."""
         self._closed = True
 
+    def on_reconcile(self, listener: ReconcileListener) -> None:
+        """Call ``listener(result)`` after each reconcile caused by a settings swap (errors logged)."""
+        self._listeners.append(listener)
+
     def _on_swap(self, old: Settings, new: Settings) -> None:
-        if not self._closed:
-            self.reconcile(new.all_replicas())
+        if self._closed:
+            return
+        result = self.reconcile(new.all_replicas())
+        for listener in list(self._listeners):
+            try:
+                listener(result)
+            except Exception:
+                log.exception("reconcile listener %r failed", listener)
 
     def reconcile(self, wanted: list[ReplicaSettings]) -> ReconcileResult:
         """Make the registry match ``wanted``: add new names, retire missing ones, keep the rest.
 
         A replica whose settings changed (e.g. its URL) is replaced by a fresh object; the old one
-        drains like a removed one. Retired replicas are never picked again; they leave the
-        registry when their last outstanding request ends.
+        drains like a removed one. A change of ``hardware:`` alone keeps the object (with its
+        health and requests) and updates its settings: those facts only inform the predictor.
+        Retired replicas are never picked again; they leave the registry when their last
+        outstanding request ends.
         """
         old = self._replicas
         fresh: dict[str, Replica] = {}
@@ -157,7 +244,8 @@ class ReplicaRegistry:
         kept: list[str] = []
         for replica_settings in wanted:
             current = old.get(replica_settings.name)
-            if current is not None and current.settings == replica_settings:
+            if current is not None and _same_endpoint(current.settings, replica_settings):
+                current.settings = replica_settings
                 fresh[replica_settings.name] = current
                 kept.append(replica_settings.name)
             else:
@@ -218,13 +306,21 @@ class ReplicaRegistry:
         return NoReplica.UNKNOWN_MODEL
 
     @contextmanager
-    def lease(self, replica: Replica) -> Iterator[Replica]:
-        """Count one outstanding request on ``replica`` for the duration of the ``with`` block."""
+    def lease(self, replica: Replica, live: LiveRequest | None = None) -> Iterator[Replica]:
+        """Count one outstanding request on ``replica`` for the duration of the ``with`` block.
+
+        With ``live``, the request is also in ``replica.in_flight()`` for that duration: it
+        leaves on every exit (success, error, cancellation).
+        """
         replica.outstanding += 1
+        if live is not None:
+            replica._live[live] = None
         try:
             yield replica
         finally:
             replica.outstanding -= 1
+            if live is not None:
+                replica._live.pop(live, None)
             if replica.retired and replica.outstanding == 0 and replica in self._draining:
                 self._draining.discard(replica)
                 log.info("replica %s drained and removed", replica.name)
@@ -244,3 +340,8 @@ class ReplicaRegistry:
         described = [r.describe() for r in self._replicas.values()]
         described += [{**r.describe(), "state": "draining"} for r in self.draining()]
         return described
+
+
+def _same_endpoint(a: ReplicaSettings, b: ReplicaSettings) -> bool:
+    """True when ``a`` and ``b`` differ at most in ``hardware`` (facts for the predictor only)."""
+    return a.model_copy(update={"hardware": b.hardware}) == b

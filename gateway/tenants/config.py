@@ -32,7 +32,7 @@ from typing import Annotated, Any, Final
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from gateway.limits.config import TenantLimitSettings
-from gateway.settings import Name, Section, SettingsViolations, Violation
+from gateway.section import Name, Section, SettingsViolations, Violation
 from gateway.tenants.keys import REDACTED, hash_api_key, key_hash_problem, normalise_key_hash
 
 __all__ = [
@@ -197,10 +197,11 @@ class TenantsSettings(_Redacting):
             "the configuration file's directory); every tenant named there must be configured here.",
         ),
     ] = None
+    # A plain default (pydantic copies it per instance), so the example-file test can print it.
     tenants: Annotated[
         dict[Name, TenantSettings],
         Field(description="Tenants by name (the name appears in metrics and logs)."),
-    ] = Field(default_factory=dict)
+    ] = {}  # noqa: RUF012
 
     @model_validator(mode="after")
     def _consistent(self) -> TenantsSettings:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -34,13 +35,21 @@ def test_embedded_default_serves_and_stops_its_replicas(sig: signal.Signals) -> 
             data=json.dumps(
                 {"model": model, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
             ).encode(),
-            headers={"content-type": "application/json"},
+            # The embedded default has one tenant, `demo`, whose documented key is sk-demo.
+            headers={"content-type": "application/json", "Authorization": "Bearer sk-demo"},
         )
         with urllib.request.urlopen(req, timeout=10) as resp:
             assert json.loads(resp.read())["usage"]["completion_tokens"] > 0
+        keyless = urllib.request.Request(
+            req.full_url, data=req.data, headers={"content-type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(keyless, timeout=10)
+        assert refused.value.code == 401
         banner = proc.output()
         assert "curl" in banner
-        assert "OpenAI(base_url=" in banner
+        assert "Authorization: Bearer sk-demo" in banner
+        assert 'OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="sk-demo")' in banner
     finally:
         code = proc.stop(sig, timeout_s=20)
     assert code in (0, -sig, 128 + sig), proc.output()

@@ -17,7 +17,8 @@ from predictor import GPUS, MODELS, ReplicaState, StepModel, roofline_prior, unk
 
 MODEL = roofline_prior(MODELS["Llama-3-8B"], GPUS["H100-SXM"])
 UNKNOWN = unknown_step_model("not calibrated yet")
-SETTINGS = AdmissionSettings()
+#: The defaults, with forecasts taken as they are (the arithmetic below is checked exactly).
+SETTINGS = AdmissionSettings(forecast_margin=0.0)
 KV_CAPACITY = 400_000
 MAX_LEN = 131_072
 

@@ -86,7 +86,7 @@ def test_prediction_headers(views, expected: dict[str, str]) -> None:
     assert {k: headers[k] for k in expected} == expected
     assert decision.forecast is not None
     assert headers["x-sluice-predicted-ttft-ms"] == f"{decision.forecast.ttft_s * 1e3:.1f}"
-    assert headers["x-sluice-predicted-tpot-ms"] == f"{decision.forecast.tpot_s * 1e3:.1f}"
+    assert headers["x-sluice-predicted-tpot-ms"] == f"{decision.forecast.tpot_s * 1e3:.2f}"
 
 
 def test_prediction_headers_can_be_turned_off_and_mark_shadow() -> None:

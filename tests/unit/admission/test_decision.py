@@ -321,6 +321,36 @@ def test_stale_replica_predictions_carry_the_safety_margin() -> None:
 
 
 @pytest.mark.parametrize(
+    ("forecast_margin", "stale", "scale"),
+    [
+        pytest.param(0.0, False, 1.0, id="none"),
+        pytest.param(0.15, False, 1.15, id="fresh-replica"),
+        pytest.param(0.15, True, 1.15 * 1.5, id="stale-replica-both-margins"),
+    ],
+)
+def test_forecast_margin_scales_every_forecast(forecast_margin: float, stale: bool, scale: float) -> None:
+    replica = state(16)
+    raw = forecast_request(request(500).candidate(replica.max_model_len), replica, MODEL)
+    config = settings(forecast_margin=forecast_margin)
+    decision = decide([view("a", replica, stale=stale)], config=config)
+    assert isinstance(decision, Admit)
+    assert decision.forecast is not None
+    assert decision.forecast.ttft_s == pytest.approx(raw.ttft_s * scale)
+    assert decision.forecast.tpot_s == pytest.approx(raw.tpot_s * scale)
+
+
+def test_forecast_margin_turns_a_borderline_admit_into_a_reject() -> None:
+    # Predicted a little under the TTFT target as it is, over it with a 15 % margin.
+    replica = state(16, queued=[8000] * 2)
+    raw = forecast_request(request(500).candidate(replica.max_model_len), replica, MODEL)
+    target = raw.ttft_s * 1.07
+    trusting = with_class("interactive", ttft_target_s=target, max_queue_wait_s=0.0)
+    careful = AdmissionSettings.model_validate({**trusting.model_dump(), "forecast_margin": 0.15})
+    assert isinstance(decide([view("a", replica)], config=trusting), Admit)
+    assert isinstance(decide([view("a", replica)], config=careful), Reject)
+
+
+@pytest.mark.parametrize(
     ("stale_flag_on", "expected"),
     [pytest.param("view", "fresh", id="view-flag"), pytest.param("state", "fresh", id="state-flag")],
 )

@@ -30,8 +30,8 @@ FORBIDDEN_IMPORTS = (
     "time",
     "urllib",
 )
-#: The only other gateway module the core may use: the settings base classes (pydantic only).
-ALLOWED_GATEWAY_MODULES = {"gateway.settings"}
+#: The only other gateway modules the core may use: the settings base classes (pydantic only).
+ALLOWED_GATEWAY_MODULES = {"gateway.settings", "gateway.section"}
 SOURCES = sorted(PACKAGE.glob("*.py"))
 
 

@@ -22,10 +22,18 @@ DEMO = REPO / "config" / "demo.yaml"
 
 URL_PATTERN = r"'^https?://[^/\s]+(/[^\s]*)?$'"
 NAME_PATTERN = r"'^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$'"
+KNOWN_GPUS = (
+    "H100-SXM, H100-PCIe, H100-NVL, H200, A100-80GB-SXM, A100-80GB-PCIe, A100-40GB, L40S, L4, A10, A10G, "
+    "MI300X"
+)
+KNOWN_MODELS = (
+    "Llama-2-7B, Llama-2-13B, Llama-2-70B, Llama-3-8B, Llama-3-70B, Llama-3.2-1B, Llama-3.2-3B, "
+    "Mistral-7B, Qwen2.5-0.5B, Qwen2.5-7B, Qwen2.5-14B, Qwen2.5-72B"
+)
 
 #: File name under bad/ -> the exact problems, in order.
 BAD_CASES: dict[str, list[str]] = {
-    "unknown_top_level_key.yaml": ["admission: unknown key (got {'policy': 'slo'})"],
+    "unknown_top_level_key.yaml": ["routing: unknown key (got {'policy': 'round_robin'})"],
     "unknown_nested_key.yaml": ["server.prot: unknown key; did you mean 'port'? (got 8080)"],
     "unknown_key_in_list_item.yaml": ["replicas.0.weight: unknown key (got 2)"],
     "wrong_type.yaml": ["server.port: Input should be a valid integer (got '8080')"],
@@ -74,8 +82,28 @@ BAD_CASES: dict[str, list[str]] = {
         "emulators.0.jitter: Input should be less than or equal to 0.5 (got 0.9)",
         "health.timeout_s: must not exceed interval_s (1.0) (got 2.0)",
         "logging.level: Input should be 'DEBUG', 'INFO', 'WARNING' or 'ERROR' (got 'verbose')",
-        "tenants: unknown key (got {})",
+        "tenancy: unknown key; did you mean 'tenants'? (got {})",
     ],
+    "hardware_unknown_gpu.yaml": [
+        f"replicas.0.hardware.gpu: unknown GPU; known: {KNOWN_GPUS} (or 'unknown') (got 'H1000')"
+    ],
+    "hardware_unknown_model.yaml": [
+        f"replicas.0.hardware.model: neither a catalogue model ({KNOWN_MODELS}) "
+        "nor a Hugging Face id (owner/name) (got 'llama-9000')"
+    ],
+    "hardware_budget_below_seqs.yaml": [
+        "replicas.0.hardware.max_num_batched_tokens: must be at least max_num_seqs (512) (got 256)"
+    ],
+    "hardware_bad_values.yaml": [
+        "emulators.0.hardware.tensor_parallel: Input should be greater than or equal to 1 (got 0)",
+        "emulators.0.hardware.max_num_seqs: Input should be a valid integer (got '256')",
+        "emulators.0.hardware.gpus: unknown key; did you mean 'gpu'? (got 'H100-SXM')",
+    ],
+    "scrape_bad_timing.yaml": [
+        "scrape.timeout_s: must not exceed interval_s (2.0) (got 3.0)",
+        "scrape.window_s: must be at least twice interval_s (4.0) (got 3.0)",
+    ],
+    "scrape_negative_interval.yaml": ["scrape.interval_s: Input should be greater than 0 (got 0)"],
     # Whole-file rules are still checked when an unrelated section has a field error.
     "several_errors_with_fleet_rules.yaml": [
         "health.unhealthy_after: Input should be greater than or equal to 1 (got 0)",
@@ -160,7 +188,38 @@ GOOD_CASES: dict[str, tuple[list[str], str, object]] = {
     "one_emulator.yaml": (["emu-0"], "emulators.0.seed", None),
     "mixed_fleet.yaml": (["a", "b", "sim"], "health.timeout_s", 0.5),
     "integer_seconds.yaml": (["r0"], "server.upstream_read_timeout_s", 30.0),
+    "hardware_facts.yaml": (["known", "outside-catalogue", "nothing-known"], "scrape.window_s", 5.0),
 }
+
+
+@pytest.mark.parametrize(
+    ("replica", "expected"),
+    [
+        pytest.param(
+            0, ("H100-SXM", "meta-llama/Meta-Llama-3-8B-Instruct", 2, 256, 8192), id="nvidia-smi-name"
+        ),
+        pytest.param(
+            1, (None, "some-org/custom-model-v2", 1, None, None), id="unknown-gpu-outside-catalogue"
+        ),
+        pytest.param(2, (None, None, 1, None, None), id="nothing-stated"),
+    ],
+)
+def test_hardware_facts(replica: int, expected: tuple[object, ...]) -> None:
+    hardware = load_settings(GOOD / "hardware_facts.yaml").replicas[replica].hardware
+    got = (
+        hardware.canonical_gpu(),
+        hardware.model,
+        hardware.tensor_parallel,
+        hardware.max_num_seqs,
+        hardware.max_num_batched_tokens,
+    )
+    assert got == expected
+
+
+def test_emulator_hardware_reaches_its_replica() -> None:
+    settings = default_settings()
+    assert [r.hardware for r in settings.all_replicas()] == [e.hardware for e in settings.emulators]
+    assert settings.emulators[0].hardware.canonical_gpu() == "H100-SXM"
 
 
 @pytest.mark.parametrize(
@@ -310,6 +369,9 @@ def test_example_comments_give_meaning_unit_and_default() -> None:
             assert "bytes" in comment, f"{path}: unit not stated"
         if field.is_required():
             assert "Required" in comment, f"{path}: not marked Required"
+        elif field.default_factory is not None:
+            # A built default (a map of classes, of tenants) is described, not dumped.
+            assert "Default:" in comment, f"{path}: comment lacks a default"
         elif not isinstance(field.default, BaseModel):
             expected = f"Default: {_yaml_scalar(field.default)}"
             assert expected in comment, f"{path}: comment lacks {expected!r}"

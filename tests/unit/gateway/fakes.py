@@ -19,7 +19,14 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import OUTCOME_LISTENERS, build_app
 from gateway.observability.logs import RequestOutcome
-from gateway.settings import HealthSettings, ReplicaSettings, ServerSettings, Settings
+from gateway.settings import (
+    HardwareSettings,
+    HealthSettings,
+    ReplicaSettings,
+    ScrapeSettings,
+    ServerSettings,
+    Settings,
+)
 from gateway.store import SettingsStore
 
 MODEL = "test-model"
@@ -89,10 +96,16 @@ class FakeReplica:
     seen: list[Seen] = field(default_factory=list)
     #: Split the default stream into writes of this many bytes (to cut events anywhere).
     write_size: int | None = None
+    #: The ``/metrics`` body; ``None`` answers 404 (the gateway's scraper then marks it stale).
+    metrics_text: str | None = None
+    #: When set, ``/metrics`` waits for it before answering (a replica too slow to scrape).
+    metrics_gate: asyncio.Event | None = None
+    metrics_scrapes: int = 0
 
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_post("/v1/completions", self._complete)
@@ -100,6 +113,14 @@ class FakeReplica:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=self.health_status)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self.metrics_scrapes += 1
+        if self.metrics_gate is not None:
+            await self.metrics_gate.wait()
+        if self.metrics_text is None:
+            return web.Response(status=404, text="no metrics here")
+        return web.Response(text=self.metrics_text, content_type="text/plain")
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": self.models})
@@ -135,15 +156,32 @@ class FakeReplica:
         return response
 
 
+#: What an operator would write for an H100 serving Llama-3-8B: enough for a roofline forecast
+#: before the first scrape.
+H100_LLAMA3_8B = HardwareSettings(
+    gpu="H100-SXM", model="Llama-3-8B", max_num_seqs=256, max_num_batched_tokens=8192
+)
+
+
 def gateway_settings(
-    replicas: dict[str, str], *, health: HealthSettings | None = None, server: ServerSettings | None = None
+    replicas: dict[str, str],
+    *,
+    health: HealthSettings | None = None,
+    server: ServerSettings | None = None,
+    hardware: HardwareSettings | None = None,
+    scrape: ScrapeSettings | None = None,
 ) -> Settings:
     """Settings for a gateway in front of ``replicas`` (name -> URL); health checks effectively
-    only at startup (tests run further rounds themselves with ``app[HEALTH].check_all()``)."""
+    only at startup (tests run further rounds themselves with ``app[HEALTH].check_all()``).
+    ``hardware`` applies to every replica (default: nothing known)."""
     return Settings(
-        replicas=[ReplicaSettings(name=name, url=url) for name, url in replicas.items()],
+        replicas=[
+            ReplicaSettings(name=name, url=url, hardware=hardware or HardwareSettings())
+            for name, url in replicas.items()
+        ],
         health=health or HealthSettings(interval_s=300.0, timeout_s=2.0, unhealthy_after=2, healthy_after=1),
         server=server or ServerSettings(port=0),
+        scrape=scrape or ScrapeSettings(),
     )
 
 

@@ -7,6 +7,7 @@ Where a fake replica is used, it is because the fault (refused connection, a bod
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -316,7 +317,8 @@ async def test_replica_5xx_becomes_502(start_replica: StartReplica, start_gatewa
 async def test_no_healthy_replica_gets_503_with_retry_after(
     start_replica: StartReplica, start_gateway: StartGateway, health_status: int | None
 ) -> None:
-    """Fake replica whose /health fails (or that is not running at all)."""
+    """Fake replica whose /health fails (or that is not running at all). The delay is admission's
+    ``retry_after.no_replica_s`` (2 s), spread by up to ``jitter_fraction`` (50 %)."""
     server, url = await start_replica(FakeReplica(health_status=health_status or 200))
     if health_status is None:
         await server.close()
@@ -326,8 +328,9 @@ async def test_no_healthy_replica_gets_503_with_retry_after(
     resp = await gw.client.post("/v1/chat/completions", json=CHAT)
 
     assert resp.status == 503
-    assert resp.headers["Retry-After"] == "3"
-    assert resp.headers["retry-after-ms"] == "2500"
+    millis = int(resp.headers["retry-after-ms"])
+    assert 2000 <= millis <= 3000
+    assert resp.headers["Retry-After"] == str(math.ceil(millis / 1000))
     assert_error_body(await resp.json(), error_type="service_unavailable_error", code="no_healthy_replica")
 
 

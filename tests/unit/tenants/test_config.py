@@ -126,7 +126,10 @@ def test_demo_tenant_has_key_sk_demo_and_generous_limits() -> None:
         ),
         pytest.param(
             {"auth": {"admin_token": "hunter2"}, "tenant": {}},
-            ["auth.admin_token: unknown key (got <redacted>)", "tenant: unknown key (got <redacted>)"],
+            [
+                "auth.admin_token: unknown key (got <redacted>)",
+                "tenant: unknown key; did you mean 'tenants'? (got <redacted>)",
+            ],
             id="unknown-keys-redacted",
         ),
         pytest.param(

@@ -1,0 +1,292 @@
+"""The live gateway's predictions: scraping and the prediction service kept in step with the fleet.
+
+What it does:
+
+* keeps one ``MetricsScraper`` target and one ``PredictionService`` replica per registry entry,
+  added and removed as reloads change the fleet (``sync``), with each replica's facts from its
+  ``hardware:`` settings plus ``max_model_len`` from its ``/v1/models`` (``facts_of``);
+* per request, after the proxy picked a replica (``admit``): estimates the prompt's tokens,
+  forecasts TTFT and TPOT on that replica, and returns an ``Admitted``: the request's
+  ``LiveRequest`` (the registry's in-flight entry), the forecast, and the ``x-sluice-*``
+  response headers that carry it;
+* when a request is over (``finished``): hands the service its usage (characters per token,
+  output lengths), when its last token landed (a step boundary), and its forecast with the TTFT
+  the gateway measured (dispatch -> first token), from which the service learns prefill steps;
+* ``describe`` is the body of the admin endpoint ``GET /sluice/v1/replicas``.
+
+Nothing here does I/O on the request path: a forecast reads only what the scraper's tasks already
+delivered, so a slow, failing or stale scrape never delays or fails a request. A service that
+raises is logged and the request goes on with ``x-sluice-prediction: internal_error``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from gateway.observability.logs import RequestOutcome
+from gateway.openai_api import ParsedRequest
+from gateway.prediction.facts import ReplicaFacts
+from gateway.prediction.service import PredictionService
+from gateway.replicas.registry import LiveRequest, Replica, ReplicaRegistry
+from gateway.replicas.scraper import MetricsScraper
+from gateway.replicas.snapshot import ReplicaSnapshot
+from predictor import Forecast
+
+__all__ = [
+    "PREDICTED_TPOT_HEADER",
+    "PREDICTED_TTFT_HEADER",
+    "PREDICTION_HEADER",
+    "PREDICTION_HEADERS",
+    "REPLICA_HEADER",
+    "Admitted",
+    "LivePredictions",
+    "add_prediction_headers",
+    "facts_of",
+    "forecast_headers",
+]
+
+log = logging.getLogger("sluice.predictions")
+
+REPLICA_HEADER = "x-sluice-replica"
+#: Engine TTFT forecast in milliseconds, one decimal; absent when the forecast has no number.
+PREDICTED_TTFT_HEADER = "x-sluice-predicted-ttft-ms"
+#: Mean TPOT forecast in milliseconds, two decimals; absent when the forecast has no number.
+PREDICTED_TPOT_HEADER = "x-sluice-predicted-tpot-ms"
+#: ``ok``, or the ``predictor.ForecastReason`` value that qualifies (or voids) the numbers.
+PREDICTION_HEADER = "x-sluice-prediction"
+#: The value of ``PREDICTION_HEADER`` when the prediction service itself failed.
+INTERNAL_ERROR = "internal_error"
+
+#: The headers ``add_prediction_headers`` puts on the request's response, set by the proxy.
+PREDICTION_HEADERS: web.RequestKey[dict[str, str]] = web.RequestKey("sluice_prediction_headers")
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """One request as ``LivePredictions.admit`` left it: its in-flight entry, the forecast made
+    for it (``None`` when the service failed) and the response headers that carry it."""
+
+    live: LiveRequest
+    forecast: Forecast | None
+    headers: dict[str, str]
+
+
+def facts_of(replica: Replica) -> ReplicaFacts:
+    """The predictor's facts for ``replica``: its ``hardware:`` settings (unset keys take
+    ``ReplicaFacts``' defaults) and the smallest ``max_model_len`` its ``/v1/models`` lists."""
+    hardware = replica.settings.hardware
+    optional: dict[str, Any] = {}
+    if hardware.max_num_seqs is not None:
+        optional["max_num_seqs"] = hardware.max_num_seqs
+    if hardware.max_num_batched_tokens is not None:
+        optional["max_num_batched_tokens"] = hardware.max_num_batched_tokens
+    return ReplicaFacts(
+        gpu=hardware.canonical_gpu(),
+        model=hardware.model,
+        tensor_parallel=hardware.tensor_parallel,
+        max_model_len=replica.max_model_len(),
+        **optional,
+    )
+
+
+def forecast_headers(replica: str, forecast: Forecast | None) -> dict[str, str]:
+    """The ``x-sluice-*`` headers for a request sent to ``replica`` with ``forecast``.
+
+    ``None`` (the service failed) gives ``x-sluice-prediction: internal_error`` and no numbers.
+    Numbers are present whenever they are finite: a ``stale_state`` forecast still has them,
+    qualified by ``x-sluice-prediction: stale_state``; every other invalid reason has none.
+    """
+    headers = {REPLICA_HEADER: replica}
+    if forecast is None:
+        headers[PREDICTION_HEADER] = INTERNAL_ERROR
+        return headers
+    headers[PREDICTION_HEADER] = "ok" if forecast.valid else str(forecast.reason or "invalid")
+    if math.isfinite(forecast.ttft_s):
+        headers[PREDICTED_TTFT_HEADER] = f"{forecast.ttft_s * 1000:.1f}"
+    if math.isfinite(forecast.tpot_s):
+        headers[PREDICTED_TPOT_HEADER] = f"{forecast.tpot_s * 1000:.2f}"
+    return headers
+
+
+async def add_prediction_headers(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """``on_response_prepare`` hook: the forecast headers on every response to a proxied request,
+    streaming or not, relayed replica errors and the gateway's own 502 included."""
+    headers = request.get(PREDICTION_HEADERS)
+    if headers:
+        response.headers.update(headers)
+
+
+class LivePredictions:
+    """The scraper and the prediction service, following the registry; one per application.
+
+    ``clock``: monotonic seconds, the same clock as the scraper's snapshots and the proxy's
+    ``LiveRequest.started_at``.
+    """
+
+    def __init__(
+        self,
+        registry: ReplicaRegistry,
+        scraper: MetricsScraper,
+        service: PredictionService,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry
+        self.scraper = scraper
+        self.service = service
+        self._clock = clock
+        #: The replica object each scraper target reads its in-flight requests from.
+        self._scraped: dict[str, Replica] = {}
+        self._closed = False
+        self._forecast_failures = 0
+
+    # -- the fleet ----------------------------------------------------------------------------------
+
+    def sync(self) -> None:
+        """Match scraper targets and service replicas to the registry's configured replicas.
+
+        A replica object that changed (new URL, backend) gets a fresh scrape target; facts are set
+        again for every replica (the service keeps its fit when they did not change).
+        """
+        if self._closed:
+            return
+        wanted = {replica.name: replica for replica in self.registry.replicas()}
+        for name in [n for n in self._scraped if n not in wanted]:
+            self.scraper.remove_replica(name)
+            self.service.remove_replica(name)
+            del self._scraped[name]
+        for name, replica in wanted.items():
+            if self._scraped.get(name) is not replica:
+                self.scraper.add_replica(
+                    name, replica.base_url, dialect=replica.settings.backend, in_flight=replica.in_flight
+                )
+                self._scraped[name] = replica
+            self._set_facts(replica)
+
+    def on_models(self, replica: Replica) -> None:
+        """A replica's model list changed: its ``max_model_len`` may have."""
+        if not self._closed and self._scraped.get(replica.name) is replica:
+            self._set_facts(replica)
+
+    def close(self) -> None:
+        """Stop following the registry (its listeners cannot be removed)."""
+        self._closed = True
+
+    def _set_facts(self, replica: Replica) -> None:
+        try:
+            self.service.set_replica(replica.name, facts_of(replica))
+        except Exception:
+            log.exception("prediction service refused the facts of replica %s", replica.name)
+
+    # -- one request ----------------------------------------------------------------------------------
+
+    def prompt_tokens(self, parsed: ParsedRequest) -> int:
+        """The prompt's length in tokens: exact when sent as token ids, else estimated from its
+        characters with the service's learned ratio (at least 1)."""
+        if parsed.prompt_token_ids is not None:
+            return max(parsed.prompt_token_ids, 1)
+        try:
+            return max(self.service.estimate_prompt_tokens(parsed.model, parsed.prompt_chars), 1)
+        except Exception:
+            log.exception("prompt-token estimate failed; using 4 characters per token")
+            return max(parsed.prompt_chars // 4, 1)
+
+    def admit(self, replica: Replica, parsed: ParsedRequest, request_id: str) -> Admitted:
+        """Forecast ``parsed`` on ``replica`` (chosen, not yet dispatched).
+
+        The ``Admitted.live`` entry goes to ``ReplicaRegistry.lease``, the headers onto the
+        response. Never raises: a failing service gives ``internal_error`` headers.
+        """
+        now = self._clock()
+        prompt_tokens = self.prompt_tokens(parsed)
+        forecast: Forecast | None
+        try:
+            forecast = self.service.forecast(
+                replica.name,
+                model=parsed.model,
+                tenant=None,
+                prompt_tokens=prompt_tokens,
+                max_tokens=parsed.max_tokens,
+                in_flight=replica.in_flight(),
+                now=now,
+            )
+        except Exception:
+            self._forecast_failures += 1
+            # Once, then every 1000th: a broken service must not flood the log at request rate.
+            if self._forecast_failures % 1000 == 1:
+                log.exception(
+                    "forecast failed for replica %s (%d so far)", replica.name, self._forecast_failures
+                )
+            forecast = None
+        live = LiveRequest(request_id, prompt_tokens, now, parsed.max_tokens)
+        return Admitted(live, forecast, forecast_headers(replica.name, forecast))
+
+    def finished(self, parsed: ParsedRequest, outcome: RequestOutcome, admitted: Admitted) -> None:
+        """Teach the service from a finished request: its usage (output length, characters per
+        token), for a stream when its last token landed (a step boundary of the replica), and
+        its forecast with the TTFT the gateway measured (``RequestOutcome.ttft_s``)."""
+        if outcome.replica is None:
+            return
+        try:
+            self.service.on_finished(
+                replica=outcome.replica,
+                model=parsed.model,
+                tenant=None,
+                prompt_chars=parsed.prompt_chars if parsed.prompt_token_ids is None else None,
+                prompt_tokens=outcome.prompt_tokens,
+                completion_tokens=outcome.completion_tokens,
+                finished_at=admitted.live.last_token_at,
+                forecast=admitted.forecast,
+                ttft_s=outcome.ttft_s,
+            )
+        except Exception:
+            log.exception("prediction service failed on a finished request of replica %s", outcome.replica)
+
+    # -- the admin view -------------------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-ready: every replica (state, requests, last snapshot) and the service's fits."""
+        now = self._clock()
+        replicas = []
+        for entry in self.registry.describe():
+            snapshot = self.scraper.latest(entry["name"])
+            replicas.append({**entry, "metrics": snapshot_summary(snapshot, now)})
+        try:
+            prediction: Mapping[str, object] = self.service.describe()
+        except Exception as exc:
+            log.exception("prediction service describe() failed")
+            prediction = {"error": f"{exc.__class__.__name__}: {exc}"}
+        return {"replicas": replicas, "prediction": dict(prediction)}
+
+
+def snapshot_summary(snapshot: ReplicaSnapshot | None, now: float) -> dict[str, Any] | None:
+    """The admin view of one snapshot: freshness, ages in seconds, the main gauges and latencies.
+
+    ``None`` before the replica's first scrape ended.
+    """
+    if snapshot is None:
+        return None
+    metrics_age = snapshot.metrics_age_s(now)
+    return {
+        "stale": snapshot.stale,
+        "stale_reason": snapshot.stale_reason,
+        "age_s": round(now - snapshot.taken_at, 3),
+        "metrics_age_s": None if metrics_age is None else round(metrics_age, 3),
+        "window_s": round(snapshot.window_s, 3),
+        "dialect": snapshot.dialect,
+        "num_running": snapshot.num_running,
+        "num_waiting": snapshot.num_waiting,
+        "kv_cache_usage": snapshot.kv_cache_usage,
+        "steps_per_s": snapshot.steps_per_s,
+        "generation_tokens_per_s": snapshot.generation_tokens_per_s,
+        "itl_mean_s": snapshot.itl_mean_s,
+        "ttft_mean_s": snapshot.ttft_mean_s,
+        "gateway_in_flight": snapshot.gateway_in_flight,
+    }

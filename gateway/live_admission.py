@@ -1,0 +1,744 @@
+"""SLO-aware admission in the live gateway: the pure core driven by the wall clock and real sockets.
+
+Per request (``LiveAdmission.admit``), after the body is parsed:
+
+1. **class and deadline**: the class from the tenant's policy or the class header it may use
+   (``admission.choose_class``), the client's deadline header (it only ever tightens the class's
+   TTFT target; a malformed one is a 400);
+2. **sizes**: prompt tokens estimated from characters (``PredictionService``'s learned ratio),
+   output predicted at the service's quantile, capped by ``max_tokens``;
+3. **views**: one ``ReplicaView`` per healthy replica serving the model, from the prediction
+   service's fitted step model and its state (the gateway's own in-flight requests, fresh, plus
+   what the last scrape adds; stale metrics are flagged so the admitter adds ``stale_margin``),
+   with Sluice's streams there (their classes and predicted TPOT);
+4. **the decision** (``AdmissionController.submit``): ``Admit`` -> the request goes to the
+   replica the admitter chose (not a least-outstanding pick); ``Queue`` -> the handler awaits a
+   future that a re-evaluation resolves; ``Reject`` -> a typed error (``gateway.errors``).
+   Shadow decisions admit to the replica named (or, when none is, the least-outstanding one).
+
+Re-evaluation runs on every request finish, on every scrape snapshot, and on a timer set to the
+earliest of the queue's next hard deadline and its entries' predicted retry times (clamped to
+``[MIN_TICK_S, MAX_TICK_S]``). A client that goes away while queued is cancelled from the queue.
+
+One ``AdmissionController`` per model (requests for a model may only go to replicas serving
+it); they share one ``AdmissionStats`` and one tenant fairness counter.
+
+Views are cached per model for ``view_ttl_s`` and rebuilt at once after anything that changes a
+replica's load here (a dispatch, a finish, a scrape, a health or settings change), so a flood of
+requests that are rejected costs one view build per ``view_ttl_s``, not one per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from aiohttp import web
+
+from gateway.admission import (
+    AdmissionController,
+    AdmissionRequest,
+    AdmissionStats,
+    Admit,
+    Decision,
+    InvalidHeader,
+    Queue,
+    Reject,
+    RejectReason,
+    ReplicaView,
+    StreamingRequest,
+    UniformSource,
+    VirtualTokenCounter,
+    choose_class,
+    client_deadline_s,
+    decision_headers,
+)
+from gateway.admission.fairness import TokenWeights
+from gateway.errors import ClientClosedRequest, GatewayError, InvalidRequest, ModelNotFound, admission_error
+from gateway.forecasts import (
+    PREDICTION_HEADER,
+    PREDICTION_HEADERS,
+    REPLICA_HEADER,
+    LivePredictions,
+    forecast_headers,
+)
+from gateway.observability.logs import OUTCOME, REQUEST_ID, RequestOutcome
+from gateway.openai_api import ParsedRequest
+from gateway.prediction.service import PredictionService
+from gateway.prediction.state import Limits, Load, replica_state
+from gateway.replicas.registry import LiveRequest, Replica, ReplicaRegistry
+from gateway.replicas.snapshot import InFlight, ReplicaSnapshot
+from gateway.settings import Settings
+from gateway.store import SettingsStore
+from gateway.tenancy import TENANT
+from gateway.tenants import Tenant
+from predictor import Forecast, ForecastReason, ReplicaState, StepModel, unknown_step_model
+
+__all__ = ["LiveAdmission", "Ticket", "expected_output", "replica_inputs"]
+
+log = logging.getLogger("sluice.admission")
+
+#: Shortest and longest wait between two timer re-evaluations while requests are queued, seconds.
+MIN_TICK_S: Final = 0.005
+MAX_TICK_S: Final = 0.25
+#: Output cap assumed for the output-length estimate when the client set none (tokens).
+_NO_CAP: Final = 1 << 20
+#: Limits of a replica the prediction service does not know (never binding).
+_UNKNOWN_LIMITS: Final = Limits(1 << 40, 1, 1, 1 << 30)
+_NO_MODEL: Final = unknown_step_model("replica unknown to the prediction service")
+
+
+@dataclass(slots=True)
+class _Stream:
+    """What admission remembers about a request it sent to a replica (beside its ``LiveRequest``)."""
+
+    request_class: str
+    expected_output_tokens: float
+    predicted_tpot_s: float
+
+
+@dataclass(slots=True)
+class Ticket:
+    """A request admission let through: where it goes and what was decided.
+
+    ``live``: its in-flight entry (already counted in admission's accounting; the proxy leases
+    it on ``replica``). ``forecast``: the forecast on ``replica`` when it was dispatched (stale
+    margin applied; ``None`` without a step model). ``headers``: the ``x-sluice-*`` headers.
+    """
+
+    request: AdmissionRequest
+    model: str
+    replica: Replica
+    live: LiveRequest
+    decision: Decision
+    forecast: Forecast | None
+    headers: dict[str, str]
+    tenant: str | None
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class _Waiter:
+    """A queued request's handler, waiting for a re-evaluation to decide it."""
+
+    future: asyncio.Future[Decision]
+    controller: AdmissionController
+    model: str
+    request: AdmissionRequest
+    #: Filled when it is dispatched: the in-flight entry registered at that moment.
+    live: LiveRequest | None = None
+
+
+@dataclass(slots=True)
+class _Cached:
+    views: list[ReplicaView]
+    built_at: float
+    version: int
+
+
+@dataclass(slots=True)
+class _Counters:
+    stale: dict[str, bool] = field(default_factory=dict)
+
+
+def expected_output(
+    service: PredictionService, model: str, tenant: str | None, max_tokens: int | None
+) -> tuple[float, float]:
+    """(predicted output tokens, the quantile it is) for a request on ``model`` capped at
+    ``max_tokens`` (``None``: no cap), from the service's output-length learning."""
+    public = getattr(service, "expected_output", None)
+    if callable(public):
+        tokens, quantile = public(model, tenant, max_tokens)
+        return float(tokens), float(quantile)
+    # The service has no public accessor yet: read its predictor (same numbers as its forecasts).
+    quantile = service._quantile
+    estimate = service._outputs.predict(model, tenant, max_tokens or _NO_CAP, quantile)
+    return float(estimate.tokens), quantile
+
+
+def replica_inputs(
+    service: PredictionService,
+    replica: str,
+    *,
+    model: str,
+    tenant: str | None,
+    in_flight: Sequence[InFlight],
+    now: float,
+) -> tuple[StepModel, ReplicaState]:
+    """The step model and ``ReplicaState`` the service's ``forecast`` would use for ``replica`` now.
+
+    Built exactly as ``PredictionService.forecast`` builds them (the gateway's in-flight requests,
+    the last snapshot's other clients and background prefill, the step in progress); the state
+    is flagged ``stale`` when the metrics are older than the service trusts. A replica the
+    service does not know gets an invalid model (admission then treats it as unmodelled).
+    """
+    public = getattr(service, "replica_inputs", None)
+    if callable(public):
+        found: tuple[StepModel, ReplicaState] = public(
+            replica, model=model, tenant=tenant, in_flight=in_flight, now=now
+        )
+        return found
+    # Mirrors PredictionService.forecast until the service offers this itself.
+    r = service._replicas.get(replica)
+    outputs = service._outputs
+
+    def remaining(generated: Sequence[int], max_out: Sequence[int | None]) -> list[float]:
+        return outputs.expected_remaining_many(model, tenant, generated, max_out)
+
+    if r is None:
+        return _NO_MODEL, replica_state(
+            in_flight,
+            None,
+            limits=_UNKNOWN_LIMITS,
+            load=Load(),
+            remaining=remaining,
+            stale=False,
+            model=_NO_MODEL,
+            now=now,
+            last_boundary=None,
+        )
+    snapshot: ReplicaSnapshot | None = r.snapshot
+    stale = snapshot is not None and (
+        snapshot.metrics_at is None or now - snapshot.metrics_at > service._config.stale_after_s
+    )
+    for f in in_flight:
+        if f.last_token_at is not None and (r.last_token_at is None or f.last_token_at > r.last_token_at):
+            r.last_token_at = f.last_token_at
+    state = replica_state(
+        in_flight,
+        snapshot,
+        limits=service._limits(r),
+        load=r.load,
+        remaining=remaining,
+        stale=stale,
+        model=r.model,
+        now=now,
+        last_boundary=r.last_token_at,
+    )
+    return r.model, state
+
+
+class LiveAdmission:
+    """Admission for one gateway process (one per application; event loop only).
+
+    ``clock``: monotonic seconds, the clock of ``RequestOutcome.received_at``, ``LiveRequest``
+    and the scraper. ``rng``: the Retry-After jitter source (seeded in tests).
+    """
+
+    def __init__(
+        self,
+        store: SettingsStore,
+        registry: ReplicaRegistry,
+        predictions: LivePredictions,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: UniformSource | None = None,
+        view_ttl_s: float = 0.002,
+    ) -> None:
+        settings = store.current
+        self._store = store
+        self._registry = registry
+        self._predictions = predictions
+        self._service = predictions.service
+        self._clock = clock
+        self._rng: UniformSource = rng if rng is not None else random.Random()
+        self._view_ttl_s = view_ttl_s
+        self._settings = settings.admission
+        self.stats = AdmissionStats()
+        self.fairness = VirtualTokenCounter(TokenWeights.from_queue_settings(settings.admission.queue))
+        self._controllers: dict[str, AdmissionController] = {}
+        self._streams: dict[str, dict[LiveRequest, _Stream]] = {}
+        self._waiting: dict[tuple[str, int], _Waiter] = {}
+        self._views: dict[str, _Cached] = {}
+        self._version = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+        self._seen = _Counters()
+        self._closed = False
+        self._apply_tenants(settings)
+        store.subscribe(self._on_swap)
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the timer and answer every queued request's handler (the app is stopping)."""
+        self._closed = True
+        self._cancel_timer()
+        for waiter in list(self._waiting.values()):
+            if not waiter.future.done():
+                waiter.future.cancel()
+        self._waiting.clear()
+
+    def _on_swap(self, old: Settings, new: Settings) -> None:
+        if self._closed:
+            return
+        if old.admission != new.admission:
+            self._settings = new.admission
+            for controller in self._controllers.values():
+                controller.reconfigure(new.admission)
+        self._apply_tenants(new)
+        self.changed()
+
+    def _apply_tenants(self, settings: Settings) -> None:
+        """Fair-share weights of the configured tenants (absent tenants weigh 1)."""
+        tenants = getattr(settings.tenants, "tenants", {})
+        weights = {name: float(t.weight) for name, t in tenants.items()}
+        self.fairness.set_tenant_weights(weights)
+
+    # -- what the metrics module reads ----------------------------------------------------------------
+    def queue_lengths(self) -> dict[str, int]:
+        """Requests waiting in Sluice's queue per configured class (0 included)."""
+        lengths = dict.fromkeys(self._settings.classes, 0)
+        for controller in self._controllers.values():
+            for name, depth in controller.queue.depths().items():
+                lengths[name] = lengths.get(name, 0) + depth
+        return lengths
+
+    def queued(self) -> int:
+        """Requests waiting in Sluice's queue, all classes."""
+        return sum(len(c.queue) for c in self._controllers.values())
+
+    # -- events -------------------------------------------------------------------------------------
+    def changed(self) -> None:
+        """A replica's load or health changed: views are rebuilt, the queue re-evaluated."""
+        self._version += 1
+        self.reevaluate()
+
+    def on_snapshot(self, snapshot: ReplicaSnapshot) -> None:
+        """Scraper subscriber: a new snapshot changes that replica's view."""
+        self.changed()
+
+    # -- one request --------------------------------------------------------------------------------
+    async def admit(
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        outcome: RequestOutcome,
+        *,
+        watch: Callable[[web.BaseRequest, Callable[[], object]], Callable[[], None]] | None = None,
+    ) -> Ticket:
+        """Decide ``parsed`` and return where it goes; raises ``GatewayError`` when it is refused
+        (after filling the outcome's admission fields and the response's prediction headers).
+
+        ``watch(request, on_lost)``: the disconnect monitor's ``watch``, so that a client that goes
+        away while its request is queued is dropped from the queue (then ``ClientClosedRequest``).
+        """
+        settings = self._settings
+        tenant = self._tenant_of(request)
+        tenant_name = None if tenant is None else str(tenant.name)
+        if outcome.tenant is None:
+            outcome.tenant = tenant_name
+        choice = choose_class(
+            settings,
+            request.headers.get(settings.headers.request_class),
+            tenant_default=None if tenant is None else tenant.default_class,
+            allowed=None if tenant is None else tenant.allowed_classes,
+        )
+        arrival = outcome.received_at
+        header = settings.headers.deadline_ms
+        try:
+            deadline = client_deadline_s(arrival, request.headers.get(header), header=header)
+        except InvalidHeader as err:
+            raise InvalidRequest(err.message, param=header) from None
+        cls = settings.classes[choice.name]
+        outcome.request_class = choice.name
+        outcome.ttft_target_s = (
+            cls.ttft_target_s if deadline is None else min(cls.ttft_target_s, deadline - arrival)
+        )
+        outcome.tpot_target_s = cls.tpot_target_s
+        areq = self._request(request, parsed, choice.name, arrival, deadline, tenant_name)
+        controller = self._controller(parsed.model)
+        replicas = self._candidates(parsed.model)
+        now = self._clock()
+        decision = controller.submit(areq, self._views_for(parsed.model, replicas, now), now)
+        live: LiveRequest | None = None
+        queued = isinstance(decision, Queue) and decision.enforced
+        if isinstance(decision, Queue) and decision.enforced:
+            decision, live = await self._wait(
+                request, outcome, controller, parsed.model, areq, decision, watch
+            )
+        return self._conclude(request, parsed, outcome, areq, decision, tenant_name, queued, live)
+
+    def _request(
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        request_class: str,
+        arrival: float,
+        deadline: float | None,
+        tenant: str | None,
+    ) -> AdmissionRequest:
+        prompt = self._predictions.prompt_tokens(parsed)
+        try:
+            output, quantile = expected_output(self._service, parsed.model, None, parsed.max_tokens)
+        except Exception:
+            log.exception("output-length prediction failed; assuming the output cap")
+            output, quantile = float(parsed.max_tokens or 256), 1.0
+        request_id = request.get(REQUEST_ID) or outcome_id(request)
+        return AdmissionRequest(
+            request_id=request_id,
+            request_class=request_class,
+            prompt_tokens=prompt,
+            max_tokens=parsed.max_tokens,
+            expected_output_tokens=output,
+            arrival_s=arrival,
+            output_quantile=quantile,
+            deadline_s=deadline,
+            tenant=tenant,
+        )
+
+    def _conclude(
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        outcome: RequestOutcome,
+        areq: AdmissionRequest,
+        decision: Decision,
+        tenant: str | None,
+        queued: bool,
+        live: LiveRequest | None,
+    ) -> Ticket:
+        """Record the decision on the outcome and the response; a ticket, or raise the rejection.
+
+        ``queued``: it waited in Sluice's queue; ``live``: its in-flight entry when a
+        re-evaluation dispatched it (already counted on its replica).
+        """
+        now = self._clock()
+        outcome.queue_wait_s = max(0.0, now - areq.arrival_s) if queued else 0.0
+        outcome.decision, outcome.reason = _labels(decision)
+        expose = self._settings.expose_prediction_headers
+        headers = decision_headers(decision, areq.request_class, self._settings)
+        forecast = decision.forecast
+        if forecast is not None and math.isfinite(forecast.ttft_s):
+            outcome.predicted_ttft_s = forecast.ttft_s
+        if forecast is not None and math.isfinite(forecast.tpot_s):
+            outcome.predicted_tpot_s = forecast.tpot_s
+        if not decision.admits:
+            assert isinstance(decision, Reject)
+            outcome.retry_after_s = decision.retry_after_s
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "rejected %s: %s; views %s", areq.request_id, decision, self._views.get(parsed.model)
+                )
+            _set_headers(request, headers)
+            raise admission_error(decision)
+        replica = self._replica_for(decision, parsed.model)
+        if live is None:
+            live = LiveRequest(areq.request_id, areq.prompt_tokens, now, parsed.max_tokens)
+            self._add_stream(replica.name, live, areq, forecast)
+        if expose:
+            headers = {**_forecast_headers(replica.name, forecast), **headers}
+        _set_headers(request, headers)
+        return Ticket(areq, parsed.model, replica, live, decision, forecast, headers, tenant)
+
+    def finished(self, ticket: Ticket, outcome: RequestOutcome) -> None:
+        """The request's response (or stream) is over: forget it, charge its tenant's output,
+        re-evaluate the queue. Idempotent."""
+        if ticket.finished:
+            return
+        ticket.finished = True
+        self._forget(ticket.live)
+        produced = outcome.completion_tokens
+        if produced is None:
+            produced = ticket.live.tokens_streamed
+        try:
+            self.fairness.charge_output(ticket.tenant, max(0, produced))
+        except ValueError:
+            log.exception("could not charge %r output tokens to tenant %r", produced, ticket.tenant)
+        self.changed()
+
+    # -- the queue ----------------------------------------------------------------------------------
+    async def _wait(
+        self,
+        request: web.Request,
+        outcome: RequestOutcome,
+        controller: AdmissionController,
+        model: str,
+        areq: AdmissionRequest,
+        queued: Queue,
+        watch: Callable[[web.BaseRequest, Callable[[], object]], Callable[[], None]] | None,
+    ) -> tuple[Decision, LiveRequest | None]:
+        """Wait in the queue until a re-evaluation decides; the client going away cancels it.
+
+        Returns the decision and, when it was dispatched, the in-flight entry registered then.
+        """
+        assert queued.entry_id is not None
+        key = (model, queued.entry_id)
+        future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(future, controller, model, areq)
+        self._waiting[key] = waiter
+        unwatch = watch(request, lambda: self._client_gone(key)) if watch is not None else None
+        self._schedule()
+        try:
+            decision = await future
+            return decision, waiter.live
+        except asyncio.CancelledError:
+            self._drop(key)
+            if waiter.live is not None:
+                # Dispatched by a re-evaluation, but its handler was cancelled before it ran.
+                self._forget(waiter.live)
+            if future.cancelled() and _gone(request):
+                outcome.decision, outcome.reason = "cancelled", "client_disconnected"
+                outcome.queue_wait_s = max(0.0, self._clock() - areq.arrival_s)
+                raise ClientClosedRequest("the client went away while its request was queued") from None
+            raise
+        finally:
+            if unwatch is not None:
+                unwatch()
+
+    def _client_gone(self, key: tuple[str, int]) -> None:
+        waiter = self._waiting.get(key)
+        if waiter is not None and not waiter.future.done():
+            self._drop(key)
+            waiter.future.cancel()
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        """Take a queued request out (its client or handler went away); counted as cancelled."""
+        waiter = self._waiting.pop(key, None)
+        if waiter is not None:
+            waiter.controller.cancel(key[1], self._clock())
+            self._schedule()
+
+    def reevaluate(self) -> None:
+        """Offer every model's queued requests to its replicas again; resolve decided handlers."""
+        if self._closed:
+            return
+        for model, controller in self._controllers.items():
+            if len(controller.queue) == 0:
+                continue
+            now = self._clock()
+            views = self._fresh_views(model, self._candidates_or_none(model), now)
+            result = controller.reevaluate(now, views)
+            for entry, decision in result.dispatched:
+                self._resolve((model, entry.id), decision, dispatched=True)
+            for entry, reject in result.rejected:
+                self._resolve((model, entry.id), reject, dispatched=False)
+            if result.dispatched:
+                self._version += 1
+        self._schedule()
+
+    def _resolve(self, key: tuple[str, int], decision: Decision, *, dispatched: bool) -> None:
+        waiter = self._waiting.pop(key, None)
+        if waiter is None or waiter.future.done():
+            return
+        if dispatched and decision.admits and decision.replica is not None:
+            # Counted on its replica now, before its handler runs, so the next decision sees it.
+            request = waiter.request
+            live = LiveRequest(request.request_id, request.prompt_tokens, self._clock(), request.max_tokens)
+            waiter.live = live
+            self._add_stream(decision.replica, live, request, decision.forecast)
+        waiter.future.set_result(decision)
+
+    def _schedule(self) -> None:
+        """Arm the timer for the earliest queue deadline or predicted retry (none when empty)."""
+        if self._closed:
+            return
+        now = self._clock()
+        if self.queued() == 0:
+            self._cancel_timer()
+            return
+        when = math.inf
+        for controller in self._controllers.values():
+            deadline = controller.next_deadline_s()
+            if deadline is not None:
+                when = min(when, deadline)
+        hint = MAX_TICK_S
+        for (_, entry_id), waiter in self._waiting.items():
+            entry = waiter.controller.queue.entry(entry_id)
+            if entry is not None and math.isfinite(entry.earliest_retry_s):
+                hint = min(hint, entry.earliest_retry_s)
+        when = min(when, now + min(max(hint, MIN_TICK_S), MAX_TICK_S))
+        if self._timer is not None and self._timer_at <= when:
+            return
+        self._cancel_timer()
+        loop = asyncio.get_running_loop()
+        self._timer_at = when
+        self._timer = loop.call_later(max(0.0, when - now), self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self._timer_at = math.inf
+        try:
+            self.reevaluate()
+        except Exception:
+            log.exception("queue re-evaluation failed")
+            self._schedule()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None
+        self._timer_at = math.inf
+
+    # -- replicas and views ---------------------------------------------------------------------------
+    def _controller(self, model: str) -> AdmissionController:
+        controller = self._controllers.get(model)
+        if controller is None:
+            controller = AdmissionController(
+                self._settings, rng=self._rng, stats=self.stats, fairness=self.fairness
+            )
+            self._controllers[model] = controller
+        return controller
+
+    def _candidates(self, model: str) -> list[Replica]:
+        """Healthy replicas serving ``model``; ``ModelNotFound`` when no replica could serve it."""
+        replicas = self._registry.replicas()
+        healthy = [r for r in replicas if r.state == "healthy" and r.serves(model)]
+        if healthy:
+            return healthy
+        if any(r.serves(model) or r.models is None for r in replicas):
+            return []  # admission answers 503 (no healthy replica)
+        raise ModelNotFound(f"the model `{model}` does not exist", param="model")
+
+    def _candidates_or_none(self, model: str) -> list[Replica]:
+        try:
+            return self._candidates(model)
+        except GatewayError:
+            return []
+
+    def _views_for(self, model: str, replicas: list[Replica], now: float) -> list[ReplicaView]:
+        """Views of ``replicas`` for a request on ``model``, from the cache when still current."""
+        cached = self._views.get(model)
+        if (
+            cached is not None
+            and cached.version == self._version
+            and now - cached.built_at <= self._view_ttl_s
+            and len(cached.views) == len(replicas)
+            and all(v.name == r.name for v, r in zip(cached.views, replicas, strict=True))
+        ):
+            return cached.views
+        return self._fresh_views(model, replicas, now)
+
+    def _fresh_views(self, model: str, replicas: list[Replica], now: float) -> list[ReplicaView]:
+        views = [self._view(replica, model, now) for replica in replicas]
+        self._views[model] = _Cached(views, now, self._version)
+        return views
+
+    def _view(self, replica: Replica, model: str, now: float) -> ReplicaView:
+        streams = self._streams.get(replica.name, {})
+        in_flight = [live.freeze() for live in streams]
+        try:
+            step_model, state = replica_inputs(
+                self._service, replica.name, model=model, tenant=None, in_flight=in_flight, now=now
+            )
+        except Exception:
+            log.exception("replica state for %s failed; judging it as unmodelled", replica.name)
+            step_model, state = _NO_MODEL, _fallback_state(in_flight)
+        self._note_staleness(replica.name, state.stale)
+        running = [
+            StreamingRequest(
+                s.request_class,
+                live.prompt_tokens,
+                live.tokens_streamed,
+                s.expected_output_tokens,
+                s.predicted_tpot_s,
+            )
+            for live, s in streams.items()
+        ]
+        return ReplicaView.build(
+            replica.name, healthy=True, model=step_model, state=state, streams=running, stale=state.stale
+        )
+
+    def _note_staleness(self, name: str, stale: bool) -> None:
+        """Log once per transition that a replica is judged on Sluice's own accounting."""
+        before = self._seen.stale.get(name, False)
+        if stale == before:
+            return
+        self._seen.stale[name] = stale
+        if stale:
+            log.warning(
+                "replica %s: metrics stale; admission judges it by Sluice's in-flight requests and its "
+                "last fitted model, predictions +%.0f %%",
+                name,
+                self._settings.stale_margin * 100,
+            )
+        else:
+            log.info("replica %s: metrics fresh again; admission uses them", name)
+
+    def _add_stream(
+        self, replica: str, live: LiveRequest, areq: AdmissionRequest, forecast: Forecast | None
+    ) -> None:
+        tpot = forecast.tpot_s if forecast is not None and math.isfinite(forecast.tpot_s) else 0.0
+        output = areq.expected_output_tokens
+        if forecast is not None:
+            output = forecast.output_tokens_used
+        self._streams.setdefault(replica, {})[live] = _Stream(areq.request_class, output, tpot)
+        self._version += 1
+
+    def _forget(self, live: LiveRequest) -> None:
+        for streams in self._streams.values():
+            if streams.pop(live, None) is not None:
+                self._version += 1
+                return
+
+    def _replica_for(self, decision: Decision, model: str) -> Replica:
+        name = decision.replica
+        replica = self._registry.get(name) if name is not None else None
+        if replica is not None:
+            return replica
+        # A shadow decision that names no replica: the least-outstanding healthy one.
+        candidates = self._candidates(model)
+        if not candidates:
+            raise admission_error(_no_replica(decision))
+        return min(candidates, key=lambda r: r.outstanding)
+
+    def _tenant_of(self, request: web.Request) -> Tenant | None:
+        """The tenant ``gateway.tenancy`` authenticated (``None``: anonymous, no tenants)."""
+        return request.get(TENANT)
+
+
+def _labels(decision: Decision) -> tuple[str, str]:
+    """(decision, reason) for the outcome: admitted/ok, shadow_rejected or shadow_queued with the
+    rule's reason, rejected with the ``RejectReason``."""
+    if isinstance(decision, Admit):
+        return "admitted", "ok"
+    if isinstance(decision, Queue):
+        if decision.enforced:
+            return "queued", decision.blocker.value
+        return "shadow_queued", decision.blocker.value
+    if decision.enforced:
+        return "rejected", decision.reason.value
+    return "shadow_rejected", decision.reason.value
+
+
+def _forecast_headers(replica: str, forecast: Forecast | None) -> dict[str, str]:
+    """``gateway.forecasts.forecast_headers``; without a forecast the admitter had no step model
+    for the replica (``no_step_model``)."""
+    if forecast is None:
+        return {REPLICA_HEADER: replica, PREDICTION_HEADER: ForecastReason.NO_STEP_MODEL.value}
+    return forecast_headers(replica, forecast)
+
+
+def outcome_id(request: web.Request) -> str:
+    """The request id its outcome carries (the request-id middleware always sets both)."""
+    outcome = request.get(OUTCOME)
+    return outcome.request_id if outcome is not None else str(id(request))
+
+
+def _set_headers(request: web.Request, headers: dict[str, str]) -> None:
+    request[PREDICTION_HEADERS] = headers
+
+
+def _gone(request: web.BaseRequest) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def _no_replica(decision: Decision) -> Reject:
+    return Reject(RejectReason.NO_HEALTHY_REPLICA, None, decision.forecast, "no healthy replica")
+
+
+def _fallback_state(in_flight: Sequence[InFlight]) -> ReplicaState:
+    return ReplicaState.from_sequences(
+        [],
+        [f.prompt_tokens for f in in_flight],
+        kv_capacity_tokens=_UNKNOWN_LIMITS.kv_capacity_tokens,
+        max_num_seqs=_UNKNOWN_LIMITS.max_num_seqs,
+        max_num_batched_tokens=_UNKNOWN_LIMITS.max_num_batched_tokens,
+        max_model_len=_UNKNOWN_LIMITS.max_model_len,
+    )

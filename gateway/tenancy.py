@@ -1,0 +1,650 @@
+"""Tenants on the live request path: API key -> tenant, reserve a token budget, settle it after.
+
+What it does
+    ``install_tenancy(app)`` adds one middleware (inside the request-id and error middlewares, in
+    front of the proxy handler) and the limiter's lifecycle. For ``POST /v1/chat/completions`` and
+    ``POST /v1/completions`` the middleware
+
+    1. authenticates: the ``Authorization: Bearer <key>`` header alone names the tenant (no
+       header, parameter or body field can choose it); a missing key is a 401 when
+       ``tenants.auth_required`` (else the request belongs to the anonymous tenant), a malformed
+       or unknown key always is; the tenant is ``request[TENANT]`` from then on. With no tenant
+       configured at all, tenancy is off: the header is not looked at (OpenAI SDKs always send
+       some key) and ``request[TENANT]`` stays unset (the request is no tenant's);
+    2. reserves, in ONE limiter call, ``w_in x prompt tokens + w_out x predicted output`` weighted
+       tokens, one request and one concurrency slot. Prompt tokens are estimated from the prompt's
+       characters (``PredictionService.estimate_prompt_tokens``; exact for token-id prompts), the
+       output is the prediction service's output-length estimate capped by ``max_tokens``. A
+       rejection is a 429 (``TenantRateLimited``: exact ``Retry-After``, OpenAI's
+       ``x-ratelimit-*`` headers); a tenant known to be over its limit is answered from the
+       limiter's in-process over-limit cache. Storage down under ``fail_closed`` is a 503;
+    3. runs the handler, and in its ``finally`` starts the settle, EXACTLY ONCE, with the real
+       usage from ``request[OUTCOME]`` (see ``settled_usage``), whatever ended the request: a
+       normal end, a replica error, a client that went away, a cancelled handler (shutdown).
+
+    A tenant without any budget (the built-in anonymous tenant of a configuration without
+    tenants) skips steps 2 and 3: nothing to enforce, nothing to pay.
+
+    ``/metrics`` (and ``/metrics/*``) and ``/sluice/v1/*`` need ``Bearer <admin token>`` when
+    ``tenants.auth.admin_token_hash`` is set; otherwise they are protected by the bind address
+    only (``docs/tenants.md`` shows both set-ups).
+
+Token weights
+    ``limits.token_weights`` when set. Otherwise ``w_in = 1`` and ``w_out`` is the step model's
+    GPU time of one decode token over one prefill token (``decode_to_prefill_ratio``), averaged
+    over the replicas that have a valid step model, recomputed at most every ``WEIGHTS_REFRESH_S``
+    seconds; 2 (VTC's 1 : 2) until one has. A reservation is settled with the weights it was made
+    with, so a refit between the two never shifts a tenant's balance.
+
+Trade-offs
+    The settle runs as its own task, created synchronously in ``finally`` (no ``await`` between
+    the end of the handler and its creation, so no cancellation can skip it), and not awaited:
+    a non-streamed response is not delayed by a Redis round trip. The lifecycle awaits
+    outstanding settles before it closes the limiter. The request body is parsed here and again
+    by the proxy (one ``json.loads`` more per limited request; ``bench/tenancy_cost.py`` measures
+    the whole cost). Each reservation has its own random id: a client-chosen ``x-request-id``
+    repeated on concurrent requests must not make the limiter treat them as one retried call.
+
+Secrets
+    Nothing here logs a key, a hash or an ``Authorization`` value; 401 bodies never echo them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from gateway.admission.fairness import TokenWeights
+from gateway.errors import (
+    BodyTooLarge,
+    ClientClosedRequest,
+    GatewayError,
+    RateLimitStorageUnavailable,
+    TenantRateLimited,
+    Unauthenticated,
+)
+from gateway.limits.base import (
+    BucketState,
+    Limiter,
+    LimiterStats,
+    LimiterUnavailable,
+    Reservation,
+    TenantLimits,
+    rejection_reason,
+)
+from gateway.limits.config import LimitsSettings
+from gateway.limits.factory import build_limiter
+from gateway.observability.logs import OUTCOME, RequestOutcome
+from gateway.openai_api import ENDPOINT_PATHS, Endpoint, ParsedRequest, parse_request
+from gateway.prediction.service import PredictionService
+from gateway.settings import ReplicaSettings, Settings
+from gateway.store import SettingsStore
+from gateway.tenants import Authenticator, AuthError, Tenant
+from predictor import StepModel
+from predictor.step_model import StepBatch
+
+if TYPE_CHECKING:
+    from gateway.observability.metrics import SluiceMetrics
+    from gateway.proxy import OutcomeListener
+
+__all__ = [
+    "HELD",
+    "TENANCY",
+    "TENANT",
+    "Held",
+    "Tenancy",
+    "decode_to_prefill_ratio",
+    "fleet_token_weights",
+    "go_duration",
+    "install_tenancy",
+    "rate_limit_headers",
+    "settled_usage",
+]
+
+log = logging.getLogger("sluice.tenancy")
+
+#: Default weights until a step model exists: VTC's 1 : 2 (Sheng et al., OSDI 2024).
+DEFAULT_WEIGHTS: Final = TokenWeights(input=1.0, output=2.0)
+#: Least seconds between two recomputations of the step-model weights.
+WEIGHTS_REFRESH_S: Final = 10.0
+#: The decode step a decode token's GPU time is taken from: a busy replica's batch (at most
+#: ``max_num_seqs``) of sequences with this many tokens of context each.
+DECODE_BATCH_SEQS: Final = 256
+DECODE_CONTEXT_TOKENS: Final = 1024
+#: Defaults of the engine limits a replica's YAML may leave out (vLLM's, and the predictor's).
+DEFAULT_MAX_NUM_SEQS: Final = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS: Final = 8192
+#: Seconds the lifecycle waits for outstanding settles at shutdown before closing the limiter.
+DRAIN_TIMEOUT_S: Final = 10.0
+
+_COMPLETION_PATHS: Final[Mapping[str, Endpoint]] = {path: ep for ep, path in ENDPOINT_PATHS.items()}
+_UNLIMITED: Final = TenantLimits()
+_ADMIN_CHALLENGE: Final = 'Bearer realm="sluice-admin"'
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """An allowed reservation and what it was computed from (settle needs all of it).
+
+    ``prompt_tokens``: the prompt estimate reserved; ``output_tokens``: the predicted output
+    reserved (capped by ``max_tokens``); ``weights``: the weights both costs use.
+    """
+
+    reservation: Reservation
+    weights: TokenWeights
+    prompt_tokens: int
+    output_tokens: int
+
+
+TENANT: Final = web.RequestKey("tenant", Tenant)
+HELD: Final = web.RequestKey("tenant_reservation", Held)
+
+
+# -- numbers -----------------------------------------------------------------------------------------
+
+
+def decode_to_prefill_ratio(
+    model: StepModel, *, max_num_batched_tokens: int, max_num_seqs: int
+) -> float | None:
+    """GPU seconds of one decode token over GPU seconds of one prefill token, per ``model``.
+
+    Prefill: a full chunk of ``max_num_batched_tokens`` tokens of a fresh prompt, per token.
+    Decode: a step of ``min(max_num_seqs, DECODE_BATCH_SEQS)`` sequences each reading
+    ``DECODE_CONTEXT_TOKENS`` tokens of KV, per sequence. ``None`` when the model is not valid
+    or either time is not a positive finite number.
+    """
+    if not model.valid:
+        return None
+    chunk = float(max_num_batched_tokens)
+    prefill = model.step_time(StepBatch(prefill_tokens=chunk, prefill_attn_pairs=chunk * chunk / 2.0)) / chunk
+    seqs = float(min(max_num_seqs, DECODE_BATCH_SEQS))
+    decode = model.step_time(StepBatch(decode_seqs=seqs, kv_tokens_read=seqs * DECODE_CONTEXT_TOKENS)) / seqs
+    if not (math.isfinite(prefill) and math.isfinite(decode) and prefill > 0 and decode > 0):
+        return None
+    return decode / prefill
+
+
+def fleet_token_weights(service: PredictionService, replicas: Iterable[ReplicaSettings]) -> TokenWeights:
+    """``w_in = 1`` and ``w_out`` = the mean ``decode_to_prefill_ratio`` of ``replicas`` that have a
+    valid step model in ``service``, rounded to 0.01; ``DEFAULT_WEIGHTS`` when none has."""
+    ratios: list[float] = []
+    for replica in replicas:
+        model = service.step_model(replica.name)
+        if model is None:
+            continue
+        hardware = replica.hardware
+        ratio = decode_to_prefill_ratio(
+            model,
+            max_num_batched_tokens=hardware.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            max_num_seqs=hardware.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+        )
+        if ratio is not None:
+            ratios.append(ratio)
+    if not ratios:
+        return DEFAULT_WEIGHTS
+    return TokenWeights(input=1.0, output=max(round(sum(ratios) / len(ratios), 2), 0.01))
+
+
+def configured_weights(limits: LimitsSettings) -> TokenWeights | None:
+    """``limits.token_weights`` as ``TokenWeights``; ``None`` when they come from the step model."""
+    pinned = limits.token_weights
+    return None if pinned is None else TokenWeights(input=pinned.prompt, output=pinned.output)
+
+
+def estimated_prompt_tokens(service: PredictionService, parsed: ParsedRequest) -> int:
+    """Prompt tokens: exact for token-id prompts, else characters at the learned ratio (>= 1)."""
+    if parsed.prompt_token_ids is not None:
+        return max(parsed.prompt_token_ids, 1)
+    return max(service.estimate_prompt_tokens(parsed.model, parsed.prompt_chars), 1)
+
+
+def predicted_output_tokens(
+    service: PredictionService, parsed: ParsedRequest, tenant: str, prompt_tokens: int
+) -> int:
+    """The prediction service's output length for this request, capped by ``max_tokens`` (>= 1).
+
+    Asked of no replica (``""`` is never a replica's name): the forecast is then invalid, but its
+    ``output_tokens_used`` is the model's (or tenant's) learned length, capped.
+    """
+    forecast = service.forecast(
+        "",
+        model=parsed.model,
+        tenant=tenant,
+        prompt_tokens=prompt_tokens,
+        max_tokens=parsed.max_tokens,
+        in_flight=(),
+        now=0.0,
+    )
+    output = forecast.output_tokens_used
+    if not math.isfinite(output):
+        return max(parsed.max_tokens or 1, 1)
+    return max(math.ceil(output), 1)
+
+
+def settled_usage(outcome: RequestOutcome, held: Held) -> tuple[int, int]:
+    """(prompt, output) tokens a finished request is charged, from what the outcome knows.
+
+    Never reached a replica (``dispatched_at`` unset): (0, 0), nothing ran. Otherwise the prompt
+    is the replica's usage count, else the reserved estimate, and the output is the usage count;
+    without one (a request cut short, a replica error), the tokens it streamed when the proxy
+    records them (``tokens_streamed``); else the reserved prediction when tokens did flow (a
+    stream past its first token, or a complete answer that carried no usage); else 0.
+    """
+    if outcome.dispatched_at is None:
+        return 0, 0
+    prompt = outcome.prompt_tokens if outcome.prompt_tokens is not None else held.prompt_tokens
+    if outcome.completion_tokens is not None:
+        return prompt, outcome.completion_tokens
+    streamed = getattr(outcome, "tokens_streamed", None)
+    if isinstance(streamed, int):
+        return prompt, streamed
+    produced = outcome.first_token_at is not None or (
+        not outcome.stream and outcome.status == 200 and outcome.error is None
+    )
+    return prompt, held.output_tokens if produced else 0
+
+
+def is_unlimited(limits: TenantLimits) -> bool:
+    """True when ``limits`` bound nothing (no bucket and no concurrency limit)."""
+    return limits == _UNLIMITED or (
+        limits.tokens_per_minute is None
+        and limits.requests_per_minute is None
+        and limits.max_concurrent is None
+    )
+
+
+# -- headers and messages ----------------------------------------------------------------------------
+
+
+def go_duration(seconds: float) -> str:
+    """``seconds`` as OpenAI's ``x-ratelimit-reset-*`` values (Go's duration syntax), rounded up
+    to the millisecond: ``0s``, ``20ms``, ``1s``, ``1.5s``, ``6m0s``, ``1h2m3.5s``."""
+    millis = max(0, math.ceil(seconds * 1000.0 - 1e-6)) if math.isfinite(seconds) else 0
+    if millis == 0:
+        return "0s"
+    if millis < 1000:
+        return f"{millis}ms"
+    hours, rest = divmod(millis, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    secs = f"{rest // 1000}.{rest % 1000:03d}".rstrip("0").rstrip(".")
+    head = (f"{hours}h" if hours else "") + (f"{minutes}m" if hours or minutes else "")
+    return f"{head}{secs}s"
+
+
+def _bucket_headers(kind: str, state: BucketState) -> dict[str, str]:
+    return {
+        f"x-ratelimit-limit-{kind}": str(round(state.limit_per_minute)),
+        f"x-ratelimit-remaining-{kind}": str(max(0, math.floor(state.remaining))),
+        f"x-ratelimit-reset-{kind}": go_duration(state.reset_after_s),
+    }
+
+
+def rate_limit_headers(reservation: Reservation) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` for ``reservation``.
+
+    Limit: the budget per minute; remaining: whole units left (never negative); reset: time until
+    the bucket is full again. A budget that is unlimited has no headers.
+    """
+    headers: dict[str, str] = {}
+    if reservation.requests is not None:
+        headers.update(_bucket_headers("requests", reservation.requests))
+    if reservation.tokens is not None:
+        headers.update(_bucket_headers("tokens", reservation.tokens))
+    return headers
+
+
+def rejection_message(reservation: Reservation) -> str:
+    """The 429 message: which budget, what the request needs, when to retry (never a key)."""
+    name = reservation.tenant
+    tokens = reservation.tokens
+    if reservation.oversize and tokens is not None:
+        return (
+            f"Request too large for tenant {name}: it needs {reservation.cost_tokens:.0f} weighted tokens, "
+            f"more than its token budget can ever hold ({tokens.capacity:.0f}). Lower max_tokens or "
+            "shorten the prompt."
+        )
+    reason = rejection_reason(reservation)
+    what = {
+        "tokens": "weighted tokens per minute",
+        "requests": "requests per minute",
+        "concurrency": "concurrent requests",
+    }.get(reason, reason)
+    retry = reservation.retry_after_s
+    when = (
+        f" Please try again in {retry:.3g}s."
+        if retry is not None and math.isfinite(retry)
+        else " Please try again when one of your requests has finished."
+    )
+    return f"Rate limit reached for tenant {name} on {what}.{when}"
+
+
+#: Retry-After when only a concurrency slot is missing: one frees when a request ends, time unknown.
+CONCURRENCY_RETRY_AFTER_S: Final = 1.0
+
+
+def rejection_error(reservation: Reservation) -> TenantRateLimited:
+    """The 429 for a rejected reservation (no ``Retry-After`` when it can never fit)."""
+    retry: float | None
+    if reservation.oversize:
+        retry = None
+    elif reservation.retry_after_s is None:
+        retry = CONCURRENCY_RETRY_AFTER_S
+    else:
+        retry = reservation.retry_after_s
+    return TenantRateLimited(
+        rejection_message(reservation),
+        retry_after_s=retry,
+        rate_limit_headers=rate_limit_headers(reservation),
+    )
+
+
+def auth_error(err: AuthError) -> Unauthenticated:
+    """The 401 for an ``AuthError`` (its message and RFC 6750 challenge)."""
+    return Unauthenticated(err.message, www_authenticate=err.headers()["WWW-Authenticate"], code=err.code)
+
+
+def admin_error() -> Unauthenticated:
+    """The 401 for ``/metrics`` or ``/sluice/v1/*`` without the admin token."""
+    return Unauthenticated(
+        "This endpoint needs the admin token: Authorization: Bearer <admin token> "
+        "(tenants.auth.admin_token_hash).",
+        www_authenticate=_ADMIN_CHALLENGE,
+        code="invalid_admin_token",
+    )
+
+
+def is_admin_path(path: str) -> bool:
+    """``/metrics``, ``/metrics/...`` and ``/sluice/v1/...``: the endpoints the admin token guards."""
+    return path in ("/metrics", "/sluice/v1") or path.startswith(("/metrics/", "/sluice/v1/"))
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The request body, at most ``limit`` bytes (-> ``BodyTooLarge``); aiohttp keeps it, so the
+    proxy's own read returns the same bytes. A client gone mid-body -> ``ClientClosedRequest``."""
+    if request.content_length is not None and request.content_length > limit:
+        raise BodyTooLarge(f"request body is {request.content_length} bytes; the limit is {limit}")
+    try:
+        body = await request.read()
+    except ConnectionResetError:
+        raise ClientClosedRequest("the client closed the connection while sending the body") from None
+    if len(body) > limit:
+        raise BodyTooLarge(f"request body is {len(body)} bytes; the limit is {limit}")
+    return body
+
+
+# -- the live part -----------------------------------------------------------------------------------
+
+
+class Tenancy:
+    """Authentication, the limiter and its lifecycle, for one application (see the module docstring).
+
+    ``limiter``: use this one instead of building ``limits:``'s (tests; a fake clock); it is closed
+    at shutdown all the same. ``stats``: the counters every limiter layer shares (exported by the
+    metrics module). ``clock``: monotonic seconds, for the weights' refresh and outcome times.
+    """
+
+    def __init__(
+        self,
+        store: SettingsStore,
+        predictions: PredictionService,
+        *,
+        limiter: Limiter | None = None,
+        stats: LimiterStats | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._predictions = predictions
+        self._limiter = limiter
+        self.stats = limiter_stats(limiter) if stats is None else stats
+        self._clock = clock
+        self._auth = Authenticator(store.current.tenants)
+        self._weights: TokenWeights | None = None
+        self._weights_at = -math.inf
+        self._pending: set[asyncio.Task[None]] = set()
+        self._listeners: list[OutcomeListener] = []
+        self.metrics: SluiceMetrics | None = None
+        #: Settles started (one per allowed reservation) and the ones whose limiter call raised.
+        self.settles_started = 0
+        self.settle_failures = 0
+        store.subscribe(self._on_swap)
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    @property
+    def authenticator(self) -> Authenticator:
+        """The authenticator of the current ``tenants:`` (rebuilt when a reload changes it)."""
+        return self._auth
+
+    @property
+    def limiter(self) -> Limiter:
+        """The limiter; only after startup (``start``)."""
+        if self._limiter is None:
+            raise RuntimeError("the limiter is built at startup")
+        return self._limiter
+
+    def use_limiter(self, limiter: Limiter, stats: LimiterStats | None = None) -> None:
+        """Use ``limiter`` instead of the one ``limits:`` describes (call before startup; tests
+        give a memory limiter on a fake clock). ``stats``: its counters (default: its own)."""
+        self._limiter = limiter
+        self.stats = limiter_stats(limiter) if stats is None else stats
+
+    @property
+    def pending_settles(self) -> int:
+        """Settles started and not finished yet."""
+        return len(self._pending)
+
+    def _on_swap(self, old: Settings, new: Settings) -> None:
+        if old.tenants != new.tenants:
+            self._auth = Authenticator(new.tenants)
+        if old.limits.token_weights != new.limits.token_weights:
+            self._weights = None
+
+    def weights(self) -> TokenWeights:
+        """The token weights a reservation made now uses (see the module docstring)."""
+        settings = self._store.current
+        pinned = configured_weights(settings.limits)
+        if pinned is not None:
+            return pinned
+        now = self._clock()
+        if self._weights is None or now - self._weights_at >= WEIGHTS_REFRESH_S:
+            self._weights = fleet_token_weights(self._predictions, settings.all_replicas())
+            self._weights_at = now
+        return self._weights
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    def start(self, metrics: SluiceMetrics | None, listeners: list[OutcomeListener]) -> None:
+        """Build the limiter (unless one was given) and bind the metrics, if the app has them."""
+        if self._limiter is None:
+            self._limiter = build_limiter(self._store.current.limits, stats=self.stats)
+        self._listeners = listeners
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.track_limiter(self.stats)
+
+    async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        """Wait until every settle started so far has finished (at most ``timeout_s`` seconds)."""
+        if self._pending:
+            await asyncio.wait(set(self._pending), timeout=timeout_s)
+
+    async def stop(self) -> None:
+        """Finish outstanding settles, then close the limiter."""
+        await self.drain()
+        if self._pending:
+            log.warning(
+                "%d settles still running at shutdown; their leases expire on their own", len(self._pending)
+            )
+        if self._limiter is not None:
+            await self._limiter.close()
+
+    # -- the middleware ------------------------------------------------------------------------------
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """See the module docstring; every error raised here is a ``GatewayError``."""
+        if is_admin_path(request.path):
+            if not self._auth.admin_allowed(request.headers.get("Authorization")):
+                raise admin_error()
+            return await handler(request)
+        endpoint = _COMPLETION_PATHS.get(request.path) if request.method == "POST" else None
+        if endpoint is None:
+            return await handler(request)
+        outcome = request[OUTCOME]
+        tenant = self._authenticate(request, outcome)
+        if is_unlimited(tenant.limits):
+            return await handler(request)
+        held = await self._reserve(request, endpoint, tenant, outcome)
+        request[HELD] = held
+        try:
+            return await handler(request)
+        finally:
+            self._settle_later(held, outcome)
+
+    def _authenticate(self, request: web.Request, outcome: RequestOutcome) -> Tenant:
+        auth = self._auth
+        anonymous = auth.anonymous
+        if not auth.tenants and anonymous is not None:
+            # No tenant configured: tenancy is off and the header is not ours to judge (OpenAI
+            # SDKs always send some key; a replica may check its own). No TENANT: nobody's.
+            return anonymous
+        found = auth.authenticate(request.headers.get("Authorization"))
+        if isinstance(found, AuthError):
+            outcome.reason = f"auth_{found.reason.value}"
+            raise self._refused(outcome, auth_error(found))
+        request[TENANT] = found
+        if found.name in auth.tenants:
+            outcome.tenant = found.name
+        return found
+
+    async def _reserve(
+        self, request: web.Request, endpoint: Endpoint, tenant: Tenant, outcome: RequestOutcome
+    ) -> Held:
+        settings = self._store.current
+        try:
+            raw = await read_body(request, settings.server.max_body_bytes)
+            parsed = parse_request(endpoint, raw)
+        except GatewayError as err:
+            outcome.status, outcome.error = err.status, err.code
+            raise
+        outcome.model, outcome.stream = parsed.model, parsed.stream
+        weights = self.weights()
+        prompt = estimated_prompt_tokens(self._predictions, parsed)
+        output = predicted_output_tokens(self._predictions, parsed, tenant.name, prompt)
+        cost = weights.cost(prompt, output, 0.0)
+        try:
+            reservation = await self.limiter.reserve(
+                tenant.name, cost_tokens=cost, limits=tenant.limits, request_id=uuid.uuid4().hex
+            )
+        except LimiterUnavailable as exc:
+            outcome.reason = "limiter_unavailable"
+            retry = settings.limits.retry_backoff_s
+            raise self._refused(
+                outcome, RateLimitStorageUnavailable(f"{exc}; retry later", retry_after_s=retry)
+            ) from None
+        if self.metrics is not None:
+            self.metrics.observe_reservation(reservation)
+        if not reservation.allowed:
+            outcome.reason = rejection_reason(reservation)
+            outcome.retry_after_s = reservation.retry_after_s
+            raise self._refused(outcome, rejection_error(reservation))
+        return Held(reservation, weights, prompt, output)
+
+    def _refused(self, outcome: RequestOutcome, err: GatewayError) -> GatewayError:
+        """Record a refusal answered here on the outcome and tell the outcome listeners (the proxy
+        never sees this request); returns ``err`` for the caller to raise."""
+        outcome.status, outcome.error, outcome.decision = err.status, err.code, "rejected"
+        outcome.finished_at = self._clock()
+        for listener in self._listeners:
+            try:
+                listener(outcome)
+            except Exception:
+                log.exception("outcome listener %r failed", listener)
+        return err
+
+    # -- settling ------------------------------------------------------------------------------------
+
+    def _settle_later(self, held: Held, outcome: RequestOutcome) -> None:
+        """Start the one settle of ``held`` as its own task (synchronous: nothing can interrupt it)."""
+        self.settles_started += 1
+        task = asyncio.get_running_loop().create_task(self._settle(held, outcome), name="sluice-settle")
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _settle(self, held: Held, outcome: RequestOutcome) -> None:
+        prompt, output = settled_usage(outcome, held)
+        actual = held.weights.cost(prompt, output, 0.0)
+        try:
+            await self.limiter.settle(held.reservation, actual_cost_tokens=actual)
+        except Exception:
+            self.settle_failures += 1
+            # Once, then every 1000th: a broken limiter must not flood the log at request rate.
+            if self.settle_failures % 1000 == 1:
+                log.exception(
+                    "settle failed for tenant %s (%d so far)", held.reservation.tenant, self.settle_failures
+                )
+            return
+        if self.metrics is not None:
+            self.metrics.observe_settle(held.reservation, actual)
+
+
+def limiter_stats(limiter: Limiter | None) -> LimiterStats:
+    """The stats a given limiter counts into (its ``stats`` attribute), else fresh ones."""
+    stats = getattr(limiter, "stats", None)
+    return stats if isinstance(stats, LimiterStats) else LimiterStats()
+
+
+TENANCY: Final = web.AppKey("tenancy", Tenancy)
+
+
+async def add_rate_limit_headers(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """``on_response_prepare`` hook: an admitted request's response carries its ``x-ratelimit-*``
+    headers, as OpenAI's responses do."""
+    held = request.get(HELD)
+    if held is not None:
+        response.headers.update(rate_limit_headers(held.reservation))
+
+
+def install_tenancy(
+    app: web.Application,
+    *,
+    limiter: Limiter | None = None,
+    stats: LimiterStats | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Tenancy:
+    """Wire tenants into ``app`` (built by ``gateway.app.build_app``): the middleware (appended, so
+    it runs inside the request-id and error middlewares), the limiter's lifecycle, the
+    ``x-ratelimit-*`` response hook. Returns the ``Tenancy`` (also ``app[TENANCY]``).
+
+    ``limiter``/``stats``/``clock``: see ``Tenancy``. Call before the app starts.
+    """
+    # gateway.app imports this module to call install_tenancy(): import it when called.
+    from gateway.app import OUTCOME_LISTENERS, PREDICTION_SERVICE, STORE
+
+    tenancy = Tenancy(app[STORE], app[PREDICTION_SERVICE], limiter=limiter, stats=stats, clock=clock)
+    app[TENANCY] = tenancy
+    app.middlewares.append(tenancy.middleware)
+    app.on_response_prepare.append(add_rate_limit_headers)
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        from gateway.observability.metrics import METRICS
+
+        tenancy.start(app.get(METRICS), app[OUTCOME_LISTENERS])
+        try:
+            yield
+        finally:
+            try:
+                await tenancy.stop()
+            except Exception:
+                log.exception("closing the limiter failed")
+
+    app.cleanup_ctx.append(lifecycle)
+    return tenancy

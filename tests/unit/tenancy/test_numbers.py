@@ -1,0 +1,251 @@
+"""The pure parts of ``gateway.tenancy``: durations, headers, token weights, settled usage."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gateway.admission.fairness import TokenWeights
+from gateway.limits.base import TenantLimits
+from gateway.limits.memory import MemoryLimiter
+from gateway.observability.logs import RequestOutcome
+from gateway.prediction.facts import ReplicaFacts
+from gateway.prediction.service import PredictionService
+from gateway.settings import HardwareSettings, ReplicaSettings
+from gateway.tenancy import (
+    DEFAULT_WEIGHTS,
+    Held,
+    decode_to_prefill_ratio,
+    fleet_token_weights,
+    go_duration,
+    is_admin_path,
+    is_unlimited,
+    rate_limit_headers,
+    rejection_error,
+    settled_usage,
+)
+from tests.unit.limits.fakes import FakeClock
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        pytest.param(0.0, "0s", id="zero"),
+        pytest.param(-1.0, "0s", id="negative"),
+        pytest.param(math.inf, "0s", id="infinite"),
+        pytest.param(0.0004, "1ms", id="rounds-up-to-a-millisecond"),
+        pytest.param(0.02, "20ms", id="milliseconds"),
+        pytest.param(1.0, "1s", id="one-second"),
+        pytest.param(1.5, "1.5s", id="fraction"),
+        pytest.param(12.345, "12.345s", id="three-decimals"),
+        pytest.param(360.0, "6m0s", id="minutes-as-openai"),
+        pytest.param(3723.5, "1h2m3.5s", id="hours"),
+        pytest.param(3600.0, "1h0m0s", id="one-hour"),
+    ],
+)
+def test_go_duration(seconds: float, text: str) -> None:
+    assert go_duration(seconds) == text
+
+
+LIMITS = TenantLimits(
+    tokens_per_minute=600.0, token_burst=100.0, requests_per_minute=60.0, request_burst=10.0
+)
+
+
+def _limiter() -> MemoryLimiter:
+    return MemoryLimiter(clock=FakeClock())
+
+
+def test_rate_limit_headers_of_an_allowed_reservation() -> None:
+    reservation = _limiter().reserve_now("t", cost_tokens=30.5, limits=LIMITS, request_id="a")
+
+    assert rate_limit_headers(reservation) == {
+        "x-ratelimit-limit-requests": "60",
+        "x-ratelimit-remaining-requests": "9",
+        "x-ratelimit-reset-requests": "1s",
+        "x-ratelimit-limit-tokens": "600",
+        "x-ratelimit-remaining-tokens": "69",  # 69.5 left: whole tokens only
+        "x-ratelimit-reset-tokens": "3.05s",
+    }
+
+
+def test_rate_limit_headers_never_show_a_debt() -> None:
+    limiter = _limiter()
+    first = limiter.reserve_now("t", cost_tokens=100.0, limits=LIMITS, request_id="a")
+    limiter.settle_now(first, actual_cost_tokens=150.0)  # 50 tokens of debt
+
+    refused = limiter.reserve_now("t", cost_tokens=10.0, limits=LIMITS, request_id="b")
+
+    assert not refused.allowed
+    headers = rate_limit_headers(refused)
+    assert headers["x-ratelimit-remaining-tokens"] == "0"
+    assert headers["x-ratelimit-reset-tokens"] == "15s"  # 150 tokens short at 10 per second
+    assert rejection_error(refused).headers()["Retry-After"] == "6"  # 60 short of 10
+
+
+@pytest.mark.parametrize(
+    ("limits", "expected"),
+    [
+        pytest.param(TenantLimits(), {}, id="unlimited"),
+        pytest.param(
+            TenantLimits(requests_per_minute=30.0),
+            {
+                "x-ratelimit-limit-requests": "30",
+                "x-ratelimit-remaining-requests": "29",
+                "x-ratelimit-reset-requests": "2s",
+            },
+            id="requests-only",
+        ),
+        pytest.param(TenantLimits(max_concurrent=3), {}, id="concurrency-only"),
+    ],
+)
+def test_rate_limit_headers_name_only_limited_budgets(limits: TenantLimits, expected: dict[str, str]) -> None:
+    reservation = _limiter().reserve_now("t", cost_tokens=5.0, limits=limits, request_id="a")
+
+    assert rate_limit_headers(reservation) == expected
+
+
+@pytest.mark.parametrize(
+    ("limits", "unlimited"),
+    [
+        pytest.param(TenantLimits(), True, id="nothing"),
+        pytest.param(TenantLimits(max_concurrent=1), False, id="concurrency"),
+        pytest.param(TenantLimits(tokens_per_minute=1.0), False, id="tokens"),
+        pytest.param(TenantLimits(requests_per_minute=1.0), False, id="requests"),
+    ],
+)
+def test_is_unlimited(limits: TenantLimits, unlimited: bool) -> None:
+    assert is_unlimited(limits) is unlimited
+
+
+@pytest.mark.parametrize(
+    ("path", "admin"),
+    [
+        ("/metrics", True),
+        ("/metrics/replicas", True),
+        ("/sluice/v1/replicas", True),
+        ("/sluice/v1", True),
+        ("/metricsx", False),
+        ("/v1/models", False),
+        ("/v1/chat/completions", False),
+        ("/healthz", False),
+    ],
+)
+def test_is_admin_path(path: str, admin: bool) -> None:
+    assert is_admin_path(path) is admin
+
+
+# -- token weights -----------------------------------------------------------------------------------
+
+H100 = ReplicaFacts(gpu="H100-SXM", model="Llama-3-8B", max_num_seqs=256, max_num_batched_tokens=8192)
+
+
+def test_decode_costs_more_gpu_time_than_prefill_per_token() -> None:
+    """Roofline: a prefill token is compute bound (2P FLOPs), a decode token at batch 256 also
+    pays its share of the weight read and its KV reads; the ratio lands near VTC's 1 : 2."""
+    ratio = decode_to_prefill_ratio(H100.prior(), max_num_batched_tokens=8192, max_num_seqs=256)
+
+    assert ratio is not None
+    assert 1.5 < ratio < 4.0
+
+
+def test_small_batches_make_decode_tokens_dearer() -> None:
+    model = H100.prior()
+    busy = decode_to_prefill_ratio(model, max_num_batched_tokens=8192, max_num_seqs=256)
+    small = decode_to_prefill_ratio(model, max_num_batched_tokens=8192, max_num_seqs=16)
+
+    assert busy is not None
+    assert small is not None
+    assert small > busy
+
+
+def test_unknown_hardware_has_no_ratio() -> None:
+    model = ReplicaFacts(gpu=None, model=None).prior()
+
+    assert decode_to_prefill_ratio(model, max_num_batched_tokens=8192, max_num_seqs=256) is None
+
+
+def _replica(name: str, gpu: str | None) -> ReplicaSettings:
+    hardware = HardwareSettings(gpu=gpu, model="Llama-3-8B" if gpu else None)
+    return ReplicaSettings(name=name, url="http://127.0.0.1:1", hardware=hardware)
+
+
+def test_fleet_weights_average_the_replicas_with_a_model() -> None:
+    service = PredictionService()
+    service.set_replica("known", H100)
+    service.set_replica("unknown", ReplicaFacts())
+    replicas = [_replica("known", "H100-SXM"), _replica("unknown", None), _replica("absent", None)]
+    ratio = decode_to_prefill_ratio(H100.prior(), max_num_batched_tokens=8192, max_num_seqs=256)
+
+    weights = fleet_token_weights(service, replicas)
+
+    assert ratio is not None
+    assert weights == TokenWeights(input=1.0, output=round(ratio, 2))
+
+
+def test_fleet_weights_default_without_any_model() -> None:
+    service = PredictionService()
+    service.set_replica("unknown", ReplicaFacts())
+
+    assert (
+        fleet_token_weights(service, [_replica("unknown", None)]) == DEFAULT_WEIGHTS == TokenWeights(1.0, 2.0)
+    )
+
+
+# -- settled usage -----------------------------------------------------------------------------------
+
+HELD = Held(
+    reservation=MemoryLimiter().reserve_now("t", cost_tokens=40.0, limits=TenantLimits(), request_id="r"),
+    weights=TokenWeights(1.0, 2.0),
+    prompt_tokens=20,
+    output_tokens=10,
+)
+
+
+def _outcome(**fields: object) -> RequestOutcome:
+    outcome = RequestOutcome(request_id="r", method="POST", path="/v1/completions", received_at=0.0)
+    for name, value in fields.items():
+        setattr(outcome, name, value)
+    return outcome
+
+
+@pytest.mark.parametrize(
+    ("fields", "usage"),
+    [
+        pytest.param({}, (0, 0), id="never-dispatched"),
+        pytest.param({"status": 404, "error": "model_not_found"}, (0, 0), id="refused-early"),
+        pytest.param(
+            {"dispatched_at": 1.0, "status": 200, "prompt_tokens": 18, "completion_tokens": 4},
+            (18, 4),
+            id="usage",
+        ),
+        pytest.param(
+            {"dispatched_at": 1.0, "status": 502, "error": "upstream_error"}, (20, 0), id="replica-error"
+        ),
+        pytest.param(
+            {"dispatched_at": 1.0, "stream": True, "status": 200, "error": "client_disconnected"},
+            (20, 0),
+            id="stream-cut-before-first-token",
+        ),
+        pytest.param(
+            {
+                "dispatched_at": 1.0,
+                "stream": True,
+                "status": 200,
+                "first_token_at": 2.0,
+                "error": "upstream_error",
+            },
+            (20, 10),
+            id="stream-cut-after-first-token",
+        ),
+        pytest.param({"dispatched_at": 1.0, "status": 200}, (20, 10), id="answer-without-usage"),
+        pytest.param(
+            {"dispatched_at": 1.0, "status": 499, "error": "client_disconnected"},
+            (20, 0),
+            id="json-client-gone",
+        ),
+    ],
+)
+def test_settled_usage(fields: dict[str, object], usage: tuple[int, int]) -> None:
+    assert settled_usage(_outcome(**fields), HELD) == usage
