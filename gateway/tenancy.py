@@ -235,18 +235,17 @@ def settled_usage(outcome: RequestOutcome, held: Held) -> tuple[int, int]:
 
     Never reached a replica (``dispatched_at`` unset): (0, 0), nothing ran. Otherwise the prompt
     is the replica's usage count, else the reserved estimate, and the output is the usage count;
-    without one (a request cut short, a replica error), the tokens it streamed when the proxy
-    records them (``tokens_streamed``); else the reserved prediction when tokens did flow (a
-    stream past its first token, or a complete answer that carried no usage); else 0.
+    without one (a request cut short, a replica error), the tokens it streamed as the proxy
+    counted them (``tokens_streamed``); else the reserved prediction when tokens did flow (a
+    complete non-streamed answer that carried no usage); else 0.
     """
     if outcome.dispatched_at is None:
         return 0, 0
     prompt = outcome.prompt_tokens if outcome.prompt_tokens is not None else held.prompt_tokens
     if outcome.completion_tokens is not None:
         return prompt, outcome.completion_tokens
-    streamed = getattr(outcome, "tokens_streamed", None)
-    if isinstance(streamed, int):
-        return prompt, streamed
+    if outcome.tokens_streamed > 0:
+        return prompt, outcome.tokens_streamed
     produced = outcome.first_token_at is not None or (
         not outcome.stream and outcome.status == 200 and outcome.error is None
     )

@@ -239,6 +239,18 @@ def _outcome(**fields: object) -> RequestOutcome:
             (20, 10),
             id="stream-cut-after-first-token",
         ),
+        pytest.param(
+            {
+                "dispatched_at": 1.0,
+                "stream": True,
+                "status": 200,
+                "first_token_at": 2.0,
+                "tokens_streamed": 7,
+                "error": "client_disconnected",
+            },
+            (20, 7),
+            id="stream-cut-charges-what-streamed",
+        ),
         pytest.param({"dispatched_at": 1.0, "status": 200}, (20, 10), id="answer-without-usage"),
         pytest.param(
             {"dispatched_at": 1.0, "status": 499, "error": "client_disconnected"},
