@@ -31,6 +31,7 @@ caller's monotonic clock.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -68,6 +69,11 @@ _ATTN: Final = FEATURE_NAMES.index("attn_pairs")
 # Feature magnitudes that make a coefficient "matter" when the data says nothing about its scale:
 # the prior penalty is measured at least at these values relative to a typical step (see _units).
 _REFERENCE: Final = np.array([1.0, 256.0, 64.0, 1024.0, 65536.0, 2048.0 * 2048.0 / 2.0])
+#: Knees (tokens per step) a replica without a roofline prior chooses from by fit quality: 0 is a
+#: machine with no weight-read-bound flat region (a CPU), the rest span GPUs' ridges.
+_CANDIDATE_KNEES: Final = (0.0, 64.0, 128.0, 256.0, 512.0)
+#: A relative residual counts at most this much when knees are compared (outliers must not decide).
+_KNEE_LOSS_CAP: Final = 0.5
 # Longest plausible engine step; anything above is a broken window, not a slow step.
 _MAX_STEP_S: Final = 60.0
 
@@ -313,6 +319,9 @@ class StepCalibrator:
         self._config = config or CalibrationConfig()
         cap = self._config.capacity
         self._x = np.zeros((cap, _NF))
+        # Without a prior the knee is learned: each row's mean excess tokens past every candidate.
+        self._knees = (prior.params.knee_tokens,) if prior.valid else _CANDIDATE_KNEES
+        self._excess = np.zeros((cap, len(self._knees)))
         self._y = np.zeros(cap)
         self._t = np.zeros(cap)
         self._next = 0
@@ -325,10 +334,16 @@ class StepCalibrator:
         """The roofline prior this calibrator regularises toward (may be invalid: no prior)."""
         return self._prior
 
+    @property
+    def knees(self) -> tuple[float, ...]:
+        """The knees (tokens) the fit chooses from: the prior's alone, or candidates without one."""
+        return self._knees
+
     def observe_window(self, window: WindowStats) -> Observation:
         """Derive an observation from a scrape window, keep it if valid, and return it."""
         obs = observation_from_window(window, self._prior.params.knee_tokens)
-        self.observe(obs)
+        excess = tuple(observation_from_window(window, k).excess_tokens for k in self._knees)
+        self.observe(obs, excess)
         return obs
 
     def observe_step(self, at_s: float, batch: StepBatch, step_s: float) -> Observation:
@@ -344,8 +359,12 @@ class StepCalibrator:
         self.observe(obs)
         return obs
 
-    def observe(self, obs: Observation) -> None:
-        """Keep a valid observation (count an invalid one by its reason)."""
+    def observe(self, obs: Observation, excess_by_knee: tuple[float, ...] | None = None) -> None:
+        """Keep a valid observation (count an invalid one by its reason).
+
+        ``excess_by_knee``: its mean tokens past each of ``knees``; ``None`` = that of its mean
+        batch (exact for one step, an approximation for a window's mean).
+        """
         if not obs.valid:
             reason = obs.reason or Reject.OUT_OF_RANGE
             self._rejected[reason] = self._rejected.get(reason, 0) + 1
@@ -358,6 +377,9 @@ class StepCalibrator:
         self._x[i] = row
         self._y[i] = obs.step_s
         self._t[i] = obs.at_s
+        if excess_by_knee is None or len(excess_by_knee) != len(self._knees):
+            excess_by_knee = tuple(max(0.0, b.tokens - k) for k in self._knees)
+        self._excess[i] = excess_by_knee
         self._next = (i + 1) % self._config.capacity
         self._kept = min(self._kept + 1, self._config.capacity)
         self._total += 1
@@ -382,19 +404,48 @@ class StepCalibrator:
             ridge = np.full(_NF, strength)
             ridge[_ATTN] = 0.0  # the tie alone decides it: a pull to zero would fight the tie
         penalty = _Penalty(ridge, target, strength, prior.params.attn_pair_tokens)
-        coef = _robust_fit(x, y, weights, penalty, _units(x, y, weights), cfg)
-        params = prior.params.with_coefficients(list(coef))
+        params, x = self._best_knee(x, y, weights, penalty)
         valid, reason = True, None
         if not prior.valid and len(y) < cfg.min_observations_without_prior:
             valid, reason = False, f"too few observations without a prior ({len(y)})"
         model = StepModel(params, ModelSource.FITTED, valid=valid, reason=reason)
         return Calibration(model, self._report(model, x, y, n_eff, strength))
 
+    def _best_knee(self, x: Vec, y: Vec, weights: Vec, penalty: _Penalty) -> tuple[StepParams, Vec]:
+        """The fit at the knee (of ``knees``) whose capped relative residuals weigh least, and
+        the rows' features at that knee.
+
+        ``x``: rows at the prior's knee, most recent first; the two token features are rebuilt
+        for every other candidate from the kept excess tokens.
+        """
+        cfg, base = self._config, self._prior.params
+        excess = self._recent_excess()
+        tokens = x[:, 1] + x[:, _COMPUTE]
+        best: tuple[float, StepParams, Vec] | None = None
+        for j, knee in enumerate(self._knees):
+            xk = x.copy()
+            xk[:, _COMPUTE] = excess[:, j]
+            xk[:, 1] = np.maximum(0.0, tokens - excess[:, j])
+            coef = _robust_fit(xk, y, weights, penalty, _units(xk, y, weights), cfg)
+            residual = np.minimum(np.abs(xk @ coef - y) / y, _KNEE_LOSS_CAP)
+            loss = float((weights * residual).sum())
+            if best is None or loss < best[0] * (1.0 - 1e-9):
+                params = dataclasses.replace(base.with_coefficients(list(coef)), knee_tokens=knee)
+                best = (loss, params, xk)
+        assert best is not None  # at least one knee
+        return best[1], best[2]
+
     def _recent_first(self) -> tuple[Vec, Vec, Vec]:
         """Kept rows, most recent first."""
         n, cap = self._kept, self._config.capacity
         order = (self._next - 1 - np.arange(n)) % cap
         return self._x[order], self._y[order], self._t[order]
+
+    def _recent_excess(self) -> Vec:
+        """Kept rows' excess tokens per candidate knee, most recent first."""
+        n, cap = self._kept, self._config.capacity
+        order = (self._next - 1 - np.arange(n)) % cap
+        return self._excess[order]
 
     def _prior_only(self) -> Calibration:
         prior = self._prior

@@ -234,6 +234,9 @@ class Forecast:
     ``prefill_batch``: the mean composition of its prefill steps (what ``ttft_s - step_wait_s -
     admission_wait_s`` is the time of, ``prefill_steps`` times); ``None`` when not valid. A
     measured TTFT thus gives a step-time observation (``predictor.calibrate``).
+    ``overhead_s``: part of ``ttft_s`` outside the engine (the caller's transport and the replica
+    server's own work, learned by the caller); ``forecast_request`` itself always gives 0.
+    ``made_at``: the caller's clock (s) when the forecast was made, if it says; ``None`` here.
     """
 
     ttft_s: float
@@ -248,6 +251,8 @@ class Forecast:
     prefill_steps: int = 0
     step_wait_s: float = 0.0
     prefill_batch: StepBatch | None = None
+    overhead_s: float = 0.0
+    made_at: float | None = None
 
 
 def _invalid(request: CandidateRequest, reason: ForecastReason, output: float = math.nan) -> Forecast:
@@ -314,7 +319,9 @@ def _release(
         cumulative = state.release_kv_cumulative
         k_kv = bisect.bisect_left(cumulative, need_kv) + 1 if need_kv > 0 else 0
         k = min(len(steps), max(need_slots, k_kv))
-        return (float(k), steps[k - 1], cumulative[k - 1]) if k > 0 else (0.0, 0.0, 0.0)
+        if k == 0:
+            return 0.0, 0.0, 0.0
+        return float(k), steps[k - 1] + _later_waves(need_slots, len(steps), steps[-1]), cumulative[k - 1]
     n = state.num_running
     if n == 0:
         return 0.0, 0.0, 0.0
@@ -323,7 +330,21 @@ def _release(
     k_kv = math.ceil(need_kv / per_request_kv) if need_kv > 0 and per_request_kv > 0 else 0
     k = min(n, max(need_slots, k_kv))
     # Memoryless remaining outputs: the k-th of n to finish does so after mean x (H_n - H_{n-k}).
-    return float(k), mean_rest * (_harmonic(n) - _harmonic(n - k)), k * per_request_kv
+    wait = mean_rest * (_harmonic(n) - _harmonic(n - k)) + _later_waves(need_slots, n, 2.0 * mean_rest)
+    return float(k), wait, k * per_request_kv
+
+
+def _later_waves(need_slots: int, running: int, per_wave_steps: float) -> float:
+    """Decode steps for the finishes beyond the running set (0 when the running set suffices).
+
+    A waiting queue longer than the running set needs the requests admitted after today's to
+    finish too: each further ``running`` finishes take about one full output, ``per_wave_steps``
+    (the longest remaining output among the running, or twice a memoryless mean remaining).
+    """
+    beyond = need_slots - running
+    if beyond <= 0 or running <= 0:
+        return 0.0
+    return beyond / running * per_wave_steps
 
 
 def prefill_share(model: StepModel, itl_s: float, decode_seqs: float, kv_tokens: float) -> float | None:

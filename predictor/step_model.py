@@ -50,6 +50,7 @@ __all__ = [
     "DEFAULT_KNEE_TOKENS",
     "FEATURE_NAMES",
     "IDEAL",
+    "UNKNOWN_KNEE_TOKENS",
     "Efficiency",
     "ModelSource",
     "RooflineTerms",
@@ -65,6 +66,10 @@ __all__ = [
 #: Knee used when the hardware is unknown: between an A100's (~150) and an H100's (~300) BF16
 #: ridge in tokens. On a machine with no knee the fit makes both token slopes equal instead.
 DEFAULT_KNEE_TOKENS: Final = 256.0
+#: Knee of a replica with no roofline prior (unknown hardware or model): none, step time linear in
+#: tokens. A CPU has no weight-read-bound flat region, and a knee the data cannot place lets the
+#: fit price every prompt token past it at the weak prior's pull toward zero (prompts priced flat).
+UNKNOWN_KNEE_TOKENS: Final = 0.0
 
 #: Names of the six fitted coefficients, in vector order.
 FEATURE_NAMES: Final = (
@@ -272,9 +277,10 @@ def roofline_terms(
 
 
 def unknown_step_model(reason: str, *, model: ModelArch | None = None) -> StepModel:
-    """A not-yet-valid model: default knee, alpha from ``model`` when known, coefficients zero."""
+    """A not-yet-valid model: no knee (``UNKNOWN_KNEE_TOKENS``), alpha from ``model`` when known,
+    coefficients zero."""
     alpha = model.attention_flops_per_pair / model.linear_flops_per_token if model else 0.0
-    params = StepParams(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, DEFAULT_KNEE_TOKENS, alpha)
+    params = StepParams(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, UNKNOWN_KNEE_TOKENS, alpha)
     return StepModel(params, ModelSource.NONE, valid=False, reason=reason)
 
 

@@ -69,6 +69,15 @@ class PredictionConfig:
     ``efficiency``: the roofline prior's efficiency guesses.
     ``prefill_share_memory_s``: seconds of windows the long-run prefill share is averaged over.
     ``prefill_share_weight``: weight (0-1) of the newest window's share against that mean.
+    ``learn_dispatch_overhead``: learn each replica's dispatch overhead (the caller's TTFT minus
+    the replica's own, see ``PredictionService._observe_overhead``) and add it to forecast TTFTs.
+    Off by default: the virtual-time replay has no transport, and window-edge noise there would
+    teach it a spurious overhead. The live gateway should turn it on.
+    ``overhead_samples``: most caller-measured TTFTs kept per replica for the dispatch overhead.
+    ``overhead_weight``: EWMA weight (0-1] of each scrape window's overhead measurement.
+    ``overhead_min_window_s`` / ``overhead_min_requests``: a scrape window shorter than this
+    (seconds), or holding fewer of the caller's finished requests, does not measure it (window
+    edges count a request's decode time against it).
     """
 
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
@@ -80,12 +89,19 @@ class PredictionConfig:
     stale_after_s: float = 5.0
     prefill_share_memory_s: float = 60.0
     prefill_share_weight: float = 0.3
+    learn_dispatch_overhead: bool = False
+    overhead_samples: int = 512
+    overhead_weight: float = 0.2
+    overhead_min_window_s: float = 5.0
+    overhead_min_requests: int = 10
 
     def __post_init__(self) -> None:
         if self.refit_interval_s < 0 or self.stale_after_s <= 0 or self.prefill_share_memory_s <= 0:
             raise ValueError("refit_interval_s must be >= 0, stale_after_s and prefill_share_memory_s > 0")
         if not 0.0 <= self.prefill_share_weight <= 1.0:
             raise ValueError(f"prefill_share_weight must be in [0, 1], got {self.prefill_share_weight}")
+        if self.overhead_samples < 1 or not 0.0 < self.overhead_weight <= 1.0:
+            raise ValueError("overhead_samples must be >= 1 and overhead_weight in (0, 1]")
 
 
 @dataclass(slots=True)
@@ -108,6 +124,17 @@ class _Replica:
     last_token_at: float | None = None
     snapshots: int = 0
     stale_snapshots: int = 0
+    #: (first token at, TTFT the caller measured) of recent requests, seconds, for the overhead.
+    ttfts: deque[tuple[float, float]] = field(default_factory=deque)
+    #: EWMA of (caller-measured TTFT - the replica's own TTFT) per scrape window, seconds; may
+    #: be < 0 (noise), the forecast adds ``max(0, ...)`` of it.
+    overhead_ewma_s: float = 0.0
+    overhead_windows: int = 0
+
+    @property
+    def overhead_s(self) -> float:
+        """Seconds the caller's TTFT adds to the engine's (transport, the server's own work)."""
+        return max(0.0, self.overhead_ewma_s)
 
 
 class PredictionService:
@@ -160,6 +187,7 @@ class PredictionService:
             r.stale_snapshots += 1
             return
         self._remember_gauges(r, snapshot)
+        self._observe_overhead(r, snapshot)
         gauges = self._gauge_means(r, snapshot.taken_at - snapshot.window_s)
         window = window_stats(snapshot, gauges)
         if window is not None:
@@ -252,12 +280,52 @@ class PredictionService:
         r = self._replicas.get(replica)
         if r is not None and finished_at is not None:
             r.last_token_at = finished_at if r.last_token_at is None else max(r.last_token_at, finished_at)
+        learn = self._config.learn_dispatch_overhead
+        if r is not None and learn and ttft_s is not None and math.isfinite(ttft_s) and ttft_s > 0.0:
+            # Keyed by when its first token came, as the replica's TTFT histogram counts it.
+            at = finished_at if finished_at is not None else (r.snapshot.taken_at if r.snapshot else None)
+            if forecast is not None and forecast.made_at is not None:
+                at = forecast.made_at + ttft_s
+            if at is not None:
+                r.ttfts.append((at, ttft_s))
+                while len(r.ttfts) > self._config.overhead_samples:
+                    r.ttfts.popleft()
         if r is not None and forecast is not None and ttft_s is not None:
-            self._observe_prefill(r, forecast, ttft_s, finished_at)
+            # The step fit learns engine steps: the transport is not theirs to absorb.
+            self._observe_prefill(r, forecast, max(ttft_s - r.overhead_s, 1e-6), finished_at)
         if completion_tokens is not None and completion_tokens >= 0:
             self._outputs.observe(model, tenant, completion_tokens)
         if prompt_chars is not None and prompt_tokens is not None:
             self._prompts.observe(model, prompt_chars, prompt_tokens)
+
+    def _observe_overhead(self, r: _Replica, snapshot: ReplicaSnapshot) -> None:
+        """Update ``r.overhead_ewma_s`` from one scrape window.
+
+        The forecast prices engine steps; a TTFT the caller measures (the gateway: dispatch to
+        first token back) also holds the HTTP hop and the replica server's own work, a few
+        milliseconds no step model learns. The replica reports its own TTFT (arrival to first
+        token); the mean of the caller's TTFTs of the requests whose first token came in the same
+        window (dispatch time + TTFT; the finish time when the forecast is unknown), less that
+        mean, measures the overhead without the forecast (so the step fit and the
+        overhead cannot feed each other). The replica's mean also counts other clients' requests
+        and the windows' edges differ by a request's decode time: an EWMA over windows smooths
+        that. Only with ``PredictionConfig.learn_dispatch_overhead``.
+        """
+        engine = snapshot.ttft_mean_s
+        cfg = self._config
+        if not cfg.learn_dispatch_overhead:
+            return
+        if engine is None or not math.isfinite(engine) or snapshot.window_s < cfg.overhead_min_window_s:
+            return
+        since = snapshot.taken_at - snapshot.window_s
+        mine = [t for at, t in r.ttfts if since <= at <= snapshot.taken_at]
+        if len(mine) < cfg.overhead_min_requests:
+            return
+        measured = sum(mine) / len(mine) - engine
+        r.overhead_windows += 1
+        # From 0, not from the first window: a short first window after start-up is the least
+        # trustworthy, and an overhead too large would teach the step fit steps too short.
+        r.overhead_ewma_s += cfg.overhead_weight * (measured - r.overhead_ewma_s)
 
     def _observe_prefill(self, r: _Replica, forecast: Forecast, ttft_s: float, at: float | None) -> None:
         """One step observation from a measured TTFT: the time left after the step it waited for.
@@ -334,7 +402,11 @@ class PredictionService:
             now=now,
             last_boundary=r.last_token_at,
         )
-        return forecast_request(request, state, r.model, self._config.forecast)
+        engine = forecast_request(request, state, r.model, self._config.forecast)
+        if r.overhead_s <= 0.0 or not math.isfinite(engine.ttft_s):
+            return dataclasses.replace(engine, made_at=now)
+        overhead = r.overhead_s
+        return dataclasses.replace(engine, ttft_s=engine.ttft_s + overhead, overhead_s=overhead, made_at=now)
 
     def _limits(self, r: _Replica | None) -> Limits:
         if r is None:
@@ -394,6 +466,7 @@ class PredictionService:
                 },
                 "background_prefill_tokens_per_step": r.load.prefill_tokens_per_step,
                 "prefill_share": r.load.prefill_share,
+                "dispatch_overhead_s": r.overhead_s,
             }
         return {"output_quantile": self._quantile, "replicas": replicas}
 

@@ -247,3 +247,67 @@ def test_config_validation(kwargs: dict[str, float]) -> None:
 def test_facts_validation(facts: dict[str, int]) -> None:
     with pytest.raises(ValueError, match="must be >= 1"):
         ReplicaFacts(**facts)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("gateway_ttft_s", "engine_ttft_s", "overhead_s"),
+    [(0.024, 0.021, 0.003), (0.020, 0.021, 0.0), (0.021, 0.021, 0.0)],
+    ids=["transport-adds-3ms", "never-negative", "no-transport"],
+)
+def test_dispatch_overhead_is_learned_from_the_replicas_own_ttft(
+    gateway_ttft_s: float, engine_ttft_s: float, overhead_s: float
+) -> None:
+    """The gateway's TTFTs against the replica's TTFT metric, window by window (EWMA from 0)."""
+    svc = PredictionService(config=PredictionConfig(learn_dispatch_overhead=True))
+    svc.set_replica("r0", H100)
+    engine = forecast(svc, [], now=0.5)
+    for second in range(1, 41):
+        for k in range(12):
+            svc.on_finished(
+                replica="r0",
+                model=MODEL,
+                tenant=None,
+                prompt_chars=None,
+                prompt_tokens=None,
+                completion_tokens=None,
+                finished_at=second - 1 + k / 12,
+                ttft_s=gateway_ttft_s,
+            )
+        snapshot = ReplicaSnapshot(
+            name="r0",
+            taken_at=float(second),
+            metrics_at=float(second),
+            window_s=10.0,
+            ttft_mean_s=engine_ttft_s,
+        )
+        svc.on_snapshot(snapshot)
+    replica = svc.describe()["replicas"]
+    assert isinstance(replica, dict)
+    assert replica["r0"]["dispatch_overhead_s"] == pytest.approx(overhead_s, abs=1e-4)
+    f = forecast(svc, [], now=40.5)
+    assert f.overhead_s == pytest.approx(overhead_s, abs=1e-4)
+    assert f.ttft_s == pytest.approx(engine.ttft_s + f.overhead_s, rel=0.02)
+
+
+def test_dispatch_overhead_is_off_by_default() -> None:
+    svc = service_with(H100)
+    engine = forecast(svc, [], now=0.5)
+    for second in range(1, 21):
+        svc.on_finished(
+            replica="r0",
+            model=MODEL,
+            tenant=None,
+            prompt_chars=None,
+            prompt_tokens=None,
+            completion_tokens=None,
+            finished_at=second - 0.5,
+            ttft_s=0.05,
+        )
+        svc.on_snapshot(
+            ReplicaSnapshot(
+                name="r0", taken_at=float(second), metrics_at=float(second), window_s=10.0, ttft_mean_s=0.02
+            )
+        )
+    f = forecast(svc, [], now=20.5)
+    assert f.overhead_s == 0.0
+    assert f.ttft_s == pytest.approx(engine.ttft_s, rel=0.02)

@@ -18,7 +18,7 @@ from predictor.calibrate import (
 )
 from predictor.hardware import GPUS, UNKNOWN_GPU
 from predictor.model import MODELS
-from predictor.step_model import ModelSource, StepBatch, StepModel, roofline_prior
+from predictor.step_model import ModelSource, StepBatch, StepModel, roofline_prior, unknown_step_model
 
 PRIOR_8B = roofline_prior(MODELS["Llama-3-8B"], GPUS["H100-SXM"])
 PRIOR_70B_TP4 = roofline_prior(MODELS["Llama-3-70B"], GPUS["H100-SXM"], tensor_parallel=4)
@@ -369,3 +369,22 @@ def test_ring_keeps_only_capacity_observations() -> None:
 def test_config_validation() -> None:
     with pytest.raises(ValueError, match="positive"):
         CalibrationConfig(half_life_s=0.0)
+
+
+@pytest.mark.parametrize(
+    ("true_knee", "chosen"),
+    [(0.0, 0.0), (256.0, 256.0), (512.0, 512.0)],
+    ids=["linear-machine-like-a-cpu", "gpu-knee-256", "gpu-knee-512"],
+)
+def test_without_a_prior_the_knee_is_learned(true_knee: float, chosen: float) -> None:
+    """Steps of a machine flat up to ``true_knee`` tokens then linear: the fit picks that knee."""
+    calibrator = StepCalibrator(unknown_step_model("unknown hardware"))
+    assert calibrator.knees == (0.0, 64.0, 128.0, 256.0, 512.0)
+    for i, tokens in enumerate([1, 8, 32, 100, 200, 300, 400, 600, 900, 1500, 2000, 50, 700, 1200] * 3):
+        batch = StepBatch(prefill_tokens=float(tokens), decode_seqs=0.0, kv_tokens_read=0.0)
+        step_s = 0.004 + 2e-5 * max(0.0, tokens - true_knee)
+        calibrator.observe_step(float(i), batch, step_s)
+    fit = calibrator.fit(50.0)
+    assert fit.model.params.knee_tokens == chosen
+    assert fit.report.mdape is not None
+    assert fit.report.mdape < 0.1  # the weak pull toward a constant step time costs a little

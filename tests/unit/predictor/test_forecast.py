@@ -453,3 +453,25 @@ def test_prefill_batch_is_what_the_prefill_part_of_ttft_prices(
     assert f.prefill_batch.prefill_tokens * f.prefill_steps == pytest.approx(sum(queue) + prompt)
     if f.prefill_steps == 1:  # one step: its mean composition is the step itself
         assert f.ttft_s == pytest.approx(MODEL.step_time(f.prefill_batch), rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("waiting", "waves"),
+    [(3, 0.0), (4, 0.25), (8, 1.25)],
+    ids=["queue-within-running-set", "one-beyond-running-set", "queue-twice-the-running-set"],
+)
+def test_a_queue_longer_than_the_running_set_waits_for_later_waves(waiting: int, waves: float) -> None:
+    """4 running, ``waiting`` queued ahead: beyond the 4th finisher, each further 4 take one
+    more full output (the longest remaining output, 200 steps)."""
+    state = state_of(
+        [1000] * 4,
+        [50] * waiting,
+        max_num_seqs=4,
+        release_steps=(10.0, 50.0, 100.0, 200.0),
+        release_kv_cumulative=(1000.0, 2000.0, 3000.0, 4000.0),
+        mean_remaining_output_tokens=90.0,
+    )
+    f = forecast_request(request(100, 10), state, MODEL)
+    need = min(4, waiting + 1)
+    expected_steps = state.release_steps[need - 1] + waves * 200.0
+    assert f.admission_wait_s == pytest.approx(expected_steps * _decode_step(state), rel=1e-9)

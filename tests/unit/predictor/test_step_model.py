@@ -9,8 +9,8 @@ import pytest
 from predictor.hardware import GPUS, lookup_gpu
 from predictor.model import MODELS
 from predictor.step_model import (
-    DEFAULT_KNEE_TOKENS,
     IDEAL,
+    UNKNOWN_KNEE_TOKENS,
     Efficiency,
     ModelSource,
     StepBatch,
@@ -95,7 +95,7 @@ def test_prior_is_invalid_without_facts(model: str | None, gpu: str | None, reas
     assert prior.reason is not None
     assert reason in prior.reason
     assert math.isnan(prior.step_time(StepBatch(decode_seqs=1)))
-    assert prior.params.knee_tokens == DEFAULT_KNEE_TOKENS
+    assert prior.params.knee_tokens == UNKNOWN_KNEE_TOKENS
 
 
 def test_features_dot_coefficients_is_step_time() -> None:
