@@ -67,6 +67,7 @@ from gateway.replicas.registry import LiveRequest, NoReplica, Replica, ReplicaRe
 from gateway.settings import Settings
 from gateway.sse import DONE, Event, EventSplitter
 from gateway.store import SettingsStore
+from gateway.tenancy import TENANT
 
 __all__ = ["DisconnectMonitor", "OutcomeListener", "Proxy", "RequestOutcome"]
 
@@ -485,14 +486,20 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
 
 
 def _forwarded(request: web.Request) -> CIMultiDict[str]:
-    """Headers for the replica: the client's minus hop-by-hop ones, plus ours."""
-    connection_listed = {
+    """Headers for the replica: the client's minus hop-by-hop ones, plus ours.
+
+    A tenant's API key authenticates it to Sluice, never to the replicas: once the tenancy
+    middleware has authenticated a tenant, the client's ``Authorization`` stays here.
+    """
+    skipped = {
         token.strip().lower() for token in request.headers.get("connection", "").split(",") if token.strip()
     }
+    if request.get(TENANT) is not None:
+        skipped.add("authorization")
     headers: CIMultiDict[str] = CIMultiDict(
         (k, v)
         for k, v in request.headers.items()
-        if k.lower() not in _NOT_FORWARDED_UP and k.lower() not in connection_listed
+        if k.lower() not in _NOT_FORWARDED_UP and k.lower() not in skipped
     )
     headers["Content-Type"] = "application/json"
     headers["Accept-Encoding"] = "identity"

@@ -146,6 +146,16 @@ async def test_without_tenants_any_key_passes_through(start_tenant_gateway: Star
     assert gw.tenancy.settles_started == 0  # nothing reserved, nothing to settle
 
 
+async def test_tenant_key_never_reaches_the_replica(start_tenant_gateway: StartTenantGateway) -> None:
+    """The key authenticates the tenant to Sluice only; the replica must not learn it."""
+    gw = await start_tenant_gateway(Scripted().answer)
+
+    resp = await gw.post(KEY_A)
+
+    assert resp.status == 200
+    assert "authorization" not in {k.lower() for k in gw.replica.seen[0].headers}
+
+
 async def test_reload_swaps_the_keys(start_tenant_gateway: StartTenantGateway) -> None:
     gw = await start_tenant_gateway(Scripted().answer)
     store = gw.app[STORE]
