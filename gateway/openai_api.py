@@ -12,9 +12,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from gateway.errors import InvalidRequest
+from gateway.errors import BodyTooLarge, ClientClosedRequest, InvalidRequest
 
 Endpoint = Literal["chat", "completions"]
 
@@ -72,6 +73,41 @@ class ParsedRequest:
     raw: bytes
     prompt_chars: int = 0
     prompt_token_ids: int | None = None
+
+
+#: The request's parsed body, cached by ``read_request``.
+PARSED = web.RequestKey("parsed_request", ParsedRequest)
+
+
+async def read_request(request: web.Request, endpoint: Endpoint, limit: int) -> ParsedRequest:
+    """The request's body read (at most ``limit`` bytes) and parsed, once per request.
+
+    The tenancy middleware and the proxy both need it; the first caller pays, later callers get
+    the same ``ParsedRequest``. Raises ``BodyTooLarge`` (413), ``ClientClosedRequest`` (a client
+    gone mid-body) or ``InvalidRequest`` (400).
+    """
+    parsed = request.get(PARSED)
+    if parsed is None:
+        parsed = parse_request(endpoint, await _read_body(request, limit))
+        request[PARSED] = parsed
+    return parsed
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    """The request body, at most ``limit`` bytes (the current setting) -> else 413.
+
+    aiohttp enforces the limit the application was built with (``client_max_size``); this also
+    enforces a smaller limit set by a later reload.
+    """
+    if request.content_length is not None and request.content_length > limit:
+        raise BodyTooLarge(f"request body is {request.content_length} bytes; the limit is {limit}")
+    try:
+        body = await request.read()
+    except ConnectionResetError:
+        raise ClientClosedRequest("the client closed the connection while sending the body") from None
+    if len(body) > limit:
+        raise BodyTooLarge(f"request body is {len(body)} bytes; the limit is {limit}")
+    return body
 
 
 def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:

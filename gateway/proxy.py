@@ -41,8 +41,6 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.errors import (
-    BodyTooLarge,
-    ClientClosedRequest,
     GatewayError,
     ModelNotFound,
     NoHealthyReplica,
@@ -59,7 +57,7 @@ from gateway.openai_api import (
     ParsedRequest,
     carries_tokens,
     is_usage_only_chunk,
-    parse_request,
+    read_request,
     upstream_body,
     usage_of,
 )
@@ -212,8 +210,7 @@ class Proxy:
         settings = self._store.current
         ticket: Ticket | None = None
         try:
-            raw = await _read_body(request, settings.server.max_body_bytes)
-            parsed = parse_request(endpoint, raw)
+            parsed = await read_request(request, endpoint, settings.server.max_body_bytes)
             outcome.model, outcome.stream = parsed.model, parsed.stream
             if self._admission is not None:
                 ticket = await self._admission.admit(request, parsed, outcome, watch=self._disconnects.watch)
@@ -466,23 +463,6 @@ class Proxy:
         response.force_close()
         with contextlib.suppress(ConnectionResetError):
             await response.write(sse_error_event(err))
-
-
-async def _read_body(request: web.Request, limit: int) -> bytes:
-    """The request body, at most ``limit`` bytes (the current setting) -> else 413.
-
-    aiohttp enforces the limit the application was built with (``client_max_size``); this also
-    enforces a smaller limit set by a later reload.
-    """
-    if request.content_length is not None and request.content_length > limit:
-        raise BodyTooLarge(f"request body is {request.content_length} bytes; the limit is {limit}")
-    try:
-        body = await request.read()
-    except ConnectionResetError:
-        raise ClientClosedRequest("the client closed the connection while sending the body") from None
-    if len(body) > limit:
-        raise BodyTooLarge(f"request body is {len(body)} bytes; the limit is {limit}")
-    return body
 
 
 def _forwarded(request: web.Request) -> CIMultiDict[str]:

@@ -65,8 +65,6 @@ from aiohttp.typedefs import Handler
 
 from gateway.admission.fairness import TokenWeights
 from gateway.errors import (
-    BodyTooLarge,
-    ClientClosedRequest,
     GatewayError,
     RateLimitStorageUnavailable,
     TenantRateLimited,
@@ -84,7 +82,7 @@ from gateway.limits.base import (
 from gateway.limits.config import LimitsSettings
 from gateway.limits.factory import build_limiter
 from gateway.observability.logs import OUTCOME, RequestOutcome
-from gateway.openai_api import ENDPOINT_PATHS, Endpoint, ParsedRequest, parse_request
+from gateway.openai_api import ENDPOINT_PATHS, Endpoint, ParsedRequest, read_request
 from gateway.prediction.service import PredictionService
 from gateway.settings import ReplicaSettings, Settings
 from gateway.store import SettingsStore
@@ -366,20 +364,6 @@ def is_admin_path(path: str) -> bool:
     return path in ("/metrics", "/sluice/v1") or path.startswith(("/metrics/", "/sluice/v1/"))
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The request body, at most ``limit`` bytes (-> ``BodyTooLarge``); aiohttp keeps it, so the
-    proxy's own read returns the same bytes. A client gone mid-body -> ``ClientClosedRequest``."""
-    if request.content_length is not None and request.content_length > limit:
-        raise BodyTooLarge(f"request body is {request.content_length} bytes; the limit is {limit}")
-    try:
-        body = await request.read()
-    except ConnectionResetError:
-        raise ClientClosedRequest("the client closed the connection while sending the body") from None
-    if len(body) > limit:
-        raise BodyTooLarge(f"request body is {len(body)} bytes; the limit is {limit}")
-    return body
-
-
 # -- the live part -----------------------------------------------------------------------------------
 
 
@@ -529,8 +513,7 @@ class Tenancy:
     ) -> Held:
         settings = self._store.current
         try:
-            raw = await read_body(request, settings.server.max_body_bytes)
-            parsed = parse_request(endpoint, raw)
+            parsed = await read_request(request, endpoint, settings.server.max_body_bytes)
         except GatewayError as err:
             outcome.status, outcome.error = err.status, err.code
             raise
