@@ -85,6 +85,20 @@ class RequestOutcome:
         return self.first_token_at - self.dispatched_at
 
     @property
+    def tpot_s(self) -> float | None:
+        """Mean seconds per output token after the first, for a stream that ended without error.
+
+        ``None`` for non-streamed answers, errors, or fewer than two completion tokens (the
+        replica's usage count; the SSE event count is not a token count on every engine).
+        """
+        tokens = self.completion_tokens
+        if self.first_token_at is None or self.finished_at is None or self.error is not None:
+            return None
+        if tokens is None or tokens < 2:
+            return None
+        return max(0.0, self.finished_at - self.first_token_at) / (tokens - 1)
+
+    @property
     def duration_s(self) -> float | None:
         """Seconds from receipt by the gateway until the response (or stream) fully ended."""
         if self.finished_at is None:
@@ -155,22 +169,40 @@ async def add_request_id_header(request: web.BaseRequest, response: web.StreamRe
     response.headers[REQUEST_ID_HEADER] = request_id
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
 def access_fields(outcome: RequestOutcome) -> dict[str, Any]:
-    """The access line's fields, in print order; durations in milliseconds, rounded to 0.1."""
-    duration = outcome.duration_s
-    ttft = outcome.ttft_s
+    """The access line's fields, in print order; durations in milliseconds, rounded to 0.1.
+
+    Who (request id, tenant, class), where (replica, model), what was decided and why (decision,
+    reason, queue wait, Retry-After), how it went (status, error, predicted against actual TTFT
+    and TPOT) and what it cost (tokens in and out). Never prompt text or keys: only the tenant's
+    name, which the tenants section of the config defines.
+    """
     return {
         "request_id": outcome.request_id,
         "method": outcome.method,
         "path": outcome.path,
         "status": outcome.status,
+        "tenant": outcome.tenant,
+        "class": outcome.request_class,
+        "decision": outcome.decision,
+        "reason": outcome.reason,
         "replica": outcome.replica,
         "model": outcome.model,
         "stream": outcome.stream,
-        "duration_ms": None if duration is None else round(duration * 1000, 1),
-        "ttft_ms": None if ttft is None else round(ttft * 1000, 1),
+        "duration_ms": _ms(outcome.duration_s),
+        "queue_wait_ms": _ms(outcome.queue_wait_s),
+        "retry_after_ms": _ms(outcome.retry_after_s),
+        "predicted_ttft_ms": _ms(outcome.predicted_ttft_s),
+        "ttft_ms": _ms(outcome.ttft_s),
+        "predicted_tpot_ms": _ms(outcome.predicted_tpot_s),
+        "tpot_ms": _ms(outcome.tpot_s),
         "prompt_tokens": outcome.prompt_tokens,
         "completion_tokens": outcome.completion_tokens,
+        "tokens_streamed": outcome.tokens_streamed,
         "error": outcome.error,
     }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -48,15 +49,89 @@ def test_access_fields() -> None:
         "method": "POST",
         "path": "/v1/chat/completions",
         "status": 200,
+        "tenant": None,
+        "class": None,
+        "decision": None,
+        "reason": None,
         "replica": "r1",
         "model": MODEL,
         "stream": True,
         "duration_ms": 250.4,
+        "queue_wait_ms": None,
+        "retry_after_ms": None,
+        "predicted_ttft_ms": None,
         "ttft_ms": 50.0,
+        "predicted_tpot_ms": None,
+        # (10.2504 - 10.051) / (3 - 1) s
+        "tpot_ms": 99.7,
         "prompt_tokens": 7,
         "completion_tokens": 3,
+        "tokens_streamed": 0,
         "error": None,
     }
+
+
+def test_access_fields_carry_the_admission_decision() -> None:
+    admitted = replace(
+        OUTCOME,
+        tenant="team-a",
+        request_class="interactive",
+        decision="admitted",
+        queue_wait_s=0.0123,
+        predicted_ttft_s=0.0421,
+        predicted_tpot_s=0.0987,
+        tokens_streamed=3,
+    )
+    rejected = RequestOutcome(
+        request_id="rid-2",
+        method="POST",
+        path="/v1/chat/completions",
+        received_at=10.0,
+        status=429,
+        tenant="team-b",
+        request_class="batch",
+        decision="rejected",
+        reason="slo_unattainable",
+        retry_after_s=1.75,
+        predicted_ttft_s=2.5,
+        finished_at=10.002,
+    )
+
+    got = access_fields(admitted)
+    assert (got["tenant"], got["class"], got["decision"], got["reason"]) == (
+        "team-a",
+        "interactive",
+        "admitted",
+        None,
+    )
+    assert (got["queue_wait_ms"], got["predicted_ttft_ms"], got["predicted_tpot_ms"]) == (12.3, 42.1, 98.7)
+    assert (got["tokens_streamed"], got["tpot_ms"]) == (3, 99.7)
+    got = access_fields(rejected)
+    assert (got["status"], got["decision"], got["reason"], got["retry_after_ms"]) == (
+        429,
+        "rejected",
+        "slo_unattainable",
+        1750.0,
+    )
+    assert (got["replica"], got["ttft_ms"], got["tpot_ms"], got["predicted_ttft_ms"]) == (
+        None,
+        None,
+        None,
+        2500.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        pytest.param({"error": "client_disconnected"}, "a cut stream", id="error"),
+        pytest.param({"completion_tokens": 1}, "one token has no gap", id="one-token"),
+        pytest.param({"completion_tokens": None}, "no usage reported", id="no-usage"),
+        pytest.param({"first_token_at": None}, "not a stream", id="no-first-token"),
+    ],
+)
+def test_no_tpot_without_a_complete_stream(change: dict[str, Any], why: str) -> None:
+    assert replace(OUTCOME, **change).tpot_s is None, why
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ admin guard, reloads, and keys kept out of logs and metrics. The limiter is a re
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 from collections.abc import AsyncIterator
@@ -479,6 +480,36 @@ async def test_keys_never_reach_logs_or_metrics(
     assert "access" in logged  # the access lines were captured, with their fields
     leaked = [s for s in secrets if s in logged or s in metrics or s in repr(gw.tenancy.authenticator)]
     assert leaked == []
+
+
+async def test_access_line_says_who_what_and_why_without_the_prompt(
+    start_tenant_gateway: StartTenantGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One JSON access line per request with tenant, class, decision and reason (issue 6.5)."""
+    gw = await start_tenant_gateway(
+        Scripted().answer, settings=lambda url: tenancy_settings(url, limits=TIGHT)
+    )
+    secret_prompt = "the-launch-code-is-0000"
+    body = {**COMPLETION, "prompt": secret_prompt}
+
+    with caplog.at_level(logging.INFO, logger="sluice.access"):
+        statuses = [(await gw.post(KEY_A, body=body)).status for _ in range(3)]
+        await gw.tenancy.drain()
+
+    assert statuses == [200, 200, 429]
+    lines = [json.loads(JsonFormatter().format(r)) for r in caplog.records if r.name == "sluice.access"]
+    assert [line["status"] for line in lines] == statuses
+    admitted, _, limited = lines
+    assert (admitted["tenant"], admitted["decision"], admitted["replica"]) == ("team-a", "admitted", "r1")
+    assert admitted["class"] is not None
+    assert (admitted["prompt_tokens"], admitted["completion_tokens"]) == (PROMPT_TOKENS, 10)
+    assert (limited["tenant"], limited["decision"], limited["replica"]) == ("team-a", "rejected", None)
+    # The tenant's bucket refused it before any class was chosen; Retry-After is the exact refill.
+    assert (limited["class"], limited["reason"], limited["retry_after_ms"]) == (None, "tokens", 600.0)
+    assert limited["error"] == "rate_limit_exceeded"
+    logged = "\n".join(json.dumps(line) for line in lines)
+    assert secret_prompt not in logged
+    assert KEY_A not in logged
 
 
 # -- the error classes -------------------------------------------------------------------------------
