@@ -1,4 +1,8 @@
-"""The OpenAI request shapes Sluice reads: validation, the forwarded body, usage and model lists.
+"""The request shapes Sluice reads: validation, the forwarded body, usage and model lists.
+
+OpenAI routes (``/v1/chat/completions``, ``/v1/completions``) and TGI's native ones
+(``/generate``, ``/generate_stream``: their shapes are in ``gateway.tgi_api``) all become one
+``ParsedRequest``, which admission, tenancy and the proxy read.
 
 Only the fields the gateway acts on are checked (``model``, ``messages`` / ``prompt``,
 ``stream``, ``stream_options``, ``max_tokens``); everything else passes through untouched for the
@@ -8,22 +12,29 @@ replica to judge. Malformed input raises ``InvalidRequest`` (400) naming the off
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from gateway.errors import BodyTooLarge, ClientClosedRequest, InvalidRequest
+from gateway.errors import BodyTooLarge, ClientClosedRequest, InvalidRequest, ModelNotFound
+from gateway.tgi_api import JSON_TOO_COMPLEX, TGI_ENGINE, json_bytes, parse_generate, upstream_generate_body
 
-Endpoint = Literal["chat", "completions"]
+Endpoint = Literal["chat", "completions", "generate", "generate_stream"]
 
-#: Upstream path per endpoint.
+#: Upstream path per endpoint (the gateway serves each on the same path).
 ENDPOINT_PATHS: Mapping[Endpoint, str] = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
+    "generate": "/generate",
+    "generate_stream": "/generate_stream",
 }
+#: TGI's native endpoints: only replicas whose engine is TGI serve them.
+NATIVE_ENDPOINTS: frozenset[Endpoint] = frozenset({"generate", "generate_stream"})
+#: Header that picks the model of a native TGI request when the TGI replicas serve several.
+MODEL_HEADER = "x-sluice-model"
 
 
 class _StreamOptions(BaseModel):
@@ -73,10 +84,22 @@ class ParsedRequest:
     raw: bytes
     prompt_chars: int = 0
     prompt_token_ids: int | None = None
+    #: The engine its replica must run (``"tgi"`` for the native TGI routes); ``None``: any.
+    engine: str | None = None
+    #: Native TGI routes: the client itself asked for ``parameters.details``.
+    details: bool = False
+
+    @property
+    def native(self) -> bool:
+        """True for TGI's native routes (``/generate``, ``/generate_stream``)."""
+        return self.endpoint in NATIVE_ENDPOINTS
 
 
 #: The request's parsed body, cached by ``read_request``.
 PARSED = web.RequestKey("parsed_request", ParsedRequest)
+#: ``models(engine)``: the ids of the models that healthy replicas running ``engine`` serve
+#: (the app installs the registry's; a native TGI request is routed to the one model they have).
+ENGINE_MODELS: web.AppKey[Callable[[str], list[str]]] = web.AppKey("engine_models")
 
 
 async def read_request(request: web.Request, endpoint: Endpoint, limit: int) -> ParsedRequest:
@@ -88,9 +111,52 @@ async def read_request(request: web.Request, endpoint: Endpoint, limit: int) -> 
     """
     parsed = request.get(PARSED)
     if parsed is None:
-        parsed = parse_request(endpoint, await _read_body(request, limit))
+        raw = await _read_body(request, limit)
+        if endpoint in NATIVE_ENDPOINTS:
+            models = request.config_dict.get(ENGINE_MODELS)
+            served = models(TGI_ENGINE) if models is not None else []
+            model = resolve_native_model(served, request.headers.get(MODEL_HEADER))
+            parsed = parse_native(endpoint, raw, model)
+        else:
+            parsed = parse_request(endpoint, raw)
         request[PARSED] = parsed
     return parsed
+
+
+def resolve_native_model(served: list[str], asked: str | None) -> str:
+    """The model a native TGI request goes to: the one the TGI replicas serve, or the one the
+    ``x-sluice-model`` header names among them. Raises ``ModelNotFound`` (404) when none serves it
+    and ``InvalidRequest`` (400) when several models leave the choice open."""
+    if asked is not None:
+        if asked in served:
+            return asked
+        raise ModelNotFound(f"no TGI replica serves the model `{asked}`", param=MODEL_HEADER)
+    if len(served) == 1:
+        return served[0]
+    if not served:
+        raise ModelNotFound("no healthy TGI replica: the native /generate routes need one")
+    choices = ", ".join(sorted(served))
+    raise InvalidRequest(
+        f"the TGI replicas serve several models ({choices}); name one in the {MODEL_HEADER} header",
+        param=MODEL_HEADER,
+    )
+
+
+def parse_native(endpoint: Endpoint, raw: bytes, model: str) -> ParsedRequest:
+    """A ``/generate`` or ``/generate_stream`` body as a ``ParsedRequest`` for ``model``."""
+    body, max_new_tokens, stream, details = parse_generate(raw, streaming_route=endpoint == "generate_stream")
+    return ParsedRequest(
+        endpoint=endpoint,
+        model=model,
+        stream=stream,
+        include_usage=False,
+        max_tokens=max_new_tokens,
+        body=body,
+        raw=raw,
+        prompt_chars=len(body["inputs"]),
+        engine=TGI_ENGINE,
+        details=details,
+    )
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
@@ -111,11 +177,16 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
 
 
 def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
-    """Decode and validate one request body; raises ``InvalidRequest`` with the field as ``param``."""
+    """Decode and validate one OpenAI request body; raises ``InvalidRequest`` with the field as
+    ``param``. (Native TGI bodies go through ``parse_native``.)"""
+    if endpoint in NATIVE_ENDPOINTS:
+        raise ValueError(f"{endpoint} is a native TGI endpoint: use parse_native")
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError):  # an integer over 4300 digits, nesting too deep
+        raise InvalidRequest(JSON_TOO_COMPLEX) from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     try:
@@ -196,12 +267,16 @@ def upstream_body(request: ParsedRequest) -> bytes:
     ``stream_options.include_usage = true``; the proxy strips that usage chunk from the client's
     stream when the client did not ask for it.
     """
+    if request.native:
+        return upstream_generate_body(
+            request.body, request.raw, stream=request.stream, details=request.details
+        )
     if not request.stream or request.include_usage:
         return request.raw
     body = dict(request.body)
     options = body.get("stream_options")
     body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-    return json.dumps(body, ensure_ascii=False).encode()
+    return json_bytes(body)
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,6 +66,14 @@ from gateway.settings import Settings
 from gateway.sse import DONE, Event, EventSplitter
 from gateway.store import SettingsStore
 from gateway.tenancy import TENANT
+from gateway.tgi_api import (
+    error_event,
+    generated_tokens,
+    input_tokens,
+    is_final_event,
+    is_token_event,
+    without_details,
+)
 
 __all__ = ["DisconnectMonitor", "OutcomeListener", "Proxy", "RequestOutcome"]
 
@@ -172,6 +180,8 @@ class _Exchange:
     live: LiveRequest
     #: The client's stream response, once one was created.
     response: web.StreamResponse | None = None
+    #: A native TGI stream delivered its final event (or an error event, after which TGI stops).
+    stream_done: bool = False
 
 
 class Proxy:
@@ -217,7 +227,7 @@ class Proxy:
                 replica = ticket.replica
                 admitted = Admitted(ticket.live, ticket.forecast, ticket.headers)
             else:
-                replica = self._pick(parsed.model, settings)
+                replica = self._pick(parsed.model, settings, parsed.engine)
                 admitted = self._admit(request, replica, parsed)
         except GatewayError as err:
             # Refused before dispatch (bad body, unknown model, admission): still an outcome.
@@ -252,8 +262,8 @@ class Proxy:
         request[PREDICTION_HEADERS] = admitted.headers
         return admitted
 
-    def _pick(self, model: str, settings: Settings) -> Replica:
-        picked = self._registry.pick(model)
+    def _pick(self, model: str, settings: Settings, engine: str | None) -> Replica:
+        picked = self._registry.pick(model, engine=engine)
         if picked is NoReplica.UNKNOWN_MODEL:
             raise ModelNotFound(f"the model `{model}` does not exist", param="model")
         if picked is NoReplica.NONE_HEALTHY:
@@ -393,7 +403,13 @@ class Proxy:
         body = await self._read_upstream(ex, upstream)
         ex.outcome.status = upstream.status
         with contextlib.suppress(ValueError):
-            _record_usage(ex.outcome, json.loads(body), ex.live)
+            payload = json.loads(body)
+            if ex.parsed.native:
+                _record_native_usage(ex.outcome, payload, ex.live)
+            else:
+                _record_usage(ex.outcome, payload, ex.live)
+        if ex.parsed.native and not ex.parsed.details:
+            body = without_details(body)  # Sluice asked for them; the client did not
         return web.Response(status=upstream.status, body=body, headers=_relayed(upstream.headers))
 
     async def _relay_stream(
@@ -403,15 +419,23 @@ class Proxy:
         await response.prepare(ex.request)
         ex.outcome.status = response.status
         splitter = EventSplitter()
+        native = ex.parsed.native
+        inspect = self._inspect_native if native else self._inspect
         done = False
         try:
             while chunk := await self._next_chunk(ex, upstream):
                 for event in splitter.feed(chunk):
-                    done = done or event.data == DONE
-                    if self._inspect(ex, event):
+                    if native:
+                        relay = inspect(ex, event)
+                        done = ex.stream_done
+                    else:
+                        done = done or event.data == DONE
+                        relay = inspect(ex, event)
+                    if relay:
                         await response.write(event.raw)
             if not done:
-                raise UpstreamError(f"replica {ex.replica.name} ended the stream before [DONE]")
+                last = "its final event" if native else "[DONE]"
+                raise UpstreamError(f"replica {ex.replica.name} ended the stream before {last}")
         except UpstreamError as err:
             await self._end_with_error(ex, response, err)
         return response
@@ -457,12 +481,48 @@ class Proxy:
         _record_usage(outcome, payload, ex.live)
         return ex.parsed.include_usage or not is_usage_only_chunk(payload)
 
+    def _inspect_native(self, ex: _Exchange, event: Event) -> bool:
+        """``_inspect`` for a TGI ``/generate_stream``: one event per generated token, the last
+        one with ``generated_text`` (and ``details`` when the client asked). Always relayed.
+
+        The hot path: a token event after the first (``"generated_text":null``, as TGI's serde
+        writes it) is counted without parsing.
+        """
+        data = event.data
+        if data is None:
+            return True
+        live = ex.live
+        if ex.outcome.first_token_at is not None and '"generated_text":null' in data:
+            live.tokens_streamed += 1
+            live.last_token_at = self._clock()
+            return True
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            return True
+        if is_token_event(payload):
+            now = self._clock()
+            live.tokens_streamed += 1
+            live.last_token_at = now
+            if ex.outcome.first_token_at is None:
+                ex.outcome.first_token_at = now
+        if is_final_event(payload):
+            ex.stream_done = True
+            _record_native_usage(ex.outcome, payload, live)
+            if ex.outcome.completion_tokens is None:
+                ex.outcome.completion_tokens = live.tokens_streamed
+        elif isinstance(payload, dict) and "error" in payload:
+            ex.outcome.error = "upstream_error"
+            ex.stream_done = True  # TGI ends the stream after an error event
+        return True
+
     async def _end_with_error(self, ex: _Exchange, response: web.StreamResponse, err: UpstreamError) -> None:
         ex.outcome.error = err.code
         log_error(err, ex.request.get(REQUEST_ID))
         response.force_close()
+        event = error_event(err.message, err.code or err.error_type) if ex.parsed.native else sse_error_event(err)
         with contextlib.suppress(ConnectionResetError):
-            await response.write(sse_error_event(err))
+            await response.write(event)
 
 
 def _forwarded(request: web.Request) -> CIMultiDict[str]:
@@ -505,6 +565,17 @@ def _record_usage(outcome: RequestOutcome, payload: object, live: LiveRequest) -
         outcome.completion_tokens = usage.completion_tokens
 
 
+def _record_native_usage(outcome: RequestOutcome, payload: object, live: LiveRequest) -> None:
+    """Token counts from a TGI answer's ``details`` (generated tokens; the prompt when told)."""
+    produced = generated_tokens(payload)
+    if produced is not None:
+        outcome.completion_tokens = produced
+    prompt = input_tokens(payload)
+    if prompt is not None:
+        outcome.prompt_tokens = prompt
+        live.prompt_tokens = prompt
+
+
 def _error_message(body: bytes) -> str | None:
     """The ``error.message`` (or ``message``) of a replica's JSON error body, if it has one."""
     try:
@@ -516,6 +587,8 @@ def _error_message(body: bytes) -> str | None:
     error = payload.get("error")
     if isinstance(error, Mapping) and isinstance(error.get("message"), str):
         return str(error["message"])
+    if isinstance(error, str):  # TGI: {"error": "...", "error_type": "..."}
+        return error
     message = payload.get("message")
     return message if isinstance(message, str) else None
 

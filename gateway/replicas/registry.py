@@ -105,6 +105,8 @@ class Replica:
         self.retired = False
         #: Why the last check failed (for ``/readyz`` and the transition log).
         self.last_error: str | None = None
+        #: The engine found by probing the replica, when its ``backend`` is ``auto``.
+        self.detected_engine: str | None = None
 
     @property
     def name(self) -> str:
@@ -146,7 +148,17 @@ class Replica:
             log.warning("replica %s (%s) is unhealthy: %s", self.name, self.base_url, self.last_error or "?")
         return state
 
-    def serves(self, model: str) -> bool:
+    @property
+    def engine(self) -> str | None:
+        """The engine it runs (``vllm``, ``tgi``, ``sglang``): as configured, or as detected when
+        configured ``auto`` (``None`` until detected)."""
+        declared = str(self.settings.backend)
+        return self.detected_engine if declared == "auto" else declared
+
+    def serves(self, model: str, engine: str | None = None) -> bool:
+        """It serves ``model`` (and runs ``engine``, when one is required)."""
+        if engine is not None and self.engine != engine:
+            return False
         return self.models is not None and model in self.models
 
     def in_flight(self) -> tuple[InFlight, ...]:
@@ -284,13 +296,14 @@ class ReplicaRegistry:
     def healthy(self) -> list[Replica]:
         return [r for r in self._replicas.values() if r.state == ReplicaState.HEALTHY]
 
-    def pick(self, model: str) -> Replica | NoReplica:
+    def pick(self, model: str, *, engine: str | None = None) -> Replica | NoReplica:
         """The replica for a request on ``model`` (least outstanding, ties round robin), or why not.
 
-        ``UNKNOWN_MODEL`` only when every replica's model list is known and none serves it;
-        when some replica's list was never fetched, the model might be there: ``NONE_HEALTHY``.
+        ``engine``: only replicas running it (TGI's native routes). ``UNKNOWN_MODEL`` only when
+        every replica's model list is known and none serves it; when some replica's list was
+        never fetched, the model might be there: ``NONE_HEALTHY``.
         """
-        candidates = [r for r in self.healthy() if r.serves(model)]
+        candidates = [r for r in self.healthy() if r.serves(model, engine)]
         if not candidates:
             return self._why_none(model)
         least = min(r.outstanding for r in candidates)
@@ -330,6 +343,11 @@ class ReplicaRegistry:
         if replica.retired:
             return None
         return replica.record(False, self._store.current.health, error=error)
+
+    def engine_models(self, engine: str) -> list[str]:
+        """Ids of the models healthy replicas running ``engine`` serve, sorted, each once."""
+        found = {m for r in self.healthy() if r.engine == engine and r.models is not None for m in r.models}
+        return sorted(found)
 
     def healthy_models(self) -> list[Mapping[str, ModelCard]]:
         """Model lists of the healthy replicas, in configuration order."""
