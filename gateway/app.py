@@ -18,9 +18,14 @@ Every proxied response carries the forecast made for it (``x-sluice-replica``,
 ``x-sluice-predicted-ttft-ms``, ``x-sluice-predicted-tpot-ms``, ``x-sluice-prediction``), and
 ``GET /sluice/v1/replicas`` shows each replica's state, last snapshot and fitted step model.
 
-``run_gateway(store)`` serves it on ``server.host:server.port`` until SIGINT/SIGTERM, then stops
-accepting, gives in-flight requests ``server.shutdown_grace_s`` seconds, and tears everything
-down (so the emulators it started stop with it).
+The admin routes (``/metrics``, ``/metrics/replicas``, ``/sluice/v1/*``) are placed by
+``gateway.admin.install_admin``: on the public listener (the default), or only on a separate
+admin listener when ``admin.port`` is set (then 404 on the public one), behind the admin token
+when one is configured. ``/healthz`` and ``/readyz`` are always public.
+
+``run_gateway(store)`` serves it on ``server.host:server.port`` (and the admin listener, if any)
+until SIGINT/SIGTERM, then stops accepting, gives in-flight requests ``server.shutdown_grace_s``
+seconds, and tears everything down (so the emulators it started stop with it).
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 import aiohttp
 from aiohttp import web
 
+from gateway.admin import ADMIN_LISTENER, install_admin
 from gateway.errors import error_middleware
 from gateway.forecasts import LivePredictions, add_prediction_headers
 from gateway.live_admission import LiveAdmission
@@ -120,13 +126,18 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)
+    # Always public, never guarded: load balancers probe them without credentials.
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
-    # Admin view, on the public listener for now: issue 5 moves admin endpoints behind their own
-    # protection (a separate listener or an admin token). It exposes no secrets, only load and fits.
-    app.router.add_get("/sluice/v1/replicas", _replicas_view)
-    install_metrics(app)
+    # Before install_tenancy: the admin guard runs ahead of the tenants' middleware.
+    admin_app = install_admin(app, store)
+    admin_app.router.add_get("/sluice/v1/replicas", _replicas_view(app))
+    install_metrics(app, serve_on=admin_app)
     install_tenancy(app)
+    listener = app.get(ADMIN_LISTENER)
+    if listener is not None:
+        # Last: it serves once everything it reads is up, and stops first.
+        app.cleanup_ctx.append(listener.lifecycle)
     return app
 
 
@@ -253,10 +264,15 @@ async def _readyz(request: web.Request) -> web.Response:
     return web.json_response({"ready": ready, "replicas": registry.describe()}, status=200 if ready else 503)
 
 
-async def _replicas_view(request: web.Request) -> web.Response:
-    """Admin: every replica's state, in-flight requests, last snapshot summary, and the prediction
-    service's per-replica facts, fitted parameters and fit error."""
-    return web.json_response(request.app[PREDICTIONS].describe())
+def _replicas_view(app: web.Application) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """Admin ``GET /sluice/v1/replicas`` for ``app`` (served on ``app`` or on the admin listener)."""
+
+    async def handler(request: web.Request) -> web.Response:
+        """Every replica's state, in-flight requests, last snapshot summary, and the prediction
+        service's per-replica facts, fitted parameters and fit error."""
+        return web.json_response(app[PREDICTIONS].describe())
+
+    return handler
 
 
 def _reloader_ctx(

@@ -1,4 +1,4 @@
-"""The `sluice` command line: serve, check-config, hash-key, sim.
+"""The `sluice` command line: serve, check-config, hash-key, sim (``--engine vllm|tgi|sglang``).
 
 Exit codes: 0 success, 1 runtime failure, 2 usage or configuration error.
 """
@@ -43,17 +43,18 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser(
         "hash-key",
-        help="print the hash of an API key (read from stdin) for tenants.*.api_keys",
+        help="print the hash of an API key or the admin token (read from stdin)",
         description="Read one API key from stdin (a prompt that does not echo when stdin is a "
         "terminal; surrounding whitespace and the trailing newline are dropped) and print the "
-        "sha256:<hex> hash that api_keys, the keys file and auth.admin_token_hash hold. The key "
+        "sha256:<hex> hash that api_keys, the keys file and admin.token_sha256 hold. The key "
         "itself is never printed.",
     )
 
     sim = sub.add_parser(
         "sim",
-        help="run a vLLM-compatible replica emulator",
-        description="Run one emulated vLLM replica (OpenAI API, SSE, /metrics) in the foreground.",
+        help="run a replica emulator (vLLM, or TGI/SGLang with --engine)",
+        description="Run one emulated replica (OpenAI API, SSE, /metrics) of vLLM, TGI or SGLang "
+        "(--engine) in the foreground.",
         add_help=False,
     )
     sim.add_argument("args", nargs=argparse.REMAINDER, help="see `sluice sim --help`")
@@ -114,8 +115,10 @@ def _serve(config: Path | None) -> int:
     except EmulatorStartError as exc:
         print(f"sluice: {exc}", file=sys.stderr)
         return EXIT_FAILURE
-    except OSError as exc:  # the listener could not bind (port in use, permission)
+    except OSError as exc:  # a listener could not bind (port in use, permission)
         where = f"{settings.server.host}:{settings.server.port}"
+        if settings.admin.port is not None:
+            where += f" (admin listener {settings.admin.host}:{settings.admin.port})"
         print(f"sluice: cannot serve on {where}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     return EXIT_OK
@@ -164,6 +167,13 @@ print(r.choices[0].message.content, r.usage)'
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `sluice` console script; returns the process exit code."""
+    raw = sys.argv[1:] if argv is None else argv
+    if raw[:1] == ["sim"]:
+        # Everything after `sim` is the emulator's own command line: argparse's REMAINDER would
+        # refuse the options (`--profile ...`) that come before any positional.
+        from simulator.server import main as sim_main
+
+        return sim_main(raw[1:])
     args = _parser().parse_args(argv)
     if args.command == "check-config":
         return _check_config(args.file)

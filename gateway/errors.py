@@ -20,6 +20,7 @@ import math
 from typing import Any, ClassVar
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler, Middleware
 
 from gateway.admission.decision import Reject, RejectReason
@@ -297,7 +298,8 @@ def error_middleware() -> Middleware:
     """Middleware factory: every exception leaving a handler becomes our JSON error response.
 
     ``GatewayError`` -> its response; aiohttp ``HTTPException`` with status >= 400 -> converted;
-    anything else -> generic 500 with the traceback logged. Cancellation is not caught.
+    aiohttp's ``RequestPayloadError`` (a body it cannot decode) -> 400; anything else -> generic
+    500 with the traceback logged. Cancellation is not caught.
     """
 
     @web.middleware
@@ -311,6 +313,14 @@ def error_middleware() -> Middleware:
             if exc.status < 400:
                 raise
             converted = from_http_exception(exc)
+            log_error(converted, request_id_of(request))
+            return error_response(converted)
+        except web.RequestPayloadError as exc:
+            # A body aiohttp could not decode while the handler read it (corrupt gzip or deflate
+            # data, broken chunking): the client's fault, a 400, never a 500.
+            cause = exc.__cause__
+            detail = cause.message if isinstance(cause, HttpProcessingError) else "cannot be decoded"
+            converted = InvalidRequest(f"malformed request body: {detail}")
             log_error(converted, request_id_of(request))
             return error_response(converted)
         except Exception:
@@ -383,3 +393,19 @@ class RateLimitStorageUnavailable(GatewayError):
 
     def headers(self) -> dict[str, str]:
         return retry_after_headers(self.retry_after_s)
+
+
+#: The RFC 6750 challenge of a 401 from an admin route (``realm`` tells it from a tenant's 401).
+ADMIN_CHALLENGE = 'Bearer realm="sluice-admin"'
+
+
+def admin_token_required() -> Unauthenticated:
+    """401 for ``/metrics``, ``/metrics/*`` or ``/sluice/v1/*`` without the admin token (absent,
+    malformed or wrong: one answer, so a caller learns nothing about which). ``code``
+    ``invalid_admin_token``; the message names the setting, never a token or its hash."""
+    return Unauthenticated(
+        "This endpoint needs the admin token: Authorization: Bearer <admin token> "
+        "(admin.token_sha256, or tenants.auth.admin_token_hash).",
+        www_authenticate=ADMIN_CHALLENGE,
+        code="invalid_admin_token",
+    )

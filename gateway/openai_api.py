@@ -35,6 +35,9 @@ ENDPOINT_PATHS: Mapping[Endpoint, str] = {
 NATIVE_ENDPOINTS: frozenset[Endpoint] = frozenset({"generate", "generate_stream"})
 #: Header that picks the model of a native TGI request when the TGI replicas serve several.
 MODEL_HEADER = "x-sluice-model"
+#: Largest ``max_tokens`` accepted (2**53 - 1, the largest integer a float holds exactly): admission
+#: computes with floats, and a larger cap than any context changes nothing. Larger is a 400.
+MAX_TOKENS_LIMIT = 2**53 - 1
 
 
 class _StreamOptions(BaseModel):
@@ -49,8 +52,9 @@ class _Common(BaseModel):
     model: Annotated[StrictStr, Field(min_length=1)]
     stream: StrictBool | None = None
     stream_options: _StreamOptions | None = None
-    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
-    max_completion_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    # At least 1, as vLLM and OpenAI require (admission's requests need one output token).
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
 
 
 class _ChatBody(_Common):

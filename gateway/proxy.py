@@ -520,7 +520,9 @@ class Proxy:
         ex.outcome.error = err.code
         log_error(err, ex.request.get(REQUEST_ID))
         response.force_close()
-        event = error_event(err.message, err.code or err.error_type) if ex.parsed.native else sse_error_event(err)
+        event = (
+            error_event(err.message, err.code or err.error_type) if ex.parsed.native else sse_error_event(err)
+        )
         with contextlib.suppress(ConnectionResetError):
             await response.write(event)
 

@@ -17,7 +17,8 @@ change to it alone reloads the whole configuration, keys file included, through 
 ``load_settings``.
 
 ``limits:`` builds the limiter at start-up, so every key of it but ``token_weights`` (read per
-request) keeps its running value until a restart.
+request) keeps its running value until a restart. ``admin.host`` and ``admin.port`` (the admin
+listener) are restart-only too; ``admin.token_sha256`` is read per request and takes effect at once.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ RESTART_ONLY: tuple[str, ...] = (
     "server.host",
     "server.port",
     "server.uvloop",
+    "admin.host",
+    "admin.port",
     "emulators",
     "scrape",
     "limits.backend",
@@ -91,8 +94,15 @@ def keep_restart_only(old: Settings, new: Settings) -> Settings:
         update={"host": old.server.host, "port": old.server.port, "uvloop": old.server.uvloop}
     )
     limits = old.limits.model_copy(update={"token_weights": new.limits.token_weights})
+    admin = new.admin.model_copy(update={"host": old.admin.host, "port": old.admin.port})
     return new.model_copy(
-        update={"server": server, "emulators": old.emulators, "scrape": old.scrape, "limits": limits}
+        update={
+            "server": server,
+            "admin": admin,
+            "emulators": old.emulators,
+            "scrape": old.scrape,
+            "limits": limits,
+        }
     )
 
 

@@ -13,9 +13,10 @@ broken rule with a path relative to the model that raised it, so ``gateway.confi
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import re
+from typing import Annotated, Any, Final, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from gateway.admission.config import AdmissionSettings
 from gateway.limits.config import LimitsSettings
@@ -30,6 +31,7 @@ from gateway.section import (
     Violation,
 )
 from gateway.tenants.config import TenantsSettings, class_violations
+from gateway.tenants.keys import KEY_HASH_PREFIX, REDACTED
 from predictor.hardware import UNKNOWN_GPU, gpu_names, lookup_gpu
 from predictor.model import lookup_model, model_names
 
@@ -164,8 +166,12 @@ class ReplicaSettings(Section):
         ),
     ]
     backend: Annotated[
-        Literal["vllm"],
-        Field(description="Which engine serves it; decides the metric dialect and error formats."),
+        Literal["vllm", "tgi", "sglang", "auto"],
+        Field(
+            description="Which engine serves it (vllm, tgi, sglang); decides the metric dialect and error "
+            "formats. auto: detect it from /metrics, else TGI's /info or SGLang's /get_server_info, "
+            "and log what was detected."
+        ),
     ] = "vllm"
     hardware: Annotated[
         HardwareSettings,
@@ -186,6 +192,13 @@ class EmulatorSettings(Section):
     ] = "llama3-8b-h100"
     port: Annotated[Port, Field(description="TCP port the emulator listens on.")]
     host: Annotated[Host, Field(description="Address the emulator listens on.")] = "127.0.0.1"
+    engine: Annotated[
+        Literal["vllm", "tgi", "sglang"],
+        Field(
+            description="Which engine the emulator imitates: its /metrics names, info endpoint, native "
+            "API and overload behaviour (the OpenAI routes are the same for all)."
+        ),
+    ] = "vllm"
     seed: Annotated[
         int | None,
         Field(
@@ -302,6 +315,80 @@ class LoggingSettings(Section):
     ] = True
 
 
+#: ``admin.token_sha256``: 64 hex digits, optionally after ``sha256:`` (what ``sluice hash-key`` prints).
+_TOKEN_SHA256: Final = re.compile(r"^(?:sha256:)?[0-9a-fA-F]{64}$")
+#: Bind addresses that listen on every interface, so they clash with any other host on one port.
+_WILDCARD_HOSTS: Final = frozenset({"0.0.0.0", "::", "[::]", "*"})
+
+
+def _same_listener(host_a: str, host_b: str) -> bool:
+    """Whether two bind hosts may need the same port: equal, or either one is a wildcard."""
+    return host_a == host_b or host_a in _WILDCARD_HOSTS or host_b in _WILDCARD_HOSTS
+
+
+class AdminSettings(Section):
+    """Where ``/metrics``, ``/metrics/replicas`` and ``/sluice/v1/*`` are served and who may read
+    them. ``/healthz`` and ``/readyz`` always stay on the public listener, unprotected."""
+
+    # A token pasted in plaintext (or under a misspelt key) must not be echoed in an error.
+    model_config = ConfigDict(hide_input_in_errors=True)
+
+    host: Annotated[
+        Host,
+        Field(description="Address of the admin listener (used only when port is set). Restart required."),
+    ] = "127.0.0.1"
+    port: Annotated[
+        int | None,
+        Field(
+            ge=0,
+            le=65535,
+            description="TCP port of a separate admin listener; when set, the admin routes are served "
+            "only there and answer 404 on the public listener; 0 picks a free port; null serves them on "
+            "the public listener. Restart required.",
+        ),
+    ] = None
+    token_sha256: Annotated[
+        str | None,
+        Field(
+            repr=False,
+            description="Hex SHA-256 of the bearer token the admin routes require (`sluice hash-key` "
+            "prints it as sha256:<hex>; either form is accepted); null: no token (then protect them by "
+            "the bind address). Hot-reloadable.",
+        ),
+    ] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _redact_unknown(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(key not in cls.model_fields for key in data):
+            return {key: value if key in cls.model_fields else REDACTED for key, value in data.items()}
+        return data
+
+    @field_validator("token_sha256", mode="before")
+    @classmethod
+    def _token_hash(cls, value: object) -> str | None:
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise SettingsViolations([Violation((), "should be a hex SHA-256 string", REDACTED)])
+        if not _TOKEN_SHA256.match(value):
+            raise SettingsViolations(
+                [
+                    Violation(
+                        (),
+                        "not a SHA-256 hash (64 hex digits, optionally after sha256:); a plaintext token "
+                        "is never stored: run `sluice hash-key` and put what it prints here",
+                        REDACTED,
+                    )
+                ]
+            )
+        return value.removeprefix(KEY_HASH_PREFIX).lower()
+
+    def token_digest(self) -> bytes | None:
+        """The 32-byte SHA-256 digest of the admin token; ``None`` when no token is set here."""
+        return None if self.token_sha256 is None else bytes.fromhex(self.token_sha256)
+
+
 class Settings(Section):
     """The whole configuration file."""
 
@@ -335,6 +422,10 @@ class Settings(Section):
     limits: Annotated[
         LimitsSettings, Field(description="Where tenant token buckets live (memory or Redis).")
     ] = LimitsSettings()
+    admin: Annotated[
+        AdminSettings,
+        Field(description="Listener and bearer token of /metrics and the /sluice/v1/* admin endpoints."),
+    ] = AdminSettings()
 
     @model_validator(mode="after")
     def _replicas_are_consistent(self) -> Settings:
@@ -343,6 +434,7 @@ class Settings(Section):
             *self._repeated_names(),
             *self._emulator_port_clashes(),
             *class_violations(self.tenants, self.admission.classes, prefix=("tenants",)),
+            *self._admin_violations(),
         ]
         if violations:
             raise SettingsViolations(violations)
@@ -383,10 +475,50 @@ class Settings(Section):
                 first[emulator.port] = f"emulators.{index}.port"
         return found
 
+    def _admin_violations(self) -> list[Violation]:
+        """An admin port another listener of this file needs, and an admin token that disagrees
+        with ``tenants.auth.admin_token_hash`` or is also a tenant's API key (values redacted)."""
+        admin, found = self.admin, []
+        if admin.port:
+            taken = [("server.port", self.server.host, self.server.port)]
+            taken += [(f"emulators.{i}.port", e.host, e.port) for i, e in enumerate(self.emulators)]
+            for where, host, port in taken:
+                if port == admin.port and _same_listener(host, admin.host):
+                    message = f"port already used by {where} (on host {host!r})"
+                    found.append(Violation(("admin", "port"), message, admin.port))
+                    break
+        digest = admin.token_digest()
+        if digest is None:
+            return found
+        legacy = self.tenants.auth.admin_token_hash
+        if legacy is not None and bytes.fromhex(legacy.removeprefix(KEY_HASH_PREFIX)) != digest:
+            message = (
+                "differs from tenants.auth.admin_token_hash; both name the one admin token: set only one"
+            )
+            found.append(Violation(("admin", "token_sha256"), message, REDACTED))
+        tenant_keys = {
+            key.removeprefix(KEY_HASH_PREFIX) for t in self.tenants.tenants.values() for key in t.api_keys
+        }
+        if admin.token_sha256 in tenant_keys:
+            message = "is also a tenant's API key; the admin token must be a secret of its own"
+            found.append(Violation(("admin", "token_sha256"), message, REDACTED))
+        return found
+
+    def admin_token_digest(self) -> bytes | None:
+        """The SHA-256 digest of the token the admin routes require: ``admin.token_sha256``, else
+        the older ``tenants.auth.admin_token_hash``; ``None`` when neither is set (no token)."""
+        digest = self.admin.token_digest()
+        legacy = self.tenants.auth.admin_token_hash
+        if digest is None and legacy is not None:
+            return bytes.fromhex(legacy.removeprefix(KEY_HASH_PREFIX))
+        return digest
+
     def all_replicas(self) -> list[ReplicaSettings]:
         """Static replicas plus one entry per emulator, in configuration order."""
         emulated = [
-            ReplicaSettings(name=e.name, url=f"http://{e.host}:{e.port}", backend="vllm", hardware=e.hardware)
+            ReplicaSettings(
+                name=e.name, url=f"http://{e.host}:{e.port}", backend=e.engine, hardware=e.hardware
+            )
             for e in self.emulators
         ]
         return [*self.replicas, *emulated]

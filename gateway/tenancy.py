@@ -452,7 +452,7 @@ class Tenancy:
         self._listeners = listeners
         self.metrics = metrics
         if metrics is not None:
-            metrics.track_limiter(self.stats)
+            metrics.track_limiter(self.stats, redis=self._store.current.limits.backend == "redis")
 
     async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Wait until every settle started so far has finished (at most ``timeout_s`` seconds)."""
@@ -528,16 +528,16 @@ class Tenancy:
             )
         except LimiterUnavailable as exc:
             outcome.reason = "limiter_unavailable"
-            retry = settings.limits.retry_backoff_s
+            retry = outcome.retry_after_s = settings.limits.retry_backoff_s
             raise self._refused(
                 outcome, RateLimitStorageUnavailable(f"{exc}; retry later", retry_after_s=retry)
             ) from None
         if self.metrics is not None:
             self.metrics.observe_reservation(reservation)
         if not reservation.allowed:
-            outcome.reason = rejection_reason(reservation)
-            outcome.retry_after_s = reservation.retry_after_s
-            raise self._refused(outcome, rejection_error(reservation))
+            outcome.reason, refusal = rejection_reason(reservation), rejection_error(reservation)
+            outcome.retry_after_s = refusal.retry_after_s  # what the 429 says (concurrency: 1 s)
+            raise self._refused(outcome, refusal)
         return Held(reservation, weights, prompt, output)
 
     def _refused(self, outcome: RequestOutcome, err: GatewayError) -> GatewayError:

@@ -53,7 +53,8 @@ def json_bytes(payload: object) -> bytes:
 class _Parameters(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    max_new_tokens: Annotated[StrictInt, Field(ge=0)] | None = TGI_DEFAULT_MAX_NEW_TOKENS
+    # TGI reads it as a u32 and refuses 0 (422): Sluice answers both with a 400.
+    max_new_tokens: Annotated[StrictInt, Field(ge=1, le=2**32 - 1)] | None = TGI_DEFAULT_MAX_NEW_TOKENS
     details: StrictBool = False
 
 

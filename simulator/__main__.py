@@ -1,4 +1,4 @@
-"""``python -m simulator --profile NAME --port N``: run one emulated vLLM replica."""
+"""``python -m simulator --profile NAME --port N [--engine vllm|tgi|sglang]``: run one emulated replica."""
 
 from simulator.server import main
 

@@ -259,6 +259,17 @@ class Engine:
         return self._blocks.usage
 
     @property
+    def reserved_tokens(self) -> int:
+        """Tokens the running requests could grow to: prompt + ``max_tokens`` of each (what TGI's
+        ``tgi_batch_current_max_tokens`` reports: its queue admits against this reservation)."""
+        return sum(r.prompt_tokens + r.max_tokens for r in self._running)
+
+    @property
+    def kv_tokens_in_use(self) -> int:
+        """KV-cache slots held, in tokens: blocks in use x block size (SGLang ``num_used_tokens``)."""
+        return (self._blocks.num_blocks - self._blocks.num_free) * self.profile.engine.block_size
+
+    @property
     def num_free_blocks(self) -> int:
         """KV blocks not held by any request."""
         return self._blocks.num_free

@@ -34,7 +34,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from simulator.engine import EngineCounters, FinishedRequestStats, StepResult
+from simulator.engine import EngineCounters, FinishedRequestStats, StepPlan, StepResult
 
 #: Content type of the Prometheus text exposition format served on ``/metrics``.
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
@@ -433,8 +433,20 @@ class VllmMetrics:
         if stats.tpot_s is not None:
             self.request_time_per_output_token.observe(stats.tpot_s)
 
-    def record_step(self, result: StepResult) -> None:
-        """Observe one completed engine step: per-step histograms, finished requests, counters."""
+    def record_request(self) -> None:
+        """vLLM counts nothing when a request arrives (its counters move at steps and finishes)."""
+
+    def record_admitted(self, prompt_tokens: int, max_new_tokens: int, validation_s: float) -> None:
+        """Nor when the request enters the engine."""
+
+    def record_rejected(self, err: str) -> None:
+        """vLLM refuses nothing by default (no queue limits are emulated)."""
+
+    def record_step(self, result: StepResult, plan: StepPlan | None = None) -> None:
+        """Observe one completed engine step: per-step histograms, finished requests, counters.
+
+        ``plan`` is accepted for the engines that time steps (TGI); vLLM's metrics do not need it.
+        """
         self.iteration_tokens.observe(result.iteration_tokens)
         for ttft in result.ttfts_s:
             self.time_to_first_token.observe(ttft)

@@ -1,4 +1,8 @@
-"""The HTTP face of an emulated vLLM replica: vLLM's OpenAI-compatible API over the emulated engine.
+"""The HTTP face of an emulated replica: vLLM's OpenAI-compatible API over the emulated engine.
+
+``--engine tgi|sglang`` swaps what is engine-specific: ``/metrics`` (:mod:`simulator.tgi`,
+:mod:`simulator.sglang`), the info endpoints, TGI's native ``/generate`` routes and its overload
+refusal (:mod:`simulator.native`). The OpenAI routes below stay vLLM's for every engine.
 
 A client (the Sluice gateway, the ``openai`` SDK, a benchmark) should not be able to tell this
 server from ``vllm serve`` (0.32) by its API: same endpoints, same JSON and SSE shapes, same error
@@ -37,13 +41,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, Protocol
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from simulator import tokens
-from simulator.engine import Engine, TokenEvent
+from simulator import sglang, tgi, tokens
+from simulator.engine import Engine, FinishedRequestStats, StepPlan, StepResult, TokenEvent
 from simulator.metrics import CONTENT_TYPE, VllmMetrics, cache_config_labels
 from simulator.profile import Profile, load_profile
 
@@ -59,6 +63,10 @@ COMPLETIONS_DEFAULT_MAX_TOKENS: Final = 16
 ENGINE_DEAD_MESSAGE: Final = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
 SSE_DONE: Final = b"data: [DONE]\n\n"
+
+#: The engines the emulator can imitate (``--engine``).
+EngineKind = Literal["vllm", "tgi", "sglang"]
+ENGINES: Final[tuple[EngineKind, ...]] = ("vllm", "tgi", "sglang")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -737,6 +745,8 @@ class _Inflight:
     connection: web.Request | None = None
     finished: bool = False
     num_output_tokens: int = 0
+    #: The engine's account of the request once it finished (queue and inference times).
+    stats: FinishedRequestStats | None = None
 
     def client_gone(self) -> bool:
         if self.connection is None:
@@ -745,25 +755,55 @@ class _Inflight:
         return transport is None or transport.is_closing()
 
 
-class Replica:
-    """One emulated vLLM replica: the engine, its stepping task, in-flight requests and metrics.
+class ReplicaMetrics(Protocol):
+    """What every engine's ``/metrics`` implementation records (each ignores what its engine
+    does not count): ``VllmMetrics``, ``tgi.TgiMetrics``, ``sglang.SglangMetrics``."""
 
+    def record_request(self) -> None: ...
+
+    def record_admitted(self, prompt_tokens: int, max_new_tokens: int, validation_s: float) -> None: ...
+
+    def record_rejected(self, err: str) -> None: ...
+
+    def record_step(self, result: StepResult, plan: StepPlan | None = None) -> None: ...
+
+    def record_finished(self, stats: FinishedRequestStats) -> None: ...
+
+    def sync_counters(self) -> None: ...
+
+    def exposition(self) -> bytes: ...
+
+
+class Replica:
+    """One emulated replica: the engine, its stepping task, in-flight requests and metrics.
+
+    ``engine_kind`` picks whose ``/metrics`` it exposes (vLLM, TGI, SGLang).
+    ``max_concurrent_requests``: TGI's router limit (requests queued + running, ``None`` for the
+    engines that have none); past it a request is refused at once (:meth:`try_acquire`).
     All methods run on the event loop; the engine is only touched from it, so no locking.
     """
 
-    def __init__(self, profile: Profile, *, seed: int | None = None, jitter: float = 0.0) -> None:
+    def __init__(
+        self,
+        profile: Profile,
+        *,
+        seed: int | None = None,
+        jitter: float = 0.0,
+        engine_kind: EngineKind = "vllm",
+        max_concurrent_requests: int | None = None,
+    ) -> None:
         self.profile = profile
+        self.engine_kind: EngineKind = engine_kind
         self.engine = Engine(profile, seed=seed, jitter=jitter)
         self.model_name: str = profile.served_model_name
         self.max_model_len: int = profile.engine.max_model_len
         self.created = int(time.time())
         self.system_fingerprint = system_fingerprint(profile)
-        self.metrics = VllmMetrics(
-            engine=self.engine,
-            model_name=self.model_name,
-            max_model_len=self.max_model_len,
-            cache_config=_cache_config(profile),
-        )
+        if max_concurrent_requests is None and engine_kind == "tgi":
+            max_concurrent_requests = tgi.DEFAULT_MAX_CONCURRENT_REQUESTS
+        self.max_concurrent_requests = max_concurrent_requests
+        self._permits_taken = 0
+        self.metrics: ReplicaMetrics = _build_metrics(self)
         self.dead: BaseException | None = None
         #: Set at shutdown: in-flight requests were aborted because the server is stopping.
         self.stopping = False
@@ -794,6 +834,26 @@ class Replica:
     def num_inflight(self) -> int:
         """Requests added to the engine and not yet finished (vLLM's ``/load`` server_load)."""
         return len(self._inflight)
+
+    # ------------------------------------------------------------------ TGI's admission permits
+
+    def try_acquire(self) -> bool:
+        """Take one of ``max_concurrent_requests`` permits, at once or not at all (TGI's
+        ``try_acquire``); always granted when there is no limit. Give it back with
+        :meth:`release_permit` when the response has ended."""
+        limit = self.max_concurrent_requests
+        if limit is not None and self._permits_taken >= limit:
+            return False
+        self._permits_taken += 1
+        return True
+
+    def release_permit(self) -> None:
+        self._permits_taken = max(0, self._permits_taken - 1)
+
+    @property
+    def permits_taken(self) -> int:
+        """Requests holding a permit now (queued + running + still being answered)."""
+        return self._permits_taken
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
@@ -878,9 +938,13 @@ class Replica:
             if plan.duration_s > 0:
                 await asyncio.sleep(plan.duration_s)
             result = self.engine.complete(plan, loop.time())
+            for finished in result.finished:
+                entry = self._inflight.get(finished.request_id)
+                if entry is not None:
+                    entry.stats = finished
             for event in result.events:
                 self._dispatch(event)
-            self.metrics.record_step(result)
+            self.metrics.record_step(result, plan)
 
     def _dispatch(self, event: TokenEvent) -> None:
         entry = self._inflight.get(event.request_id)
@@ -897,6 +961,30 @@ class Replica:
                 if not entry.finished and entry.client_gone():
                     log.debug("client of %s disconnected; aborting", request_id)
                     self.abort(request_id)
+
+
+def _build_metrics(replica: Replica) -> ReplicaMetrics:
+    """The ``/metrics`` implementation of the replica's engine."""
+    profile = replica.profile
+    if replica.engine_kind == "tgi":
+        return tgi.TgiMetrics(
+            engine=replica.engine,
+            max_input_tokens=replica.max_model_len - 1,
+            max_total_tokens=replica.max_model_len,
+            kv_capacity_tokens=profile.kv_cache_size_tokens,
+        )
+    if replica.engine_kind == "sglang":
+        return sglang.SglangMetrics(
+            engine=replica.engine,
+            model_name=replica.model_name,
+            kv_capacity_tokens=profile.kv_cache_size_tokens,
+        )
+    return VllmMetrics(
+        engine=replica.engine,
+        model_name=replica.model_name,
+        max_model_len=replica.max_model_len,
+        cache_config=_cache_config(profile),
+    )
 
 
 def _cache_config(profile: Profile) -> dict[str, str]:
@@ -931,24 +1019,50 @@ async def _next_events(entry: _Inflight) -> list[TokenEvent]:
 
 async def _generate(request: web.Request, kind: Literal["completion", "chat"]) -> web.StreamResponse:
     replica = request.app[REPLICA]
+    started = asyncio.get_running_loop().time()
     check_content_type(request.headers.get("Content-Type"))
     body = parse_json_body(await request.read())
     parse = parse_completion_request if kind == "completion" else parse_chat_request
     req = parse(body, served_model=replica.model_name, max_model_len=replica.max_model_len)
-    # As in vLLM, the engine's request id is the response's id.
-    ids = ResponseIds(
-        f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{random_id()}",
-        int(time.time()),
-        req.model,
-        replica.system_fingerprint,
-    )
-    entry = replica.submit(ids.id, req, request)
+    replica.metrics.record_request()
+    if not replica.try_acquire():
+        # Only TGI has a permit limit: its router refuses at once (a stream gets an error event).
+        replica.metrics.record_rejected("overloaded")
+        return await _overloaded(request, stream=req.stream)
     try:
-        if req.stream:
-            return await _stream(request, replica, ids, entry, req)
-        return await _collect(replica, ids, entry, req)
+        replica.metrics.record_admitted(
+            req.prompt_tokens, req.max_tokens, asyncio.get_running_loop().time() - started
+        )
+        # As in vLLM, the engine's request id is the response's id.
+        ids = ResponseIds(
+            f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{random_id()}",
+            int(time.time()),
+            req.model,
+            replica.system_fingerprint,
+        )
+        entry = replica.submit(ids.id, req, request)
+        try:
+            if req.stream:
+                return await _stream(request, replica, ids, entry, req)
+            return await _collect(replica, ids, entry, req)
+        finally:
+            replica.release(ids.id)
     finally:
-        replica.release(ids.id)
+        replica.release_permit()
+
+
+async def _overloaded(request: web.Request, *, stream: bool) -> web.StreamResponse:
+    """TGI's refusal past ``max_concurrent_requests``: 429 with ``{"error", "error_type"}``; a
+    stream has already answered 200, so it carries the same body as an SSE event, then ``[DONE]``
+    (TGI's ``generate_stream_internal`` yields the error inside the stream)."""
+    if not stream:
+        return _json(tgi.OVERLOADED_BODY, status=429)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(sse_event(tgi.OVERLOADED_BODY))
+    await response.write(SSE_DONE)
+    await response.write_eof()
+    return response
 
 
 def _abort_error(replica: Replica) -> ApiError | None:
@@ -1083,8 +1197,14 @@ async def handle_models(request: web.Request) -> web.Response:
 
 
 async def handle_health(request: web.Request) -> web.Response:
-    """``GET /health``: 200 with an empty body; 503 once the engine has died (as vLLM)."""
-    return web.Response(status=503 if request.app[REPLICA].dead is not None else 200)
+    """``GET /health``: 200 with an empty body; 503 once the engine has died (vLLM: empty body,
+    TGI: ``{"error": "unhealthy", "error_type": "healthcheck"}``)."""
+    replica = request.app[REPLICA]
+    if replica.dead is None:
+        return web.Response(status=200)
+    if replica.engine_kind == "tgi":
+        return _json({"error": "unhealthy", "error_type": "healthcheck"}, status=503)
+    return web.Response(status=503)
 
 
 async def handle_version(request: web.Request) -> web.Response:
@@ -1098,9 +1218,10 @@ async def handle_load(request: web.Request) -> web.Response:
 
 
 async def handle_metrics(request: web.Request) -> web.Response:
-    """``GET /metrics``: Prometheus text with vLLM V1's metric names."""
-    body = request.app[REPLICA].metrics.exposition()
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+    """``GET /metrics``: Prometheus text with the emulated engine's metric names."""
+    replica = request.app[REPLICA]
+    content_type = tgi.CONTENT_TYPE if replica.engine_kind == "tgi" else CONTENT_TYPE
+    return web.Response(body=replica.metrics.exposition(), headers={"Content-Type": content_type})
 
 
 async def handle_ping(request: web.Request) -> web.Response:
@@ -1158,21 +1279,38 @@ async def _errors_as_vllm(request: web.Request, handler: Callable[[web.Request],
 
 
 async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
-    # vLLM runs under uvicorn; keep a header sniffer from telling the two apart.
-    response.headers["server"] = "uvicorn"
+    # vLLM and SGLang run under uvicorn; keep a header sniffer from telling them apart. (TGI's
+    # axum sends no Server header; aiohttp's own stays there.)
+    if request.app[REPLICA].engine_kind != "tgi":
+        response.headers["server"] = "uvicorn"
 
 
-def build_app(profile: Profile, *, seed: int | None = None, jitter: float = 0.0) -> web.Application:
-    """An aiohttp application serving one emulated vLLM replica of ``profile``.
+def build_app(
+    profile: Profile,
+    *,
+    seed: int | None = None,
+    jitter: float = 0.0,
+    engine: EngineKind = "vllm",
+    max_concurrent_requests: int | None = None,
+) -> web.Application:
+    """An aiohttp application serving one emulated replica of ``profile``.
 
     The engine task starts with the application (``cleanup_ctx``) and stops with it; in-flight
     requests are aborted at shutdown. ``seed`` makes output lengths and step-time jitter
-    reproducible; ``jitter`` is the relative step-time noise passed to the engine.
+    reproducible; ``jitter`` is the relative step-time noise passed to the engine. ``engine``
+    picks whose ``/metrics``, info endpoint, native API and overload behaviour it shows (the
+    OpenAI routes are vLLM's for all); ``max_concurrent_requests`` is TGI's permit limit
+    (default 128, TGI's; ignored by the other engines).
     """
+    from simulator import native  # handlers that build on this module
+
     app = web.Application(middlewares=[_errors_as_vllm])
+    limit = (max_concurrent_requests or tgi.DEFAULT_MAX_CONCURRENT_REQUESTS) if engine == "tgi" else None
 
     async def replica_ctx(app: web.Application) -> AsyncIterator[None]:
-        replica = Replica(profile, seed=seed, jitter=jitter)
+        replica = Replica(
+            profile, seed=seed, jitter=jitter, engine_kind=engine, max_concurrent_requests=limit
+        )
         app[REPLICA] = replica
         await replica.start()
         yield
@@ -1197,6 +1335,7 @@ def build_app(profile: Profile, *, seed: int | None = None, jitter: float = 0.0)
     app.router.add_get("/ping", handle_ping)
     app.router.add_post("/ping", handle_ping)
     app.router.add_post("/tokenize", handle_tokenize)
+    native.add_routes(app, engine)
     return app
 
 
@@ -1208,9 +1347,24 @@ def build_app(profile: Profile, *, seed: int | None = None, jitter: float = 0.0)
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sluice sim",
-        description="Run one emulated vLLM replica (OpenAI API, SSE, /metrics) in the foreground.",
+        description="Run one emulated replica (OpenAI API, SSE, /metrics) of vLLM, TGI or SGLang in "
+        "the foreground.",
     )
     parser.add_argument("--profile", required=True, help="profile name (config/profiles/NAME.yaml) or path")
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="vllm",
+        help="engine to imitate: its /metrics, info endpoint (TGI /info, SGLang /get_server_info), "
+        "native API (TGI /generate, /generate_stream) and overload behaviour (default vllm)",
+    )
+    parser.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        help="TGI only: requests queued + running before a 429 "
+        f"(default {tgi.DEFAULT_MAX_CONCURRENT_REQUESTS})",
+    )
     parser.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one (default 8000)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--seed", type=int, default=None, help="seed for output lengths and jitter")
@@ -1229,13 +1383,17 @@ async def serve(
     seed: int | None = None,
     jitter: float = 0.0,
     ready: Callable[[str], None] | None = None,
+    engine: EngineKind = "vllm",
+    max_concurrent_requests: int | None = None,
 ) -> None:
     """Serve ``profile`` on ``host:port`` until SIGINT/SIGTERM (or cancellation), then shut down.
 
     ``ready`` is called with the base URL once the socket listens (the port is the real one when
     ``port`` is 0).
     """
-    app = build_app(profile, seed=seed, jitter=jitter)
+    app = build_app(
+        profile, seed=seed, jitter=jitter, engine=engine, max_concurrent_requests=max_concurrent_requests
+    )
     # handler_cancellation: a vanished client cancels its handler at once (the watcher is the
     # fallback); shutdown_timeout: streams are aborted at shutdown, so this is only a backstop.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
@@ -1291,20 +1449,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sluice sim: cannot load profile {args.profile!r}: {exc}", file=sys.stderr)
         return 2
 
+    if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
+        print("sluice sim: --max-concurrent-requests must be >= 1", file=sys.stderr)
+        return 2
+    engine: EngineKind = args.engine
+    what = {
+        "vllm": f"vLLM {VLLM_VERSION}",
+        "tgi": f"TGI {tgi.TGI_VERSION}",
+        "sglang": f"SGLang {sglang.SGLANG_VERSION}",
+    }
+
     def ready(url: str) -> None:
         log.info(
-            "replica emulator ready on %s: model %s, profile %s, vLLM %s API",
+            "replica emulator ready on %s: model %s, profile %s, %s API",
             url,
             profile.served_model_name,
             profile.name,
-            VLLM_VERSION,
+            what[engine],
         )
 
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(
                 serve(
-                    profile, host=args.host, port=args.port, seed=args.seed, jitter=args.jitter, ready=ready
+                    profile,
+                    host=args.host,
+                    port=args.port,
+                    seed=args.seed,
+                    jitter=args.jitter,
+                    ready=ready,
+                    engine=engine,
+                    max_concurrent_requests=args.max_concurrent_requests,
                 )
             )
     except OSError as exc:

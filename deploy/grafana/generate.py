@@ -177,13 +177,14 @@ OVERVIEW = Dashboard(
             unit="reqps",
         ),
         Panel(
-            "Shadow-mode rejections",
-            "Requests a rule in shadow mode would have rejected, by class and reason; they were admitted.",
+            "Shadow-mode decisions",
+            "Requests a rule in shadow mode would have rejected (shadow_rejected, by reason) or held in "
+            "Sluice's queue (shadow_queued, by blocking constraint), by class; they were admitted.",
             (
                 Target(
-                    f"sum by (class, reason) "
-                    f'(rate(sluice_requests_total{{decision="shadow_rejected", {CLS}}}[{RATE}]))',
-                    "{{class}} {{reason}}",
+                    f"sum by (class, decision, reason) "
+                    f'(rate(sluice_requests_total{{decision=~"shadow_.*", {CLS}}}[{RATE}]))',
+                    "{{class}} {{decision}} {{reason}}",
                 ),
             ),
             unit="reqps",
@@ -248,8 +249,17 @@ OVERVIEW = Dashboard(
         ),
         Panel(
             "Retry-After given",
-            "Retry-After sent with rejections, p50 and p90 per class: when Sluice predicts room.",
-            q50_90("sluice_retry_after_seconds", "class", CLS),
+            "Retry-After sent with rejections, p50 and p90 per class and reason: for load (overloaded, "
+            "slo_unattainable...) when Sluice predicts room; for a tenant budget (tokens, requests...) "
+            "when the bucket holds the request again.",
+            tuple(
+                Target(
+                    f"histogram_quantile({q}, sum by (class, reason, le) "
+                    f"(rate(sluice_retry_after_seconds_bucket{{{CLS}}}[{RATE}])))",
+                    f"{{{{class}}}} {{{{reason}}}} p{int(q * 100)}",
+                )
+                for q in (0.5, 0.9)
+            ),
             unit="s",
             width=8,
         ),

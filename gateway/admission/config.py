@@ -259,6 +259,15 @@ class QueueSettings(Section):
             "hard deadlines are checked for every entry regardless).",
         ),
     ] = 256
+    fairness: Annotated[
+        Literal["tokens", "requests"],
+        Field(
+            description="What the tenants' fair share counts when several wait: 'tokens' (weighted "
+            "prompt and output tokens, with the two costs above: each tenant gets its weighted share of "
+            "GPU time) or 'requests' (every request counts 1, whatever its size: a tenant sending long "
+            "prompts gets most of the GPU).",
+        ),
+    ] = "tokens"
 
 
 class AdmissionSettings(Section):

@@ -15,9 +15,11 @@ What it does
 
 Inputs consumed
     ``TokenWeights``: the cost of one prompt token (``input``), one output token (``output``) and
-    one request (``request``), in any one unit (the gateway derives the first two from the step
-    model's relative GPU time of a prefill and a decode token; ``TokenWeights()`` is VTC's 1 : 2,
-    ``AdmissionController`` starts from the queue's job-size costs in seconds per token). Tenant
+    one request (``request``), in any one unit (only ratios matter). ``TokenWeights()`` is VTC's
+    1 : 2; ``AdmissionController`` and the live gateway use ``from_queue_settings``: the queue's
+    job-size costs in seconds per token (``admission.queue.prompt_token_cost_s`` and
+    ``output_token_cost_s``), or ``REQUEST_COUNT`` (every request 1, tokens 0: request-count
+    fairness) with ``admission.queue.fairness: requests``. Tenant
     weights (> 0) from the tenants' configuration; a tenant not listed weighs 1. The tenant key is
     ``AdmissionRequest.tenant``; ``None`` (no tenant) is one tenant like any other.
 
@@ -50,10 +52,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Final
 
 from gateway.admission.config import QueueSettings
 
-__all__ = ["TenantKey", "TokenWeights", "VirtualTokenCounter"]
+__all__ = ["REQUEST_COUNT", "TenantKey", "TokenWeights", "VirtualTokenCounter"]
 
 #: The tenant a request belongs to (``AdmissionRequest.tenant``); ``None``: no tenant.
 TenantKey = str | None
@@ -82,7 +85,10 @@ class TokenWeights:
 
     @classmethod
     def from_queue_settings(cls, queue: QueueSettings) -> TokenWeights:
-        """The queue's job-size costs (seconds per prompt and per output token) as weights."""
+        """The queue's job-size costs (seconds per prompt and per output token) as weights; with
+        ``queue.fairness == "requests"``, one per request and nothing per token."""
+        if queue.fairness == "requests":
+            return REQUEST_COUNT
         return cls(input=queue.prompt_token_cost_s, output=queue.output_token_cost_s)
 
     def cost(self, prompt_tokens: float, output_tokens: float, requests: float = 1.0) -> float:
@@ -196,6 +202,10 @@ class VirtualTokenCounter:
         self._counters[tenant] = self.counter(tenant) + increment
         self._served[tenant] = self.served(tenant) + weighted
         return increment
+
+
+#: Request-count fairness: every request costs 1, whatever its size.
+REQUEST_COUNT: Final = TokenWeights(input=0.0, output=0.0, request=1.0)
 
 
 def _check_tokens(tokens: float) -> None:

@@ -23,15 +23,17 @@ call                                  producer
 ``track_queue(lengths)``              the admission queue, ``class -> waiting requests``
 ``observe_reservation(r)``            the limiter, after each ``reserve``
 ``observe_settle(r, actual_tokens)``  the limiter, after each ``settle``
-``track_limiter(stats)``              the limiter stack's ``LimiterStats`` (read at scrape time)
+``track_limiter(stats, redis=)``      the limiter stack's ``LimiterStats`` (read at scrape time)
 ``observe_reload(ok)``                the config reloader, after each attempt
 ====================================  ==========================================================
 
 Until a producer is wired, its metrics are still exported (HELP/TYPE lines, and for unlabelled
 gauges a value) but have **no samples**; dashboards show "no data" for them, never a made-up zero.
-Today that is the case for: admission (queue length, queue wait, Retry-After, SLO results and
-goodput, which need the class targets), predictions (predicted TTFT/TPOT and their error, until
-the outcome carries the forecast), tenants (bucket levels, reserved and settled tokens) and Redis.
+The gateway wires every producer (``gateway.app``, ``gateway.tenancy``, ``gateway.live_admission``);
+what stays without samples is what the configuration leaves out: tenant series without tenant
+budgets, Redis series with the memory backend (``track_limiter(stats, redis=False)``), SLO results
+of requests without targets. ``tests/observability/test_dashboards.py`` runs a gateway whose
+configuration and load make every dashboard panel return data.
 
 Per-request fields read from the outcome. ``RequestOutcome`` has the timing and usage fields
 today; the admission and prediction work adds the rest. Each is read with ``getattr`` and a
@@ -44,7 +46,11 @@ default, so an outcome without it still counts (then: class and tenant ``none``,
   ``None``: ``ok`` for admitted, the error code for rejected.
 * ``queue_wait_s`` (float): seconds in Sluice's queue, 0.0 when dispatched at once; ``None`` =
   the request never went through the queue (no sample).
-* ``retry_after_s`` (float): the Retry-After sent with a rejection, in seconds.
+* ``retry_after_s`` (float): the Retry-After sent with a rejection, in seconds (the exact delay,
+  as ``retry-after-ms`` carries it; the ``Retry-After`` header rounds it up to whole seconds).
+  Counted by class and reason, so a tenant budget's delay (bucket refill, reason ``tokens``...,
+  class ``none``: tenancy refuses before the class is resolved) is told from admission's (the
+  forecast drain time, reason ``overloaded``...).
 * ``ttft_target_s``, ``tpot_target_s`` (float): the request's effective targets (after a client
   deadline tightened them); both needed for an SLO result.
 * ``predicted_ttft_s``, ``predicted_tpot_s`` (float): the forecast for the chosen replica, made
@@ -381,8 +387,10 @@ class SluiceMetrics:
         )
         self.retry_after = Histogram(
             "sluice_retry_after_seconds",
-            "Retry-After sent with rejections, in seconds.",
-            ["class"],
+            "Retry-After sent with rejections, in seconds, by class and reason (overloaded, "
+            "slo_unattainable, deadline_exceeded, no_healthy_replica; tenant budgets: tokens, requests, "
+            "concurrency).",
+            ["class", "reason"],
             buckets=RETRY_AFTER_BUCKETS,
             registry=r,
         )
@@ -574,7 +582,7 @@ class SluiceMetrics:
         if outcome.error is not None:
             self.request_errors.labels(cls, code_label(outcome.error)).inc()
         self._observe_tokens(outcome, cls, tenant)
-        self._observe_admission(outcome, cls, decision)
+        self._observe_admission(outcome, cls, decision, reason)
         self._observe_latency(outcome, cls)
         if outcome.replica is not None:
             self._observe_prediction(outcome, outcome.replica)
@@ -591,13 +599,13 @@ class SluiceMetrics:
         if outcome.completion_tokens:
             self.completion_tokens.labels(cls, tenant).inc(outcome.completion_tokens)
 
-    def _observe_admission(self, outcome: RequestOutcome, cls: str, decision: str) -> None:
+    def _observe_admission(self, outcome: RequestOutcome, cls: str, decision: str, reason: str) -> None:
         wait = _number(outcome, "queue_wait_s")
         if wait is not None:
             self.queue_wait.labels(cls, decision).observe(max(0.0, wait))
         retry_after = _number(outcome, "retry_after_s")
         if retry_after is not None and decision == "rejected":
-            self.retry_after.labels(cls).observe(max(0.0, retry_after))
+            self.retry_after.labels(cls, reason).observe(max(0.0, retry_after))
 
     def _observe_latency(self, outcome: RequestOutcome, cls: str) -> None:
         duration = outcome.duration_s
@@ -676,9 +684,11 @@ class SluiceMetrics:
                 max(0.0, actual_cost_tokens)
             )
 
-    def track_limiter(self, stats: LimiterStatsView) -> None:
-        """Export ``stats`` (Redis errors, fail-open/closed decisions, degraded) at every scrape."""
-        self._state.limiter = stats
+    def track_limiter(self, stats: LimiterStatsView, *, redis: bool = True) -> None:
+        """Export ``stats`` (Redis errors, fail-open/closed decisions, degraded, over-limit cache) at
+        every scrape. ``redis`` False (``limits.backend: memory``): there is no storage to report
+        on, so those series keep no samples ("no data", not a made-up "Redis up")."""
+        self._state.limiter = stats if redis else None
 
     # -- configuration -------------------------------------------------------------------------------
     def observe_reload(self, ok: bool) -> None:
@@ -956,8 +966,15 @@ def replica_targets(replicas: Iterable[Replica]) -> list[dict[str, object]]:
 METRICS = web.AppKey("metrics", SluiceMetrics)
 
 
-def install(app: web.Application, metrics: SluiceMetrics | None = None) -> SluiceMetrics:
-    """Add ``/metrics`` and ``/metrics/replicas`` to ``app`` and feed ``metrics`` from it.
+def install(
+    app: web.Application,
+    metrics: SluiceMetrics | None = None,
+    *,
+    serve_on: web.Application | None = None,
+) -> SluiceMetrics:
+    """Add ``/metrics`` and ``/metrics/replicas`` to ``serve_on`` (default ``app``; the admin
+    listener's application when ``admin.port`` is set, see ``gateway.admin``) and feed ``metrics``
+    from ``app``.
 
     Call at the end of ``build_app`` (or after it), before the app starts. Wires what the app
     already has: ``app[STORE]`` (label limits follow every reload), ``app[OUTCOME_LISTENERS]``
@@ -988,11 +1005,13 @@ def install(app: web.Application, metrics: SluiceMetrics | None = None) -> Sluic
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def targets_handler(request: web.Request) -> web.Response:
-        registry = request.app.get(REGISTRY)
+        # ``app``, not ``request.app``: the request may have come in on the admin listener.
+        registry = app.get(REGISTRY)
         replicas = [] if registry is None else registry.replicas()
         return web.json_response(replica_targets(replicas))
 
     app.on_startup.append(bind)
-    app.router.add_get("/metrics", metrics_handler)
-    app.router.add_get("/metrics/replicas", targets_handler)
+    routes = (app if serve_on is None else serve_on).router
+    routes.add_get("/metrics", metrics_handler)
+    routes.add_get("/metrics/replicas", targets_handler)
     return chosen

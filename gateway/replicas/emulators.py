@@ -47,6 +47,8 @@ def emulator_command(emulator: EmulatorSettings) -> list[str]:
     argv += ["--port", str(emulator.port), "--host", emulator.host]
     if emulator.seed is not None:
         argv += ["--seed", str(emulator.seed)]
+    if emulator.engine != "vllm":
+        argv += ["--engine", emulator.engine]
     return [*argv, "--jitter", repr(emulator.jitter)]
 
 

@@ -19,7 +19,7 @@ import bisect
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -304,6 +304,8 @@ def build_snapshot(
     iteration = window.histogram_increase(HistogramName.ITERATION_TOKENS)
     itl = _histogram_stats(window, HistogramName.INTER_TOKEN_LATENCY)
     ttft = _histogram_stats(window, HistogramName.TTFT)
+    steps = engine_steps(window, reading)
+    decode_steps = window.histogram_increase(HistogramName.DECODE_STEP_TIME)
     return ReplicaSnapshot(
         name=name,
         taken_at=now,
@@ -322,7 +324,7 @@ def build_snapshot(
         prompt_tokens_per_s=window.counter_rate(CounterName.PROMPT_TOKENS),
         computed_prompt_tokens_per_s=computed_prompt_rate(window),
         generation_tokens_per_s=window.counter_rate(CounterName.GENERATION_TOKENS),
-        steps_per_s=observations_per_s(iteration),
+        steps_per_s=steps.per_s,
         requests_finished_per_s=window.counter_rate(CounterName.REQUESTS_FINISHED),
         preemptions_per_s=window.counter_rate(CounterName.PREEMPTIONS),
         admission_rejections_per_s=window.counter_rate(CounterName.ADMISSION_REJECTIONS),
@@ -341,10 +343,57 @@ def build_snapshot(
         mean_generation_tokens_per_request=_histogram_stats(
             window, HistogramName.REQUEST_GENERATION_TOKENS
         ).mean,
-        sources=tuple(sorted(reading.sources.items())),
+        step_time_mean_s=steps.mean_s,
+        decode_step_time_mean_s=_histogram_stats(window, HistogramName.DECODE_STEP_TIME).mean,
+        prefill_step_time_mean_s=_histogram_stats(window, HistogramName.PREFILL_STEP_TIME).mean,
+        decode_steps_per_s=observations_per_s(decode_steps),
+        engine_decode_tokens_per_s=gauges.decode_tokens_per_s,
+        sources=tuple(sorted({**reading.sources, **steps.sources}.items())),
         in_flight=tuple(in_flight),
         last_interval=last,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSteps:
+    """Steps per second and mean step seconds over a window, and where each came from."""
+
+    per_s: float | None = None
+    mean_s: float | None = None
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+def engine_steps(window: ScrapeWindow, reading: Reading) -> EngineSteps:
+    """How many engine steps the window saw per second, and how long one took, from the best
+    signal the dialect found, in order:
+
+    1. the tokens-per-step histogram (vLLM): one observation per step, no step time;
+    2. a measured step-time histogram (TGI): count rate and mean;
+    3. step and busy-seconds counters (recent SGLang): rate, and busy seconds / steps;
+    4. the engine's decode throughput over its running requests (old SGLang): decode steps only,
+       an estimate (each running request gains one token per decode step), and only when the
+       window saw inter-token latencies (those gauges keep their last values while idle).
+    """
+    iteration = window.histogram_increase(HistogramName.ITERATION_TOKENS)
+    if iteration is not None:
+        return EngineSteps(observations_per_s(iteration))
+    timed = window.histogram_increase(HistogramName.STEP_TIME)
+    if timed is not None:
+        return EngineSteps(observations_per_s(timed), histogram_mean(timed[0]))
+    counted = window.counter_increase(CounterName.STEPS)
+    if counted is not None and counted[1] > 0:
+        busy = window.counter_increase(CounterName.STEP_SECONDS)
+        mean = busy[0] / counted[0] if busy is not None and counted[0] > 0 else None
+        return EngineSteps(counted[0] / counted[1], mean)
+    gauges = reading.gauges
+    # The gauges behind the estimate hold their last values while the engine idles: use them
+    # only when the window saw tokens being generated.
+    itl = window.histogram_increase(HistogramName.INTER_TOKEN_LATENCY)
+    decoded = itl is not None and itl[0].count > 0
+    if decoded and gauges.decode_tokens_per_s is not None and gauges.num_running:
+        per_s = gauges.decode_tokens_per_s / gauges.num_running
+        return EngineSteps(per_s, None, {"steps_per_s": "decode_tokens_per_s / num_running (estimate)"})
+    return EngineSteps()
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,12 @@ Failures (refused connection, timeout, non-200, text the parser rejects, text wi
 metric) produce a stale snapshot with a reason and keep the last good window; nothing raises out
 of the loop. Only transitions between good and stale are logged, once each.
 
+Engines: each replica is read with its configured dialect (``vllm``, ``tgi``, ``sglang``), or
+with ``auto`` the dialect is detected at the first scrape that tells: from the metric names of
+``/metrics``, else from ``GET /info`` (TGI) or ``GET /get_server_info`` (SGLang). What was
+detected, and from where, is logged once per replica; ``engine(name)`` returns it. Until then the
+replica's snapshots are stale with the reason.
+
 Inputs: the aiohttp session (owned by the caller, never closed here), the replica list via
 ``add_replica``/``remove_replica``, and for each replica an optional ``in_flight`` callable giving
 the gateway's own unfinished requests on it. Timestamps come from the injected ``clock``
@@ -27,7 +33,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from gateway.replicas.dialects import get_dialect
+from gateway.replicas.dialects import AUTO, INFO_PATHS, Samples, detect, engine_from_info, get_dialect
 from gateway.replicas.scrape import DEFAULT_WINDOW_S, ExpositionError, SnapshotBuilder, parse_exposition
 from gateway.replicas.snapshot import InFlight, ReplicaSnapshot
 
@@ -35,14 +41,19 @@ log = logging.getLogger("sluice.scraper")
 
 InFlightSource = Callable[[], Sequence[InFlight]]
 SnapshotCallback = Callable[[ReplicaSnapshot], None]
+EngineCallback = Callable[[str], None]
 
 
 @dataclass(eq=False)
 class _Target:
     name: str
+    base_url: str
     metrics_url: str
-    builder: SnapshotBuilder
+    #: ``None`` while the engine of an ``auto`` replica is not known yet.
+    builder: SnapshotBuilder | None
     in_flight: InFlightSource | None
+    #: Called once with the engine an ``auto`` replica was detected to run.
+    on_engine: EngineCallback | None = None
     #: Scrapes of one replica never overlap (the loop and ``scrape_once`` share it).
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     task: asyncio.Task[None] | None = None
@@ -90,20 +101,26 @@ class MetricsScraper:
         base_url: str,
         dialect: str = "vllm",
         in_flight: InFlightSource | None = None,
+        on_engine: EngineCallback | None = None,
     ) -> None:
         """Start scraping ``{base_url}/metrics`` as replica ``name`` (at once if started).
 
         Adding a name again replaces it with a fresh window (its URL or dialect may have changed).
-        ``ValueError`` for an unknown dialect. ``in_flight`` is called at each scrape.
+        ``dialect`` is a dialect name or ``"auto"`` (detect it); ``ValueError`` for an unknown one.
+        ``in_flight`` is called at each scrape. ``on_engine`` is called once, in the event loop,
+        with the engine an ``auto`` replica turned out to run (e.g. to set the registry's
+        ``Replica.detected_engine``); an exception it raises is logged and ignored.
         """
-        chosen = get_dialect(dialect)
+        builder = None if dialect == AUTO else self._builder(name, dialect)
         if name in self._targets:
             self.remove_replica(name)
         target = _Target(
             name=name,
+            base_url=base_url.rstrip("/"),
             metrics_url=base_url.rstrip("/") + "/metrics",
-            builder=SnapshotBuilder(name, chosen, window_s=self._window_s),
+            builder=builder,
             in_flight=in_flight,
+            on_engine=on_engine,
         )
         self._targets[name] = target
         if self._running:
@@ -118,6 +135,15 @@ class MetricsScraper:
             # Cancelled tasks are awaited in ``stop``; until then keep a strong reference.
             self._retiring.add(target.task)
             target.task.add_done_callback(self._retiring.discard)
+
+    def _builder(self, name: str, dialect: str) -> SnapshotBuilder:
+        return SnapshotBuilder(name, get_dialect(dialect), window_s=self._window_s)
+
+    def engine(self, name: str) -> str | None:
+        """The dialect replica ``name`` is read with: configured, or detected (``None`` while an
+        ``auto`` replica's engine is unknown, or for an unknown name)."""
+        target = self._targets.get(name)
+        return None if target is None or target.builder is None else target.builder.dialect.name
 
     def replicas(self) -> list[str]:
         """Names being scraped, in the order they were added."""
@@ -190,8 +216,11 @@ class MetricsScraper:
                 snapshot = await self._observe(target)
             except Exception as exc:  # a bug here must not end the replica's loop (cancel still does)
                 log.exception("scraping replica %s failed unexpectedly", target.name)
-                snapshot = target.builder.fail(
-                    f"internal error: {exc.__class__.__name__}", self._clock(), self._in_flight(target)
+                snapshot = self._fail(
+                    target,
+                    f"internal error: {exc.__class__.__name__}",
+                    self._clock(),
+                    self._in_flight(target),
                 )
             self._publish(target, snapshot)
             return snapshot
@@ -200,13 +229,67 @@ class MetricsScraper:
         body = await self._fetch(target.metrics_url)
         now = self._clock()
         in_flight = self._in_flight(target)
+        samples: Samples | None = None
+        failure = ""
         if isinstance(body, _Failure):
-            return target.builder.fail(body.reason, now, in_flight)
+            if target.builder is not None:
+                return target.builder.fail(body.reason, now, in_flight)
+            failure = body.reason
+        else:
+            try:
+                samples = await asyncio.to_thread(parse_exposition, body)
+            except ExpositionError as exc:
+                failure = str(exc)
+        builder = target.builder
+        if builder is None:
+            # SGLang without --enable-metrics has no /metrics: its info endpoint still tells.
+            builder, why = await self._detect(target, samples)
+            if builder is None:
+                reason = why if samples is not None else f"{failure}; {why}"
+                return self._fail(target, reason, self._clock(), in_flight)
+        if samples is None:
+            return builder.fail(failure, now, in_flight)
+        return builder.observe(samples, now, in_flight)
+
+    async def _detect(self, target: _Target, samples: Samples | None) -> tuple[SnapshotBuilder | None, str]:
+        """Detect an ``auto`` replica's engine and give the target its builder; ``(None, why)``
+        when it cannot tell yet (the replica stays stale and the next scrape tries again)."""
+        found, source = (detect(samples), "/metrics") if samples is not None else (None, "")
+        if found is None:
+            for engine, path in INFO_PATHS:
+                if engine_from_info(engine, await self._fetch_json(target.base_url + path)):
+                    found, source = engine, f"GET {path}"
+                    break
+        if found is None:
+            why = "engine not detected yet: no vllm:/tgi_/sglang: metric, TGI /info, SGLang /get_server_info"
+            return None, why
+        target.builder = self._builder(target.name, found)
+        log.info("replica %s: detected engine %s from %s", target.name, found, source)
+        if target.on_engine is not None and self._targets.get(target.name) is target:
+            try:
+                target.on_engine(found)
+            except Exception:
+                log.exception("on_engine callback of replica %s failed", target.name)
+        return target.builder, ""
+
+    async def _fetch_json(self, url: str) -> object:
+        """The JSON body of ``GET url``; ``None`` on any failure or a non-200 answer."""
         try:
-            samples = await asyncio.to_thread(parse_exposition, body)
-        except ExpositionError as exc:
-            return target.builder.fail(str(exc), now, in_flight)
-        return target.builder.observe(samples, now, in_flight)
+            async with self._session.get(url, timeout=self._timeout) as resp:
+                if resp.status != 200:
+                    return None
+                return await resp.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            return None
+
+    def _fail(
+        self, target: _Target, reason: str, now: float, in_flight: Sequence[InFlight]
+    ) -> ReplicaSnapshot:
+        if target.builder is not None:
+            return target.builder.fail(reason, now, in_flight)
+        return ReplicaSnapshot(
+            name=target.name, taken_at=now, stale=True, stale_reason=reason, in_flight=tuple(in_flight)
+        )
 
     async def _fetch(self, url: str) -> str | _Failure:
         """The body of ``GET url`` as text, or why there is none (one line)."""

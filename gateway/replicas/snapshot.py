@@ -55,7 +55,8 @@ class ReplicaSnapshot:
     taken_at: float
     stale: bool = False
     stale_reason: str | None = None
-    #: The dialect that read the scrape (``"vllm"``); ``None`` when unknown.
+    #: The dialect that read the scrape (``"vllm"``, ``"tgi"``, ``"sglang"``); ``None`` when unknown
+    #: (``backend: auto`` before the engine was detected).
     dialect: str | None = None
     #: Monotonic seconds of the scrape the metric fields come from; ``None`` if never scraped.
     metrics_at: float | None = None
@@ -84,7 +85,9 @@ class ReplicaSnapshot:
     #: Prompt tokens actually computed (prefix-cache hits excluded) per second.
     computed_prompt_tokens_per_s: float | None = None
     generation_tokens_per_s: float | None = None
-    #: Engine steps per second (vLLM ``iteration_tokens_total`` count rate).
+    #: Engine steps per second: vLLM ``iteration_tokens_total`` count rate; TGI
+    #: ``tgi_batch_forward_duration`` count rate; SGLang batch dispatches, or for old SGLang the
+    #: estimate ``gen_throughput / num_running_reqs`` (decode steps only; ``sources`` says which).
     steps_per_s: float | None = None
     #: Requests finished per second, every finish reason (stop, length, abort, error...).
     requests_finished_per_s: float | None = None
@@ -117,6 +120,21 @@ class ReplicaSnapshot:
     mean_prompt_tokens_per_request: float | None = None
     #: Generated tokens per finished request, mean.
     mean_generation_tokens_per_request: float | None = None
+
+    # Step time as the engine itself measures it (TGI, recent SGLang); ``None`` for engines that
+    # do not (vLLM: its step time is inferred from ``steps_per_s`` and the ITL).
+    #: Mean seconds of one engine step over the window, every kind of step (TGI
+    #: ``tgi_batch_forward_duration``; SGLang busy seconds / batch dispatches).
+    step_time_mean_s: float | None = None
+    #: Mean seconds of one decode-only step (TGI ``method="decode"``).
+    decode_step_time_mean_s: float | None = None
+    #: Mean seconds of one step that prefills (TGI ``method="prefill"``).
+    prefill_step_time_mean_s: float | None = None
+    #: Decode steps per second (TGI: count rate of ``method="decode"`` steps).
+    decode_steps_per_s: float | None = None
+    #: The engine's own smoothed decode throughput, tokens/s (SGLang ``gen_throughput``, updated
+    #: every 40 decode steps); ``None`` where not exposed.
+    engine_decode_tokens_per_s: float | None = None
 
     #: (canonical quantity, metric name read) for every quantity found: shows which alias was used.
     sources: tuple[tuple[str, str], ...] = ()

@@ -1,16 +1,32 @@
 """Every Grafana panel's query, run against a real Prometheus scraping a real gateway and two
-emulated vLLM replicas under light load.
+emulated vLLM replicas under load.
 
-Setup (about 15-25 s): two ``python -m simulator`` processes; the gateway in process
-(``build_app`` + ``metrics.install``); Debian's ``prometheus`` with the shipped
-``prometheus.yml`` and rules, its targets and intervals rewritten for the test (1 s scrapes,
-discovery of the replicas through the gateway's ``/metrics/replicas``). A load task sends
-streamed chat, plain completions and requests the replica rejects (``max_tokens`` over its
-context).
+Setup (about 15-25 s): two ``python -m simulator`` processes; a real ``redis-server`` holding the
+tenants' budgets (``limits.backend: redis``); the gateway in process (``build_app``, which installs
+the metrics); Debian's ``prometheus`` with the shipped ``prometheus.yml`` and rules, its targets and
+intervals rewritten for the test (1 s scrapes, discovery of the replicas through the gateway's
+``/metrics/replicas``).
 
-Then each panel target must parse (``/api/v1/query`` answers ``success``) and return at least
-one finite sample, except those in ``PENDING``: their metrics have no producer yet, so they must
-parse and return nothing. When a feature lands and its panels get data, this test fails and
+The configuration and the load are chosen so that every metric has a real producer at work:
+
+* Two tenants with API keys and every budget. ``team-a``'s budgets are ample; ``team-b``'s request
+  budget is one request per few seconds, so most of its requests get a 429 ``requests`` with a
+  Retry-After, the later ones answered from the over-limit cache.
+* Classes, with the SLO rule in shadow mode (``admission.shadow.slo``) and every other rule
+  enforced. ``interactive`` has the default targets. ``strict`` has a TTFT target no replica can
+  meet (1 ms): each of its requests is ``shadow_rejected`` (``slo_unattainable``), admitted anyway,
+  and counted as ``missed_ttft``. ``capped`` may hold one decode slot per replica and never queues
+  (``batch_isolation``, enforced): bursts of four concurrent requests get 429 ``overloaded`` with a
+  Retry-After from the forecast of when a slot frees.
+* ``team-a`` sends streamed chat, plain completions, requests no replica can hold (``max_tokens``
+  over every context: Sluice answers 400 ``prompt_too_large``), ``strict`` streams and ``capped``
+  bursts; ``team-b`` sends plain completions.
+* Redis is frozen (SIGSTOP) for two seconds under that load: the limiter counts storage errors and
+  fails open to its local buckets, then returns to Redis.
+
+Then each panel target must parse (``/api/v1/query`` answers ``success``) and return at least one
+finite sample, except those in ``PENDING`` (none today): a panel whose metric has no producer yet
+must parse and return nothing. When a feature lands and its panels get data, this test fails and
 names the entries to delete from ``PENDING``.
 """
 
@@ -21,8 +37,9 @@ import contextlib
 import json
 import math
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,36 +48,22 @@ import pytest
 import yaml
 from aiohttp import web
 
+from gateway.admission.config import AdmissionSettings, ClassSettings, HeaderSettings, ShadowSettings
 from gateway.app import build_app
+from gateway.limits.config import LimitsSettings, RedisSettings, TenantLimitSettings
 from gateway.settings import HardwareSettings, HealthSettings, ReplicaSettings, ServerSettings, Settings
 from gateway.store import SettingsStore
+from gateway.tenants.config import TenantSettings, TenantsSettings
+from gateway.tenants.keys import hash_api_key
 from tests.observability.prometheus import CONFIG, DASHBOARDS, RULES, tool
 from tests.support.procs import Proc, free_port, python_module
+from tests.support.redis import RedisServer, redis_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
-ADMISSION = (
-    "this test's light load meets every target and runs no rule in shadow mode: no SLO miss, no shadow "
-    "decision, and no load rejection with a Retry-After (tests/integration/admission produces them)"
-)
-TENANTS = "tenants and the limiter are not wired: no reservations, settles or LimiterStats (issue 5)"
-
-#: (dashboard uid, panel title, refId) -> why it has no data yet. Delete entries as features land.
-PENDING: dict[tuple[str, str, str], str] = {
-    ("sluice-overview", "Shadow-mode rejections", "A"): ADMISSION,
-    ("sluice-overview", "SLO misses by kind", "A"): ADMISSION,
-    ("sluice-overview", "Retry-After given", "A"): ADMISSION,
-    ("sluice-overview", "Retry-After given", "B"): ADMISSION,
-    ("sluice-tenants", "Token budget: used vs limit", "A"): TENANTS,
-    ("sluice-tenants", "Token budget: used vs limit", "B"): TENANTS,
-    ("sluice-tenants", "Token bucket level", "A"): TENANTS,
-    ("sluice-tenants", "Request bucket level", "A"): TENANTS,
-    ("sluice-tenants", "Fair share of tokens", "A"): TENANTS,
-    ("sluice-tenants", "Reserved vs settled tokens", "A"): TENANTS,
-    ("sluice-tenants", "Reserved vs settled tokens", "B"): TENANTS,
-    ("sluice-tenants", "Concurrent requests vs limit", "A"): TENANTS,
-    ("sluice-tenants", "Concurrent requests vs limit", "B"): TENANTS,
-}
+#: (dashboard uid, panel title, refId) -> why it has no data yet. Add an entry when a panel is added
+#: before its producer; delete it when the feature lands (the test says which).
+PENDING: dict[tuple[str, str, str], str] = {}
 
 #: Grafana's own variables, as the test substitutes them (All = ``.*``).
 SUBSTITUTIONS = {"$__rate_interval": "1m", "$class": ".*", "$replica": ".*", "$tenant": ".*"}
@@ -71,6 +74,55 @@ H100_LLAMA3_8B = HardwareSettings(
 )
 #: Seconds to keep retrying until every expected query returns data (rates need two scrapes).
 SETTLE_TIMEOUT_S = 60.0
+
+TEAM_A, TEAM_B = "team-a", "team-b"
+API_KEYS = {TEAM_A: "sk-dashboards-team-a", TEAM_B: "sk-dashboards-team-b"}
+INTERACTIVE, STRICT, CAPPED = "interactive", "strict", "capped"
+#: Concurrent requests per ``capped`` burst: two more than its one decode slot on each replica.
+BURST = 4
+CLASS_HEADER = HeaderSettings().request_class
+#: Seconds Redis is frozen (SIGSTOP) mid-test: the limiter fails open to its local buckets.
+REDIS_OUTAGE_S = 2.0
+#: What the Redis outage must leave behind, whatever the rate panels show at the end.
+AFTER_OUTAGE = ("sum(sluice_redis_errors_total)", "sum(sluice_redis_fail_open_total)")
+
+
+def _settings(replica_ports: dict[str, int], redis_url: str) -> Settings:
+    """Replicas, tenants, classes and limits of the scenario described in the module docstring."""
+    classes = {
+        INTERACTIVE: ClassSettings(),
+        # Below any replica's first token: admitted (the SLO rule is in shadow), then missed.
+        STRICT: ClassSettings(ttft_target_s=0.001, max_queue_wait_s=0.0),
+        # One decode slot per replica (max(1, floor(share x slots))), and no queueing: a third
+        # concurrent request is refused at once.
+        CAPPED: ClassSettings(slot_share=0.001, max_queue_wait_s=0.0),
+    }
+    ample = TenantLimitSettings(
+        tokens_per_minute=10_000_000.0, requests_per_minute=100_000.0, max_concurrent=64
+    )
+    scarce = TenantLimitSettings(
+        tokens_per_minute=1_000_000.0, requests_per_minute=20.0, request_burst=1, max_concurrent=4
+    )
+    tenants = {
+        TEAM_A: TenantSettings(api_keys=[hash_api_key(API_KEYS[TEAM_A])], weight=2.0, limits=ample),
+        TEAM_B: TenantSettings(
+            api_keys=[hash_api_key(API_KEYS[TEAM_B])], limits=scarce, allowed_classes=[INTERACTIVE]
+        ),
+    }
+    return Settings(
+        replicas=[
+            ReplicaSettings(name=n, url=f"http://127.0.0.1:{p}", hardware=H100_LLAMA3_8B)
+            for n, p in replica_ports.items()
+        ],
+        health=HealthSettings(interval_s=1.0, timeout_s=0.5),
+        server=ServerSettings(port=0),
+        admission=AdmissionSettings(
+            classes=classes, default_class=INTERACTIVE, shadow=ShadowSettings(slo=True)
+        ),
+        tenants=TenantsSettings(tenants=tenants),
+        # A generous Redis timeout: on a loaded machine, only the deliberate outage should fail open.
+        limits=LimitsSettings(backend="redis", redis=RedisSettings(url=redis_url, timeout_s=0.5)),
+    )
 
 
 @dataclass(frozen=True)
@@ -143,15 +195,7 @@ def _emulators(count: int) -> Iterator[dict[str, int]]:
 
 
 @contextlib.asynccontextmanager
-async def _gateway(replica_ports: dict[str, int]) -> AsyncIterator[int]:
-    settings = Settings(
-        replicas=[
-            ReplicaSettings(name=n, url=f"http://127.0.0.1:{p}", hardware=H100_LLAMA3_8B)
-            for n, p in replica_ports.items()
-        ],
-        health=HealthSettings(interval_s=1.0, timeout_s=0.5),
-        server=ServerSettings(port=0),
-    )
+async def _gateway(settings: Settings) -> AsyncIterator[int]:
     app = build_app(SettingsStore(settings), spawn_emulators=False)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -201,24 +245,85 @@ def _prometheus(tmp_path: Path, gateway_port: int) -> Iterator[str]:
         print(proc.output()[-4000:])
 
 
-async def _load(base: str, model: str) -> None:
-    """Light, steady traffic: streamed chat, a plain completion, and one the replica rejects."""
-    async with aiohttp.ClientSession(base_url=base) as session:
+@dataclass
+class Traffic:
+    """What the load got back: (sender, status) -> responses; sender -> 429s with a Retry-After."""
+
+    statuses: Counter[tuple[str, int]] = field(default_factory=Counter)
+    retry_after: Counter[str] = field(default_factory=Counter)
+
+    async def send(
+        self,
+        session: aiohttp.ClientSession,
+        sender: str,
+        path: str,
+        body: dict[str, Any],
+        cls: str | None = None,
+    ) -> None:
+        headers = {} if cls is None else {CLASS_HEADER: cls}
+        async with session.post(path, json=body, headers=headers) as resp:
+            await resp.read()
+        self.statuses[sender, resp.status] += 1
+        if resp.status == 429 and "Retry-After" in resp.headers:
+            self.retry_after[sender] += 1
+
+
+def _chat(model: str, max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "Describe admission control in two lines."}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+    }
+
+
+def _client(base: str, tenant: str) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(base_url=base, headers={"Authorization": f"Bearer {API_KEYS[tenant]}"})
+
+
+async def _steady(base: str, model: str, traffic: Traffic) -> None:
+    """team-a, one request at a time: streamed chat, a plain completion, one too large for any
+    replica, and a ``strict`` stream (shadow-rejected, then a TTFT miss)."""
+    plain = {"model": model, "prompt": "Hello there", "max_tokens": 8}
+    too_long = {"model": model, "prompt": "Hello", "max_tokens": 10_000_000}
+    async with _client(base, TEAM_A) as session:
         while True:
-            chat = {
-                "model": model,
-                "messages": [{"role": "user", "content": "Describe admission control in two lines."}],
-                "max_tokens": 24,
-                "stream": True,
-                "ignore_eos": True,
-            }
-            plain = {"model": model, "prompt": "Hello there", "max_tokens": 8}
-            too_long = {"model": model, "prompt": "Hello", "max_tokens": 10_000_000}
-            for body, path in ((chat, "/v1/chat/completions"), (chat, "/v1/chat/completions"),
-                               (plain, "/v1/completions"), (too_long, "/v1/completions")):  # fmt: skip
-                async with session.post(path, json=body) as resp:
-                    await resp.read()
+            await traffic.send(session, "steady", "/v1/chat/completions", _chat(model, 24))
+            await traffic.send(session, "steady", "/v1/chat/completions", _chat(model, 24))
+            await traffic.send(session, "steady", "/v1/completions", plain)
+            await traffic.send(session, "steady", "/v1/completions", too_long)
+            await traffic.send(session, STRICT, "/v1/chat/completions", _chat(model, 16), STRICT)
             await asyncio.sleep(0.05)
+
+
+async def _bursts(base: str, model: str, traffic: Traffic) -> None:
+    """team-a, ``capped``: BURST concurrent streams at a time, more than the class's slots."""
+    async with _client(base, TEAM_A) as session:
+        while True:
+            await asyncio.gather(
+                *(
+                    traffic.send(session, CAPPED, "/v1/chat/completions", _chat(model, 48), CAPPED)
+                    for _ in range(BURST)
+                )
+            )
+            await asyncio.sleep(0.2)
+
+
+async def _over_budget(base: str, model: str, traffic: Traffic) -> None:
+    """team-b: plain completions faster than its request budget refills."""
+    plain = {"model": model, "prompt": "Hello from team b", "max_tokens": 8}
+    async with _client(base, TEAM_B) as session:
+        while True:
+            await traffic.send(session, TEAM_B, "/v1/completions", plain)
+            await asyncio.sleep(0.25)
+
+
+async def _load(base: str, model: str, traffic: Traffic) -> None:
+    """Every sender at once, until cancelled."""
+    await asyncio.gather(
+        _steady(base, model, traffic), _bursts(base, model, traffic), _over_budget(base, model, traffic)
+    )
 
 
 async def _query(session: aiohttp.ClientSession, prom: str, expr: str) -> dict[str, Any]:
@@ -245,10 +350,17 @@ async def _wait_until_ready(session: aiohttp.ClientSession, prom: str, deadline:
 
 
 async def _model(base: str) -> str:
-    async with aiohttp.ClientSession() as session, session.get(f"{base}/v1/models") as resp:
-        data = (await resp.json())["data"]
-    assert data, "the gateway lists no model"
-    return str(data[0]["id"])
+    """The first model the gateway lists, once a health check has found a replica healthy (on a
+    loaded machine the first checks can time out)."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    async with aiohttp.ClientSession() as session:
+        while True:
+            async with session.get(f"{base}/v1/models") as resp:
+                data = (await resp.json())["data"]
+            if data:
+                return str(data[0]["id"])
+            assert time.monotonic() < deadline, "the gateway lists no model"
+            await asyncio.sleep(0.2)
 
 
 async def test_every_panel_query_parses_and_returns_data(tmp_path: Path) -> None:
@@ -256,24 +368,62 @@ async def test_every_panel_query_parses_and_returns_data(tmp_path: Path) -> None
     expected = [q for q in queries if q.key not in PENDING]
     pending = [q for q in queries if q.key in PENDING]
     assert len(expected) >= 30
-    with _emulators(2) as ports:
-        async with _gateway(ports) as gateway_port:
+    traffic = Traffic()
+    with redis_server() as redis, _emulators(2) as ports:
+        async with _gateway(_settings(ports, redis.url)) as gateway_port:
             base = f"http://127.0.0.1:{gateway_port}"
-            load = asyncio.create_task(_load(base, await _model(base)))
+            load = asyncio.create_task(_load(base, await _model(base), traffic))
             try:
                 with _prometheus(tmp_path, gateway_port) as prom:
+                    await _redis_outage(redis)
                     missing = await _settle(prom, expected)
+                    not_counted = await _settle_positive(prom, AFTER_OUTAGE)
                     empty_variables = await _variables_without_values(prom)
                     wrongly_pending = await _pending_with_data(prom, pending)
             finally:
                 load.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await load
-    assert missing == [], "panels without data:\n" + "\n".join(missing)
+    seen = (
+        f"responses (sender, status): {dict(traffic.statuses)}; with Retry-After: {dict(traffic.retry_after)}"
+    )
+    assert missing == [], "panels without data:\n" + "\n".join(missing) + "\n" + seen
+    assert not_counted == [], f"the Redis outage was not counted: {not_counted}\n{seen}"
     assert empty_variables == [], f"dashboard variables without values: {empty_variables}"
     assert wrongly_pending == [], "these now return data; delete them from PENDING:\n" + "\n".join(
         wrongly_pending
     )
+    # The scenario did what the module docstring says (the panels above show it too).
+    assert traffic.retry_after[CAPPED] > 0, seen
+    assert traffic.retry_after[TEAM_B] > 0, seen
+    assert traffic.statuses[STRICT, 200] > 0, seen
+
+
+async def _redis_outage(redis: RedisServer) -> None:
+    """Freeze Redis for REDIS_OUTAGE_S under load (a real hang: the server keeps its sockets open
+    and answers nothing), then let it answer again."""
+    await asyncio.sleep(1.0)
+    redis.pause()
+    try:
+        await asyncio.sleep(REDIS_OUTAGE_S)
+    finally:
+        redis.resume()
+
+
+async def _settle_positive(prom: str, exprs: tuple[str, ...]) -> list[str]:
+    """Retry until every query in ``exprs`` returns a value above 0 (or the deadline); the others."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    async with aiohttp.ClientSession() as session:
+        while True:
+            low = []
+            for expr in exprs:
+                body = await _query(session, prom, expr)
+                result = body["data"]["result"]
+                if not result or not float(result[0]["value"][1]) > 0:
+                    low.append(f"{expr} = {result}")
+            if not low or time.monotonic() > deadline:
+                return low
+            await asyncio.sleep(1.0)
 
 
 async def _settle(prom: str, expected: list[Query]) -> list[str]:

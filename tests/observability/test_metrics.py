@@ -267,7 +267,7 @@ def test_observe_outcome_of_a_rejection_counts_its_retry_after_and_no_latency() 
         )
         == 1
     )
-    assert value(metrics, "sluice_retry_after_seconds_sum", **cls) == 3.0
+    assert value(metrics, "sluice_retry_after_seconds_sum", reason="overloaded", **cls) == 3.0
     assert value(metrics, "sluice_queue_wait_seconds_sum", decision="rejected", **cls) == pytest.approx(0.2)
     assert value(metrics, "sluice_ttft_seconds_count", **cls) is None
     assert value(metrics, "sluice_slo_requests_total", result="failed", **cls) is None
@@ -451,6 +451,19 @@ def test_limiter_stats_are_exported_as_counters() -> None:
     assert value(metrics, "sluice_redis_fail_open_total") == 7
     assert value(metrics, "sluice_redis_fail_closed_total") == 0
     assert value(metrics, "sluice_redis_degraded") == 1
+
+
+def test_limiter_stats_of_the_memory_backend_are_not_exported() -> None:
+    metrics = SluiceMetrics()
+    stats = LimiterStats()
+    metrics.track_limiter(stats, redis=False)
+    stats.local_cache_rejections_total = 2  # whatever a memory limiter counts, there is no Redis
+    for name in (
+        "sluice_redis_degraded",
+        "sluice_redis_errors_total",
+        "sluice_limiter_local_cache_rejections_total",
+    ):
+        assert value(metrics, name) is None, name
 
 
 def test_reload_results() -> None:

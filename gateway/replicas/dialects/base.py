@@ -34,8 +34,13 @@ class CounterName(enum.StrEnum):
     #: Prefix-cache lookups and hits, in the engine's unit (vLLM: tokens; ~0.8: blocks).
     PREFIX_CACHE_QUERIES = "prefix_cache_queries"
     PREFIX_CACHE_HITS = "prefix_cache_hits"
-    #: Requests the engine itself refused (queue limits).
+    #: Requests the engine itself refused (queue limits; TGI's 429 ``overloaded``).
     ADMISSION_REJECTIONS = "admission_rejections"
+    #: Engine steps (forward passes) of every kind, for engines that count them (SGLang's batch
+    #: dispatches, TGI's ``tgi_batch_inference_count``).
+    STEPS = "steps"
+    #: Seconds the engine spent inside steps (SGLang ``forward_execution_seconds_total``).
+    STEP_SECONDS = "step_seconds"
 
 
 class HistogramName(enum.StrEnum):
@@ -51,6 +56,12 @@ class HistogramName(enum.StrEnum):
     #: Prompt / generated tokens per finished request.
     REQUEST_PROMPT_TOKENS = "request_prompt_tokens"
     REQUEST_GENERATION_TOKENS = "request_generation_tokens"
+    #: Seconds per engine step as the engine measures it, every kind of step (TGI's
+    #: ``tgi_batch_forward_duration``); one observation per step, so its count rate is steps/s.
+    STEP_TIME = "step_time_s"
+    #: The same for decode-only steps and for steps that prefill (TGI ``method`` label).
+    DECODE_STEP_TIME = "decode_step_time_s"
+    PREFILL_STEP_TIME = "prefill_step_time_s"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +92,8 @@ class Gauges:
     kv_cache_usage_max: float | None = None
     kv_capacity_tokens: int | None = None
     block_size: int | None = None
+    #: The engine's own smoothed decode throughput, tokens per second (SGLang ``gen_throughput``).
+    decode_tokens_per_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +164,18 @@ class Samples:
         values = [v for _, v in self.select(name, where)]
         return max(values) if values else None
 
+    def counter(self, name: str, where: Mapping[str, str] | None = None) -> tuple[str, float] | None:
+        """(sample name found, sum of matching series) of a counter exposed without ``_total``.
+
+        prometheus_client's parser renames a counter's bare sample ``x`` to ``x_total``, so a
+        counter TGI exposes as ``tgi_request_count`` is looked up under both names.
+        """
+        for candidate in (name, name + "_total"):
+            value = self.total(candidate, where)
+            if value is not None:
+                return candidate, value
+        return None
+
     def first_present(self, names: Sequence[str], suffix: str = "") -> str | None:
         """The first of ``names`` (aliases, newest first) with a sample ``name + suffix``."""
         return next((n for n in names if n + suffix in self._by_name), None)
@@ -206,8 +231,13 @@ class Dialect(Protocol):
     """Reads one engine family's metric names. Stateless; one shared instance per dialect.
 
     ``name`` is the key it is registered and configured under (``"vllm"``). ``read`` must not
-    raise on missing metrics: it leaves them out of the ``Reading``.
+    raise on missing metrics: it leaves them out of the ``Reading``. ``prefix`` is what every one
+    of its metric names starts with (``"vllm:"``, ``"tgi_"``, ``"sglang:"``), which is how a
+    scrape's engine is detected.
     """
+
+    @property
+    def prefix(self) -> str: ...
 
     @property
     def name(self) -> str: ...

@@ -69,6 +69,10 @@ class VllmDialect:
     def name(self) -> str:
         return "vllm"
 
+    @property
+    def prefix(self) -> str:
+        return PREFIX
+
     def read(self, samples: Samples) -> Reading:
         sources: dict[str, str] = {}
         counters = _counters(samples, sources)

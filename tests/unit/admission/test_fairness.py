@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import pytest
+from pydantic import ValidationError
 
 from gateway.admission import (
     AdmissionController,
@@ -27,7 +28,8 @@ from gateway.admission import (
     TokenWeights,
     VirtualTokenCounter,
 )
-from tests.unit.admission.fleet import controller, request, state, streams, view
+from gateway.admission.fairness import REQUEST_COUNT
+from tests.unit.admission.fleet import SETTINGS, controller, request, state, streams, view
 
 T0 = 1000.0
 
@@ -101,6 +103,32 @@ def test_bad_inputs_are_refused(call: object, message: str) -> None:
 def test_default_weights_are_the_queue_job_size_costs() -> None:
     assert TokenWeights.from_queue_settings(QueueSettings()) == TokenWeights(3.0e-5, 1.0e-4)
     assert controller().fairness.token_weights == TokenWeights(3.0e-5, 1.0e-4)
+
+
+def test_the_queue_can_count_requests_instead_of_tokens() -> None:
+    by_requests = QueueSettings(fairness="requests")
+    assert TokenWeights.from_queue_settings(by_requests) == REQUEST_COUNT == TokenWeights(0.0, 0.0, 1.0)
+    ctl = controller(SETTINGS.model_copy(update={"queue": by_requests}))
+    assert isinstance(ctl.submit(tenant_request("docs", 8000), open_(), T0), Admit)
+    assert isinstance(ctl.submit(tenant_request("chat", 100), open_(), T0), Admit)
+    ctl.fairness.charge_output("docs", 500)
+    assert ctl.fairness.counters() == {"docs": 1.0, "chat": 1.0}
+
+
+def test_unknown_fairness_modes_are_refused() -> None:
+    with pytest.raises(ValidationError, match="fairness"):
+        QueueSettings.model_validate({"fairness": "bytes"})
+
+
+def test_a_reload_switches_the_fairness_mode_and_keeps_the_counters() -> None:
+    ctl = controller()
+    ctl.fairness.charge_dispatch("a", 1000)
+    ctl.reconfigure(SETTINGS.model_copy(update={"queue": QueueSettings(fairness="requests")}))
+    assert ctl.fairness.token_weights == REQUEST_COUNT
+    ctl.fairness.charge_dispatch("a", 1000)
+    assert ctl.fairness.counter("a") == pytest.approx(1000 * 3.0e-5 + 1.0)
+    ctl.reconfigure(SETTINGS)
+    assert ctl.fairness.token_weights == TokenWeights(3.0e-5, 1.0e-4)
 
 
 # --- the lift: no banked credit -----------------------------------------------------------------
@@ -238,7 +266,6 @@ def test_every_way_out_of_the_queue_ends_the_backlog() -> None:
 SECONDS_PER_TOKEN = 1e-4
 SHAPES = {"docs": (4000, 200), "chat": (200, 100)}  # (prompt, output) tokens
 GPU_WEIGHTS = TokenWeights(input=1.0, output=2.0)
-REQUEST_COUNT = TokenWeights(input=0.0, output=0.0, request=1.0)
 #: One class whose targets never bind: the replica's slots are the only limit.
 PATIENT = AdmissionSettings(
     classes={"chat": ClassSettings(ttft_target_s=1e6, max_queue_wait_s=1e6, queue_capacity=100_000)},

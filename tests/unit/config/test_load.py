@@ -40,7 +40,9 @@ BAD_CASES: dict[str, list[str]] = {
     "bool_as_number.yaml": ["health.interval_s: Input should be a valid number (got True)"],
     "negative_timeout.yaml": ["server.upstream_connect_timeout_s: Input should be greater than 0 (got -5)"],
     "bad_url.yaml": [f"replicas.0.url: String should match pattern {URL_PATTERN} (got 'localhost:8000')"],
-    "unsupported_backend.yaml": ["replicas.0.backend: Input should be 'vllm' (got 'tgi')"],
+    "unsupported_backend.yaml": [
+        "replicas.0.backend: Input should be 'vllm', 'tgi', 'sglang' or 'auto' (got 'trtllm')"
+    ],
     "missing_required_key.yaml": ["emulators.0.port: required key is missing"],
     "duplicate_replica_names.yaml": [
         "replicas.1.name: duplicate name, first used at replicas.0.name (got 'r0')",

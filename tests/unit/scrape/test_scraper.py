@@ -264,8 +264,8 @@ async def test_replicas_added_after_start_and_removed(aiohttp_server, session) -
 async def test_unknown_dialect_is_rejected(session) -> None:
     scraper = MetricsScraper(session)
 
-    with pytest.raises(ValueError, match="unknown metrics dialect 'tgi'; known: vllm"):
-        scraper.add_replica("r1", "http://127.0.0.1:1", dialect="tgi")
+    with pytest.raises(ValueError, match="unknown metrics dialect 'trtllm'; known: sglang, tgi, vllm"):
+        scraper.add_replica("r1", "http://127.0.0.1:1", dialect="trtllm")
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,177 @@
+"""SGLang's ``/metrics`` (``sglang:`` names; only served with ``--enable-metrics``).
+
+Names, types and labels: ``shared/reference/backend-metrics.md`` §3 (SGLang's
+``python/sglang/srt/metrics/collector.py``, a 2026 main) and the real docs scrape of ~v0.4 kept in
+``tests/data/metrics/``. What matters here:
+
+- Labels: old versions have ``model_name`` only. Recent scheduler metrics add ``engine_type``,
+  ``tp_rank``, ``pp_rank``, ``moe_ep_rank``, optionally ``priority`` (the total is under
+  ``priority=""``) and ``dp_rank``. By default only attention-TP rank 0 reports, and with
+  ``--enable-metrics-for-all-schedulers`` every TP rank repeats the same numbers, so series are
+  filtered to ``priority=""`` and to the lowest ``tp_rank`` / ``pp_rank`` present, then summed
+  over the rest (``dp_rank``): TP ranks are never added up.
+- Gauges (set only every ``decode_log_interval`` decode steps, default 40, or on prefill batches,
+  so they can be a few hundred ms old): ``num_running_reqs`` (batch size B), ``num_queue_reqs``,
+  ``token_usage`` (KV usage 0-1), ``num_used_tokens``, ``max_total_num_tokens`` (the KV pool's
+  capacity in tokens), ``page_size``, ``gen_throughput`` (decode tokens/s over the last interval).
+  Without ``max_total_num_tokens`` (old versions) the capacity is estimated as
+  ``num_used_tokens / token_usage`` when usage is at least 10 % (``token_usage`` is rounded to two
+  decimals), and ``sources`` says so.
+- Token counters ``prompt_tokens_total`` / ``generation_tokens_total`` are added **when a request
+  finishes**, so their rates lag by a request's duration; ``realtime_tokens_total{mode}`` (recent)
+  is counted as tokens are processed and is preferred.
+- Steps: recent versions count batch dispatches (``scheduler_loop_batch_dispatches_total``) and
+  busy seconds (``forward_execution_seconds_total``); the mean step time is their ratio. Older
+  versions have neither: the snapshot then estimates decode steps/s as ``gen_throughput /
+  num_running_reqs`` (every running request gains one token per decode step).
+- ITL: ``inter_token_latency_seconds`` (recent) <- ``time_per_output_token_seconds`` (old name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from gateway.replicas.dialects.base import CounterName, Gauges, Histogram, HistogramName, Reading, Samples
+
+PREFIX = "sglang:"
+
+RUNNING = "sglang:num_running_reqs"
+WAITING = "sglang:num_queue_reqs"
+KV_USAGE = "sglang:token_usage"
+USED_TOKENS = "sglang:num_used_tokens"
+CAPACITY = "sglang:max_total_num_tokens"
+PAGE_SIZE = "sglang:page_size"
+GEN_THROUGHPUT = "sglang:gen_throughput"
+
+#: ``token_usage`` at least this high gives a capacity estimate within ~5 % (it has 2 decimals).
+_MIN_USAGE_FOR_ESTIMATE = 0.1
+
+#: Counter -> (sample name, extra label filter) aliases, newest first.
+COUNTERS: Mapping[CounterName, tuple[tuple[str, Mapping[str, str] | None], ...]] = {
+    CounterName.PROMPT_TOKENS: (("sglang:prompt_tokens_total", None),),
+    CounterName.COMPUTED_PROMPT_TOKENS: (("sglang:realtime_tokens_total", {"mode": "prefill_compute"}),),
+    CounterName.GENERATION_TOKENS: (
+        ("sglang:realtime_tokens_total", {"mode": "decode"}),
+        ("sglang:generation_tokens_total", None),
+    ),
+    CounterName.PREFIX_CACHE_HITS: (("sglang:cached_tokens_total", {"cache_source": "total"}),),
+    CounterName.REQUESTS_FINISHED: (("sglang:num_requests_total", None),),
+    CounterName.PREEMPTIONS: (("sglang:num_retracted_requests_total", None),),
+    CounterName.STEPS: (("sglang:scheduler_loop_batch_dispatches_total", None),),
+    CounterName.STEP_SECONDS: (("sglang:forward_execution_seconds_total", None),),
+}
+
+#: Histogram -> base names, newest first.
+HISTOGRAMS: Mapping[HistogramName, tuple[str, ...]] = {
+    HistogramName.TTFT: ("sglang:time_to_first_token_seconds",),
+    HistogramName.INTER_TOKEN_LATENCY: (
+        "sglang:inter_token_latency_seconds",
+        "sglang:time_per_output_token_seconds",
+    ),
+    HistogramName.E2E: ("sglang:e2e_request_latency_seconds",),
+    HistogramName.QUEUE_TIME: ("sglang:queue_time_seconds",),
+    HistogramName.REQUEST_PROMPT_TOKENS: ("sglang:prompt_tokens_histogram",),
+    HistogramName.REQUEST_GENERATION_TOKENS: ("sglang:generation_tokens_histogram",),
+}
+
+
+class SglangDialect:
+    """The ``sglang`` dialect (~v0.4 names and labels up to the 2026 collector)."""
+
+    @property
+    def name(self) -> str:
+        return "sglang"
+
+    @property
+    def prefix(self) -> str:
+        return PREFIX
+
+    def read(self, samples: Samples) -> Reading:
+        sources: dict[str, str] = {}
+        return Reading(
+            gauges=_gauges(samples, sources),
+            counters=_counters(samples, sources),
+            histograms=_histograms(samples, sources),
+            model_names=samples.label_values("model_name", PREFIX),
+            sources=sources,
+        )
+
+
+def one_rank(samples: Samples, name: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The label filter that keeps one scheduler's view of ``name``: ``priority=""`` (the total
+    over priorities), the lowest ``tp_rank`` and ``pp_rank`` present, plus ``extra``.
+
+    Series without those labels (old versions, tokenizer metrics) match it unchanged.
+    """
+    where: dict[str, str] = {"priority": ""}
+    series = samples.select(name, {**where, **(extra or {})})
+    for label in ("tp_rank", "pp_rank"):
+        values = {labels[label] for labels, _ in series if label in labels}
+        if values:
+            where[label] = min(values, key=_rank_key)
+            series = [s for s in series if s[0].get(label) == where[label]]
+    return {**where, **(extra or {})}
+
+
+def _rank_key(value: str) -> tuple[int, str]:
+    return (int(value), value) if value.isdigit() else (1 << 30, value)
+
+
+def _counters(samples: Samples, sources: dict[str, str]) -> dict[CounterName, float]:
+    found: dict[CounterName, float] = {}
+    for counter, aliases in COUNTERS.items():
+        for name, extra in aliases:
+            value = samples.total(name, one_rank(samples, name, extra))
+            if value is not None:
+                found[counter] = value
+                sources[counter.value] = name
+                break
+    return found
+
+
+def _histograms(samples: Samples, sources: dict[str, str]) -> dict[HistogramName, Histogram]:
+    found: dict[HistogramName, Histogram] = {}
+    for histogram, aliases in HISTOGRAMS.items():
+        for base in aliases:
+            value = samples.histogram(base, one_rank(samples, base + "_count"))
+            if value is not None:
+                found[histogram] = value
+                sources[histogram.value] = base
+                break
+    return found
+
+
+def _gauge(samples: Samples, name: str, sources: dict[str, str], key: str) -> float | None:
+    value = samples.total(name, one_rank(samples, name))
+    if value is not None:
+        sources[key] = name
+    return value
+
+
+def _gauges(samples: Samples, sources: dict[str, str]) -> Gauges:
+    running = _gauge(samples, RUNNING, sources, "num_running")
+    waiting = _gauge(samples, WAITING, sources, "num_waiting")
+    where = one_rank(samples, KV_USAGE)
+    usage_mean = samples.mean(KV_USAGE, where)
+    usage_max = samples.max(KV_USAGE, where)
+    if usage_mean is not None:
+        sources["kv_cache_usage"] = KV_USAGE
+    capacity = _gauge(samples, CAPACITY, sources, "kv_capacity_tokens")
+    if capacity is None:
+        used = samples.total(USED_TOKENS, one_rank(samples, USED_TOKENS))
+        if used is not None and usage_mean is not None and usage_mean >= _MIN_USAGE_FOR_ESTIMATE:
+            capacity = used / usage_mean
+            sources["kv_capacity_tokens"] = f"{USED_TOKENS} / {KV_USAGE} (estimate)"
+    page = samples.max(PAGE_SIZE, one_rank(samples, PAGE_SIZE))
+    if page is not None:
+        sources["block_size"] = PAGE_SIZE
+    throughput = _gauge(samples, GEN_THROUGHPUT, sources, "decode_tokens_per_s")
+    return Gauges(
+        num_running=None if running is None else round(running),
+        num_waiting=None if waiting is None else round(waiting),
+        kv_cache_usage=usage_mean,
+        kv_cache_usage_max=usage_max,
+        kv_capacity_tokens=None if capacity is None or capacity <= 0 else round(capacity),
+        block_size=None if page is None or page <= 0 else round(page),
+        decode_tokens_per_s=throughput,
+    )

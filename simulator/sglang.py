@@ -1,0 +1,245 @@
+"""SGLang as the emulator shows it: ``/metrics`` and ``/get_server_info`` / ``/get_model_info``.
+
+The metric set, types, labels and buckets are those of the one real SGLang scrape in public, the
+docs example of ~v0.4 (``tests/data/metrics/sglang-v0.4-docs-production_metrics.txt``; checked by
+``tests/contract/test_engine_metrics_contract.py``): ``model_name`` is the only label; counters
+``prompt_tokens_total`` and ``generation_tokens_total``; gauges ``token_usage``,
+``cache_hit_rate``, ``num_running_reqs``, ``num_used_tokens``, ``gen_throughput``,
+``num_queue_reqs``; histograms ``time_to_first_token_seconds``, ``e2e_request_latency_seconds``
+and ``time_per_output_token_seconds`` (the old name of the ITL histogram). One family is added:
+``max_total_num_tokens``, the KV pool's capacity, a startup constant SGLang has exported since
+2024 (reference §3.2). ``func_latency_seconds`` (timings of decorated Python functions) is left
+out: the emulator has no such functions.
+
+Behaviour that matters to a scraper, as SGLang (reference §4):
+
+* token counters grow **when a request finishes**, by its whole prompt and output;
+* the scheduler gauges are set only in its ``log_stats``: on every step that prefills, and every
+  ``decode_log_interval`` (40) decode steps, so between those they hold old values;
+  ``gen_throughput`` is the decode tokens of the last interval over its duration, and
+  ``token_usage`` is rounded to two decimals as SGLang's log does;
+* no prefix cache is modelled: ``cache_hit_rate`` is 0.
+
+Overload: SGLang queues without limit by default (``--max-queued-requests`` is off, and its status
+code was not verified), so the emulator never refuses a request.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from simulator.engine import FinishedRequestStats, StepPlan, StepResult
+
+#: The SGLang release whose info endpoints this emulator imitates (``/get_server_info.version``).
+SGLANG_VERSION: Final = "0.4.0"
+#: SGLang's ``--decode-log-interval`` default: decode steps between two gauge updates.
+DECODE_LOG_INTERVAL: Final = 40
+
+# Buckets of the real ~v0.4 scrape.
+TTFT_BUCKETS: Final = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    15.0, 20.0, 25.0, 30.0,
+)  # fmt: skip
+E2E_BUCKETS: Final = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+)  # fmt: skip
+TPOT_BUCKETS: Final = (
+    0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5,
+)  # fmt: skip
+
+
+class SglangEngineView(Protocol):
+    """What the SGLang metrics read from the engine when SGLang would log its stats."""
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def kv_tokens_in_use(self) -> int: ...
+
+
+class SglangMetrics:
+    """One emulated SGLang server's metrics, in its own ``CollectorRegistry``."""
+
+    def __init__(
+        self,
+        *,
+        engine: SglangEngineView,
+        model_name: str,
+        kv_capacity_tokens: int,
+        decode_log_interval: int = DECODE_LOG_INTERVAL,
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self._engine = engine
+        self._capacity = kv_capacity_tokens
+        self._interval = decode_log_interval
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labelnames=labels, registry=r)
+
+        self.prompt_tokens = Counter(
+            "sglang:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "sglang:generation_tokens", "Number of generation tokens processed.", labels, registry=r
+        ).labels(model_name)
+        self.token_usage = gauge("sglang:token_usage", "The token usage").labels(model_name)
+        self.cache_hit_rate = gauge("sglang:cache_hit_rate", "The cache hit rate").labels(model_name)
+        self.ttft = Histogram(
+            "sglang:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "sglang:e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.tpot = Histogram(
+            "sglang:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.",
+            labels,
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.num_running = gauge("sglang:num_running_reqs", "The number of running requests").labels(
+            model_name
+        )
+        self.num_used_tokens = gauge("sglang:num_used_tokens", "The number of used tokens").labels(model_name)
+        self.gen_throughput = gauge("sglang:gen_throughput", "The generate throughput (token/s)").labels(
+            model_name
+        )
+        self.num_queue = gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue").labels(
+            model_name
+        )
+        gauge("sglang:max_total_num_tokens", "Maximum total number of tokens").labels(model_name).set(
+            kv_capacity_tokens
+        )
+        #: Decode tokens/s of the last log interval, as the ``gen_throughput`` gauge holds it.
+        self.last_gen_throughput = 0.0
+        self._decode_steps = 0
+        self._decode_tokens = 0
+        self._interval_started: float | None = None
+
+    def record_request(self) -> None:
+        """SGLang counts nothing when a request arrives."""
+
+    def record_admitted(self, prompt_tokens: int, max_new_tokens: int, validation_s: float) -> None:
+        """Nor when it is admitted."""
+
+    def record_rejected(self, err: str) -> None:
+        """SGLang never refuses a request here (no queue limit by default)."""
+
+    def record_finished(self, stats: FinishedRequestStats) -> None:
+        """A request finished (or was aborted): its tokens join the counters, its latency the e2e."""
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.generation_tokens.inc(stats.generation_tokens)
+        self.e2e.observe(stats.e2e_s)
+
+    def record_step(self, result: StepResult, plan: StepPlan | None = None) -> None:
+        """One engine step: latencies, finished requests, and the gauges when SGLang logs them."""
+        for ttft in result.ttfts_s:
+            self.ttft.observe(ttft)
+        for itl in result.inter_token_latencies_s:
+            self.tpot.observe(itl)
+        for finished in result.finished:
+            self.record_finished(finished)
+        if plan is None:
+            return
+        if self._interval_started is None:
+            self._interval_started = plan.started_at
+        now = plan.started_at + plan.duration_s
+        if plan.num_prefill_tokens > 0:
+            self._log_stats()  # log_prefill_stats
+            return
+        self._decode_steps += 1
+        self._decode_tokens += len(result.events)
+        if self._decode_steps % self._interval == 0:
+            elapsed = now - self._interval_started
+            if elapsed > 0:
+                self.last_gen_throughput = self._decode_tokens / elapsed
+                self.gen_throughput.set(self.last_gen_throughput)
+            self._decode_tokens = 0
+            self._interval_started = now
+            self._log_stats()  # log_decode_stats
+
+    def _log_stats(self) -> None:
+        used = self._engine.kv_tokens_in_use
+        self.num_running.set(self._engine.num_running)
+        self.num_queue.set(self._engine.num_waiting)
+        self.num_used_tokens.set(used)
+        self.token_usage.set(round(used / self._capacity, 2) if self._capacity else 0.0)
+
+    def sync_counters(self) -> None:
+        """Nothing to sync: the counters grow as requests finish."""
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def server_info_body(
+    *,
+    model_path: str,
+    served_model_name: str,
+    max_running_requests: int,
+    chunked_prefill_size: int,
+    page_size: int,
+    context_length: int,
+    tp_size: int,
+    kv_capacity_tokens: int,
+    last_gen_throughput: float,
+) -> dict[str, Any]:
+    """``GET /get_server_info``: the ``ServerArgs`` fields the reference names, the scheduler's
+    facts, ``internal_states`` and ``version`` (a real server dumps every ``ServerArgs`` field;
+    the emulator lists the ones a router reads)."""
+    return {
+        "model_path": model_path,
+        "tokenizer_path": model_path,
+        "served_model_name": served_model_name,
+        "context_length": context_length,
+        "max_running_requests": max_running_requests,
+        "max_queued_requests": None,
+        "max_total_tokens": None,
+        "chunked_prefill_size": chunked_prefill_size,
+        "max_prefill_tokens": 16384,
+        "schedule_policy": "fcfs",
+        "page_size": page_size,
+        "mem_fraction_static": 0.88,
+        "tp_size": tp_size,
+        "dp_size": 1,
+        "enable_metrics": True,
+        "decode_log_interval": DECODE_LOG_INTERVAL,
+        "max_total_num_tokens": kv_capacity_tokens,
+        "max_req_input_len": context_length - 1,
+        "internal_states": [
+            {
+                "last_gen_throughput": last_gen_throughput,
+                "memory_usage": {"kvcache": None, "token_capacity": kv_capacity_tokens},
+                "effective_max_running_requests_per_dp": max_running_requests,
+            }
+        ],
+        "version": SGLANG_VERSION,
+    }
+
+
+def model_info_body(model_path: str) -> dict[str, Any]:
+    """``GET /get_model_info``."""
+    return {
+        "model_path": model_path,
+        "tokenizer_path": model_path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+    }
