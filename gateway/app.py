@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
@@ -50,7 +51,8 @@ from gateway.observability.logs import (
 )
 from gateway.observability.metrics import METRICS
 from gateway.observability.metrics import install as install_metrics
-from gateway.openai_api import models_list
+from gateway.openai_api import ENGINE_MODELS, models_list
+from gateway.openapi import install_openapi
 from gateway.prediction.service import PredictionService
 from gateway.proxy import DisconnectMonitor, OutcomeListener, Proxy
 from gateway.replicas.emulators import EmulatorProcess, start_emulators, stop_emulators
@@ -79,6 +81,8 @@ PREDICTION_SERVICE = web.AppKey("prediction_service", PredictionService)
 SCRAPER = web.AppKey("scraper", MetricsScraper)
 PREDICTIONS = web.AppKey("predictions", LivePredictions)
 ADMISSION = web.AppKey("admission", LiveAdmission)
+#: The shutdown grace ``run_gateway`` gave aiohttp (seconds); absent: the setting's current value.
+SHUTDOWN_GRACE: web.AppKey[float] = web.AppKey("shutdown_grace")
 #: Called with each proxied request's ``RequestOutcome`` when it is over; append before startup.
 OUTCOME_LISTENERS: web.AppKey[list[OutcomeListener]] = web.AppKey("outcome_listeners")
 
@@ -116,6 +120,7 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
     app[PREDICTION_SERVICE] = PredictionService()
     app.on_response_prepare.append(add_request_id_header)
     app.on_response_prepare.append(add_prediction_headers)
+    app.on_shutdown.append(_end_requests_within_the_grace)
     app.cleanup_ctx.append(_client_session)
     if spawn_emulators and settings.emulators:
         app.cleanup_ctx.append(_emulators)
@@ -125,6 +130,10 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
     app.cleanup_ctx.append(_proxy)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
+    # TGI's native API, served by the replicas whose engine is TGI (see gateway/tgi_api.py).
+    app.router.add_post("/generate", _generate)
+    app.router.add_post("/generate_stream", _generate_stream)
+    app.router.add_post("/", _generate)
     app.router.add_get("/v1/models", _models)
     # Always public, never guarded: load balancers probe them without credentials.
     app.router.add_get("/healthz", _healthz)
@@ -134,6 +143,7 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
     admin_app.router.add_get("/sluice/v1/replicas", _replicas_view(app))
     install_metrics(app, serve_on=admin_app)
     install_tenancy(app)
+    install_openapi(app)
     listener = app.get(ADMIN_LISTENER)
     if listener is not None:
         # Last: it serves once everything it reads is up, and stops first.
@@ -167,6 +177,7 @@ async def _replicas(app: web.Application) -> AsyncIterator[None]:
     registry = ReplicaRegistry(store)
     checker = HealthChecker(store, registry, app[SESSION])
     app[REGISTRY], app[HEALTH] = registry, checker
+    app[ENGINE_MODELS] = registry.engine_models
     await checker.check_all()  # serve with known replica states from the first request on
     task = asyncio.create_task(checker.run(), name="sluice-health")
     try:
@@ -247,6 +258,15 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     return await request.app[PROXY].handle(request, "completions")
 
 
+async def _generate(request: web.Request) -> web.StreamResponse:
+    """TGI's ``/generate`` and compat ``/`` (a stream when the body says ``"stream": true``)."""
+    return await request.app[PROXY].handle(request, "generate")
+
+
+async def _generate_stream(request: web.Request) -> web.StreamResponse:
+    return await request.app[PROXY].handle(request, "generate_stream")
+
+
 async def _models(request: web.Request) -> web.Response:
     """The union of the healthy replicas' models (see ``openai_api.models_list``)."""
     return web.json_response(models_list(request.app[REGISTRY].healthy_models()))
@@ -258,10 +278,60 @@ async def _healthz(request: web.Request) -> web.Response:
 
 
 async def _readyz(request: web.Request) -> web.Response:
-    """Readiness: 200 when at least one replica is healthy, else 503; the body lists every replica."""
+    """Readiness: 200 when at least one replica is healthy, else 503; the body lists every replica.
+    Draining after SIGTERM (``server.drain_s``): 503 with ``"draining": true``."""
     registry = request.app[REGISTRY]
-    ready = bool(registry.healthy())
-    return web.json_response({"ready": ready, "replicas": registry.describe()}, status=200 if ready else 503)
+    proxy = request.app.get(PROXY)
+    draining = proxy is not None and proxy.draining
+    ready = bool(registry.healthy()) and not draining
+    body = {"ready": ready, "draining": draining, "replicas": registry.describe()}
+    return web.json_response(body, status=200 if ready else 503)
+
+
+async def _end_requests_within_the_grace(app: web.Application) -> None:
+    """``on_shutdown`` (the listener is closed; aiohttp now gives handlers the grace): shortly
+    before the grace ends, end what still runs, so that every stream gets an error event and every
+    reservation is settled before aiohttp cancels handlers (which would cut streams bare)."""
+    proxy = app.get(PROXY)
+    if proxy is None:
+        return
+    proxy.draining = True
+    grace = app.get(SHUTDOWN_GRACE, app[STORE].current.server.shutdown_grace_s)
+    # Leave the handlers a moment (at most 1 s, a fifth of the grace) to write and settle.
+    delay = max(0.0, grace - min(1.0, grace * 0.2))
+    asyncio.get_running_loop().call_later(delay, proxy.stop_all)
+
+
+def _install_signal_handlers(app: web.Application) -> None:
+    """SIGTERM and SIGINT start the shutdown: with ``server.drain_s`` > 0, first a drain (``/readyz``
+    503, new completions 503 with Retry-After, requests in flight go on), then aiohttp's graceful
+    exit (listener closed, ``server.shutdown_grace_s`` for what still runs). A second signal during
+    the drain exits at once."""
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: signal.Signals) -> None:
+        proxy = app.get(PROXY)
+        drain_s = app[STORE].current.server.drain_s
+        if drain_s <= 0 or proxy is None or proxy.draining:
+            raise web.GracefulExit()
+        proxy.draining = True
+        log.info(
+            "%s: draining for %.1f s (readyz 503, new requests 503), then stopping", signum.name, drain_s
+        )
+        loop.call_later(drain_s, _graceful_exit)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+
+
+def _graceful_exit() -> None:
+    """Raised from a loop callback, aiohttp's ``GracefulExit`` ends ``run_app``'s loop gracefully."""
+    raise web.GracefulExit()
+
+
+async def _signals_ctx(app: web.Application) -> AsyncIterator[None]:
+    _install_signal_handlers(app)
+    yield
 
 
 def _replicas_view(app: web.Application) -> Callable[[web.Request], Awaitable[web.Response]]:
@@ -327,6 +397,8 @@ def run_gateway(store: SettingsStore, *, reloader_factory: ReloaderFactory | Non
     """
     settings = store.current
     app = build_app(store)
+    app[SHUTDOWN_GRACE] = settings.server.shutdown_grace_s
+    app.cleanup_ctx.append(_signals_ctx)
     if reloader_factory is not None:
         app.cleanup_ctx.append(_reloader_ctx(reloader_factory, store))
     store.subscribe(_follow_logging)
@@ -338,5 +410,5 @@ def run_gateway(store: SettingsStore, *, reloader_factory: ReloaderFactory | Non
         access_log=None,  # our own access line, with replica and token counts
         print=_log_banner,
         loop=_new_event_loop(settings.server.uvloop),
-        handle_signals=True,
+        handle_signals=False,  # ours: a drain first (server.drain_s), see _install_signal_handlers
     )

@@ -146,6 +146,43 @@ class NoHealthyReplica(GatewayError):
         return retry_after_headers(self.retry_after_s)
 
 
+class ReplicasSaturated(GatewayError):
+    """429: every replica that could serve the request answered its own overload refusal (TGI's
+    429 ``Model is overloaded``, a 503) moments ago. ``retry_after_s``: when the first of them is
+    expected to take requests again (seconds, jittered by the caller). Type and code
+    ``overloaded``, as admission's own load refusals."""
+
+    status = 429
+    error_type = "overloaded"
+    default_code = "overloaded"
+    log_level = logging.DEBUG
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return retry_after_headers(self.retry_after_s)
+
+
+class ServerShuttingDown(GatewayError):
+    """503: the gateway is stopping (draining after SIGTERM, or its grace ran out); retry, on
+    another gateway replica, after ``retry_after_s`` seconds."""
+
+    status = 503
+    error_type = "service_unavailable_error"
+    default_code = "server_shutting_down"
+
+    def __init__(
+        self, message: str = "Sluice is shutting down; retry shortly", *, retry_after_s: float = 1.0
+    ) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return retry_after_headers(self.retry_after_s)
+
+
 class AdmissionRejected(GatewayError):
     """429: admission refused the request because of load (``gateway.admission.Reject``).
 

@@ -60,7 +60,14 @@ from gateway.admission import (
     decision_headers,
 )
 from gateway.admission.fairness import TokenWeights
-from gateway.errors import ClientClosedRequest, GatewayError, InvalidRequest, ModelNotFound, admission_error
+from gateway.errors import (
+    ClientClosedRequest,
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    ReplicasSaturated,
+    admission_error,
+)
 from gateway.forecasts import (
     PREDICTION_HEADER,
     PREDICTION_HEADERS,
@@ -352,16 +359,15 @@ class LiveAdmission:
         )
         outcome.tpot_target_s = cls.tpot_target_s
         areq = self._request(request, parsed, choice.name, arrival, deadline, tenant_name)
-        controller = self._controller(parsed.model)
-        replicas = self._candidates(parsed.model)
+        route = route_of(parsed.model, parsed.engine)
+        controller = self._controller(route)
+        replicas = self._candidates(route)
         now = self._clock()
-        decision = controller.submit(areq, self._views_for(parsed.model, replicas, now), now)
+        decision = controller.submit(areq, self._views_for(route, replicas, now), now)
         live: LiveRequest | None = None
         queued = isinstance(decision, Queue) and decision.enforced
         if isinstance(decision, Queue) and decision.enforced:
-            decision, live = await self._wait(
-                request, outcome, controller, parsed.model, areq, decision, watch
-            )
+            decision, live = await self._wait(request, outcome, controller, route, areq, decision, watch)
         return self._conclude(request, parsed, outcome, areq, decision, tenant_name, queued, live)
 
     def _request(
@@ -427,7 +433,7 @@ class LiveAdmission:
                 )
             _set_headers(request, headers)
             raise admission_error(decision)
-        replica = self._replica_for(decision, parsed.model)
+        replica = self._replica_for(decision, route_of(parsed.model, parsed.engine))
         if live is None:
             live = LiveRequest(areq.request_id, areq.prompt_tokens, now, parsed.max_tokens)
             self._add_stream(replica.name, live, areq, forecast)
@@ -585,13 +591,24 @@ class LiveAdmission:
             self._controllers[model] = controller
         return controller
 
-    def _candidates(self, model: str) -> list[Replica]:
-        """Healthy replicas serving ``model``; ``ModelNotFound`` when no replica could serve it."""
+    def _candidates(self, route: str) -> list[Replica]:
+        """Healthy replicas serving the route's model (and running its engine, when it names one);
+        ``ModelNotFound`` when no replica could serve it."""
+        model, engine = split_route(route)
         replicas = self._registry.replicas()
-        healthy = [r for r in replicas if r.state == "healthy" and r.serves(model)]
+        healthy = [r for r in replicas if r.state == "healthy" and r.serves(model, engine)]
         if healthy:
-            return healthy
-        if any(r.serves(model) or r.models is None for r in replicas):
+            now = self._clock()
+            rested = [r for r in healthy if not r.saturated(now)]
+            if rested:
+                return rested
+            # All of them refused a request as overloaded moments ago (their own 429/503).
+            wait = min(r.saturated_until for r in healthy) - now
+            raise ReplicasSaturated(
+                f"every replica serving `{model}` is overloaded right now",
+                retry_after_s=wait * (1.0 + 0.5 * self._rng.random()),
+            )
+        if any(r.serves(model, engine) or r.models is None for r in replicas):
             return []  # admission answers 503 (no healthy replica)
         raise ModelNotFound(f"the model `{model}` does not exist", param="model")
 
@@ -619,7 +636,8 @@ class LiveAdmission:
         self._views[model] = _Cached(views, now, self._version)
         return views
 
-    def _view(self, replica: Replica, model: str, now: float) -> ReplicaView:
+    def _view(self, replica: Replica, route: str, now: float) -> ReplicaView:
+        model, _ = split_route(route)
         streams = self._streams.get(replica.name, {})
         in_flight = [live.freeze() for live in streams]
         try:
@@ -690,6 +708,22 @@ class LiveAdmission:
     def _tenant_of(self, request: web.Request) -> Tenant | None:
         """The tenant ``gateway.tenancy`` authenticated (``None``: anonymous, no tenants)."""
         return request.get(TENANT)
+
+
+#: Joins a model and an engine into one route key (a model id never contains a NUL).
+_ROUTE_SEP = "\x00"
+
+
+def route_of(model: str, engine: str | None) -> str:
+    """The key admission keeps its controller, queue and views under: the model, plus the engine
+    when the request needs one (TGI's native routes). Plain OpenAI requests key by model alone."""
+    return model if engine is None else f"{model}{_ROUTE_SEP}{engine}"
+
+
+def split_route(route: str) -> tuple[str, str | None]:
+    """``route_of``'s inverse: (model, engine or ``None``)."""
+    model, sep, engine = route.partition(_ROUTE_SEP)
+    return model, (engine if sep else None)
 
 
 def _labels(decision: Decision) -> tuple[str, str]:

@@ -33,6 +33,13 @@ ENDPOINT_PATHS: Mapping[Endpoint, str] = {
 }
 #: TGI's native endpoints: only replicas whose engine is TGI serve them.
 NATIVE_ENDPOINTS: frozenset[Endpoint] = frozenset({"generate", "generate_stream"})
+#: The gateway's completion routes and the endpoint each serves. TGI's compat route ``POST /``
+#: (where the ``text_generation`` and ``huggingface_hub`` clients send) reads like ``/generate``,
+#: with ``"stream": true`` making it a stream.
+COMPLETION_ROUTES: Mapping[str, Endpoint] = {
+    **{path: endpoint for endpoint, path in ENDPOINT_PATHS.items()},
+    "/": "generate",
+}
 #: Header that picks the model of a native TGI request when the TGI replicas serve several.
 MODEL_HEADER = "x-sluice-model"
 #: Largest ``max_tokens`` accepted (2**53 - 1, the largest integer a float holds exactly): admission
@@ -262,6 +269,15 @@ def _invalid_from(exc: ValidationError) -> InvalidRequest:
         path = "prompt"
         message = "must be a string, a list of strings, a list of token ids or a list of lists of them"
     return InvalidRequest(f"{path}: {message}" if path else message, param=field)
+
+
+def upstream_path(request: ParsedRequest) -> str:
+    """The replica path a request goes to: its endpoint's, except that a native TGI request that
+    asked for a stream on ``/generate`` or ``/`` goes to ``/generate_stream`` (TGI's ``/generate``
+    ignores ``stream``)."""
+    if request.native:
+        return "/generate_stream" if request.stream else "/generate"
+    return ENDPOINT_PATHS[request.endpoint]
 
 
 def upstream_body(request: ParsedRequest) -> bytes:

@@ -44,6 +44,8 @@ from gateway.errors import (
     GatewayError,
     ModelNotFound,
     NoHealthyReplica,
+    ReplicasSaturated,
+    ServerShuttingDown,
     UpstreamError,
     log_error,
     sse_error_event,
@@ -52,13 +54,13 @@ from gateway.forecasts import PREDICTION_HEADERS, Admitted, LivePredictions
 from gateway.live_admission import LiveAdmission, Ticket
 from gateway.observability.logs import OUTCOME, REQUEST_ID, REQUEST_ID_HEADER, RequestOutcome
 from gateway.openai_api import (
-    ENDPOINT_PATHS,
     Endpoint,
     ParsedRequest,
     carries_tokens,
     is_usage_only_chunk,
     read_request,
     upstream_body,
+    upstream_path,
     usage_of,
 )
 from gateway.replicas.registry import LiveRequest, NoReplica, Replica, ReplicaRegistry
@@ -117,6 +119,12 @@ _NOT_RELAYED_DOWN = HOP_BY_HOP | {
 CLIENT_CLOSED_REQUEST = 499
 #: Largest replica error body read when passing a 4xx through or reporting a 5xx, in bytes.
 _MAX_ERROR_BODY = 1024 * 1024
+#: Replicas one request may be placed on when they refuse it as overloaded (the first included).
+MAX_PLACEMENTS = 3
+#: Seconds an overloaded replica is left alone when it sent no Retry-After.
+OVERLOAD_BACK_OFF_S = 1.0
+#: Replica statuses that mean "overloaded, try elsewhere" (TGI: 429 past max_concurrent_requests).
+_OVERLOAD_STATUSES = frozenset({429, 503})
 
 
 class DisconnectMonitor:
@@ -182,6 +190,24 @@ class _Exchange:
     response: web.StreamResponse | None = None
     #: A native TGI stream delivered its final event (or an error event, after which TGI stops).
     stream_done: bool = False
+    #: The request may still be placed on another replica if this one refuses it as overloaded.
+    may_retry: bool = False
+    #: This replica refused it as overloaded before any byte reached the client.
+    overloaded: bool = False
+    #: The gateway is stopping and ended it (``Proxy.stop_all``).
+    stopping: bool = False
+
+
+class _ReplicaOverloaded(Exception):
+    """A replica refused the request as overloaded before the client saw anything: place it again.
+
+    ``back_off_s``: how long to leave the replica alone (its Retry-After, else a default).
+    """
+
+    def __init__(self, back_off_s: float, why: str) -> None:
+        super().__init__(why)
+        self.back_off_s = back_off_s
+        self.why = why
 
 
 class Proxy:
@@ -209,6 +235,10 @@ class Proxy:
         self._predictions = predictions
         self._admission = admission
         self._clock = clock
+        #: Draining after SIGTERM: new requests are refused with 503 (requests in flight go on).
+        self.draining = False
+        #: Exchanges running now (their task -> the exchange), for ``stop_all``.
+        self._active: dict[asyncio.Task[web.StreamResponse], _Exchange] = {}
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         """Serve one ``/v1/chat/completions`` or ``/v1/completions`` request end to end.
@@ -220,37 +250,74 @@ class Proxy:
         settings = self._store.current
         ticket: Ticket | None = None
         try:
+            if self.draining:
+                raise ServerShuttingDown()
             parsed = await read_request(request, endpoint, settings.server.max_body_bytes)
             outcome.model, outcome.stream = parsed.model, parsed.stream
-            if self._admission is not None:
-                ticket = await self._admission.admit(request, parsed, outcome, watch=self._disconnects.watch)
-                replica = ticket.replica
-                admitted = Admitted(ticket.live, ticket.forecast, ticket.headers)
-            else:
-                replica = self._pick(parsed.model, settings, parsed.engine)
-                admitted = self._admit(request, replica, parsed)
         except GatewayError as err:
-            # Refused before dispatch (bad body, unknown model, admission): still an outcome.
-            outcome.status, outcome.error = err.status, err.code
-            outcome.finished_at = self._clock()
-            self._notify(outcome)
+            self._refused(outcome, err)
             raise
-        live = admitted.live
-        try:
-            with self._registry.lease(replica, live):
-                outcome.replica = replica.name
-                return await self._forward(_Exchange(request, parsed, replica, settings, outcome, live))
-        except GatewayError as err:
-            outcome.status, outcome.error = err.status, err.code
-            raise
-        finally:
-            outcome.finished_at = self._clock()
-            outcome.tokens_streamed = live.tokens_streamed
-            if ticket is not None and self._admission is not None:
-                self._admission.finished(ticket, outcome)
-            if self._predictions is not None:
-                self._predictions.finished(parsed, outcome, admitted)
-            self._notify(outcome)
+        # A replica that answers its own overload refusal (TGI's 429 past its concurrency limit,
+        # a 503) before any byte reached the client is left alone for a while and the request is
+        # placed again: on another replica, or refused with Sluice's own 429 and Retry-After.
+        for attempt in itertools.count():
+            try:
+                if self._admission is not None:
+                    ticket = await self._admission.admit(
+                        request, parsed, outcome, watch=self._disconnects.watch
+                    )
+                    replica = ticket.replica
+                    admitted = Admitted(ticket.live, ticket.forecast, ticket.headers)
+                else:
+                    replica = self._pick(parsed.model, settings, parsed.engine)
+                    admitted = self._admit(request, replica, parsed)
+            except GatewayError as err:
+                # Refused before dispatch (unknown model, admission): still an outcome.
+                self._refused(outcome, err)
+                raise
+            live = admitted.live
+            exchange = _Exchange(request, parsed, replica, settings, outcome, live)
+            exchange.may_retry = attempt < MAX_PLACEMENTS - 1
+            try:
+                with self._registry.lease(replica, live):
+                    outcome.replica = replica.name
+                    return await self._forward(exchange)
+            except _ReplicaOverloaded as over:
+                self._registry.saturate(replica, self._clock(), over.back_off_s, over.why)
+                if not exchange.may_retry:
+                    # Out of placements: Sluice's own 429, never the replica's raw refusal.
+                    exchange.overloaded = False
+                    saturated = ReplicasSaturated(
+                        f"the replicas serving `{parsed.model}` are overloaded right now",
+                        retry_after_s=over.back_off_s,
+                    )
+                    outcome.status, outcome.error = saturated.status, saturated.code
+                    raise saturated from None
+                if ticket is not None and self._admission is not None:
+                    self._admission.finished(ticket, outcome)
+                ticket = None
+                outcome.replica = outcome.dispatched_at = None
+                continue
+            except GatewayError as err:
+                outcome.status, outcome.error = err.status, err.code
+                raise
+            finally:
+                if not exchange.overloaded:
+                    if outcome.error is None and outcome.dispatched_at is not None:
+                        self._registry.report_success(replica)
+                    outcome.finished_at = self._clock()
+                    outcome.tokens_streamed = live.tokens_streamed
+                    if ticket is not None and self._admission is not None:
+                        self._admission.finished(ticket, outcome)
+                    if self._predictions is not None:
+                        self._predictions.finished(parsed, outcome, admitted)
+                    self._notify(outcome)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _refused(self, outcome: RequestOutcome, err: GatewayError) -> None:
+        outcome.status, outcome.error = err.status, err.code
+        outcome.finished_at = self._clock()
+        self._notify(outcome)
 
     def _admit(self, request: web.Request, replica: Replica, parsed: ParsedRequest) -> Admitted:
         """The request's in-flight entry; with predictions, also its forecast and headers."""
@@ -263,9 +330,13 @@ class Proxy:
         return admitted
 
     def _pick(self, model: str, settings: Settings, engine: str | None) -> Replica:
-        picked = self._registry.pick(model, engine=engine)
+        picked = self._registry.pick(model, engine=engine, now=self._clock())
         if picked is NoReplica.UNKNOWN_MODEL:
             raise ModelNotFound(f"the model `{model}` does not exist", param="model")
+        if picked is NoReplica.SATURATED:
+            raise ReplicasSaturated(
+                f"every replica serving `{model}` is overloaded right now", retry_after_s=OVERLOAD_BACK_OFF_S
+            )
         if picked is NoReplica.NONE_HEALTHY:
             raise NoHealthyReplica(
                 f"no healthy replica serves the model `{model}` right now",
@@ -289,6 +360,7 @@ class Proxy:
         """
         exchange = asyncio.create_task(self._exchange(ex))
         unwatch = self._disconnects.watch(ex.request, exchange.cancel)
+        self._active[exchange] = ex
         try:
             return await exchange
         except asyncio.CancelledError:
@@ -299,20 +371,57 @@ class Proxy:
                 lost = _connection_gone(ex.request)
                 ex.outcome.error = "client_disconnected" if lost else "cancelled"
                 raise
+            if ex.stopping:
+                return await self._stopped(ex)
             return self._client_gone(ex)
         finally:
+            self._active.pop(exchange, None)
             unwatch()
+
+    def stop_all(self) -> int:
+        """The shutdown grace is running out: end every exchange still running, now. A stream gets
+        an error event (code ``server_shutting_down``) and ends; a request not yet answered gets a
+        503 with Retry-After. Their handlers then return normally, so every outcome is reported
+        and every reservation settled before the process exits. Returns how many were stopped."""
+        stopped = 0
+        for task, ex in list(self._active.items()):
+            if not task.done():
+                ex.stopping = True
+                task.cancel()
+                stopped += 1
+        return stopped
+
+    async def _stopped(self, ex: _Exchange) -> web.StreamResponse:
+        """The answer to an exchange ``stop_all`` ended (its upstream response is closed)."""
+        err = ServerShuttingDown("Sluice is shutting down and ended this request; retry it")
+        ex.outcome.error = err.code
+        if ex.response is not None and ex.response.prepared:
+            ex.outcome.status = ex.response.status
+            await self._end_with_error(ex, ex.response, err)
+            return ex.response
+        raise err
 
     async def _exchange(self, ex: _Exchange) -> web.StreamResponse:
         """Send the request and relay the answer; always closes the upstream response."""
         upstream: aiohttp.ClientResponse | None = None
         try:
             upstream = await self._send(ex)
+            if upstream.status in _OVERLOAD_STATUSES:
+                raise await self._overloaded(ex, upstream)
             if upstream.status >= 400:
                 return await self._relay_error(ex, upstream)
             if ex.parsed.stream:
+                splitter = EventSplitter()
+                first: list[Event] = []
+                if ex.replica.engine == "tgi":
+                    # TGI refuses a stream past its concurrency limit with a 200 whose only
+                    # event is the overload error: look before the client is answered.
+                    first = await self._first_events(ex, upstream, splitter)
+                    if first and _is_overload_event(first[0]):
+                        ex.overloaded = True
+                        raise _ReplicaOverloaded(OVERLOAD_BACK_OFF_S, "refused a stream: Model is overloaded")
                 ex.response = web.StreamResponse(status=upstream.status, headers=_relayed(upstream.headers))
-                return await self._relay_stream(ex, upstream, ex.response)
+                return await self._relay_stream(ex, upstream, ex.response, splitter, first)
             return await self._relay_body(ex, upstream)
         except ConnectionResetError:  # writing to the client failed: it went away
             return self._client_gone(ex)
@@ -340,7 +449,7 @@ class Proxy:
             sock_connect=server.upstream_connect_timeout_s,
             sock_read=server.upstream_read_timeout_s,
         )
-        url = ex.replica.base_url + ENDPOINT_PATHS[ex.parsed.endpoint]
+        url = ex.replica.base_url + upstream_path(ex.parsed)
         ex.outcome.dispatched_at = self._clock()
         try:
             return await self._session.post(
@@ -351,6 +460,7 @@ class Proxy:
                 allow_redirects=False,
             )
         except TimeoutError as exc:
+            self._replica_timed_out(ex.replica, exc)
             raise UpstreamError(f"replica {ex.replica.name} timed out: {_describe(exc)}") from exc
         except aiohttp.ClientError as exc:
             self._replica_failed(ex.replica, exc)
@@ -361,6 +471,11 @@ class Proxy:
         self._registry.report_failure(replica, f"proxy: {_describe(exc)}")
         if self._on_replica_failure is not None:
             self._on_replica_failure()
+
+    def _replica_timed_out(self, replica: Replica, exc: BaseException) -> None:
+        """A read or connect timeout: counted towards ejecting the replica (its /health may still
+        answer while its generation is stuck, so a health recheck would prove nothing)."""
+        self._registry.report_timeout(replica, f"proxy: {_describe(exc)}")
 
     async def _read_upstream(
         self, ex: _Exchange, upstream: aiohttp.ClientResponse, limit: int | None = None
@@ -377,10 +492,19 @@ class Proxy:
                 body += chunk
             return bytes(body)
         except TimeoutError as exc:
+            self._replica_timed_out(ex.replica, exc)
             raise UpstreamError(f"replica {ex.replica.name} timed out: {_describe(exc)}") from exc
         except aiohttp.ClientError as exc:
             self._replica_failed(ex.replica, exc)
             raise UpstreamError(f"replica {ex.replica.name} failed mid-response: {_describe(exc)}") from exc
+
+    async def _overloaded(self, ex: _Exchange, upstream: aiohttp.ClientResponse) -> _ReplicaOverloaded:
+        """The replica's own overload refusal, read and turned into a signal to place again."""
+        body = await self._read_upstream(ex, upstream, _MAX_ERROR_BODY)
+        ex.overloaded = True
+        back_off = _retry_after_s(upstream.headers.get("Retry-After")) or OVERLOAD_BACK_OFF_S
+        detail = _error_message(body) or upstream.reason or ""
+        return _ReplicaOverloaded(back_off, f"answered {upstream.status}: {detail}".strip())
 
     async def _relay_error(self, ex: _Exchange, upstream: aiohttp.ClientResponse) -> web.Response:
         """Replica 4xx: relayed unchanged (status and body). Replica 5xx: 502 naming the replica."""
@@ -401,30 +525,55 @@ class Proxy:
     async def _relay_body(self, ex: _Exchange, upstream: aiohttp.ClientResponse) -> web.Response:
         """A non-streaming answer: read it whole (it is one JSON object), take usage, relay it."""
         body = await self._read_upstream(ex, upstream)
-        ex.outcome.status = upstream.status
-        with contextlib.suppress(ValueError):
+        try:
             payload = json.loads(body)
-            if ex.parsed.native:
-                _record_native_usage(ex.outcome, payload, ex.live)
-            else:
-                _record_usage(ex.outcome, payload, ex.live)
+        except ValueError:
+            payload = None
+        if not isinstance(payload, dict):
+            # A 2xx that is not one JSON object is a broken replica, not an answer: 502, and the
+            # request is settled as unanswered rather than charged a prediction.
+            raise UpstreamError(f"replica {ex.replica.name} answered {upstream.status} without a JSON object")
+        ex.outcome.status = upstream.status
+        if ex.parsed.native:
+            _record_native_usage(ex.outcome, payload, ex.live)
+        else:
+            _record_usage(ex.outcome, payload, ex.live)
         if ex.parsed.native and not ex.parsed.details:
             body = without_details(body)  # Sluice asked for them; the client did not
         return web.Response(status=upstream.status, body=body, headers=_relayed(upstream.headers))
 
+    async def _first_events(
+        self, ex: _Exchange, upstream: aiohttp.ClientResponse, splitter: EventSplitter
+    ) -> list[Event]:
+        """Read until the stream's first event with data is complete (or the stream ends); returns
+        the events read so far, for ``_relay_stream`` to relay first."""
+        events: list[Event] = []
+        while not any(e.data is not None for e in events):
+            chunk = await self._next_chunk(ex, upstream)
+            if not chunk:
+                break
+            events += splitter.feed(chunk)
+        return events
+
     async def _relay_stream(
-        self, ex: _Exchange, upstream: aiohttp.ClientResponse, response: web.StreamResponse
+        self,
+        ex: _Exchange,
+        upstream: aiohttp.ClientResponse,
+        response: web.StreamResponse,
+        splitter: EventSplitter,
+        first: list[Event],
     ) -> web.StreamResponse:
-        """Relay SSE events one by one; a cut stream ends with an error event, then the connection."""
+        """Relay SSE events one by one (``first``: events already read from ``splitter``'s
+        stream); a cut stream ends with an error event, then the connection."""
         await response.prepare(ex.request)
         ex.outcome.status = response.status
-        splitter = EventSplitter()
         native = ex.parsed.native
         inspect = self._inspect_native if native else self._inspect
         done = False
         try:
-            while chunk := await self._next_chunk(ex, upstream):
-                for event in splitter.feed(chunk):
+            events = first
+            while True:
+                for event in events:
                     if native:
                         relay = inspect(ex, event)
                         done = ex.stream_done
@@ -433,6 +582,10 @@ class Proxy:
                         relay = inspect(ex, event)
                     if relay:
                         await response.write(event.raw)
+                chunk = await self._next_chunk(ex, upstream)
+                if not chunk:
+                    break
+                events = splitter.feed(chunk)
             if not done:
                 last = "its final event" if native else "[DONE]"
                 raise UpstreamError(f"replica {ex.replica.name} ended the stream before {last}")
@@ -445,6 +598,7 @@ class Proxy:
         try:
             return await upstream.content.readany()
         except TimeoutError as exc:
+            self._replica_timed_out(ex.replica, exc)
             raise UpstreamError(f"replica {ex.replica.name} timed out mid-stream: {_describe(exc)}") from exc
         except aiohttp.ClientError as exc:
             self._replica_failed(ex.replica, exc)
@@ -516,7 +670,7 @@ class Proxy:
             ex.stream_done = True  # TGI ends the stream after an error event
         return True
 
-    async def _end_with_error(self, ex: _Exchange, response: web.StreamResponse, err: UpstreamError) -> None:
+    async def _end_with_error(self, ex: _Exchange, response: web.StreamResponse, err: GatewayError) -> None:
         ex.outcome.error = err.code
         log_error(err, ex.request.get(REQUEST_ID))
         response.force_close()
@@ -576,6 +730,28 @@ def _record_native_usage(outcome: RequestOutcome, payload: object, live: LiveReq
     if prompt is not None:
         outcome.prompt_tokens = prompt
         live.prompt_tokens = prompt
+
+
+def _is_overload_event(event: Event) -> bool:
+    """TGI's in-stream refusal: ``{"error": ..., "error_type": "overloaded"}``."""
+    if event.data is None or '"overloaded"' not in event.data:
+        return False
+    try:
+        payload = json.loads(event.data)
+    except ValueError:
+        return False
+    return isinstance(payload, dict) and payload.get("error_type") == "overloaded"
+
+
+def _retry_after_s(value: str | None) -> float | None:
+    """A replica's ``Retry-After`` in seconds (delay-seconds form only, capped at 60 s), or ``None``."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        return None
+    return min(seconds, 60.0) if seconds > 0 and seconds == seconds else None
 
 
 def _error_message(body: bytes) -> str | None:

@@ -75,8 +75,23 @@ class ServerSettings(Section):
         ),
     ] = 600.0
     shutdown_grace_s: Annotated[
-        float, Field(ge=0, description="Time given to in-flight requests to finish on shutdown, in seconds.")
+        float,
+        Field(
+            ge=0,
+            description="Time given to in-flight requests to finish on shutdown, in seconds; a stream still "
+            "running just before it ends gets an SSE error event (code server_shutting_down) and is settled.",
+        ),
     ] = 10.0
+    drain_s: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=300,
+            description="On SIGTERM, time spent draining before the listener closes, in seconds: /readyz "
+            "answers 503 and new completion requests get 503 (Retry-After) while requests in flight go on, "
+            "so a load balancer stops sending first. 0: close at once.",
+        ),
+    ] = 0.0
     uvloop: Annotated[
         bool, Field(description="Use uvloop's event loop when it is installed. Restart required.")
     ] = True
@@ -240,6 +255,21 @@ class HealthSettings(Section):
             ge=1, description="Consecutive good checks before an unhealthy replica is marked healthy again."
         ),
     ] = 1
+    eject_after_timeouts: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="Consecutive proxied requests that time out on a replica before it is ejected "
+            "(outlier detection: its /health may still answer while generation is stuck).",
+        ),
+    ] = 2
+    eject_s: Annotated[
+        PositiveSeconds,
+        Field(
+            description="Seconds an ejected replica is kept out, whatever its health checks say; doubled "
+            "for each ejection in a row (at most 60 s). Then healthy_after good checks bring it back."
+        ),
+    ] = 5.0
 
     @model_validator(mode="after")
     def _timeout_fits_interval(self) -> HealthSettings:

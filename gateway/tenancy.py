@@ -82,7 +82,7 @@ from gateway.limits.base import (
 from gateway.limits.config import LimitsSettings
 from gateway.limits.factory import build_limiter
 from gateway.observability.logs import OUTCOME, RequestOutcome
-from gateway.openai_api import ENDPOINT_PATHS, Endpoint, ParsedRequest, read_request
+from gateway.openai_api import COMPLETION_ROUTES, Endpoint, ParsedRequest, read_request
 from gateway.prediction.service import PredictionService
 from gateway.settings import ReplicaSettings, Settings
 from gateway.store import SettingsStore
@@ -124,7 +124,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS: Final = 8192
 #: Seconds the lifecycle waits for outstanding settles at shutdown before closing the limiter.
 DRAIN_TIMEOUT_S: Final = 10.0
 
-_COMPLETION_PATHS: Final[Mapping[str, Endpoint]] = {path: ep for ep, path in ENDPOINT_PATHS.items()}
+_COMPLETION_PATHS: Final[Mapping[str, Endpoint]] = COMPLETION_ROUTES
 _UNLIMITED: Final = TenantLimits()
 _ADMIN_CHALLENGE: Final = 'Bearer realm="sluice-admin"'
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler, Middleware
 
 from gateway.settings import LoggingSettings
@@ -250,6 +251,27 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(payload, default=str)
 
 
+class RedactMalformedRequests(logging.Filter):
+    """On aiohttp's ``aiohttp.server`` logger: a request aiohttp could not parse (bad header
+    bytes, bad chunking) is logged as one INFO line naming only the error class.
+
+    aiohttp logs it at ERROR with a traceback whose message quotes the offending bytes, which can
+    be an ``Authorization`` header: a key must never reach the logs. The client already got
+    aiohttp's 400; this is the client's fault, not Sluice's.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg, record.args = "malformed HTTP request refused (%s)", (type(exc).__name__,)
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+_REDACTOR = RedactMalformedRequests()
+
+
 class _SluiceHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """Marks the handler ``configure_logging`` installed, so calling it again replaces it."""
 
@@ -263,3 +285,6 @@ def configure_logging(settings: LoggingSettings) -> None:
     handler.setFormatter(JsonFormatter() if settings.json_format else TextFormatter())
     root.addHandler(handler)
     root.setLevel(settings.level)
+    server_log = logging.getLogger("aiohttp.server")
+    if _REDACTOR not in server_log.filters:
+        server_log.addFilter(_REDACTOR)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,6 +34,10 @@ from gateway.settings import HealthSettings, ReplicaSettings, Settings
 from gateway.store import SettingsStore
 
 log = logging.getLogger("sluice.replicas")
+
+
+#: Longest an ejected replica is kept out, in seconds.
+MAX_EJECT_S = 60.0
 
 
 class ReplicaState(enum.StrEnum):
@@ -107,6 +112,14 @@ class Replica:
         self.last_error: str | None = None
         #: The engine found by probing the replica, when its ``backend`` is ``auto``.
         self.detected_engine: str | None = None
+        #: Proxied requests in a row that timed out on it, and ejections in a row (outlier detection).
+        self.consecutive_timeouts = 0
+        self.ejections = 0
+        #: Monotonic time until which health checks cannot bring it back (it was ejected).
+        self.ejected_until = 0.0
+        #: Monotonic time until which it is left alone: it refused a request as overloaded
+        #: (its own 429 or 503). ``0.0``: never refused.
+        self.saturated_until = 0.0
 
     @property
     def name(self) -> str:
@@ -124,6 +137,8 @@ class Replica:
         unhealthy one healthy after ``healthy_after`` consecutive successes. From ``unknown`` the
         first failure already means unhealthy (so startup reports dead replicas at once).
         """
+        if ok and time.monotonic() < self.ejected_until:
+            return None  # ejected: its /health answering proves nothing yet
         if ok:
             self.consecutive_ok += 1
             self.consecutive_failures = 0
@@ -154,6 +169,10 @@ class Replica:
         configured ``auto`` (``None`` until detected)."""
         declared = str(self.settings.backend)
         return self.detected_engine if declared == "auto" else declared
+
+    def saturated(self, now: float) -> bool:
+        """It refused a request as overloaded and its back-off has not expired at ``now``."""
+        return now < self.saturated_until
 
     def serves(self, model: str, engine: str | None = None) -> bool:
         """It serves ``model`` (and runs ``engine``, when one is required)."""
@@ -191,10 +210,12 @@ class Replica:
 
 
 class NoReplica(enum.Enum):
-    """Why ``pick`` found no replica: the model is unknown, or its replicas are all unhealthy."""
+    """Why ``pick`` found no replica: the model is unknown, its replicas are all unhealthy, or the
+    healthy ones all refused requests as overloaded moments ago (``Replica.saturated``)."""
 
     UNKNOWN_MODEL = "unknown_model"
     NONE_HEALTHY = "none_healthy"
+    SATURATED = "saturated"
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,16 +317,22 @@ class ReplicaRegistry:
     def healthy(self) -> list[Replica]:
         return [r for r in self._replicas.values() if r.state == ReplicaState.HEALTHY]
 
-    def pick(self, model: str, *, engine: str | None = None) -> Replica | NoReplica:
+    def pick(self, model: str, *, engine: str | None = None, now: float | None = None) -> Replica | NoReplica:
         """The replica for a request on ``model`` (least outstanding, ties round robin), or why not.
 
-        ``engine``: only replicas running it (TGI's native routes). ``UNKNOWN_MODEL`` only when
+        ``engine``: only replicas running it (TGI's native routes). ``now`` (monotonic seconds)
+        decides which replicas are still backing off an overload refusal. ``UNKNOWN_MODEL`` only when
         every replica's model list is known and none serves it; when some replica's list was
         never fetched, the model might be there: ``NONE_HEALTHY``.
         """
         candidates = [r for r in self.healthy() if r.serves(model, engine)]
         if not candidates:
             return self._why_none(model)
+        now = time.monotonic() if now is None else now
+        rested = [r for r in candidates if not r.saturated(now)]
+        if not rested:
+            return NoReplica.SATURATED
+        candidates = rested
         least = min(r.outstanding for r in candidates)
         tied = [r for r in candidates if r.outstanding == least]
         chosen = tied[self._next % len(tied)]
@@ -343,6 +370,40 @@ class ReplicaRegistry:
         if replica.retired:
             return None
         return replica.record(False, self._store.current.health, error=error)
+
+    def report_timeout(self, replica: Replica, error: str) -> ReplicaState | None:
+        """A proxied request timed out on ``replica``. After ``health.eject_after_timeouts`` in a
+        row it is ejected: unhealthy for ``health.eject_s`` (doubling per ejection in a row, at
+        most 60 s) whatever its health checks say, as Envoy's outlier detection does."""
+        if replica.retired:
+            return None
+        health = self._store.current.health
+        replica.consecutive_timeouts += 1
+        if replica.consecutive_timeouts < health.eject_after_timeouts:
+            return None
+        replica.consecutive_timeouts = 0
+        eject_s = min(MAX_EJECT_S, health.eject_s * 2.0**replica.ejections)
+        replica.ejections += 1
+        replica.ejected_until = time.monotonic() + eject_s
+        replica.consecutive_ok = 0
+        replica.last_error = f"{error} (ejected for {eject_s:.0f} s)"
+        if replica.state == ReplicaState.UNHEALTHY:
+            return None
+        return replica._move_to(ReplicaState.UNHEALTHY)
+
+    def report_success(self, replica: Replica) -> None:
+        """A proxied request got its answer from ``replica``: its timeout and ejection streaks end."""
+        replica.consecutive_timeouts = 0
+        replica.ejections = 0
+
+    def saturate(self, replica: Replica, now: float, back_off_s: float, why: str) -> None:
+        """``replica`` refused a request as overloaded at ``now``: route around it for
+        ``back_off_s`` seconds (monotonic clock). Logged once per episode, not per refusal."""
+        if not replica.saturated(now):
+            log.warning(
+                "replica %s is overloaded (%s): routing around it for %.1f s", replica.name, why, back_off_s
+            )
+        replica.saturated_until = max(replica.saturated_until, now + back_off_s)
 
     def engine_models(self, engine: str) -> list[str]:
         """Ids of the models healthy replicas running ``engine`` serve, sorted, each once."""

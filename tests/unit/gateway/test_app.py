@@ -22,7 +22,8 @@ CHAT: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content":
 
 
 class HeldStream:
-    """Fake replica handler: sends one event, then holds the stream open until released."""
+    """Fake replica handler: sends one event, then holds the stream open until released (a
+    non-streaming request gets its JSON answer at once)."""
 
     def __init__(self) -> None:
         self.release = asyncio.Event()
@@ -30,6 +31,8 @@ class HeldStream:
 
     async def __call__(self, request: web.Request) -> web.StreamResponse:
         self.arrived += 1
+        if not (await request.json()).get("stream"):
+            return web.json_response({"id": "c1", "object": "chat.completion", "choices": []})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         await response.write(sse(chat_chunk("first")))

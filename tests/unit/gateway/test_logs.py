@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import replace
@@ -214,3 +215,33 @@ def test_configure_logging_replaces_its_own_handler_only() -> None:
         for handler in [h for h in root.handlers if h not in before]:
             root.removeHandler(handler)
         root.setLevel(level)
+
+
+async def test_malformed_request_is_logged_without_its_bytes(
+    start_replica: StartReplica, start_gateway: StartGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A header aiohttp cannot parse (a NUL in it) must not put the key it carries in the logs."""
+    configure_logging(LoggingSettings())
+    _, url = await start_replica(FakeReplica())
+    gw = await start_gateway({"r1": url})
+    secret = "sk-never-log-me-8c1f"
+    assert gw.client.server.port is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.client.server.port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        + f"Authorization: Bearer {secret}\x00\r\n".encode()
+        + b"Content-Length: 0\r\n\r\n"
+    )
+    await writer.drain()
+    with caplog.at_level(logging.DEBUG):
+        answer = await asyncio.wait_for(reader.read(), timeout=5)
+    writer.close()
+
+    # aiohttp answers its own plain-text 400 (quoting the bad line back to the one client that sent
+    # it; that body never reaches a log).
+    assert answer.split(b" ", 2)[1] == b"400"
+    refused = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert refused, "aiohttp logged the refusal"
+    assert all(r.levelno == logging.INFO and r.exc_info is None for r in refused)
+    logged = "\n".join(TextFormatter().format(r) for r in caplog.records)
+    assert secret not in logged

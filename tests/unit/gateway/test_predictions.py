@@ -79,7 +79,8 @@ async def _cut_stream(request: web.Request) -> web.StreamResponse:
         pytest.param(None, {**CHAT, "stream": False}, 200, id="non-stream"),
         pytest.param(None, {"model": MODEL, "prompt": "hi", "max_tokens": 8}, 200, id="completions-endpoint"),
         pytest.param(_status(400), CHAT, 400, id="replica-4xx-relayed"),
-        pytest.param(_status(503), {**CHAT, "stream": False}, 502, id="replica-5xx-as-502"),
+        pytest.param(_status(500), {**CHAT, "stream": False}, 502, id="replica-5xx-as-502"),
+        pytest.param(_status(503), {**CHAT, "stream": False}, 429, id="replica-overloaded-as-429"),
         pytest.param(_cut_stream, CHAT, 200, id="stream-cut-midway"),
     ],
 )
