@@ -7,7 +7,8 @@ the gateway's own streams (up to 64 of them, interactive and batch), then times 
 * **admit**: an interactive request that fits (8 forecasts, slack, routing, stats);
 * **admit batch**: a batch request (adds the probe forecasts of the yield rule and the shares);
 * **queue**: a request blocked by running streams, queued (``push``) then cancelled;
-* **reject**: a request no replica can take, with its Retry-After (the flood path);
+* **reject**: a request no replica can take, with its Retry-After (the flood path), on 8 replicas
+  and on one (``bench/rejection_flood.py``'s shape);
 * **re-evaluate**: one queued request re-offered and kept (per examined entry);
 * **view build**: aggregating one replica's 256 streams (per scrape or finish, not per request).
 
@@ -34,6 +35,7 @@ from gateway.admission import (
     StreamingRequest,
 )
 from predictor import ReplicaState, forecast_request, lookup_gpu, lookup_model, roofline_prior
+from predictor.forecast import forecast_values
 
 TARGET_US = 100.0
 
@@ -130,6 +132,11 @@ def main() -> None:
     def reject() -> object:
         return ctl.submit(interactive, saturated, 0.0)
 
+    one_saturated = saturated[:1]
+
+    def reject_one() -> object:
+        return ctl.submit(interactive, one_saturated, 0.0)
+
     parked = AdmissionController(settings, rng=random.Random(2))
     parked_decision = parked.submit(long_prompt, held_views, 0.0)
     assert isinstance(parked_decision, Queue)
@@ -146,8 +153,18 @@ def main() -> None:
         for v in views:
             forecast_request(interactive.candidate(v.state.max_model_len), v.state, model)
 
+    def sweep_values() -> None:
+        for v in views:
+            forecast_values(interactive.candidate(v.state.max_model_len), v.state, model)
+
     cases: list[tuple[str, Callable[[], object], int, str]] = [
-        ("forecasts only: 8 replicas", sweep, args.batch, "predictor floor, no admission logic"),
+        ("forecasts only: 8 replicas", sweep, args.batch, "8 Forecast objects (forecast_request)"),
+        (
+            "forecast numbers only: 8 replicas",
+            sweep_values,
+            args.batch,
+            "forecast_values: what a decision computes per replica (the floor)",
+        ),
         ("decision: admit (8 replicas)", admit, args.batch, f"-> {type(admit()).__name__}"),
         (
             "decision: admit batch",
@@ -162,6 +179,7 @@ def main() -> None:
             "held by streams; push O(log n), cancel O(1)",
         ),
         ("decision: reject + Retry-After", reject, args.batch, f"-> {type(reject()).__name__} (flood path)"),
+        ("decision: reject, 1 replica", reject_one, args.batch, f"-> {type(reject_one()).__name__}"),
         (
             "re-evaluate: 1 entry kept",
             reevaluate_one,
@@ -185,13 +203,16 @@ def main() -> None:
     print(f"{'-' * width}  {'-' * 14}  {'-' * 12}  -----")
     for label, median, best, note in rows:
         print(f"{label:<{width}}  {median:14.2f}  {best:12.2f}  {note}")
-    decision_us = rows[1][1]
-    overhead_us = statistics.median(d - f for d, f in zip(times[1], times[0], strict=True))
+    decision_us = rows[2][1]
+    overhead_us = statistics.median(d - f for d, f in zip(times[2], times[1], strict=True))
     verdict = "within" if decision_us <= TARGET_US else "over"
     summary = (
         f"one decision over 8 replicas: {decision_us:.1f} us median, {verdict} the {TARGET_US:.0f} us target"
     )
-    print(f"\n{summary}; admission logic on top of the 8 forecasts: {overhead_us:.1f} us (paired median)")
+    print(
+        f"\n{summary}; admission logic on top of the 8 forecasts' numbers: {overhead_us:.1f} us"
+        " (paired median)"
+    )
     print("best = fastest sample: what a quiet core does; median = typical on this machine now")
 
 

@@ -6,7 +6,13 @@ aggregates only), then times with ``time.perf_counter_ns``:
 * one forecast (``forecast_request``), per replica state;
 * one sweep: the same request forecast on all eight replicas (what routing does per request);
 * the helpers an admission runs next to it (output-length and prompt-token estimates);
+* the prediction service (``gateway.prediction.PredictionService``): building one replica's
+  state from the gateway's in-flight list (``replica_inputs``, once per view rebuild in the live
+  gateway, O(in flight)), and ``forecast`` (state build plus forecast, per call);
 * one calibration fit (once per scrape per replica, not per request).
+
+The issue's target (issue 3): one forecast for one replica <= 20 us with 8 replicas' worth of
+state in one process; the summary line compares the slowest replica's median with it.
 
 Each figure is the median over ``--samples`` samples of ``--batch`` back-to-back calls, per call.
 Run: ``.venv/bin/python -m bench.forecast_cost`` (no assertion on speed anywhere: machines differ).
@@ -20,6 +26,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+from gateway.prediction import PredictionService, ReplicaFacts
+from gateway.replicas.snapshot import InFlight
 from predictor import (
     CandidateRequest,
     OutputLengthPredictor,
@@ -49,6 +57,8 @@ def per_call_us(fn: Callable[[], object], batch: int, samples: int) -> float:
 
 
 KV_CAPACITY, MAX_SEQS, BUDGET, MAX_LEN = 400_000, 1024, 8192, 131_072
+TARGET_US = 20.0
+SERVICE_MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 
 
 def aggregate(
@@ -109,6 +119,40 @@ def fleet(rng: random.Random) -> list[tuple[str, ReplicaState]]:
     ]
 
 
+def service_with_traffic(rng: random.Random) -> PredictionService:
+    """A prediction service with one H100 replica that has seen 2,000 finished requests."""
+    svc = PredictionService(output_quantile=0.9)
+    facts = ReplicaFacts(
+        gpu="H100-SXM", model=SERVICE_MODEL, max_num_seqs=MAX_SEQS, max_num_batched_tokens=BUDGET
+    )
+    svc.set_replica("r0", facts)
+    for _ in range(2000):
+        svc.on_finished(
+            replica="r0",
+            model=SERVICE_MODEL,
+            tenant=None,
+            prompt_chars=4 * rng.randint(100, 3000),
+            prompt_tokens=rng.randint(100, 3000),
+            completion_tokens=int(rng.lognormvariate(5.5, 1.0)),
+        )
+    return svc
+
+
+def in_flight(rng: random.Random, n: int, now: float) -> list[InFlight]:
+    """``n`` of the gateway's requests on a replica: 9 in 10 streaming, the rest awaiting prefill."""
+    return [
+        InFlight(
+            f"r{i}",
+            rng.randint(100, 3000),
+            rng.randint(1, 300) if i % 10 else 0,
+            now - rng.uniform(0.1, 20.0),
+            512,
+            now - 0.003 if i % 10 else None,
+        )
+        for i in range(n)
+    ]
+
+
 def calibrated(prior: StepModel, rng: random.Random) -> StepCalibrator:
     """A calibrator holding a full ring of plausible step observations."""
     cal = StepCalibrator(prior)
@@ -146,6 +190,7 @@ def main() -> None:
                 note,
             )
         )
+    slowest = max(us for _, us, _ in rows)
 
     def sweep() -> None:
         for _, s in states:
@@ -173,6 +218,38 @@ def main() -> None:
             "",
         )
     )
+    svc = service_with_traffic(rng)
+    for n in (64, 500):
+        flight = in_flight(rng, n, 100.0)
+
+        def build(flight: list[InFlight] = flight) -> object:
+            return svc.replica_inputs("r0", model=SERVICE_MODEL, tenant=None, in_flight=flight, now=100.0)
+
+        def service_forecast(flight: list[InFlight] = flight) -> object:
+            return svc.forecast(
+                "r0",
+                model=SERVICE_MODEL,
+                tenant=None,
+                prompt_tokens=1800,
+                max_tokens=1024,
+                in_flight=flight,
+                now=100.0,
+            )
+
+        rows.append(
+            (
+                f"service: state build, {n} in flight",
+                per_call_us(build, max(1, args.batch // 20), args.samples),
+                "replica_inputs: per view rebuild, not per request",
+            )
+        )
+        rows.append(
+            (
+                f"service.forecast, {n} in flight",
+                per_call_us(service_forecast, max(1, args.batch // 20), args.samples),
+                "state build + one forecast, per call",
+            )
+        )
     cal = calibrated(model, rng)
     rows.append(
         (
@@ -187,6 +264,11 @@ def main() -> None:
     print(f"{'-' * width}  {'-' * 14}  -----")
     for label, us, note in rows:
         print(f"{label:<{width}}  {us:14.2f}  {note}")
+    verdict = "within" if slowest <= TARGET_US else "over"
+    print(
+        f"\none forecast on one replica (8 replicas' states in this process): {slowest:.1f} us median on "
+        f"the slowest state, {verdict} the {TARGET_US:.0f} us target"
+    )
 
 
 if __name__ == "__main__":

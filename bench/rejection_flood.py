@@ -1,13 +1,19 @@
 """How many 429s one gateway process answers per second while admitted traffic keeps flowing.
 
 The stack, all real processes: one emulated replica (``tests/data/profiles/llama3-8b-h100-seqs4
-.yaml``: 4 sequences at a time) and ``sluice serve --config`` pinned to ONE core (``taskset -c``).
-Then, for ``--duration`` seconds:
+.yaml``: 4 sequences at a time) and ``sluice serve --config`` pinned to ONE core (``taskset -c
+--core``). Everything else (the emulator, this process with its admitted clients, the flood
+processes) is pinned to the machine's OTHER cores, so the clients never steal the gateway's core
+(on a one-core machine nothing can be kept apart: the output says so). Then, for ``--duration``
+seconds:
 
 * **admitted traffic**: 4 closed-loop clients streaming 64-token completions (the replica's
   capacity) with no deadline: they keep the replica full and must keep succeeding;
 * **the flood**: ``--workers`` client processes, each with ``--connections`` keep-alive
-  connections sending back to back chat completions with ``x-sluice-deadline-ms: 50``: with the
+  connections sending back to back chat completions with ``x-sluice-deadline-ms: 50`` (a minimal
+  HTTP/1.1 client on a raw asyncio protocol: the request's bytes are built once and a response is
+  read by its ``Content-Length``, so one client core can outpace the gateway's core; aiohttp's
+  client costs more per request than the gateway's rejection): with the
   replica full their first token cannot come within 50 ms, so admission refuses them (429
   ``deadline_exceeded``, a Retry-After from the forecast) after the full decision path (tenant,
   class, estimates, forecast on the replica, Retry-After).
@@ -16,7 +22,8 @@ Figures, from the gateway's own ``/metrics`` and ``/proc/<pid>/stat``:
 
 * **429/s**: rejections the gateway counted, divided by the wall-clock duration (bounded by how
   fast the clients on the other core can send);
-* **gateway CPU**: CPU seconds the gateway process used / duration (1.0 = its core is saturated);
+* **gateway CPU**: CPU seconds the gateway process used / duration (1.0 = its core is saturated),
+  and the kernel's share of it (``sys``: the loopback sockets' send and receive work);
 * **429 per CPU-second**: rejections / CPU seconds used: the rate one core sustains when the
   gateway is the bottleneck (the issue's target: >= 5,000 per second on one core).
 
@@ -29,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import multiprocessing
 import os
@@ -42,7 +50,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import yaml
@@ -66,6 +74,7 @@ class Figures:
     duration_s: float
     rejected: int
     gateway_cpu_s: float
+    gateway_sys_s: float
     flood_sent: int
     flood_statuses: dict[int, int]
     admitted_ok: int
@@ -119,11 +128,20 @@ def _process(args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
                 proc.wait(5)
 
 
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid`` from /proc, in seconds."""
+def _cpu_seconds(pid: int) -> tuple[float, float]:
+    """(utime + stime, stime) of ``pid`` from /proc, in seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks
+    return (int(fields[11]) + int(fields[12])) / ticks, int(fields[12]) / ticks
+
+
+def client_cores(gateway_core: int) -> set[int]:
+    """The CPUs this process may use, less the gateway's (empty on a one-core machine)."""
+    return set(os.sched_getaffinity(0)) - {gateway_core}
+
+
+def _cpu_list(cores: set[int]) -> str:
+    return ",".join(str(c) for c in sorted(cores))
 
 
 def _rejected(url: str) -> int:
@@ -139,31 +157,113 @@ def _rejected(url: str) -> int:
 
 
 # -- clients ------------------------------------------------------------------------------------------
-async def _flood(url: str, connections: int, duration_s: float) -> dict[str, int]:
-    """``connections`` loops posting back to back until ``duration_s`` passes; status counts."""
-    counts: dict[str, int] = {}
+def flood_request(host: str, port: int) -> bytes:
+    """The flood's one request, as bytes on the wire (HTTP/1.1, keep-alive)."""
     body = json.dumps(chat_body(MODEL, 40, 16, random.Random(0))).encode()
-    headers = {"Content-Type": "application/json", **FLOOD_HEADERS}
+    head = [
+        "POST /v1/chat/completions HTTP/1.1",
+        f"Host: {host}:{port}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        *(f"{k}: {v}" for k, v in FLOOD_HEADERS.items()),
+    ]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+class _FloodConnection(asyncio.Protocol):
+    """One keep-alive connection sending ``request`` back to back until ``end`` (monotonic s).
+
+    A response is complete at its ``Content-Length`` (the gateway's errors) or, chunked (an
+    admitted stream), at its last chunk. Status counts go to ``counts``; ``done`` resolves when
+    the connection ends.
+    """
+
+    def __init__(
+        self, request: bytes, end: float, counts: dict[str, int], done: asyncio.Future[None]
+    ) -> None:
+        self._request, self._end, self._counts, self._done = request, end, counts, done
+        self._buffer = bytearray()
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self._transport.write(self._request)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buffer
+        buf += data
+        while True:
+            head_end = buf.find(b"\r\n\r\n")
+            if head_end < 0:
+                return
+            head = bytes(buf[:head_end]).lower()
+            start = head_end + 4
+            marker = head.find(b"\r\ncontent-length:")
+            if marker >= 0:
+                line_end = head.find(b"\r\n", marker + 2)
+                length = int(head[marker + 17 : line_end if line_end >= 0 else len(head)])
+                if len(buf) < start + length:
+                    return
+                end = start + length
+            else:  # chunked: up to the terminating zero-length chunk
+                last = buf.find(b"\r\n0\r\n\r\n", start - 2)
+                if last < 0:
+                    return
+                end = last + 7
+            status = head[9:12].decode()
+            self._counts[status] = self._counts.get(status, 0) + 1
+            del buf[:end]
+            if time.monotonic() >= self._end:
+                assert self._transport is not None
+                self._transport.close()
+                return
+            assert self._transport is not None
+            self._transport.write(self._request)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._buffer:
+            self._counts["error"] = self._counts.get("error", 0) + 1
+        if not self._done.done():
+            self._done.set_result(None)
+
+
+async def _flood(url: str, connections: int, duration_s: float) -> dict[str, int]:
+    """``connections`` connections posting back to back until ``duration_s`` passes (a connection
+    the gateway closes is opened again); status counts."""
+    counts: dict[str, int] = {}
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    request = flood_request(host, int(port))
     end = time.monotonic() + duration_s
-    connector = aiohttp.TCPConnector(limit=connections)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    loop = asyncio.get_running_loop()
 
-        async def loop() -> None:
-            while time.monotonic() < end:
-                try:
-                    async with session.post(f"{url}/v1/chat/completions", data=body, headers=headers) as r:
-                        await r.read()
-                        key = str(r.status)
-                except aiohttp.ClientError:
-                    key = "error"
-                counts[key] = counts.get(key, 0) + 1
+    async def connection() -> None:
+        while time.monotonic() < end:
+            done: asyncio.Future[None] = loop.create_future()
+            try:
+                await loop.create_connection(
+                    functools.partial(_FloodConnection, request, end, counts, done), host, int(port)
+                )
+            except OSError:
+                counts["error"] = counts.get("error", 0) + 1
+                await asyncio.sleep(0.01)
+                continue
+            await done
 
-        await asyncio.gather(*(loop() for _ in range(connections)))
+    try:
+        # A connection whose answer never comes must not hang the bench: counted as errors.
+        await asyncio.wait_for(asyncio.gather(*(connection() for _ in range(connections))), duration_s + 30.0)
+    except TimeoutError:
+        counts["timeout"] = counts.get("timeout", 0) + 1
     return counts
 
 
 def _flood_worker(url: str, connections: int, duration_s: float, out: Any) -> None:
-    out.put(asyncio.run(_flood(url, connections, duration_s)))
+    try:
+        import uvloop  # the gateway's own event loop, when installed: the cheaper client
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        out.put(asyncio.run(_flood(url, connections, duration_s)))
+        return
+    out.put(uvloop.run(_flood(url, connections, duration_s)))
 
 
 async def _admitted(url: str, duration_s: float) -> list[Result]:
@@ -187,10 +287,17 @@ async def _admitted(url: str, duration_s: float) -> list[Result]:
 
 # -- one run ------------------------------------------------------------------------------------------
 def run(*, duration_s: float, workers: int, connections: int, access_log: bool, core: int) -> Figures:
+    """One run: the gateway pinned to ``core``, the emulator and every client to the other cores
+    (this process's affinity is narrowed for good: the flood processes inherit it)."""
+    others = client_cores(core)
+    if others:
+        os.sched_setaffinity(0, others)
     with tempfile.TemporaryDirectory(prefix="sluice-flood-") as tmp_dir:
         tmp = Path(tmp_dir)
         emu_port, gw_port = _free_port(), _free_port()
         emulator = [sys.executable, "-m", "simulator", "--profile", str(PROFILE), "--port", str(emu_port)]
+        if others:
+            emulator = ["taskset", "-c", _cpu_list(others), *emulator]
         config = {
             "server": {"port": gw_port},
             "replicas": [{"name": "emu", "url": f"http://127.0.0.1:{emu_port}", "hardware": HARDWARE}],
@@ -221,7 +328,7 @@ def _measure(url: str, pid: int, duration_s: float, workers: int, connections: i
     runner = asyncio.new_event_loop()
     admitted_task = runner.create_task(admitted_then_wait())
     runner.run_until_complete(asyncio.sleep(1.0))  # admitted traffic fills the replica first
-    before_rejected, before_cpu, start = _rejected(url), _cpu_seconds(pid), time.monotonic()
+    before_rejected, (before_cpu, before_sys), start = _rejected(url), _cpu_seconds(pid), time.monotonic()
     for p in procs:
         p.start()
     counts: dict[str, int] = {}
@@ -230,7 +337,8 @@ def _measure(url: str, pid: int, duration_s: float, workers: int, connections: i
         for key, n in out.get(timeout=60).items():
             counts[key] = counts.get(key, 0) + n
     elapsed = time.monotonic() - start
-    rejected, cpu = _rejected(url) - before_rejected, _cpu_seconds(pid) - before_cpu
+    after_cpu, after_sys = _cpu_seconds(pid)
+    rejected, cpu, kernel = _rejected(url) - before_rejected, after_cpu - before_cpu, after_sys - before_sys
     for p in procs:
         p.join(10)
     runner.run_until_complete(admitted_task)
@@ -243,6 +351,7 @@ def _measure(url: str, pid: int, duration_s: float, workers: int, connections: i
         duration_s=elapsed,
         rejected=rejected,
         gateway_cpu_s=cpu,
+        gateway_sys_s=kernel,
         flood_sent=sum(counts.values()),
         flood_statuses={int(k): v for k, v in counts.items() if k.isdigit()},
         admitted_ok=len(ok),
@@ -253,14 +362,15 @@ def _measure(url: str, pid: int, duration_s: float, workers: int, connections: i
 
 def table(rows: list[Figures]) -> str:
     head = (
-        f"{'access log':>10} {'429/s':>8} {'gw CPU':>7} {'429/CPU-s':>10} {'flood sent':>10} "
-        f"{'admitted ok':>11} {'failed':>6} {'adm TTFT p50':>12}"
+        f"{'access log':>10} {'429/s':>8} {'gw CPU':>7} {'of it sys':>9} {'429/CPU-s':>10} "
+        f"{'flood sent':>10} {'admitted ok':>11} {'failed':>6} {'adm TTFT p50':>12}"
     )
     lines = [head, "-" * len(head)]
     for f in rows:
+        sys_share = f.gateway_sys_s / f.gateway_cpu_s if f.gateway_cpu_s > 0 else float("nan")
         lines.append(
-            f"{f.label:>10} {f.rejected_per_s:8.0f} {f.cpu_share:7.2f} {f.rejected_per_cpu_s:10.0f} "
-            f"{f.flood_sent:10d} {f.admitted_ok:11d} {f.admitted_failed:6d} "
+            f"{f.label:>10} {f.rejected_per_s:8.0f} {f.cpu_share:7.2f} {sys_share:9.0%} "
+            f"{f.rejected_per_cpu_s:10.0f} {f.flood_sent:10d} {f.admitted_ok:11d} {f.admitted_failed:6d} "
             f"{f.admitted_ttft_p50_s * 1e3:10.1f} ms"
         )
     lines.append(f"target: >= {TARGET_PER_CPU_S:.0f} rejections per CPU-second of the gateway (one core)")
@@ -276,6 +386,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--access-log", choices=["on", "off", "both"], default="both")
     args = parser.parse_args(argv)
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.access_log]
+    others = client_cores(args.core)
+    if others:
+        print(
+            f"gateway pinned to core {args.core} (taskset); emulator and clients pinned to core(s) "
+            f"{_cpu_list(others)}"
+        )
+    else:
+        print(f"one core only: the gateway (core {args.core}) shares it with the emulator and the clients")
     rows = [
         run(
             duration_s=args.duration,

@@ -23,9 +23,15 @@ earliest of the queue's next hard deadline and its entries' predicted retry time
 One ``AdmissionController`` per model (requests for a model may only go to replicas serving
 it); they share one ``AdmissionStats`` and one tenant fairness counter.
 
-Views are cached per model for ``view_ttl_s`` and rebuilt at once after anything that changes a
-replica's load here (a dispatch, a finish, a scrape, a health or settings change), so a flood of
-requests that are rejected costs one view build per ``view_ttl_s``, not one per request.
+Views are cached per model and replica for ``view_ttl_s`` and rebuilt at once after anything that
+changes that replica's load here (a dispatch to it, a finish on it, its scrape), or anything's
+(a health or settings change), so a flood of requests that are rejected costs one view build per
+replica per ``view_ttl_s``, not one per request, and a request dispatched to one replica does not
+make the next decision rebuild the other replicas' views (a build is O(requests in flight there)).
+
+Cost per decision (``bench/admission_cost.py``, ``bench/rejection_flood.py``): one forecast per
+healthy replica serving the model and the admission arithmetic; the prediction service's
+``replica_inputs`` (the O(in-flight) state build) runs only when a view is rebuilt.
 """
 
 from __future__ import annotations
@@ -78,7 +84,7 @@ from gateway.forecasts import (
 from gateway.observability.logs import OUTCOME, REQUEST_ID, RequestOutcome
 from gateway.openai_api import ParsedRequest
 from gateway.prediction.service import PredictionService
-from gateway.prediction.state import Limits, Load, replica_state
+from gateway.prediction.state import Limits
 from gateway.replicas.registry import LiveRequest, Replica, ReplicaRegistry
 from gateway.replicas.snapshot import InFlight, ReplicaSnapshot
 from gateway.settings import Settings
@@ -94,8 +100,6 @@ log = logging.getLogger("sluice.admission")
 #: Shortest and longest wait between two timer re-evaluations while requests are queued, seconds.
 MIN_TICK_S: Final = 0.005
 MAX_TICK_S: Final = 0.25
-#: Output cap assumed for the output-length estimate when the client set none (tokens).
-_NO_CAP: Final = 1 << 20
 #: Limits of a replica the prediction service does not know (never binding).
 _UNKNOWN_LIMITS: Final = Limits(1 << 40, 1, 1, 1 << 30)
 _NO_MODEL: Final = unknown_step_model("replica unknown to the prediction service")
@@ -144,9 +148,13 @@ class _Waiter:
 
 @dataclass(slots=True)
 class _Cached:
-    views: list[ReplicaView]
+    """One replica's view for one model: when it was built, at which versions (everything's, the
+    replica's own)."""
+
+    view: ReplicaView
     built_at: float
     version: int
+    replica_version: int
 
 
 @dataclass(slots=True)
@@ -158,15 +166,9 @@ def expected_output(
     service: PredictionService, model: str, tenant: str | None, max_tokens: int | None
 ) -> tuple[float, float]:
     """(predicted output tokens, the quantile it is) for a request on ``model`` capped at
-    ``max_tokens`` (``None``: no cap), from the service's output-length learning."""
-    public = getattr(service, "expected_output", None)
-    if callable(public):
-        tokens, quantile = public(model, tenant, max_tokens)
-        return float(tokens), float(quantile)
-    # The service has no public accessor yet: read its predictor (same numbers as its forecasts).
-    quantile = service._quantile
-    estimate = service._outputs.predict(model, tenant, max_tokens or _NO_CAP, quantile)
-    return float(estimate.tokens), quantile
+    ``max_tokens`` (``None``: no cap), from the service's output-length learning
+    (``PredictionService.expected_output``)."""
+    return service.expected_output(model, tenant, max_tokens)
 
 
 def replica_inputs(
@@ -178,57 +180,12 @@ def replica_inputs(
     in_flight: Sequence[InFlight],
     now: float,
 ) -> tuple[StepModel, ReplicaState]:
-    """The step model and ``ReplicaState`` the service's ``forecast`` would use for ``replica`` now.
-
-    Built exactly as ``PredictionService.forecast`` builds them (the gateway's in-flight requests,
-    the last snapshot's other clients and background prefill, the step in progress); the state
-    is flagged ``stale`` when the metrics are older than the service trusts. A replica the
-    service does not know gets an invalid model (admission then treats it as unmodelled).
-    """
-    public = getattr(service, "replica_inputs", None)
-    if callable(public):
-        found: tuple[StepModel, ReplicaState] = public(
-            replica, model=model, tenant=tenant, in_flight=in_flight, now=now
-        )
-        return found
-    # Mirrors PredictionService.forecast until the service offers this itself.
-    r = service._replicas.get(replica)
-    outputs = service._outputs
-
-    def remaining(generated: Sequence[int], max_out: Sequence[int | None]) -> list[float]:
-        return outputs.expected_remaining_many(model, tenant, generated, max_out)
-
-    if r is None:
-        return _NO_MODEL, replica_state(
-            in_flight,
-            None,
-            limits=_UNKNOWN_LIMITS,
-            load=Load(),
-            remaining=remaining,
-            stale=False,
-            model=_NO_MODEL,
-            now=now,
-            last_boundary=None,
-        )
-    snapshot: ReplicaSnapshot | None = r.snapshot
-    stale = snapshot is not None and (
-        snapshot.metrics_at is None or now - snapshot.metrics_at > service._config.stale_after_s
-    )
-    for f in in_flight:
-        if f.last_token_at is not None and (r.last_token_at is None or f.last_token_at > r.last_token_at):
-            r.last_token_at = f.last_token_at
-    state = replica_state(
-        in_flight,
-        snapshot,
-        limits=service._limits(r),
-        load=r.load,
-        remaining=remaining,
-        stale=stale,
-        model=r.model,
-        now=now,
-        last_boundary=r.last_token_at,
-    )
-    return r.model, state
+    """The step model and ``ReplicaState`` the service's ``forecast`` would use for ``replica`` now
+    (``PredictionService.replica_inputs``): the gateway's in-flight requests, the last snapshot's
+    other clients and background prefill, the step in progress; flagged ``stale`` when the metrics
+    are older than the service trusts. A replica the service does not know gets an invalid model
+    (admission then treats it as unmodelled)."""
+    return service.replica_inputs(replica, model=model, tenant=tenant, in_flight=in_flight, now=now)
 
 
 class LiveAdmission:
@@ -262,8 +219,12 @@ class LiveAdmission:
         self._controllers: dict[str, AdmissionController] = {}
         self._streams: dict[str, dict[LiveRequest, _Stream]] = {}
         self._waiting: dict[tuple[str, int], _Waiter] = {}
-        self._views: dict[str, _Cached] = {}
+        #: Views per model, per replica name.
+        self._views: dict[str, dict[str, _Cached]] = {}
+        #: Bumped by anything that changes every view (settings, health); per replica, by what
+        #: changes that replica's load (a dispatch to it, a finish there, its scrape).
         self._version = 0
+        self._replica_versions: dict[str, int] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
         self._seen = _Counters()
@@ -317,8 +278,13 @@ class LiveAdmission:
         self.reevaluate()
 
     def on_snapshot(self, snapshot: ReplicaSnapshot) -> None:
-        """Scraper subscriber: a new snapshot changes that replica's view."""
-        self.changed()
+        """Scraper subscriber: a new snapshot changes that replica's view (only that one's)."""
+        self._touch(snapshot.name)
+        self.reevaluate()
+
+    def _touch(self, replica: str) -> None:
+        """``replica``'s load changed: its views are rebuilt at their next use."""
+        self._replica_versions[replica] = self._replica_versions.get(replica, 0) + 1
 
     # -- one request --------------------------------------------------------------------------------
     async def admit(
@@ -381,7 +347,7 @@ class LiveAdmission:
     ) -> AdmissionRequest:
         prompt = self._predictions.prompt_tokens(parsed)
         try:
-            output, quantile = expected_output(self._service, parsed.model, None, parsed.max_tokens)
+            output, quantile = self._service.expected_output(parsed.model, None, parsed.max_tokens)
         except Exception:
             log.exception("output-length prediction failed; assuming the output cap")
             output, quantile = float(parsed.max_tokens or 256), 1.0
@@ -456,7 +422,7 @@ class LiveAdmission:
             self.fairness.charge_output(ticket.tenant, max(0, produced))
         except ValueError:
             log.exception("could not charge %r output tokens to tenant %r", produced, ticket.tenant)
-        self.changed()
+        self.reevaluate()  # its replica's views were invalidated by _forget
 
     # -- the queue ----------------------------------------------------------------------------------
     async def _wait(
@@ -518,14 +484,14 @@ class LiveAdmission:
             if len(controller.queue) == 0:
                 continue
             now = self._clock()
-            views = self._fresh_views(model, self._candidates_or_none(model), now)
+            views = self._views_for(model, self._candidates_or_none(model), now)
             result = controller.reevaluate(now, views)
             for entry, decision in result.dispatched:
+                # Each dispatch is counted on its replica at once (``_add_stream``), which
+                # invalidates that replica's views.
                 self._resolve((model, entry.id), decision, dispatched=True)
             for entry, reject in result.rejected:
                 self._resolve((model, entry.id), reject, dispatched=False)
-            if result.dispatched:
-                self._version += 1
         self._schedule()
 
     def _resolve(self, key: tuple[str, int], decision: Decision, *, dispatched: bool) -> None:
@@ -619,21 +585,29 @@ class LiveAdmission:
             return []
 
     def _views_for(self, model: str, replicas: list[Replica], now: float) -> list[ReplicaView]:
-        """Views of ``replicas`` for a request on ``model``, from the cache when still current."""
-        cached = self._views.get(model)
-        if (
-            cached is not None
-            and cached.version == self._version
-            and now - cached.built_at <= self._view_ttl_s
-            and len(cached.views) == len(replicas)
-            and all(v.name == r.name for v, r in zip(cached.views, replicas, strict=True))
-        ):
-            return cached.views
-        return self._fresh_views(model, replicas, now)
-
-    def _fresh_views(self, model: str, replicas: list[Replica], now: float) -> list[ReplicaView]:
-        views = [self._view(replica, model, now) for replica in replicas]
-        self._views[model] = _Cached(views, now, self._version)
+        """Views of ``replicas`` for a request on ``model``: each from the cache while it is
+        current (no version change, younger than ``view_ttl_s``), else rebuilt."""
+        cache = self._views.get(model)
+        if cache is None:
+            cache = self._views[model] = {}
+        version, versions, ttl = self._version, self._replica_versions, self._view_ttl_s
+        views: list[ReplicaView] = []
+        for replica in replicas:
+            name = replica.name
+            replica_version = versions.get(name, 0)
+            cached = cache.get(name)
+            if (
+                cached is None
+                or cached.version != version
+                or cached.replica_version != replica_version
+                or now - cached.built_at > ttl
+            ):
+                cached = cache[name] = _Cached(self._view(replica, model, now), now, version, replica_version)
+            views.append(cached.view)
+        if len(cache) > len(replicas):
+            # Replicas that left the fleet (or lost health): their views go.
+            for name in [n for n in cache if all(r.name != n for r in replicas)]:
+                del cache[name]
         return views
 
     def _view(self, replica: Replica, route: str, now: float) -> ReplicaView:
@@ -641,8 +615,8 @@ class LiveAdmission:
         streams = self._streams.get(replica.name, {})
         in_flight = [live.freeze() for live in streams]
         try:
-            step_model, state = replica_inputs(
-                self._service, replica.name, model=model, tenant=None, in_flight=in_flight, now=now
+            step_model, state = self._service.replica_inputs(
+                replica.name, model=model, tenant=None, in_flight=in_flight, now=now
             )
         except Exception:
             log.exception("replica state for %s failed; judging it as unmodelled", replica.name)
@@ -686,12 +660,12 @@ class LiveAdmission:
         if forecast is not None:
             output = forecast.output_tokens_used
         self._streams.setdefault(replica, {})[live] = _Stream(areq.request_class, output, tpot)
-        self._version += 1
+        self._touch(replica)
 
     def _forget(self, live: LiveRequest) -> None:
-        for streams in self._streams.values():
+        for replica, streams in self._streams.items():
             if streams.pop(live, None) is not None:
-                self._version += 1
+                self._touch(replica)
                 return
 
     def _replica_for(self, decision: Decision, model: str) -> Replica:

@@ -255,6 +255,13 @@ class HealthSettings(Section):
             ge=1, description="Consecutive good checks before an unhealthy replica is marked healthy again."
         ),
     ] = 1
+    max_backoff_s: Annotated[
+        PositiveSeconds,
+        Field(
+            description="Longest time between two checks of an unhealthy replica, in seconds: its checks "
+            "back off from interval_s, doubling with each failure, up to this."
+        ),
+    ] = 30.0
     eject_after_timeouts: Annotated[
         int,
         Field(

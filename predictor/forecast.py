@@ -23,24 +23,29 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Final, NamedTuple
+from typing import Final
 
-from predictor.step_model import StepBatch, StepModel
+from predictor.step_model import StepBatch, StepModel, StepParams
 
 __all__ = [
     "CandidateRequest",
     "Forecast",
     "ForecastConfig",
     "ForecastReason",
+    "ForecastValues",
     "ReplicaState",
     "RunningSeq",
+    "forecast_of",
     "forecast_request",
+    "forecast_values",
     "prefill_share",
 ]
 
 _EULER: Final = 0.5772156649015329
+#: ``ReplicaState._problem`` before the state was checked (a value no check returns).
+_UNCHECKED: Final = "unchecked"
 
 
 class ForecastReason(StrEnum):
@@ -137,6 +142,9 @@ class ReplicaState:
     step_remaining_s: float = 0.0
     prefill_share: float | None = None
     finish_rate_per_s: float | None = None
+    #: What ``_check`` found wrong with this state (``None``: nothing), filled by the first
+    #: forecast on it: a state is forecast many times (admission: every request against it).
+    _problem: str | None = field(default=_UNCHECKED, init=False, repr=False, compare=False)
 
     @classmethod
     def from_sequences(
@@ -158,52 +166,97 @@ class ReplicaState:
 
         O(n log n) once per state; forecasts against the result are O(log n).
         """
+        return cls.from_rows(
+            [
+                (s.prompt_tokens, s.computed_tokens, s.generated_tokens, s.expected_output_tokens)
+                for s in running
+            ],
+            waiting_prompt_tokens,
+            kv_capacity_tokens=kv_capacity_tokens,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            background_prefill_tokens_per_step=background_prefill_tokens_per_step,
+            stale=stale,
+            step_remaining_s=step_remaining_s,
+            prefill_share=prefill_share,
+            finish_rate_per_s=finish_rate_per_s,
+        )
+
+    @classmethod
+    def from_rows(
+        cls,
+        running: Sequence[tuple[int, int, int, float]],
+        waiting_prompt_tokens: Sequence[int],
+        *,
+        kv_capacity_tokens: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        background_prefill_tokens_per_step: float = 0.0,
+        stale: bool = False,
+        step_remaining_s: float = 0.0,
+        prefill_share: float | None = None,
+        finish_rate_per_s: float | None = None,
+    ) -> ReplicaState:
+        """``from_sequences`` with each running request as a plain tuple ``(prompt_tokens,
+        computed_tokens, generated_tokens, expected_output_tokens)`` (``RunningSeq``'s fields):
+        the same state, without building an object per request (a replica holds hundreds)."""
         decode = kv = queued = queued_reqs = 0
         pairs = 0.0
         release: list[tuple[float, int]] = []
-        for s in running:
-            done = min(s.computed_tokens, s.prompt_tokens)
-            if done < s.prompt_tokens:
-                rest = s.prompt_tokens - done
+        append = release.append
+        for prompt, computed, generated, expected in running:
+            done = prompt if prompt < computed else computed
+            if done < prompt:
+                rest = prompt - done
                 queued += rest
                 queued_reqs += 1
                 pairs += rest * (rest / 2.0 + done)
                 context = done
             else:
                 decode += 1
-                context = s.prompt_tokens + s.generated_tokens
+                context = prompt + generated
             kv += context
-            release.append((max(1.0, s.expected_output_tokens - s.generated_tokens), context))
+            left = expected - generated
+            append((left if left > 1.0 else 1.0, context))
         for p in waiting_prompt_tokens:
             queued += p
             queued_reqs += 1
             pairs += p * p / 2.0
         release.sort()
-        cumulative: list[float] = []
-        freed = 0.0
-        for _, context in release:
-            freed += context
-            cumulative.append(freed)
+        steps: tuple[float, ...] = ()
+        cumulative: tuple[float, ...] = ()
+        mean_rest = 0.0
+        if release:
+            steps = tuple(r for r, _ in release)
+            freed = 0.0
+            freed_list: list[float] = []
+            for _, context in release:
+                freed += context
+                freed_list.append(freed)
+            cumulative = tuple(freed_list)
+            mean_rest = sum(steps) / len(release)
         return cls(
-            num_running=len(running),
-            num_waiting=len(waiting_prompt_tokens),
-            decode_seqs=decode,
-            kv_tokens_in_use=kv,
-            kv_capacity_tokens=kv_capacity_tokens,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            queued_prefill_tokens=queued,
-            queued_requests=queued_reqs,
-            queued_prefill_attn_pairs=pairs,
-            mean_remaining_output_tokens=sum(r for r, _ in release) / len(release) if release else 0.0,
-            release_steps=tuple(r for r, _ in release),
-            release_kv_cumulative=tuple(cumulative),
-            background_prefill_tokens_per_step=background_prefill_tokens_per_step,
-            stale=stale,
-            step_remaining_s=step_remaining_s,
-            prefill_share=prefill_share,
-            finish_rate_per_s=finish_rate_per_s,
+            len(running),
+            len(waiting_prompt_tokens),
+            decode,
+            kv,
+            kv_capacity_tokens,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            queued,
+            queued_reqs,
+            pairs,
+            mean_rest,
+            steps,
+            cumulative,
+            background_prefill_tokens_per_step,
+            stale,
+            step_remaining_s,
+            prefill_share,
+            finish_rate_per_s,
         )
 
 
@@ -255,18 +308,80 @@ class Forecast:
     made_at: float | None = None
 
 
-def _invalid(request: CandidateRequest, reason: ForecastReason, output: float = math.nan) -> Forecast:
+#: ``Forecast``'s first twelve fields as a plain tuple, with ``prefill_batch`` as the tuple of
+#: ``StepBatch``'s four fields (or ``None``): what ``forecast_values`` returns.
+ForecastValues = tuple[
+    float,
+    float,
+    float,
+    bool,
+    "str | None",
+    float,
+    "float | None",
+    float,
+    float,
+    int,
+    float,
+    "tuple[float, float, float, float] | None",
+]
+
+
+def _invalid(request: CandidateRequest, reason: str, output: float = math.nan) -> ForecastValues:
     nan = math.nan
-    return Forecast(nan, nan, nan, False, reason, output, request.output_quantile, nan, nan, 0)
+    return (nan, nan, nan, False, reason, output, request.output_quantile, nan, nan, 0, 0.0, None)
 
 
-def _check(request: CandidateRequest, state: ReplicaState) -> ForecastReason | None:
-    """The first reason the inputs cannot be forecast, or ``None``."""
-    r, s = request, state
+def forecast_of(values: ForecastValues, scale: float = 1.0) -> Forecast:
+    """The ``Forecast`` of ``forecast_values``' tuple, its times (TTFT, TPOT, inflicted TPOT and
+    stall, admission wait) multiplied by ``scale`` (a caller's margin; 1: as forecast)."""
+    (ttft, tpot, inflicted, valid, reason, output, quantile, stall, wait, steps, step_wait, batch) = values
+    if scale != 1.0:
+        ttft, tpot, inflicted, stall, wait = (
+            ttft * scale,
+            tpot * scale,
+            inflicted * scale,
+            stall * scale,
+            wait * scale,
+        )
+    return Forecast(
+        ttft,
+        tpot,
+        inflicted,
+        valid,
+        reason,
+        output,
+        quantile,
+        stall,
+        wait,
+        steps,
+        step_wait,
+        None if batch is None else StepBatch(*batch),
+    )
+
+
+def _check(request: CandidateRequest, state: ReplicaState) -> str | None:
+    """The first reason the inputs cannot be forecast (a ``ForecastReason``), or ``None``.
+
+    The state's own checks run once per state (kept on it): a state is forecast many times.
+    """
+    r = request
     if r.prompt_tokens < 1 or r.max_tokens < 1 or r.cached_prompt_tokens < 0:
         return ForecastReason.BAD_REQUEST
     if not (math.isfinite(r.expected_output_tokens) and r.expected_output_tokens >= 0.0):
         return ForecastReason.BAD_REQUEST
+    problem = state._problem
+    if problem is _UNCHECKED:
+        problem = _check_state(state)
+        object.__setattr__(state, "_problem", problem)
+    if problem is not None:
+        return problem
+    if r.prompt_tokens + r.max_tokens > state.max_model_len:
+        return ForecastReason.EXCEEDS_MAX_MODEL_LEN
+    return None
+
+
+def _check_state(s: ReplicaState) -> ForecastReason | None:
+    """The first reason ``s`` cannot be forecast on (``bad_state``), or ``None``."""
     if min(s.max_num_seqs, s.max_num_batched_tokens, s.kv_capacity_tokens, s.max_model_len) < 1:
         return ForecastReason.BAD_STATE
     counts = (s.num_running, s.num_waiting, s.decode_seqs, s.kv_tokens_in_use, s.queued_prefill_tokens)
@@ -284,22 +399,13 @@ def _check(request: CandidateRequest, state: ReplicaState) -> ForecastReason | N
         return ForecastReason.BAD_STATE
     if len(s.release_steps) != len(s.release_kv_cumulative):
         return ForecastReason.BAD_STATE
-    if r.prompt_tokens + r.max_tokens > s.max_model_len:
-        return ForecastReason.EXCEEDS_MAX_MODEL_LEN
     return None
 
 
-class _Prefill(NamedTuple):
-    """One way through the prefill: its seconds and the step shape it implies."""
-
-    seconds: float
-    steps: int
-    last: float
-    n_mid: float
-    kv_mid: float
-    per_step: float
-    full: float
-    ahead_pairs: float
+#: One way through the prefill: its seconds and the step shape it implies, as a plain tuple
+#: (seconds, steps, last chunk, mean decodes, mean KV read, tokens per step, a full chunk's GEMM
+#: time, the queue's attention pairs ahead).
+_Prefill = tuple[float, int, float, float, float, float, float, float]
 
 
 def _harmonic(n: float) -> float:
@@ -361,6 +467,50 @@ def prefill_share(model: StepModel, itl_s: float, decode_seqs: float, kv_tokens:
     return min(max(1.0 - decode / itl_s, 0.0), 0.95)
 
 
+def _prefill(
+    ahead: float,
+    ahead_reqs: float,
+    ahead_pairs: float,
+    n: float,
+    kv: float,
+    own: int,
+    own_pairs: float,
+    seqs_cap: float,
+    budget: int,
+    p: StepParams,
+) -> _Prefill:
+    """Prefill of ``ahead`` queued tokens then ``own``, at (budget - decodes) tokens per step.
+
+    The queue's requests join the decodes as they finish, so half of them decode on average.
+    (The step model's two-slope GEMM term is written out inline here and in ``forecast_request``:
+    a nested function call per term costs more than the arithmetic on this per-request path.)
+    """
+    knee = p.knee_tokens
+    n_mid = n + ahead_reqs / 2.0
+    if not n_mid < seqs_cap:
+        n_mid = seqs_cap
+    per_step = budget - n_mid
+    if not per_step > 1.0:
+        per_step = 1.0
+    total = ahead + own
+    steps = math.ceil(total / per_step)
+    last = total - (steps - 1) * per_step
+    kv_mid = kv + ahead / 2.0 + n_mid * steps / 2.0
+    t = per_step + n_mid
+    full = p.per_token_s * (knee if knee < t else t) + p.per_compute_token_s * (t - knee if t > knee else 0.0)
+    t = last + n_mid
+    last_gemm = p.per_token_s * (knee if knee < t else t) + p.per_compute_token_s * (
+        t - knee if t > knee else 0.0
+    )
+    seconds = (
+        steps * (p.base_s + p.per_decode_seq_s * n_mid + p.per_kv_token_s * kv_mid)
+        + (steps - 1) * full
+        + last_gemm
+        + p.per_attn_pair_s * (ahead_pairs + own_pairs)
+    )
+    return (seconds, steps, last, n_mid, kv_mid, per_step, full, ahead_pairs)
+
+
 def forecast_request(
     request: CandidateRequest,
     state: ReplicaState,
@@ -370,10 +520,34 @@ def forecast_request(
     """Forecast TTFT, TPOT and the TPOT inflicted on others for ``request`` on ``state``.
 
     Pure and O(log n) in the running requests. Never raises on bad inputs: it returns
-    ``valid=False`` with a ``ForecastReason``.
+    ``valid=False`` with a ``ForecastReason``. ``forecast_of(forecast_values(...))``.
+    """
+    return forecast_of(forecast_values(request, state, model, config))
+
+
+def forecast_values(
+    request: CandidateRequest,
+    state: ReplicaState,
+    model: StepModel,
+    config: ForecastConfig = _DEFAULT_CONFIG,
+) -> ForecastValues:
+    """``forecast_request``'s numbers as a plain tuple (``ForecastValues``, ``Forecast``'s field
+    order), for a caller that forecasts one request on many replicas and keeps one forecast:
+    ``forecast_of`` builds the ``Forecast`` of the one it keeps (objects cost more than the
+    arithmetic here).
+
+    Cost: a few dozen float operations and two object constructions, about 10 us in CPython on
+    the development container (``bench/forecast_cost.py``). The step model's GEMM term
+    ``c_t min(t, knee) + c_c max(0, t - knee)`` is written out inline (``g(t)`` below): the same
+    numbers as ``StepModel.step_time``, without a function call per term.
     """
     problem = _check(request, state)
-    output = min(max(request.expected_output_tokens, 1.0), float(request.max_tokens))
+    output = request.expected_output_tokens
+    if output < 1.0:
+        output = 1.0
+    cap = float(request.max_tokens)
+    if cap < output:
+        output = cap
     if problem is not None:
         return _invalid(request, problem, output)
     if not model.valid:
@@ -385,43 +559,24 @@ def forecast_request(
     base, ct, cd, cc = p.base_s, p.per_token_s, p.per_decode_seq_s, p.per_compute_token_s
     ckv, ca, knee = p.per_kv_token_s, p.per_attn_pair_s, p.knee_tokens
 
-    def gemm(tokens: float) -> float:
-        """Token-dependent step time of a step carrying ``tokens`` tokens: two slopes, one knee."""
-        return ct * min(tokens, knee) + cc * max(0.0, tokens - knee)
-
     seqs_cap, budget = state.max_num_seqs, state.max_num_batched_tokens
+    seqs_cap_f = float(seqs_cap)
     n0, kv0 = state.decode_seqs, state.kv_tokens_in_use
     queued, queued_reqs = state.queued_prefill_tokens, state.queued_requests
     queue_pairs = state.queued_prefill_attn_pairs
     if queue_pairs is None:
         queue_pairs = queued * queued / (2.0 * max(1, queued_reqs))
-    cached = min(request.cached_prompt_tokens, prompt - 1)  # the last prompt token is always computed
+    cached = request.cached_prompt_tokens
+    if cached > prompt - 1:
+        cached = prompt - 1  # the last prompt token is always computed
     own = prompt - cached
 
     own_pairs = own * (own / 2.0 + cached)
 
-    def prefill(ahead: int, ahead_reqs: int, ahead_pairs: float, n: float, kv: float) -> _Prefill:
-        """Prefill of ``ahead`` queued tokens then this prompt, at (budget - decodes) tokens per step.
-
-        The queue's requests join the decodes as they finish, so half of them decode on average.
-        """
-        n_mid = min(float(seqs_cap), n + ahead_reqs / 2.0)
-        per_step = max(1.0, budget - n_mid)
-        total = ahead + own
-        steps = math.ceil(total / per_step)
-        last = total - (steps - 1) * per_step
-        kv_mid = kv + ahead / 2.0 + n_mid * steps / 2.0
-        full = gemm(per_step + n_mid)
-        seconds = (
-            steps * (base + cd * n_mid + ckv * kv_mid)
-            + (steps - 1) * full
-            + gemm(last + n_mid)
-            + ca * (ahead_pairs + own_pairs)
-        )
-        return _Prefill(seconds, steps, last, n_mid, kv_mid, per_step, full, ahead_pairs)
-
     # 1. Engine admission: a sequence slot and KV room for everything ahead plus this prompt.
-    decode_step = base + gemm(n0) + cd * n0 + ckv * kv0
+    g: float = n0
+    gemm_n0 = ct * (knee if knee < g else g) + cc * (g - knee if g > knee else 0.0)
+    decode_step = base + gemm_n0 + cd * n0 + ckv * kv0
     need_slots = state.num_running + state.num_waiting + 1 - seqs_cap
     need_kv = kv0 + queued + own - state.kv_capacity_tokens
     released = freed = wait_s = 0.0
@@ -434,9 +589,9 @@ def forecast_request(
         # Unless prefilling the queue takes longer still: both bounds hold, the larger one binds.
         mean_prompt = (queued + own) / (queued_reqs + 1.0)
         waiting_out = min(queued_reqs + 1.0, max(float(need_slots), need_kv / mean_prompt))
-        admitted = prefill(0, 0, 0.0, n0, kv0)
-        through = prefill(queued, queued_reqs, queue_pairs, n0, kv0)
-        if waiting_out / rate + admitted.seconds >= through.seconds:
+        admitted = _prefill(0, 0, 0.0, n0, kv0, own, own_pairs, seqs_cap_f, budget, p)
+        through = _prefill(queued, queued_reqs, queue_pairs, n0, kv0, own, own_pairs, seqs_cap_f, budget, p)
+        if waiting_out / rate + admitted[0] >= through[0]:
             # Each request ahead replaced a finished one: the batch it joins is today's.
             wait_s, pre, replaced = waiting_out / rate, admitted, True
             queued, queued_reqs = 0, 0
@@ -446,29 +601,59 @@ def forecast_request(
         if full_engine:
             released, wait_steps, freed = _release(state, need_slots, need_kv, config.default_window_tokens)
             wait_s = wait_steps * decode_step
-        pre = prefill(queued, queued_reqs, queue_pairs, max(0.0, n0 - released), max(0.0, kv0 - freed))
-    n1 = max(0.0, n0 - released)
-    kv1 = max(0.0, kv0 - freed)
-    prefill_s, steps, last, n_mid, kv_mid, per_step, full = pre[:7]
+        n_pre = n0 - released
+        kv_pre = kv0 - freed
+        pre = _prefill(
+            queued,
+            queued_reqs,
+            queue_pairs,
+            n_pre if n_pre > 0.0 else 0.0,
+            kv_pre if kv_pre > 0.0 else 0.0,
+            own,
+            own_pairs,
+            seqs_cap_f,
+            budget,
+            p,
+        )
+    n1 = n0 - released
+    if not n1 > 0.0:
+        n1 = 0.0
+    kv1 = kv0 - freed
+    if not kv1 > 0.0:
+        kv1 = 0.0
+    prefill_s, steps, last, n_mid, kv_mid, per_step, full, ahead_pairs = pre
 
     # 3. Decode: the batch it joins, its own context half grown, background prefill piggy-backing;
     # never more sequences or KV than the engine holds.
     # Requests finish while it waits for its first token; on a backlogged replica the ones
     # admitted after it merely replace them.
-    gone = 0.0 if replaced else min(n1, (state.finish_rate_per_s or 0.0) * (wait_s + prefill_s))
+    if replaced:
+        gone = 0.0
+    else:
+        gone = (state.finish_rate_per_s or 0.0) * (wait_s + prefill_s)
+        if not gone < n1:
+            gone = n1
     n_join = n1 - gone + queued_reqs + 1.0
     kv_join = kv1 * (1.0 - gone / n1 if n1 > 0.0 else 1.0) + queued + prompt + output / 2.0
     if kv_join > state.kv_capacity_tokens:
         n_join *= state.kv_capacity_tokens / kv_join
         kv_join = float(state.kv_capacity_tokens)
-    n_join = max(1.0, min(float(seqs_cap), n_join))
+    if not n_join < seqs_cap_f:
+        n_join = seqs_cap_f
+    if not n_join > 1.0:
+        n_join = 1.0
     bg = state.background_prefill_tokens_per_step
-    if state.prefill_share is not None:
+    share = state.prefill_share
+    g = bg + n_join  # g(bg + n_join): the decode step's GEMM with background prefill riding along
+    gemm_join = ct * (knee if knee < g else g) + cc * (g - knee if g > knee else 0.0)
+    if share is not None:
         # Decode steps at the batch it joins, stretched by the measured share of prefill work.
-        decode = base + gemm(n_join) + cd * n_join + ckv * kv_join
-        tpot = decode / (1.0 - state.prefill_share)
+        g = n_join
+        gemm_n = ct * (knee if knee < g else g) + cc * (g - knee if g > knee else 0.0)
+        decode = base + gemm_n + cd * n_join + ckv * kv_join
+        tpot = decode / (1.0 - share)
     else:
-        tpot = base + gemm(bg + n_join) + cd * n_join + ckv * kv_join
+        tpot = base + gemm_join + cd * n_join + ckv * kv_join
 
     # 4. What it costs the streams already decoding: its chunks' extra step time, then its decode.
     stall = inflicted = 0.0
@@ -476,35 +661,46 @@ def forecast_request(
         first = math.floor(queued / per_step)
         head = queued - first * per_step  # queue tokens sharing its first chunk's step
         own_steps = steps - first
-        base_gemm = gemm(n_mid)
+        g = n_mid
+        base_gemm = ct * (knee if knee < g else g) + cc * (g - knee if g > knee else 0.0)
+        g = head + n_mid
+        head_gemm = ct * (knee if knee < g else g) + cc * (g - knee if g > knee else 0.0)
         if own_steps <= 1:
-            stall = gemm(head + own + n_mid) - gemm(head + n_mid)
+            g = head + own + n_mid
+            stall = ct * (knee if knee < g else g) + cc * (g - knee if g > knee else 0.0)
+            stall -= head_gemm
         else:
-            stall = full - gemm(head + n_mid) + (own_steps - 2) * (full - base_gemm)
-            stall += gemm(last + n_mid) - base_gemm
+            stall = full - head_gemm + (own_steps - 2) * (full - base_gemm)
+            g = last + n_mid
+            last_gemm = ct * (knee if knee < g else g) + cc * (g - knee if g > knee else 0.0)
+            stall += last_gemm - base_gemm
         stall += ca * own_pairs
-        marginal = cd + ckv * (prompt + output / 2.0) + gemm(bg + n_join) - gemm(bg + n_join - 1.0)
-        window = max(state.mean_remaining_output_tokens or config.default_window_tokens, float(own_steps))
-        overlap = min(output, max(0.0, window - own_steps))
+        g = bg + n_join - 1.0
+        gemm_less = ct * (knee if knee < g else g) + cc * (g - knee if g > knee else 0.0)
+        marginal = cd + ckv * (prompt + output / 2.0) + gemm_join - gemm_less
+        window = state.mean_remaining_output_tokens or config.default_window_tokens
+        if window < own_steps:
+            window = float(own_steps)
+        overlap = window - own_steps
+        if not overlap > 0.0:
+            overlap = 0.0
+        if output < overlap:
+            overlap = output
         inflicted = (stall + marginal * overlap) / window
 
-    reason = ForecastReason.STALE_STATE if state.stale else None
-    return Forecast(
-        ttft_s=state.step_remaining_s + wait_s + prefill_s,
-        tpot_s=tpot,
-        inflicted_tpot_s=inflicted,
-        valid=not state.stale,
-        reason=reason,
-        output_tokens_used=output,
-        output_quantile=request.output_quantile,
-        inflicted_stall_s=stall,
-        admission_wait_s=wait_s,
-        prefill_steps=steps,
-        step_wait_s=state.step_remaining_s,
-        prefill_batch=StepBatch(
-            prefill_tokens=(queued + own) / steps,
-            decode_seqs=n_mid,
-            kv_tokens_read=kv_mid,
-            prefill_attn_pairs=(pre.ahead_pairs + own_pairs) / steps,
-        ),
+    stale = state.stale
+    step_wait = state.step_remaining_s
+    return (
+        step_wait + wait_s + prefill_s,
+        tpot,
+        inflicted,
+        not stale,
+        ForecastReason.STALE_STATE if stale else None,
+        output,
+        request.output_quantile,
+        stall,
+        wait_s,
+        steps,
+        step_wait,
+        ((queued + own) / steps, n_mid, kv_mid, (ahead_pairs + own_pairs) / steps),
     )

@@ -35,10 +35,12 @@ deadline, else rejected ``overloaded`` (streams or shares block) or ``slo_unatta
 own TPOT target). Retry-After is the earliest replica's drain time, jittered; ``None`` when even an
 idle replica could not meet the targets (retrying cannot help).
 
-Cost: one ``forecast_request`` per healthy replica (plus one per yielded-to class for classes
-that yield, on replicas where the other rules hold), and O(classes) arithmetic; the blocked path
-adds the wait estimates and, for a rejection, one forecast on an idle copy of the best replica
-(is retrying hopeless?).
+Cost: one forecast (``predictor.forecast.forecast_values``) per healthy replica (plus one per
+yielded-to class for classes that yield, on replicas where the other rules hold), and O(classes)
+arithmetic; the blocked path adds the wait estimates and, for a rejection, one forecast on an idle
+copy of the best replica (is retrying hopeless?), memoised per request size and replica limits.
+The margins are applied to the numbers the slacks need; the ``Forecast`` object is built once, for
+the replica the decision names. ``bench/admission_cost.py`` times each path.
 """
 
 from __future__ import annotations
@@ -60,8 +62,9 @@ from predictor import (
     ForecastConfig,
     ForecastReason,
     ReplicaState,
-    forecast_request,
+    StepModel,
 )
+from predictor.forecast import ForecastValues, forecast_of, forecast_values
 
 __all__ = [
     "ADMITTERS",
@@ -138,8 +141,15 @@ _LOAD_BLOCKERS: Final = frozenset(
     | {Blocker.YIELD_TTFT, Blocker.YIELD_TPOT, Blocker.UNMODELLED, Blocker.QUEUE_FULL, Blocker.HELD_BACK}
 )
 _INF: Final = math.inf
+#: Most idle replica states kept (distinct replica limits; cleared when exceeded).
+_IDLE_STATES_KEPT: Final = 64
+#: Most forecasts on idle replicas kept for ``_hopeless`` (cleared when exceeded).
+_IDLE_FORECASTS_KEPT: Final = 1024
+#: A probe's outcome on one candidate: (the protected class, its probe's TTFT, its TPOT), seconds,
+#: margins applied.
+_Probe = tuple[ClassSettings, float, float]
 #: Shared by every candidate of a class that yields to none (never mutated).
-_NO_PROBES: Final[list[tuple[ClassSettings, Forecast]]] = []
+_NO_PROBES: Final[list[_Probe]] = []
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,25 +244,37 @@ class Admitter(Protocol):
 
 @dataclass(slots=True)
 class _Candidate:
-    """One healthy replica's verdict for one request."""
+    """One healthy replica's verdict for one request.
+
+    ``raw``: the predictor's numbers (``predictor.forecast.forecast_values``; ``None`` without a
+    step model); ``scale``: the margins' multiplier (``1 + forecast_margin``, times
+    ``1 + stale_margin`` when stale). ``ttft_s``, ``tpot_s``, ``inflicted_tpot_s``,
+    ``inflicted_stall_s``: its numbers with the margins applied (NaN without a step model).
+    ``output_tokens``: the output length the forecast assumed. The ``Forecast`` object (margins
+    applied) is built only when a decision carries it (``forecast``): one per decision, not one
+    per replica.
+    """
 
     view: ReplicaView
-    forecast: Forecast | None  # stale margin applied; None without a step model
+    raw: ForecastValues | None
+    scale: float
+    ttft_s: float
+    tpot_s: float
+    inflicted_tpot_s: float
+    inflicted_stall_s: float
+    output_tokens: float
     slacks: tuple[float, ...] | None  # by _SLOTS; None without a step model
     slack: float  # minimum over every rule
     slack_enforced: float  # minimum over the enforced rules
-    probes: list[tuple[ClassSettings, Forecast]]
+    probes: list[_Probe]
+    _forecast: Forecast | None = None
 
-
-def _scaled(f: Forecast, scale: float) -> Forecast:
-    return replace(
-        f,
-        ttft_s=f.ttft_s * scale,
-        tpot_s=f.tpot_s * scale,
-        inflicted_tpot_s=f.inflicted_tpot_s * scale,
-        inflicted_stall_s=f.inflicted_stall_s * scale,
-        admission_wait_s=f.admission_wait_s * scale,
-    )
+    @property
+    def forecast(self) -> Forecast | None:
+        """The forecast with the margins applied (``None`` without a step model)."""
+        if self._forecast is None and self.raw is not None:
+            self._forecast = forecast_of(self.raw, self.scale)
+        return self._forecast
 
 
 def _idle(state: ReplicaState) -> ReplicaState:
@@ -278,7 +300,7 @@ def _enforced_slots(shadow: ShadowSettings) -> tuple[int, ...]:
 class SloAdmitter:
     """The SLO admitter (``policy: slo``): see the module docstring for the rules.
 
-    ``forecast_config`` is passed through to ``predictor.forecast_request``.
+    ``forecast_config`` is passed through to the predictor's forecast.
     """
 
     def __init__(
@@ -306,6 +328,14 @@ class SloAdmitter:
         self._default = settings.classes[settings.default_class]
         #: (TPOT target, max stall) per class, for the streams already running.
         self._stream_limits = {n: (c.tpot_target_s, c.max_stall_s) for n, c in settings.classes.items()}
+        #: ``_hopeless``'s memo: idle copies of replica states by their limits, and forecasts on
+        #: them by (request, limits) -> (the step model it was made with, TTFT, TPOT), unscaled.
+        #: A flood of rejections is mostly alike requests: one forecast for all of them, not one
+        #: per request (a replica's refit gives it a new model object, which misses the memo).
+        self._idle_states: dict[tuple[int, int, int, int], ReplicaState] = {}
+        self._idle_forecasts: dict[
+            tuple[CandidateRequest, tuple[int, int, int, int]], tuple[StepModel, float, float]
+        ] = {}
         self._default_limits = (self._default.tpot_target_s, self._default.max_stall_s)
         tightest = min(settings.classes.values(), key=lambda c: c.tpot_target_s)
         self._tightest_tpot_s = tightest.tpot_target_s
@@ -416,14 +446,15 @@ class SloAdmitter:
     ) -> _Candidate | None:
         """Forecast on one replica and compute its slack vector; ``None`` if it cannot serve it."""
         state = view.state
-        f = forecast_request(request.candidate(state.max_model_len), state, view.model, self._fc)
-        if not f.valid and f.reason != ForecastReason.STALE_STATE:
-            if f.reason == ForecastReason.NO_STEP_MODEL:
+        f = forecast_values(request.candidate(state.max_model_len), state, view.model, self._fc)
+        if not f[3] and f[4] != ForecastReason.STALE_STATE:
+            if f[4] == ForecastReason.NO_STEP_MODEL:
                 return self._unmodelled(view)
             return None
-        f = self._with_margin(f, view)
-        infl = f.inflicted_tpot_s
-        stall = f.inflicted_stall_s
+        scale = self._stale_scale if view.stale else self._fresh_scale
+        ttft, tpot, infl = f[0] * scale, f[1] * scale, f[2] * scale
+        stall = f[7] * scale
+        output = f[5]
         streams = stalls = _INF
         extra = view.extra_tpot_s
         limits, fallback = self._stream_limits, self._default_limits
@@ -442,13 +473,13 @@ class SloAdmitter:
             if cls.kv_share < 1.0:
                 limit = kv_share_limit(cls.kv_share, state)
                 used = own.kv_tokens if own is not None else 0.0
-                kv = (limit - used - request.prompt_tokens - f.output_tokens_used) / limit
+                kv = (limit - used - request.prompt_tokens - output) / limit
             if cls.slot_share < 1.0:
                 slots = self._slot_limit(cls, view)
                 slot = (slots - (own.seqs if own is not None else 0) - 1) / slots
-        s_ttft = (deadline - now - f.ttft_s) / cls.ttft_target_s
-        s_tpot = (cls.tpot_target_s - f.tpot_s) / cls.tpot_target_s
-        probes: list[tuple[ClassSettings, Forecast]] = _NO_PROBES
+        s_ttft = (deadline - now - ttft) / cls.ttft_target_s
+        s_tpot = (cls.tpot_target_s - tpot) / cls.tpot_target_s
+        probes: list[_Probe] = _NO_PROBES
         plan = self._probes[name]
         # The probes cost a forecast each: skip them where another enforced rule already fails.
         if plan and not (self._all_enforced and min(s_ttft, s_tpot, streams, stalls, kv, slot) < 0.0):
@@ -456,12 +487,12 @@ class SloAdmitter:
             after = with_queued(state, request.prompt_tokens, request.cached_prompt_tokens)
             keep = 1.0 - self._settings.yield_margin
             for protected, probe in plan:
-                pf = forecast_request(probe, after, view.model, self._fc)
-                pf = self._with_margin(pf, view)
-                probes.append((protected, pf))
+                pf = forecast_values(probe, after, view.model, self._fc)
+                p_ttft, p_tpot = pf[0] * scale, pf[1] * scale
+                probes.append((protected, p_ttft, p_tpot))
                 t, p = protected.ttft_target_s, protected.tpot_target_s
-                yttft = min(yttft, (keep * t - pf.ttft_s) / t)
-                ytpot = min(ytpot, (keep * p - pf.tpot_s) / p)
+                yttft = min(yttft, (keep * t - p_ttft) / t)
+                ytpot = min(ytpot, (keep * p - p_tpot) / p)
         slacks = (
             s_ttft,
             s_tpot,
@@ -474,12 +505,12 @@ class SloAdmitter:
         )
         slack = min(slacks)
         enforced = slack if self._all_enforced else min((slacks[i] for i in self._enforced), default=_INF)
-        return _Candidate(view, f, slacks, slack, enforced, probes)
+        return _Candidate(view, f, scale, ttft, tpot, infl, stall, output, slacks, slack, enforced, probes)
 
-    def _with_margin(self, f: Forecast, view: ReplicaView) -> Forecast:
-        """``f`` times ``1 + forecast_margin`` (and ``1 + stale_margin`` on a stale replica)."""
-        scale = self._stale_scale if view.stale else self._fresh_scale
-        return f if scale == 1.0 else _scaled(f, scale)
+    def _scale(self, view: ReplicaView) -> float:
+        """Forecast multiplier on ``view``: ``1 + forecast_margin`` (times ``1 + stale_margin`` when
+        its metrics are stale)."""
+        return self._stale_scale if view.stale else self._fresh_scale
 
     def _slot_limit(self, cls: ClassSettings, view: ReplicaView) -> int:
         """Decode slots ``cls`` may hold on ``view``: its share of the slots the step model allows at
@@ -494,7 +525,10 @@ class SloAdmitter:
         cap = self._settings.unmodelled_max_in_flight
         open_ = view.gateway_streams < cap
         enforced = 0.0 if open_ or not self._slo_enforced else -1.0
-        return _Candidate(view, None, None, 0.0 if open_ else -1.0, enforced, _NO_PROBES)
+        nan = math.nan
+        return _Candidate(
+            view, None, 1.0, nan, nan, nan, nan, nan, None, 0.0 if open_ else -1.0, enforced, _NO_PROBES
+        )
 
     def _pick(self, candidates: list[_Candidate], *, enforced: bool) -> _Candidate | None:
         """The candidate with the most slack among those admissible under every rule (or, with
@@ -532,10 +566,10 @@ class SloAdmitter:
         best: _Candidate | None = None
         best_first = best_wait = best_retry = _INF
         for c in candidates:
-            if c.slacks is None or c.forecast is None:
+            if c.slacks is None or c.raw is None:
                 continue
             wait, retry = self._waits(request, cls, c, slots)
-            first = now + wait + c.forecast.ttft_s
+            first = now + wait + c.ttft_s
             if best is None or first < best_first:
                 best, best_first, best_wait = c, first, wait
             best_retry = min(best_retry, retry)
@@ -623,21 +657,21 @@ class SloAdmitter:
         """(seconds until the failing non-TTFT constraints could hold, seconds until a fresh retry
         could be admitted here): the first delays its first token, the second is its Retry-After."""
         assert c.slacks is not None
-        assert c.forecast is not None
         wait = 0.0
         for i in slots:
             if c.slacks[i] < 0.0 and i != _TTFT:
                 wait = max(wait, self._wait_for(i, request, cls, c))
         retry = wait
         if _TTFT in slots and c.slacks[_TTFT] < 0.0:
-            retry = max(retry, ttft_excess_s(c.forecast.ttft_s, request.fresh_ttft_budget_s(cls)))
+            retry = max(retry, ttft_excess_s(c.ttft_s, request.fresh_ttft_budget_s(cls)))
         return wait, retry
 
     def _wait_for(self, slot: int, request: AdmissionRequest, cls: ClassSettings, c: _Candidate) -> float:
         """Predicted seconds until constraint ``slot`` would hold on ``c`` (drain estimates)."""
-        view, f = c.view, c.forecast
-        assert f is not None
+        view = c.view
+        assert c.raw is not None
         state, model = view.state, view.model
+        tpot, output = c.tpot_s, c.output_tokens
         name = (
             request.request_class
             if request.request_class in self._settings.classes
@@ -645,66 +679,89 @@ class SloAdmitter:
         )
         own = view.loads.get(name)
         if slot == _TPOT:
-            return decode_drain_s(state, model, f.tpot_s - cls.tpot_target_s, f.tpot_s)
+            return decode_drain_s(state, model, tpot - cls.tpot_target_s, tpot)
         if slot == _STREAMS:
-            infl, extra = f.inflicted_tpot_s, view.extra_tpot_s
+            infl, extra = c.inflicted_tpot_s, view.extra_tpot_s
             waits = []
             for stream_class, load in view.loads.items():
                 limit = self._settings.classes.get(stream_class, self._default).tpot_target_s - infl - extra
                 if load.max_tpot_s > limit:
                     waits.append(load.wait_for_tpot_below_s(limit))
-            return self._or_typical(max(waits, default=0.0), state, f)
+            return self._or_typical(max(waits, default=0.0), state, tpot)
         if slot == _STALL:
-            stall = f.inflicted_stall_s
+            stall = c.inflicted_stall_s
             waits = []
             for stream_class, load in view.loads.items():
                 k = self._settings.classes.get(stream_class, self._default)
                 if k.max_stall_s is not None and k.max_stall_s < stall:
                     waits.append(load.max_finish_s)
-            return self._or_typical(max(waits, default=0.0), state, f)
+            return self._or_typical(max(waits, default=0.0), state, tpot)
         if slot == _KV:
             limit = kv_share_limit(cls.kv_share, state)
             used = own.kv_tokens if own is not None else 0.0
-            if request.prompt_tokens + f.output_tokens_used > limit:
+            if request.prompt_tokens + output > limit:
                 return _INF  # larger than the whole share: never here
-            need_kv = used + request.prompt_tokens + f.output_tokens_used - limit
-            return self._or_typical(own.wait_for_kv_s(need_kv) if own is not None else 0.0, state, f)
+            need_kv = used + request.prompt_tokens + output - limit
+            return self._or_typical(own.wait_for_kv_s(need_kv) if own is not None else 0.0, state, tpot)
         if slot == _SLOT and own is not None:
             limit_seqs = self._slot_limit(cls, view)
-            return self._or_typical(own.wait_for_finishes_s(own.seqs + 1 - limit_seqs), state, f)
+            return self._or_typical(own.wait_for_finishes_s(own.seqs + 1 - limit_seqs), state, tpot)
         if slot == _YTTFT:
             keep = 1.0 - self._settings.yield_margin
-            return max((ttft_excess_s(pf.ttft_s, keep * p.ttft_target_s) for p, pf in c.probes), default=0.0)
+            return max((ttft_excess_s(pt, keep * p.ttft_target_s) for p, pt, _ in c.probes), default=0.0)
         if slot == _YTPOT:
             keep = 1.0 - self._settings.yield_margin
             return max(
-                (
-                    decode_drain_s(state, model, pf.tpot_s - keep * p.tpot_target_s, pf.tpot_s)
-                    for p, pf in c.probes
-                ),
+                (decode_drain_s(state, model, pp - keep * p.tpot_target_s, pp) for p, _, pp in c.probes),
                 default=0.0,
             )
-        return self._or_typical(0.0, state, f)
+        return self._or_typical(0.0, state, tpot)
 
     @staticmethod
-    def _or_typical(wait: float, state: ReplicaState, f: Forecast) -> float:
+    def _or_typical(wait: float, state: ReplicaState, tpot_s: float) -> float:
         """``wait``, or when the blocking streams are not known individually (admitted since the
-        view was built), the time a typical running request takes to finish."""
+        view was built), the time a typical running request takes to finish at ``tpot_s``."""
         if wait > 0.0:
             return wait
         rest = state.mean_remaining_output_tokens or 256.0
-        return rest * f.tpot_s
+        return rest * tpot_s
 
     def _hopeless(self, request: AdmissionRequest, cls: ClassSettings, c: _Candidate) -> bool:
         """Whether even an idle copy of the replica would miss the TTFT budget or TPOT target."""
         view = c.view
-        f = forecast_request(
-            request.candidate(view.state.max_model_len), _idle(view.state), view.model, self._fc
+        state = view.state
+        candidate = request.candidate(state.max_model_len)
+        limits = (
+            state.kv_capacity_tokens,
+            state.max_num_seqs,
+            state.max_num_batched_tokens,
+            state.max_model_len,
         )
-        f = self._with_margin(f, view)
-        if math.isnan(f.ttft_s):
+        key = (candidate, limits)
+        model = view.model
+        known = self._idle_forecasts.get(key)
+        if known is not None and known[0] is model:
+            ttft, tpot = known[1], known[2]
+        else:
+            f = forecast_values(candidate, self._idle(state, limits), model, self._fc)
+            ttft, tpot = f[0], f[1]
+            if len(self._idle_forecasts) >= _IDLE_FORECASTS_KEPT:
+                self._idle_forecasts.clear()
+            self._idle_forecasts[key] = (model, ttft, tpot)
+        scale = self._scale(view)
+        ttft *= scale
+        if math.isnan(ttft):
             return False
-        return f.ttft_s > request.fresh_ttft_budget_s(cls) or f.tpot_s > cls.tpot_target_s
+        return ttft > request.fresh_ttft_budget_s(cls) or tpot * scale > cls.tpot_target_s
+
+    def _idle(self, state: ReplicaState, key: tuple[int, int, int, int]) -> ReplicaState:
+        """``_idle(state)``, kept per set of limits (``key``; a replica's limits rarely change)."""
+        idle = self._idle_states.get(key)
+        if idle is None:
+            if len(self._idle_states) >= _IDLE_STATES_KEPT:
+                self._idle_states.clear()
+            idle = self._idle_states[key] = _idle(state)
+        return idle
 
     @staticmethod
     def _late_message(

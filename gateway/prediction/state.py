@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.replicas.snapshot import InFlight, ReplicaSnapshot
-from predictor import ReplicaState, RunningSeq, StepBatch, StepModel, WindowStats
+from predictor import ReplicaState, StepBatch, StepModel, WindowStats
 
 __all__ = [
     "GaugeMeans",
@@ -282,9 +282,10 @@ def replica_state(
     rows += [(r.prompt_tokens, r.prompt_tokens, 1, r.max_tokens) for r in cycle.completed]
     rows += [(r.prompt_tokens, done, 0, r.max_tokens) for r, done in cycle.partial]
     rests = remaining([g for _, _, g, _ in rows], [m for _, _, _, m in rows]) if rows else []
-    running = [RunningSeq(p, c, g, g + rest) for (p, c, g, _), rest in zip(rows, rests, strict=True)]
+    # RunningSeq's fields as plain tuples (``ReplicaState.from_rows``): no object per request.
+    running = [(p, c, g, g + rest) for (p, c, g, _), rest in zip(rows, rests, strict=True)]
     running.extend(_foreign(snapshot, remaining))
-    return ReplicaState.from_sequences(
+    return ReplicaState.from_rows(
         running,
         [r.prompt_tokens for r in cycle.later],
         kv_capacity_tokens=limits.kv_capacity_tokens,
@@ -299,8 +300,9 @@ def replica_state(
     )
 
 
-def _foreign(snapshot: ReplicaSnapshot | None, remaining: Remaining) -> list[RunningSeq]:
-    """Decodes of other clients: what the replica held at the scrape beyond the gateway's own."""
+def _foreign(snapshot: ReplicaSnapshot | None, remaining: Remaining) -> list[tuple[int, int, int, float]]:
+    """Decodes of other clients: what the replica held at the scrape beyond the gateway's own, as
+    ``RunningSeq`` field tuples (prompt, computed, generated, expected output)."""
     if snapshot is None or snapshot.num_running is None:
         return []
     engine_total = snapshot.num_running + (snapshot.num_waiting or 0)
@@ -310,4 +312,4 @@ def _foreign(snapshot: ReplicaSnapshot | None, remaining: Remaining) -> list[Run
     kv = (snapshot.kv_cache_usage or 0.0) * (snapshot.kv_capacity_tokens or 0)
     context = max(1, math.ceil(kv / max(1, snapshot.num_running)))
     rest = remaining([0], [None])[0]
-    return [RunningSeq(context, context, 0, rest)] * extra
+    return [(context, context, 0, rest)] * extra

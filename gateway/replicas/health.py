@@ -5,6 +5,11 @@ answer is a success, anything else (status, timeout, refused connection) a failu
 is not yet healthy must also answer ``GET /v1/models`` before it counts as healthy, and that list
 is cached on the replica for routing and for the gateway's own ``/v1/models``.
 
+An unhealthy replica is probed with backoff: after each failed check its next one waits
+``interval_s`` doubled per failure beyond ``unhealthy_after``, up to ``max_backoff_s``; an ejected
+one (outlier detection, see ``ReplicaRegistry.report_timeout``) is not probed until its ejection
+ends. A dead replica costs a probe every ``max_backoff_s``, not every interval.
+
 Inputs consumed: ``store.current.health`` read at every round (so reloads apply at once), the
 registry's replicas. ``poke()`` starts the next round early (the proxy calls it after a
 connection error). Only state transitions are logged (by ``Replica.record``). ``on_models``
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 import aiohttp
@@ -84,6 +90,13 @@ class HealthChecker:
         """One round over every configured replica; returns when all checks are done."""
         await asyncio.gather(*(self.check(r) for r in self._registry.replicas()))
 
+    async def check_due(self) -> None:
+        """One round over the replicas whose check is due (healthy ones always; unhealthy ones
+        when their backoff or ejection has passed)."""
+        now = time.monotonic()
+        due = [r for r in self._registry.replicas() if now >= max(r.next_check_at, r.ejected_until)]
+        await asyncio.gather(*(self.check(r) for r in due))
+
     async def check(self, replica: Replica) -> ReplicaState | None:
         """Check one replica and record the result; returns the new state if it changed."""
         health = self._store.current.health
@@ -97,7 +110,14 @@ class HealthChecker:
                 self._models_changed(replica)
         if replica.retired:
             return None
-        return replica.record(error is None, health, error=error)
+        changed = replica.record(error is None, health, error=error)
+        if replica.state == ReplicaState.HEALTHY or error is None:
+            replica.next_check_at = 0.0
+        else:
+            beyond = max(0, replica.consecutive_failures - health.unhealthy_after)
+            wait = min(health.max_backoff_s, health.interval_s * 2.0 ** min(beyond, 30))
+            replica.next_check_at = time.monotonic() + wait
+        return changed
 
     def _models_changed(self, replica: Replica) -> None:
         for listener in list(self._model_listeners):
@@ -116,7 +136,7 @@ class HealthChecker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._poked.wait(), self._store.current.health.interval_s)
             try:
-                await self.check_all()
+                await self.check_due()
             except Exception:  # a bug here must not stop health checking for good
                 log.exception("health check round failed")
             # Pokes that arrived during the round were answered by it; clearing after the round

@@ -117,6 +117,8 @@ class Replica:
         self.ejections = 0
         #: Monotonic time until which health checks cannot bring it back (it was ejected).
         self.ejected_until = 0.0
+        #: Monotonic time of its next health check while unhealthy (checks back off); 0: due.
+        self.next_check_at = 0.0
         #: Monotonic time until which it is left alone: it refused a request as overloaded
         #: (its own 429 or 503). ``0.0``: never refused.
         self.saturated_until = 0.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from gateway.openai_api import ModelCard
@@ -167,3 +169,68 @@ def test_closed_registry_stops_following_the_store() -> None:
     registry.close()
     store.swap(Settings(replicas=replica_settings("a", "b")))
     assert [r.name for r in registry.replicas()] == ["a"]
+
+
+# -- engines, overload back-off and outlier ejection ---------------------------------------------
+
+
+def test_pick_with_an_engine_only_among_replicas_running_it() -> None:
+    store = SettingsStore(
+        Settings(
+            replicas=[
+                ReplicaSettings(name="v", url="http://127.0.0.1:9000", backend="vllm"),
+                ReplicaSettings(name="t", url="http://127.0.0.1:9001", backend="tgi"),
+                ReplicaSettings(name="a", url="http://127.0.0.1:9002", backend="auto"),
+            ]
+        )
+    )
+    registry = ReplicaRegistry(store)
+    v, t, a = registry.replicas()
+    for replica in (v, t, a):
+        make_healthy(replica, "m")
+
+    assert {registry.pick("m", engine="tgi") for _ in range(4)} == {t}
+    assert registry.engine_models("tgi") == ["m"]
+    assert a.engine is None, "auto: unknown until detected"
+    a.detected_engine = "tgi"
+    assert {registry.pick("m", engine="tgi") for _ in range(4)} == {t, a}
+    assert registry.pick("m", engine="sglang") is NoReplica.NONE_HEALTHY
+
+
+def test_saturated_replicas_are_routed_around_until_their_back_off_ends() -> None:
+    registry = registry_for("a", "b")
+    a, b = registry.replicas()
+    make_healthy(a)
+    make_healthy(b)
+
+    registry.saturate(a, now=100.0, back_off_s=2.0, why="answered 429")
+    assert [registry.pick("m", now=101.0) for _ in range(3)] == [b, b, b]
+    registry.saturate(b, now=101.0, back_off_s=5.0, why="answered 429")
+    assert registry.pick("m", now=101.5) is NoReplica.SATURATED
+    assert registry.pick("m", now=102.5) is a, "a's back-off ended"
+    registry.saturate(a, now=102.5, back_off_s=0.5, why="again")
+    assert a.saturated_until == 103.0
+
+
+def test_timeouts_in_a_row_eject_a_replica_that_health_checks_cannot_bring_back() -> None:
+    health = HealthSettings(eject_after_timeouts=2, eject_s=30.0, healthy_after=1)
+    store = SettingsStore(Settings(replicas=replica_settings("r"), health=health))
+    registry = ReplicaRegistry(store)
+    (r,) = registry.replicas()
+    make_healthy(r)
+
+    assert registry.report_timeout(r, "timed out") is None, "one timeout is not a streak"
+    registry.report_success(r)
+    assert registry.report_timeout(r, "timed out") is None, "a success ended the streak"
+    assert registry.report_timeout(r, "timed out") == U
+    assert "ejected for 30 s" in (r.last_error or "")
+    assert r.record(True, health) is None, "ejected: a good /health proves nothing yet"
+    assert r.state == U
+    r.ejected_until = 0.0  # the ejection ran out
+    assert r.record(True, health) == H
+    # The next ejection in a row (no answer in between) lasts twice as long: 60 s, the cap.
+    registry.report_timeout(r, "t")
+    registry.report_timeout(r, "t")
+    assert r.ejections == 2
+    assert 50.0 < r.ejected_until - time.monotonic() <= 60.0
+    assert "ejected for 60 s" in (r.last_error or "")
