@@ -165,7 +165,11 @@ class LivePredictions:
         for name, replica in wanted.items():
             if self._scraped.get(name) is not replica:
                 self.scraper.add_replica(
-                    name, replica.base_url, dialect=replica.settings.backend, in_flight=replica.in_flight
+                    name,
+                    replica.base_url,
+                    dialect=replica.settings.backend,
+                    in_flight=replica.in_flight,
+                    on_engine=_engine_setter(replica),
                 )
                 self._scraped[name] = replica
             self._set_facts(replica)
@@ -290,3 +294,13 @@ def snapshot_summary(snapshot: ReplicaSnapshot | None, now: float) -> dict[str, 
         "ttft_mean_s": snapshot.ttft_mean_s,
         "gateway_in_flight": snapshot.gateway_in_flight,
     }
+
+
+def _engine_setter(replica: Replica) -> Callable[[str], None]:
+    """``on_engine`` for a ``backend: auto`` replica: what the scraper detected becomes
+    ``replica.detected_engine``, so engine-bound routes (TGI's native API) can reach it."""
+
+    def detected(engine: str) -> None:
+        replica.detected_engine = engine
+
+    return detected

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import csv
 import heapq
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ from simulator.profile import Profile
 
 __all__ = [
     "AZURE_CONV_TRACE",
+    "MOONCAKE_CONV_TRACE",
+    "EmulatedReplica",
     "ReplayConfig",
     "ReplayResult",
     "RequestRecord",
@@ -49,7 +52,10 @@ __all__ = [
     "at_rate",
     "fit_to_model_len",
     "load_azure_trace",
+    "load_mooncake_trace",
+    "make_replica",
     "measure_capacity",
+    "piecewise_rate",
     "run_replay",
 ]
 
@@ -62,6 +68,9 @@ AZURE_CONV_TRACE: Final = (
     / "azure_llm_2023"
     / "AzureLLMInferenceTrace_conv.csv"
 )
+
+#: The Mooncake FAST'25 conversation trace (Kimi), its three numeric columns as CSV (see its README).
+MOONCAKE_CONV_TRACE: Final = AZURE_CONV_TRACE.parents[1] / "mooncake_fast25" / "conversation_trace.csv"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +107,81 @@ def load_azure_trace(
         return []
     t0 = rows[0][0]
     return [TraceRequest((t - t0).total_seconds(), p, o) for t, p, o in rows]
+
+
+def load_mooncake_trace(
+    path: Path = MOONCAKE_CONV_TRACE, *, start: int = 0, count: int | None = None, spread: bool = True
+) -> list[TraceRequest]:
+    """Rows ``start`` .. ``start + count`` of the Mooncake conversation trace CSV
+    (``timestamp_ms,input_length,output_length``), arrivals in seconds relative to the first row.
+
+    The trace's timestamps are quantised to 3-second slots (every request of a slot has the same
+    one). ``spread``: requests sharing a timestamp are spread evenly over the gap to the next
+    distinct timestamp (request j of n at ``t + gap x j / n``), which is milder than replaying
+    each slot as one simultaneous burst; the slot's last gap is taken as the previous one.
+    """
+    rows: list[tuple[float, int, int]] = []
+    with path.open(newline="", encoding="utf-8") as f:
+        for i, row in enumerate(csv.DictReader(f)):
+            if i < start:
+                continue
+            if count is not None and len(rows) >= count:
+                break
+            rows.append(
+                (float(row["timestamp_ms"]) / 1e3, int(row["input_length"]), int(row["output_length"]))
+            )
+    if not rows:
+        return []
+    times = [t for t, _, _ in rows]
+    if spread:
+        distinct = sorted(set(times))
+        gaps = {a: b - a for a, b in itertools.pairwise(distinct)}
+        last_gap = gaps[distinct[-2]] if len(distinct) > 1 else 0.0
+        groups: dict[float, int] = {}
+        for t in times:
+            groups[t] = groups.get(t, 0) + 1
+        seen: dict[float, int] = {}
+        spread_times: list[float] = []
+        for t in times:
+            j = seen.get(t, 0)
+            seen[t] = j + 1
+            spread_times.append(t + gaps.get(t, last_gap) * j / groups[t])
+        times = spread_times
+    t0 = min(times)
+    order = sorted(range(len(rows)), key=lambda k: (times[k], k))
+    return [TraceRequest(times[k] - t0, rows[k][1], rows[k][2]) for k in order]
+
+
+def piecewise_rate(
+    requests: Sequence[TraceRequest], phases: Sequence[tuple[float, float]]
+) -> list[TraceRequest]:
+    """The requests, in order, re-timed to run ``phases`` back to back: each ``(duration_s,
+    rate_per_s)`` phase takes the next ``ceil(duration x rate)`` requests and compresses their
+    gaps by one factor to that mean rate (as ``at_rate``), so each phase keeps the trace's burst
+    shape. Stops early when the requests run out.
+    """
+    out: list[TraceRequest] = []
+    offset, used = 0.0, 0
+    for duration, rate in phases:
+        if duration <= 0 or rate <= 0:
+            raise ValueError(f"phases need duration and rate > 0, got {(duration, rate)}")
+        n = math.ceil(duration * rate)
+        chunk = list(requests[used : used + n + 1])  # one more: its arrival ends the phase
+        if not chunk:
+            break
+        timed = (
+            at_rate(chunk, rate)
+            if len(chunk) > 1
+            else [TraceRequest(0.0, chunk[0].prompt_tokens, chunk[0].output_tokens)]
+        )
+        scale = duration / timed[-1].arrival_s if len(timed) == n + 1 and timed[-1].arrival_s > 0 else 1.0
+        for r in timed[:n]:
+            t = offset + r.arrival_s * scale
+            if t < offset + duration:
+                out.append(TraceRequest(t, r.prompt_tokens, r.output_tokens))
+        used += n
+        offset += duration
+    return out
 
 
 def at_rate(requests: Sequence[TraceRequest], rate_per_s: float) -> list[TraceRequest]:
@@ -223,7 +307,10 @@ class _Open:
 
 
 @dataclass(slots=True)
-class _Replica:
+class EmulatedReplica:
+    """One emulated vLLM replica of a replay: its engine, its ``/metrics`` exposition, the
+    gateway's snapshot builder for it, the requests in flight and the step in progress."""
+
     name: str
     engine: Engine
     metrics: VllmMetrics
@@ -232,7 +319,8 @@ class _Replica:
     plan: StepPlan | None = None
 
 
-def _make_replica(name: str, config: ReplayConfig, seed: int) -> _Replica:
+def make_replica(name: str, config: ReplayConfig, seed: int) -> EmulatedReplica:
+    """A replica of ``config.profile`` whose engine is seeded ``seed`` (jitter from ``config``)."""
     p = config.profile
     engine = Engine(p, seed=seed, jitter=config.jitter)
     metrics = VllmMetrics(
@@ -247,7 +335,9 @@ def _make_replica(name: str, config: ReplayConfig, seed: int) -> _Replica:
         ),
         process_metrics=False,  # process/GC families: irrelevant here and slow to render
     )
-    return _Replica(name, engine, metrics, SnapshotBuilder(name, VllmDialect(), window_s=config.window_s))
+    return EmulatedReplica(
+        name, engine, metrics, SnapshotBuilder(name, VllmDialect(), window_s=config.window_s)
+    )
 
 
 class _Replay:
@@ -256,7 +346,7 @@ class _Replay:
     def __init__(self, config: ReplayConfig, service: PredictionService) -> None:
         self.config = config
         self.service = service
-        self.replicas = [_make_replica(f"r{i}", config, config.seed + i) for i in range(config.replicas)]
+        self.replicas = [make_replica(f"r{i}", config, config.seed + i) for i in range(config.replicas)]
         for r in self.replicas:
             service.set_replica(r.name, config.facts)
         self.model = config.profile.served_model_name
@@ -331,7 +421,7 @@ class _Replay:
         if plan is not None:
             self.push(self.now + plan.duration_s, _Event.STEP_DONE, k)
 
-    def step_done(self, replica: _Replica) -> None:
+    def step_done(self, replica: EmulatedReplica) -> None:
         """Complete ``replica``'s step: tokens land, finished requests are recorded."""
         assert replica.plan is not None
         result = replica.engine.complete(replica.plan, self.now)
@@ -345,7 +435,7 @@ class _Replay:
             self.finish(replica, stats)
         self.start_step(self.replicas.index(replica))
 
-    def finish(self, replica: _Replica, stats: FinishedRequestStats) -> None:
+    def finish(self, replica: EmulatedReplica, stats: FinishedRequestStats) -> None:
         o = replica.open.pop(stats.request_id)
         if o.index < self.finish_count:
             self.unfinished -= 1

@@ -104,3 +104,29 @@ async def test_when_every_replica_refuses_the_client_gets_sluices_429(
         assert int(headers["Retry-After"]) >= 1
         assert int(headers["retry-after-ms"]) > 0
     assert sorted(o.status or 0 for o in outcomes if o.path == path) == statuses
+
+
+async def test_an_auto_replica_found_to_run_tgi_serves_the_native_routes(
+    aiohttp_server: Any, aiohttp_client: Any
+) -> None:
+    """``backend: auto``: the scraper detects TGI from its ``/metrics``; native requests then reach it."""
+    url = await tgi_replica(aiohttp_server, limit=64, seed=4)
+    settings = Settings(
+        replicas=[ReplicaSettings(name="found", url=url, backend="auto")],
+        health=HealthSettings(interval_s=30.0, timeout_s=5.0),
+        server=ServerSettings(port=0),
+        admission=AdmissionSettings(policy="admit_all"),
+    )
+    app = build_app(SettingsStore(settings))
+    client = await aiohttp_client(app)
+    found = app[REGISTRY].get("found")
+    assert found is not None
+    for _ in range(100):  # the first scrape comes within a scrape interval (1 s)
+        if found.engine is not None:
+            break
+        await asyncio.sleep(0.1)
+
+    assert found.engine == "tgi"
+    resp = await client.post("/generate", json=BODY)
+    assert resp.status == 200, await resp.text()
+    assert isinstance((await resp.json())["generated_text"], str)

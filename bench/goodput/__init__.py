@@ -1,0 +1,1 @@
+"""Goodput of admission policies under real traces, in virtual time (``python -m bench.goodput``)."""
