@@ -312,6 +312,16 @@ def document(main_run: Run, check: Run | None, command: str, schedule: Schedule,
     )
 
 
+#: Everything from this line to the end of the doc is written by hand and kept on regeneration.
+HAND_WRITTEN_MARKER: Final = "<!-- Hand-written from here on: bench/predictor_accuracy.py keeps it. -->"
+
+
+def _hand_written(text: str) -> str:
+    """The hand-written tail of an existing doc (from ``HAND_WRITTEN_MARKER``), or ""."""
+    at = text.find(HAND_WRITTEN_MARKER)
+    return "" if at < 0 else "\n" + text[at:]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--profiles", nargs="+", default=list(FACTS), choices=list(FACTS))
@@ -353,7 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         given = list(sys.argv[1:] if argv is None else argv)
         command = " ".join([".venv/bin/python -m bench.predictor_accuracy", *given])
         DOC.parent.mkdir(parents=True, exist_ok=True)
-        DOC.write_text(document(main_run, check, command, schedule, args.replicas), encoding="utf-8")
+        kept = _hand_written(DOC.read_text(encoding="utf-8")) if DOC.exists() else ""
+        DOC.write_text(document(main_run, check, command, schedule, args.replicas) + kept, encoding="utf-8")
         print(f"wrote {DOC}", file=sys.stderr)
     return 0
 
@@ -458,7 +469,8 @@ one-second life. At 100 % and 120 % of capacity the queue's prefill work keeps s
 (the forecast then keeps the recent share rather than the long-run one), and the remaining error
 is again the arrivals nobody has seen yet. These misses are reported as measured; they are a
 property of per-request point forecasts on bursty traffic, not something to tune away on one
-trace slice.
+trace slice. A term for the load expected over the decode (Little's law on the recent arrivals)
+was tried and did not help: see "An expected-future-load term for TPOT" below.
 
 ## How to read the implementation
 

@@ -16,7 +16,9 @@ The live gateway and the virtual-time replay drive it the same way:
 * ``expected_output(...)``: the output length a request is predicted to produce (and the
   quantile that is), as ``forecast`` assumes it;
 * ``on_finished(...)`` with every response's usage: output lengths (per model and tenant) and
-  characters per token (per model) are learned from it.
+  characters per token (per model) are learned from it; with ``PredictionConfig.steady_state``
+  also each replica's recent arrival rate and sizes, whose steady state (Little's law) the TPOT
+  forecasts move toward.
 
 Synchronous, no I/O, no clock reads: times come in as arguments on the caller's monotonic clock.
 Not thread-safe (the gateway calls it from its event loop only).
@@ -59,6 +61,7 @@ from predictor import (
     prefill_share,
     unknown_step_model,
 )
+from predictor.forecast import SteadyState, TrafficMix, steady_state
 
 __all__ = ["PredictionConfig", "PredictionService"]
 
@@ -94,6 +97,13 @@ class PredictionConfig:
     ``overhead_min_window_s`` / ``overhead_min_requests``: a scrape window shorter than this
     (seconds), or holding fewer of the caller's finished requests, does not measure it (window
     edges count a request's decode time against it).
+    ``steady_state``: blend each TPOT forecast toward the replica's steady state under its recent
+    traffic (``predictor.forecast.steady_state``: Little's law over the requests the caller saw
+    finish there in the last ``arrival_memory_s`` seconds); off: the batch it joins alone. Off by
+    default: on the virtual-time replay it made TPOT worse from 60 % load up (the traffic of the
+    last seconds to a minute predicts the next seconds' worse than the batch does; see
+    docs/predictor-accuracy.md).
+    ``arrival_min_span_s``: seconds of that history needed before a rate is trusted.
     """
 
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
@@ -110,6 +120,9 @@ class PredictionConfig:
     overhead_weight: float = 0.2
     overhead_min_window_s: float = 5.0
     overhead_min_requests: int = 10
+    steady_state: bool = False
+    arrival_memory_s: float = 60.0
+    arrival_min_span_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.refit_interval_s < 0 or self.stale_after_s <= 0 or self.prefill_share_memory_s <= 0:
@@ -118,6 +131,8 @@ class PredictionConfig:
             raise ValueError(f"prefill_share_weight must be in [0, 1], got {self.prefill_share_weight}")
         if self.overhead_samples < 1 or not 0.0 < self.overhead_weight <= 1.0:
             raise ValueError("overhead_samples must be >= 1 and overhead_weight in (0, 1]")
+        if not 0.0 < self.arrival_min_span_s <= self.arrival_memory_s:
+            raise ValueError("need 0 < arrival_min_span_s <= arrival_memory_s")
 
 
 @dataclass(slots=True)
@@ -146,6 +161,12 @@ class _Replica:
     #: be < 0 (noise), the forecast adds ``max(0, ...)`` of it.
     overhead_ewma_s: float = 0.0
     overhead_windows: int = 0
+    #: (finished at, prompt tokens, output tokens) of the caller's recent requests there.
+    finishes: deque[tuple[float, int, int]] = field(default_factory=deque)
+    #: When the service first saw a snapshot of it (the start of its finish history), seconds.
+    first_seen_at: float | None = None
+    #: The steady state under the recent traffic (``None``: unknown or overloaded).
+    steady: SteadyState | None = None
 
     @property
     def overhead_s(self) -> float:
@@ -204,6 +225,8 @@ class PredictionService:
             return
         r.snapshot = snapshot
         r.snapshots += 1
+        if r.first_seen_at is None:
+            r.first_seen_at = snapshot.taken_at
         if snapshot.stale:
             r.stale_snapshots += 1
             return
@@ -215,7 +238,9 @@ class PredictionService:
             seen = observation_from_window(window, r.calibrator.prior.params.knee_tokens)
             if seen.valid:
                 share = self._prefill_share(r, window, gauges)
-                r.load = Load(seen.batch.prefill_tokens, share, snapshot.requests_finished_per_s)
+                r.load = Load(
+                    seen.batch.prefill_tokens, share, snapshot.requests_finished_per_s, r.load.steady_step_s
+                )
         # The fit learns from the newest scrape interval alone: consecutive windows overlap
         # almost entirely, intervals do not, and their differing mixes identify the coefficients.
         interval = snapshot.last_interval
@@ -223,6 +248,7 @@ class PredictionService:
         if interval is not None:
             stats = window_stats(interval, self._gauge_means(r, interval.taken_at - interval.window_s))
         if stats is None:
+            self._update_steady(r, snapshot.taken_at)
             return
         obs = r.calibrator.observe_window(stats)
         r.last_observation = obs
@@ -231,6 +257,35 @@ class PredictionService:
         if obs.valid and due:
             fitted = r.calibrator.fit(now)
             r.model, r.report, r.last_fit_at = fitted.model, fitted.report, now
+        self._update_steady(r, snapshot.taken_at)
+
+    def _update_steady(self, r: _Replica, now: float) -> None:
+        """Recompute ``r``'s steady state (and the ``Load`` forecasts see) from its recent finishes.
+
+        Once per scrape: the arrival rate is the rate the caller's requests finished there over
+        the last ``arrival_memory_s`` seconds (in a steady state as many finish as arrive), their
+        usage the sizes. Requests of other clients are not in it.
+        """
+        cfg = self._config
+        steady = None
+        finishes = r.finishes
+        while finishes and finishes[0][0] < now - cfg.arrival_memory_s:
+            finishes.popleft()
+        span = min(cfg.arrival_memory_s, now - (r.first_seen_at if r.first_seen_at is not None else now))
+        if cfg.steady_state and finishes and span >= cfg.arrival_min_span_s:
+            mix = TrafficMix.from_requests(len(finishes) / span, [(p, o) for _, p, o in finishes])
+            limits = self._limits(r)
+            steady = steady_state(
+                mix,
+                r.model,
+                max_num_seqs=limits.max_num_seqs,
+                max_num_batched_tokens=limits.max_num_batched_tokens,
+                kv_capacity_tokens=float(limits.kv_capacity_tokens),
+            )
+        r.steady = steady
+        step_s = None if steady is None else steady.step_s
+        if r.load.steady_step_s != step_s:
+            r.load = dataclasses.replace(r.load, steady_step_s=step_s)
 
     def _prefill_share(self, r: _Replica, window: WindowStats, gauges: GaugeMeans) -> float | None:
         """The prefill share to expect: the window's, shrunk toward the long-run mean.
@@ -301,6 +356,13 @@ class PredictionService:
         r = self._replicas.get(replica)
         if r is not None and finished_at is not None:
             r.last_token_at = finished_at if r.last_token_at is None else max(r.last_token_at, finished_at)
+            if (
+                self._config.steady_state
+                and prompt_tokens is not None
+                and completion_tokens is not None
+                and prompt_tokens > 0
+            ):
+                r.finishes.append((finished_at, prompt_tokens, max(0, completion_tokens)))
         learn = self._config.learn_dispatch_overhead
         if r is not None and learn and ttft_s is not None and math.isfinite(ttft_s) and ttft_s > 0.0:
             # Keyed by when its first token came, as the replica's TTFT histogram counts it.
@@ -571,6 +633,13 @@ class PredictionService:
                 "background_prefill_tokens_per_step": r.load.prefill_tokens_per_step,
                 "prefill_share": r.load.prefill_share,
                 "dispatch_overhead_s": r.overhead_s,
+                "steady_state": None
+                if r.steady is None
+                else {
+                    "step_s": r.steady.step_s,
+                    "decode_seqs": r.steady.decode_seqs,
+                    "prefill_share": r.steady.prefill_share,
+                },
             }
         return {"output_quantile": self._quantile, "replicas": replicas}
 

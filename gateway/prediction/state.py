@@ -85,11 +85,14 @@ class Load:
     ``prefill_share``: expected share of step time spent on others' prefill chunks (0-1);
     ``None`` until a window with inter-token latencies and a valid step model.
     ``finish_rate_per_s``: requests finished per second over the window (``None``: unknown).
+    ``steady_step_s``: mean step time at the steady state of the recent traffic
+    (``predictor.forecast.steady_state``; ``None``: unknown or overloaded).
     """
 
     prefill_tokens_per_step: float = 0.0
     prefill_share: float | None = None
     finish_rate_per_s: float | None = None
+    steady_step_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,6 +300,7 @@ def replica_state(
         step_remaining_s=cycle.remaining_s,
         prefill_share=load.prefill_share,
         finish_rate_per_s=load.finish_rate_per_s,
+        steady_step_s=load.steady_step_s,
     )
 
 
