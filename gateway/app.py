@@ -61,7 +61,7 @@ from gateway.replicas.registry import ReplicaRegistry
 from gateway.replicas.scraper import MetricsScraper
 from gateway.settings import Settings
 from gateway.store import SettingsStore
-from gateway.tenancy import install_tenancy
+from gateway.tenancy import TENANCY, install_tenancy
 
 log = logging.getLogger("sluice.app")
 
@@ -217,6 +217,10 @@ async def _predictions(app: web.Application) -> AsyncIterator[None]:
 async def _admission(app: web.Application) -> AsyncIterator[None]:
     """Admission over the registry and the prediction service; every scrape re-evaluates its queue."""
     admission = LiveAdmission(app[STORE], app[REGISTRY], app[PREDICTIONS])
+    tenancy = app.get(TENANCY)
+    if tenancy is not None:
+        # Fair shares are shares of what budgets charge: one set of token weights.
+        admission.token_weights = tenancy.weights
     app[ADMISSION] = admission
     unsubscribe = app[SCRAPER].subscribe(admission.on_snapshot)
     metrics = app.get(METRICS)

@@ -216,6 +216,11 @@ class LiveAdmission:
         self._settings = settings.admission
         self.stats = AdmissionStats()
         self.fairness = VirtualTokenCounter(TokenWeights.from_queue_settings(settings.admission.queue))
+        #: The token weights tenants' budgets are charged with (``Tenancy.weights``: the step
+        #: model's relative GPU time of a prefill and a decode token, or ``limits.token_weights``);
+        #: with ``queue.fairness: tokens`` the fair-share counters charge the same, so a tenant's
+        #: share is a share of the GPU time its budget pays for. ``None``: the queue's costs.
+        self.token_weights: Callable[[], TokenWeights] | None = None
         self._controllers: dict[str, AdmissionController] = {}
         self._streams: dict[str, dict[LiveRequest, _Stream]] = {}
         self._waiting: dict[tuple[str, int], _Waiter] = {}
@@ -251,6 +256,25 @@ class LiveAdmission:
                 controller.reconfigure(new.admission)
         self._apply_tenants(new)
         self.changed()
+
+    def _refresh_fair_weights(self) -> None:
+        """Charge fair-share counters with the budgets' current token weights (cheap: ``Tenancy``
+        recomputes them at most every few seconds). Request-count fairness keeps its own."""
+        provider = self.token_weights
+        if provider is None:
+            return
+        if self._settings.queue.fairness != "tokens":
+            weights = TokenWeights.from_queue_settings(self._settings.queue)
+            if weights != self.fairness.token_weights:
+                self.fairness.set_token_weights(weights)
+            return
+        try:
+            weights = provider()
+        except Exception:
+            log.exception("token weights unavailable; fair share keeps its current weights")
+            return
+        if weights != self.fairness.token_weights:
+            self.fairness.set_token_weights(weights)
 
     def _apply_tenants(self, settings: Settings) -> None:
         """Fair-share weights of the configured tenants (absent tenants weigh 1)."""
@@ -302,6 +326,7 @@ class LiveAdmission:
         away while its request is queued is dropped from the queue (then ``ClientClosedRequest``).
         """
         settings = self._settings
+        self._refresh_fair_weights()
         tenant = self._tenant_of(request)
         tenant_name = None if tenant is None else str(tenant.name)
         if outcome.tenant is None:

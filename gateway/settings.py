@@ -74,6 +74,14 @@ class ServerSettings(Section):
             "chunk, in seconds; after it the request fails with 502 (or an SSE error event mid-stream)."
         ),
     ] = 600.0
+    client_write_timeout_s: Annotated[
+        PositiveSeconds,
+        Field(
+            description="Longest wait for a client to take one streamed event (a write waiting for the "
+            "connection's buffers to drain), in seconds; after it the client counts as gone: its "
+            "connection is aborted and the replica's request closed, freeing the slot."
+        ),
+    ] = 60.0
     shutdown_grace_s: Annotated[
         float,
         Field(

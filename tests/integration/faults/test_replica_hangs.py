@@ -99,6 +99,9 @@ async def test_stream_that_stalls_ends_with_an_error_event_after_the_read_timeou
                 {"stalls": front.url},
                 redis_proc.url,
                 server={"upstream_read_timeout_s": READ_TIMEOUT_S},
+                # Not about ejection (the next test is): a request that reaches the gateway late on
+                # a loaded machine must still find the replica in the rotation.
+                health={"eject_after_timeouts": 100},
             )
             async with gateway(tmp_path, config) as gw:
                 front.completions, front.after_events = "stall", 3

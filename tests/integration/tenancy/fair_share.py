@@ -14,8 +14,10 @@ tenant runs more clients than there are slots, so while the load runs both tenan
 requests waiting in the gateway's queue (pigeonhole: a tenant's waiting requests >= its
 outstanding requests - ``SLOTS``), and the queue alone decides who is served next.
 
-What a request costs the GPU is what the queue's fair-share counters charge: ``w_in x prompt +
-w_out x output`` with the queue's token costs (``TokenWeights.from_queue_settings``). A tenant's
+What a request costs the GPU is what the fair-share counters charge: ``w_in x prompt + w_out x
+output`` with the budgets' token weights, which the config pins to the queue's default token
+costs (``TokenWeights.from_queue_settings``; ``costs=UNPINNED`` leaves them to the step model).
+A tenant's
 GPU time over a window is the cost of its requests that finished in that window.
 
 ``python -m tests.integration.tenancy.fair_share`` (``main``) compares those weighted tokens with
@@ -118,12 +120,11 @@ def gateway_config(
     tenants with their keys and ``weights``, the queue's fair share counting ``fairness``, with
     the queue's token ``costs`` (seconds per token; default: ``cost_weights()``), to which the
     budgets' token weights are pinned as well."""
-    costs = costs if costs is not None else cost_weights()
-    queue = {
-        "fairness": fairness,
-        "prompt_token_cost_s": costs.input,
-        "output_token_cost_s": costs.output,
-    }
+    pinned = costs is not UNPINNED
+    costs = costs if costs is not None and pinned else cost_weights()
+    queue: dict[str, Any] = {"fairness": fairness}
+    if pinned:
+        queue |= {"prompt_token_cost_s": costs.input, "output_token_cost_s": costs.output}
     hardware = {
         "gpu": "H100-SXM",
         "model": "Llama-3-8B",
@@ -150,8 +151,9 @@ def gateway_config(
             "default_class": "shared",
             "queue": queue,
         },
-        # The budgets weigh tokens as the fair share does.
-        "limits": {"token_weights": {"prompt": 1.0, "output": costs.output / costs.input}},
+        # The budgets (and so the fair share) weigh tokens with these; UNPINNED: with the fitted
+        # step model's decode-to-prefill ratio, as by default.
+        "limits": {"token_weights": {"prompt": 1.0, "output": costs.output / costs.input}} if pinned else {},
         "tenants": {
             "tenants": {
                 name: {"api_keys": [hash_api_key(KEYS[name])], "weight": weights[name], "limits": unlimited}
@@ -179,6 +181,10 @@ def gateway(directory: Path, config: Mapping[str, Any]) -> Iterator[Running]:
         yield Running(proc, url)
     finally:
         proc.stop()
+
+
+#: ``gateway_config(costs=UNPINNED)``: no token weights in the config (the gateway derives them).
+UNPINNED: Final = TokenWeights(input=0.0, output=0.0, request=1.0)
 
 
 def cost_weights() -> TokenWeights:
