@@ -392,6 +392,9 @@ class Tenancy:
         self._auth = Authenticator(store.current.tenants)
         self._weights: TokenWeights | None = None
         self._weights_at = -math.inf
+        #: ``limits.token_weights`` as ``TokenWeights`` (``None``: from the step model), built
+        #: once per configuration, not per request.
+        self._pinned = configured_weights(store.current.limits)
         self._pending: set[asyncio.Task[None]] = set()
         self._listeners: list[OutcomeListener] = []
         self.metrics: SluiceMetrics | None = None
@@ -430,16 +433,15 @@ class Tenancy:
             self._auth = Authenticator(new.tenants)
         if old.limits.token_weights != new.limits.token_weights:
             self._weights = None
+            self._pinned = configured_weights(new.limits)
 
     def weights(self) -> TokenWeights:
         """The token weights a reservation made now uses (see the module docstring)."""
-        settings = self._store.current
-        pinned = configured_weights(settings.limits)
-        if pinned is not None:
-            return pinned
+        if self._pinned is not None:
+            return self._pinned
         now = self._clock()
         if self._weights is None or now - self._weights_at >= WEIGHTS_REFRESH_S:
-            self._weights = fleet_token_weights(self._predictions, settings.all_replicas())
+            self._weights = fleet_token_weights(self._predictions, self._store.current.all_replicas())
             self._weights_at = now
         return self._weights
 

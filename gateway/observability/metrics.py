@@ -265,16 +265,10 @@ def client_ttft_s(outcome: RequestOutcome) -> float | None:
 
 
 def observed_tpot_s(outcome: RequestOutcome) -> float | None:
-    """Mean seconds per output token after the first, for a stream that ended without error.
-
-    ``None`` for non-streamed answers, errors, or fewer than two completion tokens.
-    """
-    tokens = outcome.completion_tokens
-    if outcome.first_token_at is None or outcome.finished_at is None or outcome.error is not None:
-        return None
-    if tokens is None or tokens < 2:
-        return None
-    return max(0.0, outcome.finished_at - outcome.first_token_at) / (tokens - 1)
+    """Mean seconds per output token after the first, for a stream that ended without error
+    (``RequestOutcome.tpot_s``: ``None`` for non-streamed answers, errors, or fewer than two
+    completion tokens)."""
+    return outcome.tpot_s
 
 
 def proxy_overhead_s(outcome: RequestOutcome) -> float | None:
