@@ -1167,8 +1167,11 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def handle_models(request: web.Request) -> web.Response:
-    """``GET /v1/models``: vLLM's ``ModelList`` with the one served model."""
+    """``GET /v1/models``: vLLM's ``ModelList`` with the one served model (TGI's own shape, with
+    no ``max_model_len``, when imitating TGI)."""
     replica = request.app[REPLICA]
+    if replica.engine_kind == "tgi":
+        return _json(tgi.models_body(replica.model_name))
     permission = {
         "id": f"modelperm-{random_id()}",
         "object": "model_permission",

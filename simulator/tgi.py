@@ -30,12 +30,15 @@ read at scrape time: queue, batch size, the batch's token reservation and the KV
 
 Not emitted (nothing in the emulator to measure): ``tgi_batch_decode_duration``,
 ``tgi_batch_filter_duration``, ``tgi_batch_concat_duration``, ``tgi_batch_concat``,
-``tgi_request_skipped_tokens`` (no speculation). The emulated step is one cost-model time, so
-``forward`` and ``inference`` durations are equal (TGI's inference adds router overhead).
+``tgi_request_skipped_tokens`` (no speculation). ``forward`` durations are the cost model's step
+times; ``inference`` durations the whole step cycle as the emulator ran it (scheduled to its tokens
+dispatched: the forward plus the event loop's lateness and dispatch work, the counterpart of
+TGI's router overhead).
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -183,7 +186,7 @@ class TgiMetrics:
             self._inc("tgi_batch_inference_count", method)
             self._inc("tgi_batch_inference_success", method)
             self._observe("tgi_batch_forward_duration", plan.duration_s, method)
-            self._observe("tgi_batch_inference_duration", plan.duration_s, method)
+            self._observe("tgi_batch_inference_duration", _cycle_s(plan), method)
             new = [rid for rid in plan.num_scheduled_tokens if rid not in self._started]
             if new:
                 self._started.update(new)
@@ -220,6 +223,20 @@ class TgiMetrics:
                 if n == name:
                     lines += _histogram_lines(name, labels, h)
         return ("\n".join(lines) + "\n").encode()
+
+
+def _cycle_s(plan: StepPlan) -> float:
+    """The step as TGI's router times it (``tgi_batch_inference_duration``): from its scheduling
+    to now, on the running loop's clock (the one ``plan.started_at`` was read on), never less than
+    the forward pass. On a busy host the loop wakes late and token dispatch takes time: that is
+    the emulator's counterpart of the router's own work, which every next token waits for too.
+    Outside a running loop (a direct unit test), the forward time."""
+    try:
+        now = asyncio.get_running_loop().time()
+    except RuntimeError:
+        return plan.duration_s
+    elapsed = now - plan.started_at
+    return elapsed if plan.started_at > 0.0 and plan.duration_s <= elapsed < 60.0 else plan.duration_s
 
 
 def _labels(labels: Sequence[tuple[str, str]]) -> str:
@@ -262,6 +279,16 @@ def info_body(
         "version": TGI_VERSION,
         "sha": None,
         "docker_label": None,
+    }
+
+
+def models_body(model_id: str) -> dict[str, Any]:
+    """``GET /v1/models``: TGI's ``ModelsInfo`` (``openai_get_model_info``): one ``ModelInfo`` of
+    ``id``, ``object``, ``created`` (always 0) and ``owned_by`` (the model id). No context length:
+    a router reads that from ``/info``'s ``max_total_tokens``."""
+    return {
+        "object": "list",
+        "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": model_id}],
     }
 
 

@@ -35,7 +35,15 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from gateway.prediction.facts import ReplicaFacts
-from gateway.prediction.state import GaugeMeans, Limits, Load, replica_state, window_stats
+from gateway.prediction.state import (
+    GaugeMeans,
+    Limits,
+    Load,
+    engine_kv_tokens,
+    measured_steps,
+    replica_state,
+    window_stats,
+)
 from gateway.replicas.snapshot import InFlight, ReplicaSnapshot
 from predictor import (
     FEATURE_NAMES,
@@ -217,6 +225,10 @@ class PredictionService:
     def on_snapshot(self, snapshot: ReplicaSnapshot) -> None:
         """Take one scrape's snapshot: keep it, feed its window to the fit, refit when due.
 
+        The fit learns from the newest scrape interval: for an engine that times its steps by kind
+        (TGI) from its measured decode and prefill steps (``state.measured_steps``), otherwise from
+        the interval as a window (``observe_window``).
+
         Stale snapshots are kept (their in-flight and staleness matter) but teach nothing.
         Snapshots of unknown replicas are ignored.
         """
@@ -247,10 +259,17 @@ class PredictionService:
         stats = None
         if interval is not None:
             stats = window_stats(interval, self._gauge_means(r, interval.taken_at - interval.window_s))
-        if stats is None:
+        if stats is None or interval is None:
             self._update_steady(r, snapshot.taken_at)
             return
-        obs = r.calibrator.observe_window(stats)
+        # An engine that times its steps by kind (TGI) gives (batch -> step time) pairs outright;
+        # the window's steps/s and ITL are then only a blurrier view of the same steps.
+        direct = measured_steps(interval, self._gauge_means(r, interval.taken_at - interval.window_s))
+        if direct:
+            for step in direct:
+                obs = r.calibrator.observe_step(step.at_s, step.batch, step.step_s)
+        else:
+            obs = r.calibrator.observe_window(stats)
         r.last_observation = obs
         now = stats.at_s
         due = r.last_fit_at is None or now - r.last_fit_at >= self._config.refit_interval_s
@@ -314,7 +333,7 @@ class PredictionService:
         return 1.0 - 1.0 / stretch
 
     def _remember_gauges(self, r: _Replica, s: ReplicaSnapshot) -> None:
-        kv = (s.kv_cache_usage or 0.0) * (s.kv_capacity_tokens or 0)
+        kv = engine_kv_tokens(s)
         r.gauges.append((s.taken_at, float(s.num_running or 0), float(s.num_waiting or 0), kv))
         while r.gauges and r.gauges[0][0] < s.taken_at - s.window_s:
             r.gauges.popleft()
@@ -601,6 +620,15 @@ class PredictionService:
         """The step model in use for ``replica`` (``None`` if unknown)."""
         r = self._replicas.get(replica)
         return None if r is None else r.model
+
+    def latest_window(self, replica: str) -> tuple[ReplicaSnapshot, GaugeMeans] | None:
+        """``replica``'s latest fresh snapshot (its counter rates cover ``window_s`` seconds) and
+        the means of its gauges over that window; ``None`` before one (or if unknown)."""
+        r = self._replicas.get(replica)
+        s = None if r is None else r.snapshot
+        if r is None or s is None or s.stale or not r.gauges:
+            return None
+        return s, self._gauge_means(r, s.taken_at - s.window_s)
 
     def report(self, replica: str) -> FitReport | None:
         """The latest fit report of ``replica`` (``None`` if unknown)."""

@@ -4,6 +4,9 @@ Two mappings, both pure:
 
 * ``window_stats``: one ``ReplicaSnapshot`` (its window's rates, means and histogram buckets) plus
   the gauge history the service kept -> ``predictor.WindowStats``, the step calibrator's input;
+* ``measured_steps``: for an engine that times its own steps by kind (TGI's
+  ``tgi_batch_forward_duration{method}``), the window's mean decode step and mean prefill step,
+  each with the batch it carried: direct (batch -> step time) observations, no inference needed;
 * ``replica_state``: the gateway's unfinished requests on the replica (fresh: the gateway saw
   their tokens a moment ago) plus what the last scrape adds (requests of other clients, the
   background prefill rate) -> ``predictor.ReplicaState``, the forecast's input.
@@ -22,7 +25,10 @@ __all__ = [
     "GaugeMeans",
     "Limits",
     "Load",
+    "MeasuredStep",
     "StepInProgress",
+    "engine_kv_tokens",
+    "measured_steps",
     "replica_state",
     "step_in_progress",
     "window_stats",
@@ -75,6 +81,74 @@ def window_stats(snapshot: ReplicaSnapshot, gauges: GaugeMeans) -> WindowStats |
         busy=gauges.busy,
         tokens_per_step_buckets=s.tokens_per_step_buckets,
     )
+
+
+def engine_kv_tokens(snapshot: ReplicaSnapshot) -> float:
+    """KV tokens the replica's running requests hold at ``snapshot.taken_at`` (tokens).
+
+    The replica's KV usage x its capacity, except for TGI: its usage gauge is the batch's
+    *reservation* (input + ``max_new_tokens`` of every request), up to twice what attention reads.
+    There the gateway's own decoding requests (prompt + tokens streamed, known a moment ago) give
+    the mean context, times the batch size TGI reports. Without either, 0.
+    """
+    s = snapshot
+    if s.dialect == "tgi" and s.num_running:
+        decoding = [r for r in s.in_flight if r.tokens_streamed > 0]
+        if decoding:
+            context = sum(r.prompt_tokens + r.tokens_streamed for r in decoding) / len(decoding)
+            return context * s.num_running
+    return (s.kv_cache_usage or 0.0) * (s.kv_capacity_tokens or 0)
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredStep:
+    """A mean step time the engine measured, and the mean batch those steps carried.
+
+    ``kind``: ``"decode"`` or ``"prefill"``. ``step_s``: mean seconds of the window's steps of that
+    kind. ``steps``: how many there were (weight of the mean). ``at_s``: window end (monotonic s).
+    """
+
+    kind: str
+    at_s: float
+    batch: StepBatch
+    step_s: float
+    steps: float
+
+
+def measured_steps(snapshot: ReplicaSnapshot, gauges: GaugeMeans) -> list[MeasuredStep]:
+    """The window's measured decode and prefill steps, for engines that time steps by kind (TGI).
+
+    Decode steps: mean ``decode_step_time_mean_s`` at the mean running batch B (the
+    ``tgi_batch_current_size`` gauge over the window's scrapes), one token per sequence, reading
+    ``gauges.kv_tokens``. Prefill steps: mean ``prefill_step_time_mean_s``; they compute the window's
+    prompt tokens (``tgi_request_input_length`` sum, counted as requests arrive) spread over the
+    window's prefill steps (all steps minus the decode ones), with the running batch decoding
+    alongside (TGI v3 and the emulator batch them together) and attention over half of the mean
+    prompt. Empty for a stale or window-less snapshot, an engine without per-kind step times, or
+    a window with no step of a kind; a prefill step with no prompt tokens counted is skipped (its
+    requests arrived in another window, so its batch is unknown). A decode window whose batch
+    gauge read 0 at every scrape (it started and finished between scrapes) is skipped too.
+    """
+    s = snapshot
+    if s.stale or s.window_s <= 0.0:
+        return []
+    at = s.metrics_at if s.metrics_at is not None else s.taken_at
+    seqs = gauges.running
+    found: list[MeasuredStep] = []
+    decode_rate = s.decode_steps_per_s
+    decode_s = s.decode_step_time_mean_s
+    if decode_rate and decode_s is not None and decode_s > 0.0 and seqs >= 1.0:
+        batch = StepBatch(0.0, seqs, gauges.kv_tokens, 0.0)
+        found.append(MeasuredStep("decode", at, batch, decode_s, decode_rate * s.window_s))
+    prefill_s = s.prefill_step_time_mean_s
+    prefill_rate = (s.steps_per_s or 0.0) - (decode_rate or 0.0)
+    prompt_rate = s.prompt_tokens_per_s
+    if prefill_s is not None and prefill_s > 0.0 and prefill_rate > 1e-9 and prompt_rate:
+        tokens = prompt_rate / prefill_rate
+        mean_prompt = s.mean_prompt_tokens_per_request or tokens
+        batch = StepBatch(tokens, seqs, gauges.kv_tokens, tokens * mean_prompt / 2.0)
+        found.append(MeasuredStep("prefill", at, batch, prefill_s, prefill_rate * s.window_s))
+    return found
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import aiohttp
 
 from gateway.openai_api import ModelCard, parse_models
+from gateway.replicas.dialects.info import fill_context_length
 from gateway.replicas.registry import Replica, ReplicaRegistry, ReplicaState
 from gateway.store import SettingsStore
 
@@ -51,14 +52,19 @@ async def probe(session: aiohttp.ClientSession, replica: Replica, timeout_s: flo
 async def fetch_models(
     session: aiohttp.ClientSession, replica: Replica, timeout_s: float
 ) -> dict[str, ModelCard] | str:
-    """``GET {replica}/v1/models`` parsed into cards by id, or why it failed (one short line)."""
+    """``GET {replica}/v1/models`` parsed into cards by id, or why it failed (one short line).
+
+    A card without ``max_model_len`` gets the one the engine's info endpoint states (TGI ``/info``,
+    SGLang ``/get_server_info``: ``gateway.replicas.dialects.info``)."""
     try:
         async with session.get(
             replica.base_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as resp:
             if resp.status != 200:
                 return f"/v1/models answered {resp.status}"
-            return parse_models(await resp.json(content_type=None))
+            cards = parse_models(await resp.json(content_type=None))
+        # TGI's list (and some SGLang's) has no max_model_len: its info endpoint has it.
+        return await fill_context_length(session, replica.base_url, replica.engine, cards, timeout_s)
     except TimeoutError:
         return f"/v1/models timed out after {timeout_s:g} s"
     except (aiohttp.ClientError, ValueError) as exc:

@@ -13,11 +13,12 @@ exposition from that list). What matters here:
   ``max_new_tokens`` of each request) and ``tgi_batch_max_total_tokens`` (KV capacity in tokens,
   found at warmup; v2.3.1+). KV usage is reservation / capacity: what TGI's admission counts, not
   the blocks actually written.
-- Steps are measured directly: ``tgi_batch_forward_duration{method="prefill"|"decode"}`` observes
-  the model's forward time of every step, so its count rate is steps/s and its mean is the step
-  time (the calibration is direct). ``tgi_batch_inference_duration`` (the whole step as the router
-  sees it) is the fallback. The decode forward time is also the inter-token latency, as TGI's own
-  dashboard uses it.
+- Steps are measured directly, by kind: ``tgi_batch_inference_duration{method="prefill"|"decode"}``
+  times every step as the router runs it (the model's forward, ``tgi_batch_forward_duration``, plus
+  the router's token decoding, batch filtering and concatenation), so its count rate is steps/s,
+  its mean the step time, and its decode mean the period tokens arrive at (the calibration is
+  direct, with the running batch size). The forward duration alone is the fallback (and TGI's own
+  dashboard's ITL): it leaves out router work every next token waits for too.
 - Token rates come from histogram sums: ``tgi_request_input_length`` (prompt tokens, recorded when
   a request arrives) and ``tgi_request_generated_tokens`` (recorded when it finishes).
 - ``tgi_request_failure{err="overloaded"}`` counts the 429s of its ``max_concurrent_requests``
@@ -57,18 +58,20 @@ SUM_COUNTERS: Mapping[CounterName, str] = {
 
 #: Histogram -> (base name, label filter) aliases, first found wins.
 HISTOGRAMS: Mapping[HistogramName, tuple[tuple[str, Mapping[str, str] | None], ...]] = {
-    HistogramName.STEP_TIME: (("tgi_batch_forward_duration", None), ("tgi_batch_inference_duration", None)),
+    # The step as the router runs it (forward + token decoding, filtering, concatenation): the
+    # period tokens arrive at. The model's forward pass alone is the fallback.
+    HistogramName.STEP_TIME: (("tgi_batch_inference_duration", None), ("tgi_batch_forward_duration", None)),
     HistogramName.DECODE_STEP_TIME: (
-        ("tgi_batch_forward_duration", {"method": "decode"}),
         ("tgi_batch_inference_duration", {"method": "decode"}),
+        ("tgi_batch_forward_duration", {"method": "decode"}),
     ),
     HistogramName.PREFILL_STEP_TIME: (
-        ("tgi_batch_forward_duration", {"method": "prefill"}),
         ("tgi_batch_inference_duration", {"method": "prefill"}),
+        ("tgi_batch_forward_duration", {"method": "prefill"}),
     ),
     HistogramName.INTER_TOKEN_LATENCY: (
-        ("tgi_batch_forward_duration", {"method": "decode"}),
         ("tgi_batch_inference_duration", {"method": "decode"}),
+        ("tgi_batch_forward_duration", {"method": "decode"}),
     ),
     HistogramName.QUEUE_TIME: (("tgi_request_queue_duration", None),),
     HistogramName.E2E: (("tgi_request_duration", None),),

@@ -94,7 +94,7 @@ def test_tgi_snapshot_measures_step_time_directly() -> None:
     assert snap.step_time_mean_s == pytest.approx((400 * 0.012 + 20 * 0.050) / 420)
     assert snap.decode_step_time_mean_s == pytest.approx(0.012)
     assert snap.prefill_step_time_mean_s == pytest.approx(0.050)
-    assert snap.itl_mean_s == pytest.approx(0.012)  # decode forward time, as TGI's dashboard reads it
+    assert snap.itl_mean_s == pytest.approx(0.012)  # the decode step time: tokens come at that period
     assert snap.prompt_tokens_per_s == pytest.approx(24 * 500 / dt)
     assert snap.generation_tokens_per_s == pytest.approx(20 * 200 / dt)
     assert snap.admission_rejections_per_s == pytest.approx(4 / dt)
@@ -103,7 +103,25 @@ def test_tgi_snapshot_measures_step_time_directly() -> None:
     assert snap.e2e_mean_s == pytest.approx(3.0)
     assert snap.mean_prompt_tokens_per_request == pytest.approx(500.0)
     assert snap.ttft_mean_s is None
-    assert dict(snap.sources)["step_time_s"] == "tgi_batch_forward_duration"
+    assert dict(snap.sources)["step_time_s"] == "tgi_batch_inference_duration"
+    assert dict(snap.sources)["decode_step_time_s"] == 'tgi_batch_inference_duration{method="decode"}'
+
+
+def test_tgi_step_time_falls_back_to_the_forward_duration() -> None:
+    """Without ``tgi_batch_inference_duration`` (the whole step), the forward pass alone is read."""
+    before, after, dt = _tgi_window()
+
+    def forward_only(state: TgiState) -> str:
+        text = tgi_exposition(state)
+        kept = [line for line in text.splitlines() if "tgi_batch_inference_duration" not in line]
+        return "\n".join(kept) + "\n"
+
+    builder = SnapshotBuilder("tgi-1", TGI)
+    builder.observe_text(forward_only(before), 100.0)
+    snap = builder.observe_text(forward_only(after), 100.0 + dt)
+
+    assert snap.decode_step_time_mean_s == pytest.approx(0.012)
+    assert snap.prefill_step_time_mean_s == pytest.approx(0.050)
     assert dict(snap.sources)["decode_step_time_s"] == 'tgi_batch_forward_duration{method="decode"}'
 
 
