@@ -25,7 +25,16 @@ Figures, from the gateway's own ``/metrics`` and ``/proc/<pid>/stat``:
 * **gateway CPU**: CPU seconds the gateway process used / duration (1.0 = its core is saturated),
   and the kernel's share of it (``sys``: the loopback sockets' send and receive work);
 * **429 per CPU-second**: rejections / CPU seconds used: the rate one core sustains when the
-  gateway is the bottleneck (the issue's target: >= 5,000 per second on one core).
+  gateway is the bottleneck (the issue's target: >= 5,000 per second on one core);
+* **bg CPU** and **us/429 added**: the gateway's CPU share with the admitted traffic alone (2 s
+  just before the flood: scrapes, the admitted streams, timers), and its CPU beyond that per
+  rejection. On a busy machine the flood's rate drops, the background weighs more in "429 per
+  CPU-second", and the added microseconds are the figure to compare.
+
+The flood processes start (imports included, seconds on a busy machine) before the measured
+window, which opens when all of them are ready. ``--py-spy PREFIX`` samples the gateway during
+each flood (py-spy on PATH or in ``.cache/pyspy``) into ``PREFIX-off.txt`` / ``PREFIX-on.txt``,
+collapsed stacks.
 
 Run: ``.venv/bin/python -m bench.rejection_flood`` (``--access-log`` off/on compares the cost of
 the per-request log lines). Prints a table; asserts nothing.
@@ -37,23 +46,31 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import io
 import json
+import logging
+import math
 import multiprocessing
 import os
+import queue
 import random
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import timeit
 import urllib.request
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
 import yaml
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.admission_load import Result, chat_body, quantile, send
@@ -64,6 +81,8 @@ MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 HARDWARE = {"gpu": "H100-SXM", "model": "Llama-3-8B", "max_num_seqs": 4, "max_num_batched_tokens": 8192}
 TARGET_PER_CPU_S = 5000.0
 FLOOD_HEADERS = {"x-sluice-deadline-ms": "50"}
+#: Seconds of admitted traffic alone, before the flood, that measure the gateway's background CPU.
+BACKGROUND_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -80,6 +99,9 @@ class Figures:
     admitted_ok: int
     admitted_failed: int
     admitted_ttft_p50_s: float
+    #: The gateway's CPU seconds per wall second with the admitted traffic alone (just before the
+    #: flood): scrapes, the admitted streams, timers.
+    background_cpu_share: float = 0.0
 
     @property
     def rejected_per_s(self) -> float:
@@ -92,6 +114,13 @@ class Figures:
     @property
     def rejected_per_cpu_s(self) -> float:
         return self.rejected / self.gateway_cpu_s if self.gateway_cpu_s > 0 else float("nan")
+
+    @property
+    def marginal_cpu_us(self) -> float:
+        """Gateway CPU microseconds per rejection beyond the background (the CPU the flood added):
+        the figure that stays comparable when a busy machine holds the flood's rate down."""
+        added = self.gateway_cpu_s - self.background_cpu_share * self.duration_s
+        return added / self.rejected * 1e6 if self.rejected > 0 else float("nan")
 
 
 # -- processes ----------------------------------------------------------------------------------------
@@ -257,7 +286,11 @@ async def _flood(url: str, connections: int, duration_s: float) -> dict[str, int
     return counts
 
 
-def _flood_worker(url: str, connections: int, duration_s: float, out: Any) -> None:
+def _flood_worker(url: str, connections: int, duration_s: float, out: Any, ready: Any, go: Any) -> None:
+    """One flood process: says ``ready`` once imported, floods from ``go`` on (so that its start-up,
+    seconds on a busy machine, is not inside the measured window), puts its counts on ``out``."""
+    ready.put(os.getpid())
+    go.wait()
     try:
         import uvloop  # the gateway's own event loop, when installed: the cheaper client
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
@@ -266,15 +299,15 @@ def _flood_worker(url: str, connections: int, duration_s: float, out: Any) -> No
     out.put(uvloop.run(_flood(url, connections, duration_s)))
 
 
-async def _admitted(url: str, duration_s: float) -> list[Result]:
-    """Four closed-loop streaming clients (the replica's capacity), no deadline."""
+async def _admitted(url: str, until: list[float]) -> list[Result]:
+    """Four closed-loop streaming clients (the replica's capacity), no deadline, until the
+    monotonic time ``until[0]`` (set once the flood starts)."""
     rng = random.Random(1)
     results: list[Result] = []
-    end = time.monotonic() + duration_s
     async with aiohttp.ClientSession() as session:
 
         async def client() -> None:
-            while time.monotonic() < end:
+            while time.monotonic() < until[0]:
                 r = Result("admitted", time.monotonic())
                 results.append(r)
                 await send(session, url, chat_body(MODEL, 100, 64, rng), r)
@@ -286,7 +319,15 @@ async def _admitted(url: str, duration_s: float) -> list[Result]:
 
 
 # -- one run ------------------------------------------------------------------------------------------
-def run(*, duration_s: float, workers: int, connections: int, access_log: bool, core: int) -> Figures:
+def run(
+    *,
+    duration_s: float,
+    workers: int,
+    connections: int,
+    access_log: bool,
+    core: int,
+    py_spy: Path | None = None,
+) -> Figures:
     """One run: the gateway pinned to ``core``, the emulator and every client to the other cores
     (this process's affinity is narrowed for good: the flood processes inherit it)."""
     others = client_cores(core)
@@ -311,26 +352,52 @@ def run(*, duration_s: float, workers: int, connections: int, access_log: bool, 
             _wait_http(f"http://127.0.0.1:{emu_port}/health", emu)
             _wait_http(f"{url}/readyz", gw)
             time.sleep(2.0)  # a couple of scrapes: the step model has data
-            return _measure(url, gw.pid, duration_s, workers, connections, "on" if access_log else "off")
+            label = "on" if access_log else "off"
+            return _measure(url, gw.pid, duration_s, workers, connections, label, py_spy)
 
 
-def _measure(url: str, pid: int, duration_s: float, workers: int, connections: int, label: str) -> Figures:
+def _measure(
+    url: str,
+    pid: int,
+    duration_s: float,
+    workers: int,
+    connections: int,
+    label: str,
+    py_spy: Path | None,
+) -> Figures:
     ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
+    out, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     admitted_box: list[list[Result]] = []
+    admitted_until = [math.inf]
 
     async def admitted_then_wait() -> None:
-        admitted_box.append(await _admitted(url, duration_s + 2.0))
+        admitted_box.append(await _admitted(url, admitted_until))
+
+    async def all_ready() -> None:
+        for _ in procs:
+            while True:
+                with contextlib.suppress(queue.Empty):
+                    ready.get_nowait()
+                    break
+                await asyncio.sleep(0.05)
 
     procs = [
-        ctx.Process(target=_flood_worker, args=(url, connections, duration_s, out)) for _ in range(workers)
+        ctx.Process(target=_flood_worker, args=(url, connections, duration_s, out, ready, go))
+        for _ in range(workers)
     ]
+    for p in procs:
+        p.start()
     runner = asyncio.new_event_loop()
     admitted_task = runner.create_task(admitted_then_wait())
     runner.run_until_complete(asyncio.sleep(1.0))  # admitted traffic fills the replica first
+    runner.run_until_complete(asyncio.wait_for(all_ready(), 120.0))
+    quiet_cpu, quiet_start = _cpu_seconds(pid)[0], time.monotonic()
+    runner.run_until_complete(asyncio.sleep(BACKGROUND_S))
+    background = (_cpu_seconds(pid)[0] - quiet_cpu) / (time.monotonic() - quiet_start)
     before_rejected, (before_cpu, before_sys), start = _rejected(url), _cpu_seconds(pid), time.monotonic()
-    for p in procs:
-        p.start()
+    admitted_until[0] = start + duration_s + 2.0
+    go.set()
+    profiler = _py_spy(py_spy, pid, duration_s) if py_spy is not None else None
     counts: dict[str, int] = {}
     runner.run_until_complete(asyncio.sleep(duration_s))
     for _ in procs:
@@ -341,6 +408,8 @@ def _measure(url: str, pid: int, duration_s: float, workers: int, connections: i
     rejected, cpu, kernel = _rejected(url) - before_rejected, after_cpu - before_cpu, after_sys - before_sys
     for p in procs:
         p.join(10)
+    if profiler is not None:
+        profiler.wait(60)
     runner.run_until_complete(admitted_task)
     runner.close()
     admitted = admitted_box[0]
@@ -357,12 +426,23 @@ def _measure(url: str, pid: int, duration_s: float, workers: int, connections: i
         admitted_ok=len(ok),
         admitted_failed=len([r for r in admitted if r.status not in (200, 429) or r.error]),
         admitted_ttft_p50_s=quantile(ttft, 0.5),
+        background_cpu_share=background,
     )
+
+
+def _py_spy(out: Path, pid: int, duration_s: float) -> subprocess.Popen[bytes]:
+    """py-spy sampling the gateway for the flood's first ``duration_s`` seconds (100 Hz,
+    ``--nonblocking``: the gateway is never paused) into ``out`` (collapsed stacks, one a line)."""
+    exe = shutil.which("py-spy") or str(ROOT / ".cache" / "pyspy" / "bin" / "py-spy")
+    args = [exe, "record", "--nonblocking", "-r", "100", "-d", str(max(1, int(duration_s)))]
+    args += ["-f", "raw", "-o", str(out), "-p", str(pid)]
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def table(rows: list[Figures]) -> str:
     head = (
         f"{'access log':>10} {'429/s':>8} {'gw CPU':>7} {'of it sys':>9} {'429/CPU-s':>10} "
+        f"{'bg CPU':>6} {'us/429 added':>12} "
         f"{'flood sent':>10} {'admitted ok':>11} {'failed':>6} {'adm TTFT p50':>12}"
     )
     lines = [head, "-" * len(head)]
@@ -370,10 +450,95 @@ def table(rows: list[Figures]) -> str:
         sys_share = f.gateway_sys_s / f.gateway_cpu_s if f.gateway_cpu_s > 0 else float("nan")
         lines.append(
             f"{f.label:>10} {f.rejected_per_s:8.0f} {f.cpu_share:7.2f} {sys_share:9.0%} "
-            f"{f.rejected_per_cpu_s:10.0f} {f.flood_sent:10d} {f.admitted_ok:11d} {f.admitted_failed:6d} "
+            f"{f.rejected_per_cpu_s:10.0f} {f.background_cpu_share:6.2f} {f.marginal_cpu_us:12.0f} "
+            f"{f.flood_sent:10d} {f.admitted_ok:11d} {f.admitted_failed:6d} "
             f"{f.admitted_ttft_p50_s * 1e3:10.1f} ms"
         )
     lines.append(f"target: >= {TARGET_PER_CPU_S:.0f} rejections per CPU-second of the gateway (one core)")
+    lines.append(
+        "bg CPU: the gateway's CPU share with the admitted traffic alone; us/429 added: its CPU "
+        "beyond that, per rejection"
+    )
+    return "\n".join(lines)
+
+
+# -- the rejection path's pieces, in process --------------------------------------------------------
+def _cpu_us(fn: Callable[[], object], number: int = 20_000, repeat: int = 7) -> float:
+    """``fn``'s CPU cost, microseconds: the least of ``repeat`` timings of ``number`` calls
+    (thread CPU time, so a busy machine's waits do not count)."""
+    return min(timeit.Timer(fn, timer=time.thread_time).repeat(number=number, repeat=repeat)) / number * 1e6
+
+
+def pieces() -> list[tuple[str, float, float]]:
+    """(piece, the generic way's CPU us, Sluice's CPU us) for the per-request pieces of a 429 that
+    have a cheaper form in the gateway: the request id, the error body and response, the access line
+    (through ``Logger.info`` and the stock ``formatTime`` against ``log_access``, both to memory).
+    (The body parse's fast path saves the schema's validation, about 3 us: not a piece to time
+    apart from the parse.)"""
+    from gateway.admission.retry_after import RetryAfter
+    from gateway.errors import AdmissionRejected, error_response
+    from gateway.observability.logs import (
+        RequestOutcome,
+        TextFormatter,
+        access_fields,
+        log_access,
+        new_request_id,
+    )
+
+    err = AdmissionRejected(
+        "first token predicted 0.234 s after the client's deadline (best replica emu)",
+        reason="deadline_exceeded",
+        retry_after=RetryAfter(delay_s=0.734, seconds=1, milliseconds=734, base_s=0.5),
+    )
+    outcome = RequestOutcome(new_request_id(), "POST", "/v1/chat/completions", 1.0, model=MODEL, stream=True)
+    outcome.status, outcome.error, outcome.request_class = 429, "deadline_exceeded", "interactive"
+    outcome.decision, outcome.reason, outcome.queue_wait_s = "rejected", "deadline_exceeded", 0.0
+    outcome.retry_after_s, outcome.predicted_ttft_s, outcome.finished_at = 0.734, 0.3, 1.001
+    rows = [
+        ("request id", _cpu_us(lambda: uuid.uuid4().hex), _cpu_us(new_request_id)),
+        ("error body", _cpu_us(lambda: json.dumps(err.body()).encode()), _cpu_us(err.body_bytes)),
+    ]
+    stock = web.Response  # the generic response: the body dumped by json.dumps
+    rows.append(
+        (
+            "error response",
+            _cpu_us(
+                lambda: stock(
+                    status=429,
+                    body=json.dumps(err.body()).encode(),
+                    content_type="application/json",
+                    headers=err.headers(),
+                )
+            ),
+            _cpu_us(lambda: error_response(err)),
+        )
+    )
+    logger = logging.getLogger("sluice.access")
+    with io.StringIO() as sink:  # the write itself is the same either way
+        handler = logging.StreamHandler(sink)
+        formatter = TextFormatter()
+        handler.setFormatter(formatter)
+        logger.addHandler(handler)
+        saved = logger.propagate, logger.level
+        logger.propagate, logger.level = False, logging.INFO
+        try:
+            formatter.formatTime = functools.partial(logging.Formatter.formatTime, formatter)  # type: ignore[method-assign]
+            generic = _cpu_us(
+                lambda: logger.info("access", extra={"fields": access_fields(outcome)}), number=5_000
+            )
+            del formatter.formatTime
+            rows.append(("access line (text)", generic, _cpu_us(lambda: log_access(outcome), number=5_000)))
+        finally:
+            logger.removeHandler(handler)
+            logger.propagate, logger.level = saved
+    return rows
+
+
+def pieces_table(rows: list[tuple[str, float, float]]) -> str:
+    head = f"{'piece of a 429':<32} {'generic us':>10} {'Sluice us':>9}"
+    lines = [head, "-" * len(head)]
+    lines += [f"{name:<32} {generic:10.2f} {ours:9.2f}" for name, generic, ours in rows]
+    lines.append(f"{'sum':<32} {sum(r[1] for r in rows):10.2f} {sum(r[2] for r in rows):9.2f}")
     return "\n".join(lines)
 
 
@@ -384,7 +549,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--connections", type=int, default=64, help="connections per flood process")
     parser.add_argument("--core", type=int, default=0, help="CPU the gateway is pinned to")
     parser.add_argument("--access-log", choices=["on", "off", "both"], default="both")
+    parser.add_argument(
+        "--py-spy",
+        type=Path,
+        metavar="PREFIX",
+        help="profile the gateway during each flood with py-spy into PREFIX-<access log>.txt (collapsed "
+        "stacks; py-spy on PATH or in .cache/pyspy)",
+    )
+    parser.add_argument(
+        "--pieces",
+        action="store_true",
+        help="only time, in this process, the pieces of a 429 that have a cheaper form in the gateway "
+        "(generic against Sluice's, CPU microseconds)",
+    )
     args = parser.parse_args(argv)
+    if args.pieces:
+        print(pieces_table(pieces()))
+        return
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.access_log]
     others = client_cores(args.core)
     if others:
@@ -401,6 +582,7 @@ def main(argv: list[str] | None = None) -> None:
             connections=args.connections,
             access_log=mode,
             core=args.core,
+            py_spy=None if args.py_spy is None else Path(f"{args.py_spy}-{'on' if mode else 'off'}.txt"),
         )
         for mode in modes
     ]

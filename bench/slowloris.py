@@ -8,9 +8,13 @@ three raw connections at once and watches each for up to ``--watch-s`` seconds:
 * **body dribbler**: sends complete headers announcing a 100,000-byte body, then one byte per
   second of it.
 
-Prints, per connection, after how many seconds the gateway closed it (EOF or reset), what it
-answered if anything, or that it was still open at the end. Asserts nothing: the results are in
-docs/operations.md ("Floods and slow clients").
+Prints, per connection, what the gateway answered and when, after how many seconds it closed the
+connection (EOF or reset), or that it was still open at the end. Expected at the defaults: idle
+and header dribbler closed at 75 s (aiohttp's keep-alive timer), body dribbler answered 408
+(``request_timeout``) at 30 s (``server.client_read_timeout_s``) and closed at most 10 s later
+(aiohttp's lingering close, which reads and drops what the client still sends so that it can
+read the answer). Asserts nothing: the results are in docs/operations.md ("Floods and slow
+clients").
 
 Run: ``.venv/bin/python -m bench.slowloris`` (about 2 minutes).
 """
@@ -43,11 +47,13 @@ BODY_HEAD = (
 
 
 def watch(port: int, first: bytes, trickle: bytes, watch_s: float) -> str:
-    """Send ``first`` at once, then ``trickle`` one byte per second (nothing when empty) until
-    the gateway closes the connection or answers, or ``watch_s`` seconds pass; says which."""
+    """Send ``first`` at once, then ``trickle`` one byte per second (nothing when empty), reading
+    what comes back, until the gateway closes the connection or ``watch_s`` seconds pass; says
+    what it answered (status line, seconds after connecting) and when it closed."""
     sock = socket.create_connection(("127.0.0.1", port))
     start = time.monotonic()
     sent = 0
+    answered = ""
     try:
         sock.sendall(first)
         sock.settimeout(1.0)
@@ -61,14 +67,17 @@ def watch(port: int, first: bytes, trickle: bytes, watch_s: float) -> str:
                 continue
             elapsed = time.monotonic() - start
             if not data:
-                return f"closed by the gateway after {elapsed:.0f} s ({sent} bytes trickled)"
-            status = data.split(b"\r\n", 1)[0]
-            return f"answered {status!r} after {elapsed:.0f} s"
+                return f"{answered}closed by the gateway after {elapsed:.0f} s ({sent} bytes trickled)"
+            if not answered:
+                status = data.split(b"\r\n", 1)[0].decode(errors="replace")
+                answered = f"answered {status!r} after {elapsed:.0f} s, "
     except OSError as exc:
-        return f"{exc.__class__.__name__} after {time.monotonic() - start:.0f} s"
+        elapsed = time.monotonic() - start
+        how = f"closed by the gateway ({exc.__class__.__name__})"
+        return f"{answered}{how} after {elapsed:.0f} s ({sent} bytes trickled)"
     finally:
         sock.close()
-    return f"still open after {watch_s:.0f} s ({sent} bytes trickled)"
+    return f"{answered}still open after {watch_s:.0f} s ({sent} bytes trickled)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,11 +1,17 @@
 """Soak: a real ``sluice serve`` under mixed load for minutes, watching its memory and descriptors.
 
 The stack, all real processes: two emulated replicas (``python -m simulator``, profile
-``llama3-8b-h100``) and ``sluice serve --config`` with a file this script writes: the ``slo``
-admission policy, the in-memory limiter and two tenants with API keys: ``steady`` (no budget
-limits) and ``tight`` (``requests_per_minute`` small, so most of its requests are refused with 429
-``tenant_rate_limited``: the over-budget path). For ``--minutes`` the load runs ``--clients``
-closed-loop clients, each picking per request, at random (seeded):
+``llama3-8b-h100``), a ``redis-server`` on a free port with persistence off
+(``tests/support/redis.py``; ``--limiter memory`` runs without it) and ``sluice serve --config``
+with a file this script writes: the ``slo`` admission policy, the Redis limiter
+(``on_storage_error: fail_closed``, so a Redis failure shows as a 503 in the answers instead of
+hiding behind the local fallback; ``redis.timeout_s`` is ``--redis-timeout-s``, 5 s by default:
+on the shared 2-core machine at load average 20-28, 1 s let through a few 503
+``rate_limit_unavailable`` per 10 minutes, calls stalled by the overloaded CPU, not leaks) and
+two tenants with API keys: ``steady`` (no budget limits) and ``tight`` (``requests_per_minute``
+small, so most of its requests are refused with 429 ``tenant_rate_limited``: the over-budget
+path). For ``--minutes`` the load runs ``--clients`` closed-loop clients, each picking per
+request, at random (seeded):
 
 * a streamed chat completion read to its end (40 %);
 * a streamed chat completion the client drops after a few tokens (20 %: a disconnect mid-stream,
@@ -19,12 +25,16 @@ After the load, ``--idle-s`` seconds of silence, then a last sample (keep-alive 
 the replicas may stay pooled, so a few descriptors above the pre-load baseline are normal).
 
 Printed: RSS and fds before the load, after the warm-up (``--warmup-s``), at the end of the load,
-the maximum, after idling, and the least-squares slope of RSS after the warm-up (MiB per minute).
+the maximum, after idling, and the least-squares slope of RSS after the warm-up (MiB per minute);
+with Redis, also ``redis-server``'s RSS before and after the load and its key count at the end
+(two tenants' buckets and lease sets: it must not grow with the number of requests).
 Exits 1 when RSS grew more than ``--max-growth-mib`` from the warm-up sample to the end of the
-load, or when fds after idling exceed the pre-load baseline plus one pooled upstream connection per
-client plus ``--fd-slack`` (see ``fd_bound``).
+load, when fds after idling exceed the pre-load baseline plus one pooled upstream connection per
+client plus ``--fd-slack`` (see ``fd_bound``), or when any answer was not a 200, a 429 or a stream
+the client dropped (a 503 from a Redis call past its timeout, a 5xx, a client error).
 
-Run: ``.venv/bin/python -m bench.soak`` (10 minutes); ``--minutes 1`` for a quick look.
+Run: ``.venv/bin/python -m bench.soak`` (10 minutes, Redis limiter); ``--minutes 1`` for a quick
+look; ``--limiter memory`` without Redis.
 ``tests/integration/faults/test_soak_short.py`` runs ``soak`` for about 30 seconds.
 """
 
@@ -45,13 +55,14 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import aiohttp
 import numpy as np
 import yaml
 
 from gateway.tenants import hash_api_key
+from tests.support.redis import redis_server
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 MODEL: Final = "meta-llama/Meta-Llama-3-8B-Instruct"
@@ -59,6 +70,7 @@ PROFILE: Final = "llama3-8b-h100"
 HARDWARE: Final = {"gpu": "H100-SXM", "model": "Llama-3-8B"}
 STEADY_KEY: Final = "sk-soak-steady-5c1e"
 TIGHT_KEY: Final = "sk-soak-tight-77a0"
+LimiterKind = Literal["redis", "memory"]
 
 
 # -- processes ------------------------------------------------------------------------------------
@@ -108,8 +120,19 @@ def gateway_args(config: Path) -> list[str]:
     return [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)]
 
 
-def soak_config(port: int, replicas: dict[str, str]) -> dict[str, Any]:
-    """The gateway's configuration: ``slo`` admission, in-memory limiter, the two tenants."""
+def soak_config(
+    port: int, replicas: dict[str, str], redis_url: str | None = None, redis_timeout_s: float = 5.0
+) -> dict[str, Any]:
+    """The gateway's configuration: ``slo`` admission, the two tenants, and the Redis limiter at
+    ``redis_url`` (fail-closed, calls limited to ``redis_timeout_s`` seconds), or the in-memory one
+    when it is ``None``."""
+    limits: dict[str, Any] = {"backend": "memory"}
+    if redis_url is not None:
+        limits = {
+            "backend": "redis",
+            "redis": {"url": redis_url, "timeout_s": redis_timeout_s},
+            "on_storage_error": "fail_closed",
+        }
     return {
         "server": {"host": "127.0.0.1", "port": port, "shutdown_grace_s": 2.0},
         "replicas": [{"name": n, "url": u, "hardware": HARDWARE} for n, u in replicas.items()],
@@ -120,7 +143,7 @@ def soak_config(port: int, replicas: dict[str, str]) -> dict[str, Any]:
                 "tight": {"api_keys": [hash_api_key(TIGHT_KEY)], "limits": {"requests_per_minute": 6}},
             }
         },
-        "limits": {"backend": "memory"},
+        "limits": limits,
     }
 
 
@@ -158,6 +181,9 @@ class SoakReport:
     idle: Sample
     warmup_s: float
     statuses: dict[str, int] = field(default_factory=dict)
+    limiter: LimiterKind = "memory"
+    redis_rss_mib: tuple[float, float] | None = None  # redis-server's RSS before and after the load
+    redis_keys: int | None = None  # keys in Redis after the load
 
     @property
     def after_warmup(self) -> Sample:
@@ -200,7 +226,18 @@ class SoakReport:
             f"slope {self.slope_mib_per_min:+.2f} MiB/min"
         )
         lines.append("answers: " + ", ".join(f"{k}: {v}" for k, v in sorted(self.statuses.items())))
+        lines.append(f"requests: {self.requests}; limiter: {self.limiter}")
+        if self.redis_rss_mib is not None:
+            before, after = self.redis_rss_mib
+            lines.append(
+                f"redis-server RSS {before:.1f} -> {after:.1f} MiB; keys after the load: {self.redis_keys}"
+            )
         return "\n".join(lines)
+
+    @property
+    def requests(self) -> int:
+        """Requests the clients sent (every outcome counted)."""
+        return sum(self.statuses.values())
 
 
 # -- load -----------------------------------------------------------------------------------------
@@ -243,12 +280,21 @@ async def _one(session: aiohttp.ClientSession, url: str, rng: random.Random, cou
                             label = "dropped"
                             break
             else:
-                await resp.read()
+                body = await resp.read()
+                if resp.status not in (200, 429):  # which error: e.g. "503 rate_limit_unavailable"
+                    label = f"{resp.status} {_error_code(body)}"
     except (aiohttp.ClientError, TimeoutError) as exc:
         label = exc.__class__.__name__
     counts[label] = counts.get(label, 0) + 1
     if label == "429":
         await asyncio.sleep(0.2)
+
+
+def _error_code(body: bytes) -> str:
+    """The ``error.code`` of an OpenAI-style error body, or ``?`` when it has none."""
+    with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+        return str(json.loads(body)["error"]["code"])
+    return "?"
 
 
 async def _client(url: str, end: float, seed: int, counts: dict[str, int]) -> None:
@@ -294,34 +340,45 @@ def soak(
     sample_s: float = 5.0,
     warmup_s: float = 60.0,
     idle_s: float = 5.0,
+    limiter: LimiterKind = "redis",
+    redis_timeout_s: float = 5.0,
 ) -> SoakReport:
-    """Start the stack in a temporary directory, drive it for ``duration_s`` seconds, stop it."""
-    with tempfile.TemporaryDirectory(prefix="sluice-soak-") as tmp_dir:
+    """Start the stack in a temporary directory (with its own ``redis-server`` when ``limiter`` is
+    ``redis``), drive it for ``duration_s`` seconds, stop it."""
+    with tempfile.TemporaryDirectory(prefix="sluice-soak-") as tmp_dir, contextlib.ExitStack() as stack:
         tmp = Path(tmp_dir)
+        redis = stack.enter_context(redis_server(name="soak-redis")) if limiter == "redis" else None
         ports = {"emu-a": free_port(), "emu-b": free_port()}
         gw_port = free_port()
         config = tmp / "sluice.yaml"
         replicas = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
-        config.write_text(yaml.safe_dump(soak_config(gw_port, replicas)))
+        redis_url = redis.url if redis else None
+        config.write_text(yaml.safe_dump(soak_config(gw_port, replicas, redis_url, redis_timeout_s)))
         url = f"http://127.0.0.1:{gw_port}"
-        with contextlib.ExitStack() as stack:
-            for seed, (name, port) in enumerate(ports.items(), start=1):
-                emu = stack.enter_context(process(emulator_args(port, seed), tmp / f"{name}.log"))
-                wait_http(f"{replicas[name]}/health", emu)
-            gw = stack.enter_context(process(gateway_args(config), tmp / "gateway.log"))
-            wait_http(f"{url}/readyz", gw)
-            _wait_models(url)
-            return asyncio.run(
-                drive(
-                    url,
-                    gw.pid,
-                    duration_s=duration_s,
-                    clients=clients,
-                    sample_s=sample_s,
-                    warmup_s=warmup_s,
-                    idle_s=idle_s,
-                )
+        for seed, (name, port) in enumerate(ports.items(), start=1):
+            emu = stack.enter_context(process(emulator_args(port, seed), tmp / f"{name}.log"))
+            wait_http(f"{replicas[name]}/health", emu)
+        gw = stack.enter_context(process(gateway_args(config), tmp / "gateway.log"))
+        wait_http(f"{url}/readyz", gw)
+        _wait_models(url)
+        redis_before = rss_mib(redis.pid) if redis else None
+        report = asyncio.run(
+            drive(
+                url,
+                gw.pid,
+                duration_s=duration_s,
+                clients=clients,
+                sample_s=sample_s,
+                warmup_s=warmup_s,
+                idle_s=idle_s,
             )
+        )
+        report.limiter = limiter
+        if redis is not None and redis_before is not None:
+            report.redis_rss_mib = (redis_before, rss_mib(redis.pid))
+            with redis.client() as client:
+                report.redis_keys = int(client.dbsize())
+        return report
 
 
 def _wait_models(url: str, timeout_s: float = 30.0) -> None:
@@ -357,6 +414,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fd-slack", type=int, default=8, help="fds allowed above baseline + clients after idle (default 8)"
     )
+    parser.add_argument(
+        "--limiter",
+        choices=("redis", "memory"),
+        default="redis",
+        help="redis: a redis-server of its own on a free port (default); memory: the in-process limiter",
+    )
+    parser.add_argument(
+        "--redis-timeout-s", type=float, default=5.0, help="limits.redis.timeout_s, seconds (default 5)"
+    )
     args = parser.parse_args(argv)
     duration_s = args.minutes * 60.0
     warmup_s = min(args.warmup_s, duration_s / 3)
@@ -366,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         sample_s=args.sample_s,
         warmup_s=warmup_s,
         idle_s=args.idle_s,
+        limiter=args.limiter,
+        redis_timeout_s=args.redis_timeout_s,
     )
     print(report.text())
     failures = []
@@ -373,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
         failures.append(f"RSS grew {report.growth_mib:.1f} MiB after warm-up (> {args.max_growth_mib})")
     if report.idle.fds > fd_bound(report, args.clients, args.fd_slack):
         failures.append(f"fds {report.baseline.fds} -> {report.idle.fds} after idle (a leak)")
+    errors = {k: v for k, v in report.statuses.items() if k not in {"200", "429", "dropped"}}
+    if errors:
+        failures.append(f"answers other than 200, 429 or a dropped stream: {errors}")
     for failure in failures:
         print("FAIL:", failure)
     return 1 if failures else 0

@@ -59,6 +59,7 @@ from gateway.replicas.emulators import EmulatorProcess, start_emulators, stop_em
 from gateway.replicas.health import HealthChecker
 from gateway.replicas.registry import ReplicaRegistry
 from gateway.replicas.scraper import MetricsScraper
+from gateway.request_body import body_read_timeout_middleware
 from gateway.settings import Settings
 from gateway.store import SettingsStore
 from gateway.tenancy import TENANCY, install_tenancy
@@ -110,7 +111,11 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
     settings = store.current
     app = web.Application(
         client_max_size=settings.server.max_body_bytes,
-        middlewares=[request_context_middleware(store), error_middleware()],
+        middlewares=[
+            request_context_middleware(store),
+            error_middleware(),
+            body_read_timeout_middleware(store),
+        ],
     )
     app[STORE] = store
     app[OUTCOME_LISTENERS] = []

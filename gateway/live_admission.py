@@ -58,7 +58,6 @@ from gateway.admission import (
     Reject,
     RejectReason,
     ReplicaView,
-    StreamingRequest,
     UniformSource,
     VirtualTokenCounter,
     choose_class,
@@ -66,6 +65,7 @@ from gateway.admission import (
     decision_headers,
 )
 from gateway.admission.fairness import TokenWeights
+from gateway.admission.views import TrackedStream
 from gateway.errors import (
     ClientClosedRequest,
     GatewayError,
@@ -103,15 +103,6 @@ MAX_TICK_S: Final = 0.25
 #: Limits of a replica the prediction service does not know (never binding).
 _UNKNOWN_LIMITS: Final = Limits(1 << 40, 1, 1, 1 << 30)
 _NO_MODEL: Final = unknown_step_model("replica unknown to the prediction service")
-
-
-@dataclass(slots=True)
-class _Stream:
-    """What admission remembers about a request it sent to a replica (beside its ``LiveRequest``)."""
-
-    request_class: str
-    expected_output_tokens: float
-    predicted_tpot_s: float
 
 
 @dataclass(slots=True)
@@ -222,7 +213,8 @@ class LiveAdmission:
         #: share is a share of the GPU time its budget pays for. ``None``: the queue's costs.
         self.token_weights: Callable[[], TokenWeights] | None = None
         self._controllers: dict[str, AdmissionController] = {}
-        self._streams: dict[str, dict[LiveRequest, _Stream]] = {}
+        #: What admission remembers of the requests it sent, per replica (``TrackedStream``).
+        self._streams: dict[str, dict[LiveRequest, TrackedStream[InFlight]]] = {}
         self._waiting: dict[tuple[str, int], _Waiter] = {}
         #: Views per model, per replica name.
         self._views: dict[str, dict[str, _Cached]] = {}
@@ -638,7 +630,7 @@ class LiveAdmission:
     def _view(self, replica: Replica, route: str, now: float) -> ReplicaView:
         model, _ = split_route(route)
         streams = self._streams.get(replica.name, {})
-        in_flight = [live.freeze() for live in streams]
+        in_flight = [s.in_flight() for s in streams.values()]
         try:
             step_model, state = self._service.replica_inputs(
                 replica.name, model=model, tenant=None, in_flight=in_flight, now=now
@@ -647,16 +639,7 @@ class LiveAdmission:
             log.exception("replica state for %s failed; judging it as unmodelled", replica.name)
             step_model, state = _NO_MODEL, _fallback_state(in_flight)
         self._note_staleness(replica.name, state.stale)
-        running = [
-            StreamingRequest(
-                s.request_class,
-                live.prompt_tokens,
-                live.tokens_streamed,
-                s.expected_output_tokens,
-                s.predicted_tpot_s,
-            )
-            for live, s in streams.items()
-        ]
+        running = [s.streaming() for s in streams.values()]
         return ReplicaView.build(
             replica.name, healthy=True, model=step_model, state=state, streams=running, stale=state.stale
         )
@@ -684,7 +667,8 @@ class LiveAdmission:
         output = areq.expected_output_tokens
         if forecast is not None:
             output = forecast.output_tokens_used
-        self._streams.setdefault(replica, {})[live] = _Stream(areq.request_class, output, tpot)
+        tracked = TrackedStream(live, areq.request_class, output, tpot)
+        self._streams.setdefault(replica, {})[live] = tracked
         self._touch(replica)
 
     def _forget(self, live: LiveRequest) -> None:

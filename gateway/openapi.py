@@ -6,7 +6,7 @@ What it describes
     (``/healthz``, ``/readyz``), the admin routes (``/metrics``, ``/metrics/replicas``,
     ``/sluice/v1/replicas``) and ``/openapi.json`` itself, with the OpenAI-style error body
     ``{"error": {"message", "type", "param", "code"}}`` on every status Sluice itself answers with
-    (400, 401, 404, 405, 413, 429, 502, 503), the 429's ``Retry-After``, ``retry-after-ms`` and
+    (400, 401, 404, 405, 408, 413, 429, 502, 503), the 429's ``Retry-After``, ``retry-after-ms`` and
     ``x-ratelimit-*`` headers, and the bearer API key.
 
 Where the request schemas come from
@@ -88,6 +88,8 @@ _ERRORS: Final[Mapping[int, str]] = {
     401: "Missing, malformed or unknown API key (or admin token); carries ``WWW-Authenticate``.",
     404: "Unknown route, or no replica serves the model (``model_not_found``).",
     405: "Wrong method for this path; carries ``Allow``.",
+    408: "The body did not arrive within ``server.client_read_timeout_s`` (``request_timeout``); "
+    "the connection is closed.",
     413: "Body over ``server.max_body_bytes`` (``request_too_large``).",
     429: "The tenant's budget is spent (``rate_limit_exceeded``) or admission refused the request "
     "for load (``overloaded``, ``slo_unattainable``, ``deadline_exceeded``).",

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -444,11 +445,7 @@ class Proxy:
     async def _send(self, ex: _Exchange) -> aiohttp.ClientResponse:
         """POST to the replica and return once its headers arrived; connection failures -> 502."""
         server = ex.settings.server
-        timeout = aiohttp.ClientTimeout(
-            total=None,
-            sock_connect=server.upstream_connect_timeout_s,
-            sock_read=server.upstream_read_timeout_s,
-        )
+        timeout = _upstream_timeout(server.upstream_connect_timeout_s, server.upstream_read_timeout_s)
         url = ex.replica.base_url + upstream_path(ex.parsed)
         ex.outcome.dispatched_at = self._clock()
         try:
@@ -709,6 +706,13 @@ async def _write(ex: _Exchange, response: web.StreamResponse, data: bytes) -> No
         if ex.request.transport is not None:
             ex.request.transport.abort()
         raise ConnectionResetError("the client took no data for server.client_write_timeout_s") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _upstream_timeout(connect_s: float, read_s: float) -> aiohttp.ClientTimeout:
+    """The upstream timeouts (seconds; no total: a stream may last long), one immutable object per
+    setting instead of one per request."""
+    return aiohttp.ClientTimeout(total=None, sock_connect=connect_s, sock_read=read_s)
 
 
 def _forwarded(request: web.Request) -> CIMultiDict[str]:

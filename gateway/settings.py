@@ -82,6 +82,15 @@ class ServerSettings(Section):
             "connection is aborted and the replica's request closed, freeing the slot."
         ),
     ] = 60.0
+    client_read_timeout_s: Annotated[
+        PositiveSeconds,
+        Field(
+            le=3600,
+            description="Longest time a client may take to send a request's whole body once its headers "
+            "arrived, in seconds; past it the gateway answers 408 (request_timeout) and closes the "
+            "connection, before any tenant budget or replica is involved. Bounds body dribblers.",
+        ),
+    ] = 30.0
     shutdown_grace_s: Annotated[
         float,
         Field(

@@ -30,20 +30,24 @@ What it does
     only (``docs/tenants.md`` shows both set-ups).
 
 Token weights
-    ``limits.token_weights`` when set. Otherwise ``w_in = 1`` and ``w_out`` is the step model's
-    GPU time of one decode token over one prefill token (``decode_to_prefill_ratio``), averaged
-    over the replicas that have a valid step model, recomputed at most every ``WEIGHTS_REFRESH_S``
-    seconds; 2 (VTC's 1 : 2) until one has. A reservation is settled with the weights it was made
-    with, so a refit between the two never shifts a tenant's balance.
+    ``limits.token_weights`` when set. Otherwise a weighted token is a prompt token's worth of GPU
+    time on the replicas as they run: ``w_in = 1`` and ``w_out`` is the step model's GPU time of
+    one decode token over one prefill token at the decode batch each replica's engine steps
+    really carried over its latest scrape window (``fleet_token_weights``, ``step_model_prices``),
+    averaged over the replicas that have a valid step model, recomputed at most every
+    ``WEIGHTS_REFRESH_S`` seconds; 2 (VTC's 1 : 2) until one has. A reservation is settled with
+    the weights it was made with, so a refit between the two never shifts a tenant's balance.
 
 Trade-offs
     The settle runs as its own task, created synchronously in ``finally`` (no ``await`` between
     the end of the handler and its creation, so no cancellation can skip it), and not awaited:
     a non-streamed response is not delayed by a Redis round trip. The lifecycle awaits
-    outstanding settles before it closes the limiter. The request body is parsed here and again
-    by the proxy (one ``json.loads`` more per limited request; ``bench/tenancy_cost.py`` measures
-    the whole cost). Each reservation has its own random id: a client-chosen ``x-request-id``
-    repeated on concurrent requests must not make the limiter treat them as one retried call.
+    outstanding settles before it closes the limiter, and closing it gives every settle whose
+    Redis call failed (re-run in the background until Redis answers) one last attempt. The
+    request body is parsed here and again by the proxy (one ``json.loads`` more per limited
+    request; ``bench/tenancy_cost.py`` measures the whole cost). Each reservation has its own
+    random id: a client-chosen ``x-request-id`` repeated on concurrent requests must not make the
+    limiter treat them as one retried call.
 
 Secrets
     Nothing here logs a key, a hash or an ``Authorization`` value; 401 bodies never echo them.
@@ -52,6 +56,7 @@ Secrets
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -100,22 +105,26 @@ __all__ = [
     "TENANT",
     "Held",
     "Tenancy",
+    "TokenPrices",
     "decode_to_prefill_ratio",
     "fleet_token_weights",
     "go_duration",
     "install_tenancy",
     "rate_limit_headers",
+    "replica_prices",
     "settled_usage",
+    "step_model_prices",
 ]
 
 log = logging.getLogger("sluice.tenancy")
 
 #: Default weights until a step model exists: VTC's 1 : 2 (Sheng et al., OSDI 2024).
 DEFAULT_WEIGHTS: Final = TokenWeights(input=1.0, output=2.0)
-#: Least seconds between two recomputations of the step-model weights.
-WEIGHTS_REFRESH_S: Final = 10.0
-#: The decode step a decode token's GPU time is taken from: a busy replica's batch (at most
-#: ``max_num_seqs``) of sequences with this many tokens of context each.
+#: Least seconds between two recomputations of the step-model weights (a few step-time lookups
+#: per replica; the fit and the observed batch change by the scrape, every second or so).
+WEIGHTS_REFRESH_S: Final = 1.0
+#: The decode step a decode token's GPU time is taken from, until the replica's own batch is
+#: observed: this many sequences (at most ``max_num_seqs``) with this many tokens of context each.
 DECODE_BATCH_SEQS: Final = 256
 DECODE_CONTEXT_TOKENS: Final = 1024
 #: Defaults of the engine limits a replica's YAML may leave out (vLLM's, and the predictor's).
@@ -150,43 +159,126 @@ HELD: Final = web.RequestKey("tenant_reservation", Held)
 # -- numbers -----------------------------------------------------------------------------------------
 
 
-def decode_to_prefill_ratio(
-    model: StepModel, *, max_num_batched_tokens: int, max_num_seqs: int
-) -> float | None:
-    """GPU seconds of one decode token over GPU seconds of one prefill token, per ``model``.
+@dataclass(frozen=True, slots=True)
+class TokenPrices:
+    """GPU seconds of one prompt (``prefill_s``) and one output token (``decode_s``) on a replica."""
 
-    Prefill: a full chunk of ``max_num_batched_tokens`` tokens of a fresh prompt, per token.
-    Decode: a step of ``min(max_num_seqs, DECODE_BATCH_SEQS)`` sequences each reading
-    ``DECODE_CONTEXT_TOKENS`` tokens of KV, per sequence. ``None`` when the model is not valid
-    or either time is not a positive finite number.
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def ratio(self) -> float:
+        """``decode_s / prefill_s``: what ``w_out`` is with ``w_in = 1``."""
+        return self.decode_s / self.prefill_s
+
+
+def step_model_prices(
+    model: StepModel,
+    *,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    decode_seqs: float | None = None,
+    context_tokens: float | None = None,
+) -> TokenPrices | None:
+    """A prompt and an output token's GPU seconds per ``model``, at the batch the replica runs.
+
+    A step costs a fixed part whatever it carries (``base``: overheads, reading the weights),
+    shared by the sequences it serves, plus what each token and each sequence's attention add.
+
+    * Decode: one step of the decode batch, per sequence: ``t(D decodes, D x C KV tokens) / D``,
+      with ``D = decode_seqs`` (the replica's observed output tokens per step; default
+      ``min(max_num_seqs, DECODE_BATCH_SEQS)``), at least 1 and at most ``max_num_seqs``, and
+      ``C = context_tokens`` KV tokens each (observed; default ``DECODE_CONTEXT_TOKENS``).
+    * Prefill: what a full chunk of ``max_num_batched_tokens`` tokens of a fresh prompt adds to
+      that step, per token: ``(t(batch + chunk) - t(batch)) / chunk`` (a prompt rides in a step
+      that runs anyway: the fixed part is the decodes'), but never less than ``t(batch) / chunk``:
+      a full chunk at least doubles a decode step on any real engine (thousands of tokens of
+      compute against a few dozen), and a fit whose per-token prefill term is still near zero (a
+      replica that has seen few prompts) must not make prompts free and price an output token
+      at hundreds of thousands of prompt tokens.
+
+    ``None`` when the model is not valid or either time is not a positive finite number.
     """
     if not model.valid:
         return None
+    cap = float(max(1, max_num_seqs))
+    seqs = float(min(max_num_seqs, DECODE_BATCH_SEQS)) if decode_seqs is None else decode_seqs
+    seqs = min(max(seqs, 1.0), cap)
+    context = DECODE_CONTEXT_TOKENS if context_tokens is None else max(context_tokens, 1.0)
+    batch = StepBatch(decode_seqs=seqs, kv_tokens_read=seqs * context)
+    step = model.step_time(batch)
     chunk = float(max_num_batched_tokens)
-    prefill = model.step_time(StepBatch(prefill_tokens=chunk, prefill_attn_pairs=chunk * chunk / 2.0)) / chunk
-    seqs = float(min(max_num_seqs, DECODE_BATCH_SEQS))
-    decode = model.step_time(StepBatch(decode_seqs=seqs, kv_tokens_read=seqs * DECODE_CONTEXT_TOKENS)) / seqs
+    with_chunk = dataclasses.replace(batch, prefill_tokens=chunk, prefill_attn_pairs=chunk * chunk / 2.0)
+    prefill = max(model.step_time(with_chunk) - step, step) / chunk
+    decode = step / seqs
     if not (math.isfinite(prefill) and math.isfinite(decode) and prefill > 0 and decode > 0):
         return None
-    return decode / prefill
+    return TokenPrices(prefill_s=prefill, decode_s=decode)
+
+
+def decode_to_prefill_ratio(
+    model: StepModel,
+    *,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    decode_seqs: float | None = None,
+    context_tokens: float | None = None,
+) -> float | None:
+    """``step_model_prices(...).ratio``: GPU seconds of one decode token over one prefill token,
+    per ``model``; ``None`` when it has none."""
+    prices = step_model_prices(
+        model,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        decode_seqs=decode_seqs,
+        context_tokens=context_tokens,
+    )
+    return None if prices is None else prices.ratio
+
+
+def replica_prices(
+    service: PredictionService, replica: ReplicaSettings, model: StepModel
+) -> TokenPrices | None:
+    """The GPU seconds of a prompt and an output token on ``replica`` per ``model`` (its step
+    model), at the decode batch ``service`` saw it run over its latest scrape window; at the
+    defaults of ``step_model_prices`` before one. ``None`` when ``model`` gives no prices."""
+    hardware = replica.hardware
+    seqs: float | None = None
+    context: float | None = None
+    window = service.latest_window(replica.name)
+    if window is not None:
+        snapshot, gauges = window
+        steps, output = snapshot.steps_per_s, snapshot.generation_tokens_per_s
+        if steps is not None and output is not None and steps > 0.0 and output > 0.0:
+            seqs = output / steps
+        if gauges.running > 0.0 and gauges.kv_tokens > 0.0:
+            context = gauges.kv_tokens / gauges.running
+    return step_model_prices(
+        model,
+        max_num_batched_tokens=hardware.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        max_num_seqs=hardware.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+        decode_seqs=seqs,
+        context_tokens=context,
+    )
 
 
 def fleet_token_weights(service: PredictionService, replicas: Iterable[ReplicaSettings]) -> TokenWeights:
-    """``w_in = 1`` and ``w_out`` = the mean ``decode_to_prefill_ratio`` of ``replicas`` that have a
-    valid step model in ``service``, rounded to 0.01; ``DEFAULT_WEIGHTS`` when none has."""
+    """``w_in = 1`` and ``w_out`` = the mean over ``replicas`` with a valid step model in
+    ``service`` of their output token's GPU time over their prompt token's, rounded to 0.01;
+    ``DEFAULT_WEIGHTS`` when none has one.
+
+    Per replica (``replica_prices``): the step model's prices (``step_model_prices``) at the
+    decode batch its engine steps really carried over its latest scrape window (output tokens
+    per step, KV tokens in use per running request), not at a nominal one.
+    """
     ratios: list[float] = []
     for replica in replicas:
         model = service.step_model(replica.name)
         if model is None:
             continue
-        hardware = replica.hardware
-        ratio = decode_to_prefill_ratio(
-            model,
-            max_num_batched_tokens=hardware.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
-            max_num_seqs=hardware.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
-        )
-        if ratio is not None:
-            ratios.append(ratio)
+        prices = replica_prices(service, replica, model)
+        if prices is not None:
+            ratios.append(prices.ratio)
     if not ratios:
         return DEFAULT_WEIGHTS
     return TokenWeights(input=1.0, output=max(round(sum(ratios) / len(ratios), 2), 0.01))

@@ -16,10 +16,14 @@ What it does
 Inputs consumed
     ``TokenWeights``: the cost of one prompt token (``input``), one output token (``output``) and
     one request (``request``), in any one unit (only ratios matter). ``TokenWeights()`` is VTC's
-    1 : 2; ``AdmissionController`` and the live gateway use ``from_queue_settings``: the queue's
-    job-size costs in seconds per token (``admission.queue.prompt_token_cost_s`` and
-    ``output_token_cost_s``), or ``REQUEST_COUNT`` (every request 1, tokens 0: request-count
-    fairness) with ``admission.queue.fairness: requests``. Tenant
+    1 : 2; ``AdmissionController`` starts from ``from_queue_settings``: the queue's job-size costs
+    in seconds per token (``admission.queue.prompt_token_cost_s`` and ``output_token_cost_s``),
+    or ``REQUEST_COUNT`` (every request 1, tokens 0: request-count fairness) with
+    ``admission.queue.fairness: requests``. The live gateway charges, with ``fairness: tokens``,
+    the tenants' budget weights instead (``LiveAdmission.token_weights``, i.e.
+    ``gateway.tenancy.Tenancy.weights``: the GPU time of a prompt and an output token on the
+    replicas as they run, or ``limits.token_weights``), so that a tenant's fair share is a share
+    of GPU time and of the currency its budget pays in. Tenant
     weights (> 0) from the tenants' configuration; a tenant not listed weighs 1. The tenant key is
     ``AdmissionRequest.tenant``; ``None`` (no tenant) is one tenant like any other.
 

@@ -10,12 +10,98 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from gateway.admission.request import AdmissionRequest
 from gateway.admission.shares import EMPTY_LOAD, ClassLoad, StreamingRequest, class_loads
 from predictor import Forecast, ReplicaState, StepBatch, StepModel
 
-__all__ = ["ReplicaView", "current_step_s", "with_queued"]
+__all__ = ["LiveEntry", "ReplicaView", "TrackedStream", "current_step_s", "with_queued"]
+
+_Frozen_co = TypeVar("_Frozen_co", covariant=True)
+_Frozen = TypeVar("_Frozen")
+
+
+class LiveEntry(Protocol[_Frozen_co]):
+    """A dispatched request's mutable in-flight entry (``gateway.replicas.registry.LiveRequest``):
+    prompt tokens (an estimate until usage arrives), tokens streamed so far, when the latest was
+    relayed (monotonic seconds, ``None`` before the first), and its immutable snapshot."""
+
+    @property
+    def prompt_tokens(self) -> int: ...
+
+    @property
+    def tokens_streamed(self) -> int: ...
+
+    @property
+    def last_token_at(self) -> float | None: ...
+
+    def freeze(self) -> _Frozen_co: ...
+
+
+class TrackedStream(Generic[_Frozen]):
+    """One request admission sent to a replica: its live entry, what admission predicted for it,
+    and the immutable forms a view is built from, kept until the entry changes.
+
+    ``request_class``: the class it was admitted as. ``expected_output_tokens``: its predicted
+    output (tokens). ``predicted_tpot_s``: its forecast TPOT at dispatch (seconds).
+
+    A view rebuild needs every stream on the replica twice: frozen (``live.freeze()``, for the
+    prediction service's state) and as a ``StreamingRequest`` (for the class loads). Both are
+    immutable objects that change only when the entry does (a streamed token, the real prompt
+    size), so ``in_flight()`` and ``streaming()`` return the objects built last time unless the
+    fields they copy changed: exactly what a fresh build would return, without allocating two
+    objects per stream per rebuild (issue 7's profile: the rebuilds run on every decision).
+    """
+
+    __slots__ = (
+        "_frozen",
+        "_frozen_key",
+        "_streaming",
+        "expected_output_tokens",
+        "live",
+        "predicted_tpot_s",
+        "request_class",
+    )
+
+    def __init__(
+        self,
+        live: LiveEntry[_Frozen],
+        request_class: str,
+        expected_output_tokens: float,
+        predicted_tpot_s: float,
+    ) -> None:
+        self.live = live
+        self.request_class = request_class
+        self.expected_output_tokens = expected_output_tokens
+        self.predicted_tpot_s = predicted_tpot_s
+        self._frozen: _Frozen | None = None
+        self._frozen_key: tuple[int, int, float | None] | None = None
+        self._streaming: StreamingRequest | None = None
+
+    def in_flight(self) -> _Frozen:
+        """``live.freeze()`` as of now (the same object while prompt, tokens streamed and the
+        latest token's time are unchanged; the entry's other fields never change)."""
+        live = self.live
+        key = (live.prompt_tokens, live.tokens_streamed, live.last_token_at)
+        if self._frozen is None or key != self._frozen_key:
+            self._frozen = live.freeze()
+            self._frozen_key = key
+        return self._frozen
+
+    def streaming(self) -> StreamingRequest:
+        """The stream as the class loads count it, as of now."""
+        live = self.live
+        s = self._streaming
+        if s is None or s.generated_tokens != live.tokens_streamed or s.prompt_tokens != live.prompt_tokens:
+            s = self._streaming = StreamingRequest(
+                self.request_class,
+                live.prompt_tokens,
+                live.tokens_streamed,
+                self.expected_output_tokens,
+                self.predicted_tpot_s,
+            )
+        return s
 
 
 @dataclass(frozen=True, slots=True)

@@ -237,6 +237,17 @@ class LimiterStats:
     transitions_total: int = 0
     #: True while the failure policy is active (storage considered down).
     degraded: bool = False
+    #: Repairs started: a settle (or a reserve) whose storage call failed is run again in the
+    #: background until storage answers it (``RedisLimiter``), so its refund is never lost.
+    repairs_total: int = 0
+    #: Repair attempts that failed again and were retried after a backoff.
+    repair_retries_total: int = 0
+    #: Repairs whose call applied the settle (the failed call had not run on the server).
+    repairs_applied_total: int = 0
+    #: Repairs given up: their lease expired, or the limiter closed while storage was down.
+    repairs_abandoned_total: int = 0
+    #: Repairs started and not finished yet.
+    repairs_pending: int = 0
 
     def count_reserve(self, reservation: Reservation) -> None:
         """Count one answered reserve."""

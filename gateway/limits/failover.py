@@ -15,8 +15,9 @@ Inputs consumed
 Trade-offs
     A reservation is settled where it was made (``Reservation.origin``): fallback reservations
     on the fallback, primary ones on the primary even after an outage began. A settle that
-    fails is counted and dropped rather than raised: the request is over, its tokens refill on
-    their own and its lease expires. While down, reserves do not touch storage until the next
+    fails is counted and not raised (the request is over): the primary re-runs it in the
+    background until storage answers (``RedisLimiter``'s repairs), so its refund is applied late
+    rather than lost. While down, reserves do not touch storage until the next
     probe, so an outage adds no timeout to every request (Envoy's ``failure_mode_deny`` is the
     same choice, made by the caller and always counted).
 """

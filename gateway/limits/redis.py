@@ -25,9 +25,14 @@ Trade-offs
     Every script is idempotent per request id (a repeated reserve takes nothing more; a repeated
     settle does nothing), so redis-py may retry a call on a fresh connection safely. A call that
     timed out may still have run on the server: a reserve would then hold a concurrency slot for
-    ``lease_ttl_s``, so a failed reserve or settle is repaired once in the background after
-    ``repair_delay_s`` (an idempotent settle that releases the lease and refunds its tokens).
-    A settle whose lease already expired is a no-op: its refund is lost, never double-applied.
+    ``lease_ttl_s``, and a settle that did not run would lose its refund and hold its slot: so a
+    failed reserve or settle is repaired in the background (an idempotent settle that releases
+    the lease and refunds its tokens, or does nothing if the first call ran), first after
+    ``repair_delay_s``, then again after a backoff doubling up to ``repair_backoff_max_s`` for as
+    long as storage fails, until storage answers or the lease has expired. ``close`` makes every
+    pending repair try once more at once and waits for them (each within ``timeout_s``). Only a
+    storage that stays down for the whole lease loses a refund (the settle is then a no-op: a
+    refund is lost, never double-applied). ``LimiterStats.repairs_*`` count all of it.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -59,6 +65,13 @@ from gateway.limits.memory import DEFAULT_LEASE_TTL_S
 
 RedisClient = redis.asyncio.Redis | RedisCluster
 
+#: Backoff between two attempts of a repair: from this, doubling...
+REPAIR_BACKOFF_MIN_S = 0.1
+#: ...up to this (``RedisLimiter(repair_backoff_max_s=...)``), in seconds.
+REPAIR_BACKOFF_MAX_S = 30.0
+#: ``close`` waits this much longer than one call's timeout for the repairs' last attempts.
+CLOSE_MARGIN_S = 1.0
+
 _BLOCKED_BITS: tuple[tuple[int, LimitKind], ...] = ((1, "tokens"), (2, "requests"), (4, "concurrency"))
 _OVERSIZE_BIT = 8
 
@@ -73,21 +86,26 @@ def connect(
 ) -> RedisClient:
     """A client for ``url`` (``redis://host:port/db`` or ``rediss://``), not yet connected.
 
-    Socket and connect timeouts are ``timeout_s``; a failed command is retried once on a fresh
-    connection (a server restart leaves stale pooled sockets), within the caller's timeout.
-    With ``cluster``, ``url`` names any node; the others are discovered.
+    The connect timeout is ``timeout_s``; a failed command is retried once on a fresh connection
+    (a server restart leaves stale pooled sockets), within the caller's timeout. There is no
+    per-command socket timeout: every call of ``RedisLimiter`` is bounded by its own
+    ``asyncio.timeout(timeout_s)`` (waiting for a connection, sending and reading included), and
+    redis-py's ``socket_timeout`` would arm two more timers per command (a ``wait_for`` around the
+    send and a timeout around the read) for the same bound. A call cut by that timeout closes its
+    connection (redis-py disconnects on cancellation), so a hung server's reply is never read by a
+    later command. With ``cluster``, ``url`` names any node; the others are discovered.
     """
     if cluster:
         return RedisCluster.from_url(
             url,
-            socket_timeout=timeout_s,
+            socket_timeout=None,
             socket_connect_timeout=timeout_s,
             max_connections=max_connections,
             retry=Retry(NoBackoff(), 3),
         )
     return redis.asyncio.Redis.from_url(
         url,
-        socket_timeout=timeout_s,
+        socket_timeout=None,
         socket_connect_timeout=timeout_s,
         max_connections=max_connections,
         retry=Retry(NoBackoff(), 1),
@@ -115,6 +133,7 @@ class RedisLimiter:
         key_prefix: str = "sluice",
         max_concurrent_calls: int = 64,
         repair_delay_s: float = 1.0,
+        repair_backoff_max_s: float = REPAIR_BACKOFF_MAX_S,
         stats: LimiterStats | None = None,
         name: str = "redis",
     ) -> None:
@@ -122,6 +141,8 @@ class RedisLimiter:
             raise ValueError(
                 "timeout_s and lease_ttl_s must be > 0, max_concurrent_calls >= 1, repair_delay_s >= 0"
             )
+        if repair_backoff_max_s <= 0:
+            raise ValueError(f"repair_backoff_max_s must be > 0, got {repair_backoff_max_s!r}")
         if "{" in key_prefix or "}" in key_prefix:
             raise ValueError(
                 f"key_prefix must not contain braces (they are the hash tag), got {key_prefix!r}"
@@ -131,6 +152,7 @@ class RedisLimiter:
         self.lease_ttl_s = lease_ttl_s
         self.key_prefix = key_prefix
         self.repair_delay_s = repair_delay_s
+        self.repair_backoff_max_s = repair_backoff_max_s
         self.stats = stats if stats is not None else LimiterStats()
         self._client = client
         self._calls = asyncio.Semaphore(max_concurrent_calls)
@@ -142,6 +164,8 @@ class RedisLimiter:
         self._settle = client.register_script(script_text("settle.lua"))
         self._in_flight = client.register_script(script_text("in_flight.lua"))
         self._repairs: set[asyncio.Task[None]] = set()
+        #: Set by ``close``: every pending repair stops waiting and tries once more, now.
+        self._closing = asyncio.Event()
 
     def keys(self, tenant: str) -> TenantKeys:
         """The keys of ``tenant``; raises ValueError for a name with braces (it would break the tag)."""
@@ -220,6 +244,14 @@ class RedisLimiter:
         return int(await self._call(self._in_flight, (self.keys(tenant).leases,), ()))
 
     async def close(self) -> None:
+        """Run every pending repair once more, now, and wait for them; then close the client.
+
+        Bounded: each last attempt is one call within ``timeout_s``. A repair whose last attempt
+        fails is abandoned (counted): its lease expires on its own.
+        """
+        self._closing.set()
+        if self._repairs:
+            await asyncio.wait(set(self._repairs), timeout=self.timeout_s + CLOSE_MARGIN_S)
         for task in list(self._repairs):
             task.cancel()
         await asyncio.gather(*self._repairs, return_exceptions=True)
@@ -229,23 +261,58 @@ class RedisLimiter:
         """Repairs scheduled and not yet finished (see ``_repair_later``)."""
         return len(self._repairs)
 
+    async def wait_repairs(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` seconds for the pending repairs (and any they are retrying) to
+        finish, without hurrying them; returns how many are still pending."""
+        if self._repairs:
+            await asyncio.wait(set(self._repairs), timeout=timeout_s)
+        return len(self._repairs)
+
     def _repair_later(self, keys: TenantKeys, settle_args: tuple[str | float, ...]) -> None:
-        """After ``repair_delay_s``, run the settle script once more with ``settle_args``.
+        """Run the settle script with ``settle_args`` in the background until storage answers.
 
-        A call that failed may still have run on the server (a timeout only loses the reply), and
-        a reserve that ran holds a concurrency slot for ``lease_ttl_s``. Settling is idempotent
-        per request id, so this repair releases such a lease (refunding its tokens) exactly once,
-        and does nothing if the original call never ran. The delay lets a command still queued on
-        the server run first. If storage is still down, the lease expires on its own.
+        A call that failed may still have run on the server (a timeout only loses the reply), or
+        not at all: then a settle's refund is not applied and a reserve that ran holds a
+        concurrency slot for ``lease_ttl_s``. Settling is idempotent per request id, so running
+        it again applies the settle (releasing the lease, refunding its tokens) exactly once, and
+        does nothing if the original call ran. The first attempt waits ``repair_delay_s``, so a
+        command still queued on the server runs first; a failed attempt is retried after a
+        backoff (doubling from ``REPAIR_BACKOFF_MIN_S``, at most ``repair_backoff_max_s``) until
+        one is answered, or the lease has expired (nothing left to repair), or ``close``.
         """
-        task = asyncio.get_running_loop().create_task(self._repair(keys, settle_args))
+        self.stats.repairs_total += 1
+        self.stats.repairs_pending += 1
+        expires_at = time.monotonic() + self.lease_ttl_s
+        task = asyncio.get_running_loop().create_task(self._repair(keys, settle_args, expires_at))
         self._repairs.add(task)
-        task.add_done_callback(self._repairs.discard)
+        task.add_done_callback(self._repair_done)
 
-    async def _repair(self, keys: TenantKeys, settle_args: tuple[str | float, ...]) -> None:
-        await asyncio.sleep(self.repair_delay_s)
-        with contextlib.suppress(LimiterUnavailable):
-            await self._call(self._settle, (keys.tokens, keys.leases), settle_args)
+    def _repair_done(self, task: asyncio.Task[None]) -> None:
+        self._repairs.discard(task)
+        self.stats.repairs_pending -= 1
+        if task.cancelled():
+            self.stats.repairs_abandoned_total += 1
+
+    async def _repair(
+        self, keys: TenantKeys, settle_args: tuple[str | float, ...], expires_at: float
+    ) -> None:
+        delay = self.repair_delay_s
+        while True:
+            if not self._closing.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._closing.wait(), delay)
+            try:
+                applied = await self._call(self._settle, (keys.tokens, keys.leases), settle_args)
+            except LimiterUnavailable:
+                delay = min(max(delay * 2.0, REPAIR_BACKOFF_MIN_S), self.repair_backoff_max_s)
+                if self._closing.is_set() or time.monotonic() + delay >= expires_at:
+                    self.stats.repairs_abandoned_total += 1
+                    return
+                self.stats.repair_retries_total += 1
+                continue
+            if int(applied) == 1:
+                self.stats.repairs_applied_total += 1
+            return
 
     async def _call(self, script: AsyncScript, keys: Sequence[str], args: Sequence[str | float | int]) -> Any:
         """Run ``script`` within ``timeout_s`` (queueing for a call slot included)."""

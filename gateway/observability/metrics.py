@@ -89,7 +89,7 @@ import re
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar, cast
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -103,6 +103,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from gateway.observability.logs import RequestOutcome
@@ -143,6 +144,7 @@ ERROR_BUCKETS: Final = (
 ABS_ERROR_BUCKETS: Final = (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.35, 0.5, 0.75, 1, 2, 5)
 
 NONE_LABEL: Final = "none"
+_Metric = TypeVar("_Metric", bound=MetricWrapperBase)
 OTHER_LABEL: Final = "other"
 _CODE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 #: Outcome errors that mean the client left, not that Sluice or the replica failed.
@@ -197,6 +199,9 @@ class LimiterStatsView(Protocol):
     transitions_total: int
     local_cache_rejections_total: int
     degraded: bool
+    repairs_total: int
+    repairs_abandoned_total: int
+    repairs_pending: int
 
 
 FitSource = Callable[[str], FitReport | None]
@@ -342,6 +347,8 @@ class SluiceMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._classes: frozenset[str] = frozenset()
         self._tenants: frozenset[str] = frozenset()
+        #: ``child``'s memo: per metric, its children by label values.
+        self._children: dict[MetricWrapperBase, dict[tuple[str, ...], MetricWrapperBase]] = {}
         r = self.registry
         self.build_info = Gauge(
             "sluice_build_info", "Always 1; the running version.", ["version"], registry=r
@@ -564,17 +571,31 @@ class SluiceMetrics:
         return limited(name, self._tenants)
 
     # -- per request ---------------------------------------------------------------------------------
+    def child(self, metric: _Metric, *values: str) -> _Metric:
+        """``metric.labels(*values)``, memoised per metric and label values: one dict lookup
+        instead of prometheus_client's validation, string conversion and lock on every call
+        (issue 7's profile: several ``labels`` calls per request). Nothing here removes children,
+        so the memoised child is the one ``labels`` returns; label values are bounded (classes
+        and tenants by ``set_known_labels``, replicas by the configuration)."""
+        children = self._children.get(metric)
+        if children is None:
+            children = self._children[metric] = {}
+        found = children.get(values)
+        if found is None:
+            found = children[values] = metric.labels(*values)
+        return cast(_Metric, found)
+
     def observe_outcome(self, outcome: RequestOutcome) -> None:
         """Count one finished request (an ``OutcomeListener``): decision, status, tokens, latencies,
         predictions against observations, SLO result and overhead. Never raises on odd values."""
         cls = self.class_label(_text(outcome, "request_class"))
         tenant = self.tenant_label(_text(outcome, "tenant"))
         decision, reason = decision_of(outcome)
-        self.requests.labels(cls, tenant, decision, reason).inc()
+        self.child(self.requests, cls, tenant, decision, reason).inc()
         if outcome.status is not None:
-            self.responses.labels(cls, str(outcome.status)).inc()
+            self.child(self.responses, cls, str(outcome.status)).inc()
         if outcome.error is not None:
-            self.request_errors.labels(cls, code_label(outcome.error)).inc()
+            self.child(self.request_errors, cls, code_label(outcome.error)).inc()
         self._observe_tokens(outcome, cls, tenant)
         self._observe_admission(outcome, cls, decision, reason)
         self._observe_latency(outcome, cls)
@@ -582,35 +603,35 @@ class SluiceMetrics:
             self._observe_prediction(outcome, outcome.replica)
         result = slo_result(outcome)
         if result is not None:
-            self.slo.labels(cls, result).inc()
+            self.child(self.slo, cls, result).inc()
         overhead = proxy_overhead_s(outcome)
         if overhead is not None:
             self.proxy_overhead.observe(overhead)
 
     def _observe_tokens(self, outcome: RequestOutcome, cls: str, tenant: str) -> None:
         if outcome.prompt_tokens:
-            self.prompt_tokens.labels(cls, tenant).inc(outcome.prompt_tokens)
+            self.child(self.prompt_tokens, cls, tenant).inc(outcome.prompt_tokens)
         if outcome.completion_tokens:
-            self.completion_tokens.labels(cls, tenant).inc(outcome.completion_tokens)
+            self.child(self.completion_tokens, cls, tenant).inc(outcome.completion_tokens)
 
     def _observe_admission(self, outcome: RequestOutcome, cls: str, decision: str, reason: str) -> None:
         wait = _number(outcome, "queue_wait_s")
         if wait is not None:
-            self.queue_wait.labels(cls, decision).observe(max(0.0, wait))
+            self.child(self.queue_wait, cls, decision).observe(max(0.0, wait))
         retry_after = _number(outcome, "retry_after_s")
         if retry_after is not None and decision == "rejected":
-            self.retry_after.labels(cls, reason).observe(max(0.0, retry_after))
+            self.child(self.retry_after, cls, reason).observe(max(0.0, retry_after))
 
     def _observe_latency(self, outcome: RequestOutcome, cls: str) -> None:
         duration = outcome.duration_s
         if duration is not None:
-            self.duration.labels(cls).observe(max(0.0, duration))
+            self.child(self.duration, cls).observe(max(0.0, duration))
         ttft = client_ttft_s(outcome)
         if ttft is not None:
-            self.ttft.labels(cls).observe(max(0.0, ttft))
+            self.child(self.ttft, cls).observe(max(0.0, ttft))
         tpot = observed_tpot_s(outcome)
         if tpot is not None:
-            self.tpot.labels(cls).observe(tpot)
+            self.child(self.tpot, cls).observe(tpot)
 
     def _observe_prediction(self, outcome: RequestOutcome, replica: str) -> None:
         ttft = (_number(outcome, "predicted_ttft_s"), outcome.ttft_s)
@@ -628,14 +649,14 @@ class SluiceMetrics:
         observed_hist: Histogram,
     ) -> None:
         if observed is not None:
-            observed_hist.labels(replica).observe(max(0.0, observed))
+            self.child(observed_hist, replica).observe(max(0.0, observed))
         if predicted is None:
             return
-        predicted_hist.labels(replica).observe(max(0.0, predicted))
+        self.child(predicted_hist, replica).observe(max(0.0, predicted))
         error = None if observed is None else relative_error(predicted, observed)
         if error is not None:
-            self.prediction_error.labels(replica, kind).observe(error)
-            self.prediction_abs_error.labels(replica, kind).observe(abs(error))
+            self.child(self.prediction_error, replica, kind).observe(error)
+            self.child(self.prediction_abs_error, replica, kind).observe(abs(error))
 
     # -- replicas ------------------------------------------------------------------------------------
     def observe_snapshot(self, snapshot: ReplicaSnapshot) -> None:
@@ -661,20 +682,20 @@ class SluiceMetrics:
         """After a ``reserve``: the tenant's bucket levels, limits, in-flight and reserved tokens."""
         tenant = self.tenant_label(reservation.tenant)
         if reservation.allowed:
-            self.tenant_tokens_reserved.labels(tenant).inc(max(0.0, reservation.cost_tokens))
+            self.child(self.tenant_tokens_reserved, tenant).inc(max(0.0, reservation.cost_tokens))
         for kind, bucket in (("tokens", reservation.tokens), ("requests", reservation.requests)):
             if bucket is not None:
-                self.tenant_bucket_remaining.labels(tenant, kind).set(bucket.remaining)
-                self.tenant_bucket_capacity.labels(tenant, kind).set(bucket.capacity)
-                self.tenant_limit_per_minute.labels(tenant, kind).set(bucket.limit_per_minute)
+                self.child(self.tenant_bucket_remaining, tenant, kind).set(bucket.remaining)
+                self.child(self.tenant_bucket_capacity, tenant, kind).set(bucket.capacity)
+                self.child(self.tenant_limit_per_minute, tenant, kind).set(bucket.limit_per_minute)
         if reservation.concurrency is not None:
-            self.tenant_in_flight.labels(tenant).set(reservation.concurrency.in_flight)
-            self.tenant_concurrency_limit.labels(tenant).set(reservation.concurrency.limit)
+            self.child(self.tenant_in_flight, tenant).set(reservation.concurrency.in_flight)
+            self.child(self.tenant_concurrency_limit, tenant).set(reservation.concurrency.limit)
 
     def observe_settle(self, reservation: ReservationView, actual_cost_tokens: float) -> None:
         """After a ``settle`` of an allowed reservation: the tokens really charged."""
         if reservation.allowed:
-            self.tenant_tokens_settled.labels(self.tenant_label(reservation.tenant)).inc(
+            self.child(self.tenant_tokens_settled, self.tenant_label(reservation.tenant)).inc(
                 max(0.0, actual_cost_tokens)
             )
 
@@ -889,7 +910,8 @@ class _StateCollector(Collector):
         yield length
 
     def _collect_limiter(self) -> Iterator[Metric]:
-        errors, fail_open, fail_closed, transitions, cached, degraded = _limiter_families()
+        families = _limiter_families()
+        errors, fail_open, fail_closed, transitions, cached, degraded, repairs, abandoned, pending = families
         stats = self.limiter
         if stats is not None:
             errors.add_metric([], float(stats.storage_errors_total))
@@ -898,13 +920,19 @@ class _StateCollector(Collector):
             transitions.add_metric([], float(stats.transitions_total))
             cached.add_metric([], float(stats.local_cache_rejections_total))
             degraded.add_metric([], 1.0 if stats.degraded else 0.0)
-        yield from (errors, fail_open, fail_closed, transitions, cached, degraded)
+            repairs.add_metric([], float(stats.repairs_total))
+            abandoned.add_metric([], float(stats.repairs_abandoned_total))
+            pending.add_metric([], float(stats.repairs_pending))
+        yield from families
 
 
 def _limiter_families() -> tuple[
     CounterMetricFamily,
     CounterMetricFamily,
     CounterMetricFamily,
+    CounterMetricFamily,
+    CounterMetricFamily,
+    GaugeMetricFamily,
     CounterMetricFamily,
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -923,6 +951,15 @@ def _limiter_families() -> tuple[
             "Tenant rejections answered from the in-process over-limit cache, without Redis.",
         ),
         GaugeMetricFamily("sluice_redis_degraded", "1 while the limiter treats Redis as down."),
+        CounterMetricFamily(
+            "sluice_redis_repairs",
+            "Settles (and reserves) whose Redis call failed, re-run in the background until Redis answers.",
+        ),
+        CounterMetricFamily(
+            "sluice_redis_repairs_abandoned",
+            "Repairs given up (the lease expired, or shutdown with Redis down): a refund lost.",
+        ),
+        GaugeMetricFamily("sluice_redis_repairs_pending", "Repairs waiting for Redis to answer."),
     )
 
 

@@ -7,16 +7,17 @@ same port. Timings are checked against generous bounds: the point is "bounded, n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 
 from gateway.limits.base import LimiterStats, LimiterUnavailable, Reservation, TenantLimits
 from gateway.limits.failover import FailoverLimiter, FailureMode
-from gateway.limits.memory import MemoryLimiter
+from gateway.limits.memory import DEFAULT_LEASE_TTL_S, MemoryLimiter
 from gateway.limits.redis import RedisLimiter, connect
 from tests.contract.limits.conftest import wait_until
 from tests.support.redis import RedisServer
@@ -102,6 +103,122 @@ async def test_a_reserve_whose_reply_was_lost_is_released(
         assert r.allowed, "the slot and the 40 tokens came back"
     finally:
         await fast.close()
+
+
+#: Slow refill (0.001 tokens per second): a refund is the only way tokens come back in a test.
+REFUND_LIMITS = TenantLimits(tokens_per_minute=0.06, token_burst=100, max_concurrent=1)
+
+
+@contextlib.contextmanager
+def scripts_refused(server: RedisServer) -> Iterator[None]:
+    """Redis refuses every script call (NOPERM) until the block ends: a call that fails without
+    having run on the server, as one that never reached it does."""
+    with server.client() as admin:
+        admin.execute_command("ACL", "SETUSER", "default", "-evalsha", "-eval")
+        try:
+            yield
+        finally:
+            admin.execute_command("ACL", "SETUSER", "default", "+@all")
+
+
+def repairing_limiter(
+    server: RedisServer,
+    stats: LimiterStats,
+    *,
+    repair_delay_s: float = 0.05,
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+) -> RedisLimiter:
+    """A patient Redis limiter whose repairs start after ``repair_delay_s``, retry every 50-200 ms."""
+    return RedisLimiter(
+        connect(server.url, timeout_s=PATIENT_S),
+        timeout_s=PATIENT_S,
+        stats=stats,
+        repair_delay_s=repair_delay_s,
+        repair_backoff_max_s=0.2,
+        lease_ttl_s=lease_ttl_s,
+    )
+
+
+async def assert_refunded(limiter: RedisLimiter) -> None:
+    """The slot and the 80 tokens a settle of 90 reserved -> 10 actual refunds are back."""
+    assert await limiter.in_flight("acme") == 0
+    again = await limiter.reserve("acme", cost_tokens=90, limits=REFUND_LIMITS, request_id="again")
+    assert again.allowed, again
+
+
+async def test_a_failed_settle_is_retried_until_storage_applies_it(own_redis: RedisServer) -> None:
+    stats = LimiterStats()
+    limiter = repairing_limiter(own_redis, stats)
+    try:
+        r = await limiter.reserve("acme", cost_tokens=90, limits=REFUND_LIMITS, request_id="r1")
+        with scripts_refused(own_redis):
+            with pytest.raises(LimiterUnavailable):
+                await limiter.settle(r, actual_cost_tokens=10)
+            # Refused again and again (one repair used to give up after its single attempt).
+            await wait_until(lambda: stats.repair_retries_total >= 3, "the repair to be retried")
+            assert limiter.pending_repairs() == stats.repairs_pending == 1
+        assert await limiter.wait_repairs(PATIENT_S) == 0
+        assert (stats.repairs_total, stats.repairs_applied_total, stats.repairs_abandoned_total) == (1, 1, 0)
+        assert stats.repairs_pending == 0
+        await assert_refunded(limiter)
+    finally:
+        await limiter.close()
+
+
+async def test_close_runs_pending_repairs_at_once(own_redis: RedisServer) -> None:
+    stats = LimiterStats()
+    # The first attempt would wait a minute: close must not wait for it, nor drop it.
+    limiter = repairing_limiter(own_redis, stats, repair_delay_s=60.0)
+    r = await limiter.reserve("acme", cost_tokens=90, limits=REFUND_LIMITS, request_id="r1")
+    with scripts_refused(own_redis), pytest.raises(LimiterUnavailable):
+        await limiter.settle(r, actual_cost_tokens=10)
+    assert limiter.pending_repairs() == 1
+    await asyncio.wait_for(limiter.close(), PATIENT_S + 5.0)
+    assert (stats.repairs_applied_total, stats.repairs_pending) == (1, 0)
+    checker = repairing_limiter(own_redis, LimiterStats())
+    try:
+        await assert_refunded(checker)
+    finally:
+        await checker.close()
+
+
+async def test_a_repair_gives_up_when_its_lease_has_expired_or_at_close(own_redis: RedisServer) -> None:
+    stats = LimiterStats()
+    # Leases of half a second: the settle has nothing left to repair after that.
+    limiter = repairing_limiter(own_redis, stats, lease_ttl_s=0.5)
+    second = repairing_limiter(own_redis, stats, repair_delay_s=60.0)
+    try:
+        with scripts_refused(own_redis):
+            r = _allowed("r1")
+            with pytest.raises(LimiterUnavailable):
+                await limiter.settle(r, actual_cost_tokens=10)
+            with pytest.raises(LimiterUnavailable):
+                await second.settle(_allowed("r2"), actual_cost_tokens=10)
+            await wait_until(lambda: limiter.pending_repairs() == 0, "the repair to give up")
+            assert stats.repairs_abandoned_total == 1
+            await asyncio.wait_for(second.close(), PATIENT_S + 5.0)  # its last attempt fails too
+        assert (stats.repairs_total, stats.repairs_abandoned_total, stats.repairs_pending) == (2, 2, 0)
+        assert stats.repairs_applied_total == 0
+    finally:
+        await limiter.close()
+
+
+def _allowed(request_id: str) -> Reservation:
+    """An allowed reservation of 90 tokens for ``acme`` (what a reserve would have returned)."""
+    return Reservation(
+        request_id=request_id,
+        tenant="acme",
+        allowed=True,
+        cost_tokens=90,
+        limits=REFUND_LIMITS,
+        tokens=None,
+        requests=None,
+        concurrency=None,
+        blocked_by=frozenset(),
+        oversize=False,
+        retry_after_s=0.0,
+        origin="redis",
+    )
 
 
 async def wait_until_answers(limiter: RedisLimiter) -> None:

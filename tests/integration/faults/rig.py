@@ -261,11 +261,18 @@ class Ledger:
         self.leases_key = f"{base}:leases"
 
     def read(self) -> LedgerState:
-        """The bucket's deficit (capacity - level, on Redis's clock) and the lease count."""
+        """The bucket's deficit (capacity - level, on Redis's clock) and the lease count.
+
+        One snapshot: the three reads run in one MULTI/EXEC, so no settle lands between them.
+        (Read one by one, a settle landing between the bucket and the leases made a reservation
+        look settled without its refund: charged at its full reservation.)
+        """
         with self.redis.client() as client:
-            seconds, micros = client.time()
-            full_at = client.get(self.tokens_key)
-            leases = int(client.zcard(self.leases_key))
+            pipe = client.pipeline(transaction=True)
+            pipe.time()
+            pipe.get(self.tokens_key)
+            pipe.zcard(self.leases_key)
+            (seconds, micros), full_at, leases = pipe.execute()
         now = seconds + micros / 1e6
         deficit = 0.0 if full_at is None else max(0.0, (float(full_at) - now) * LEDGER_TPM / 60.0)
         return LedgerState(deficit, leases)
@@ -468,7 +475,8 @@ class FaultyFront:
     unchanged, so the gateway first sees a healthy replica.
 
     ``health``: ``pass`` | ``hang`` (``/health`` accepted and never answered).
-    ``completions``: ``pass`` | ``hang`` (accepted, never answered) | ``stall`` (relay
+    ``completions``: ``pass`` | ``hang`` (accepted, never answered) | ``hold`` (accepted and
+    kept unanswered until ``release_held``, then passed through) | ``stall`` (relay
     ``after_events`` events, then silence with the connection open) | ``truncate`` (relay
     ``after_events`` events, then end the response cleanly without ``[DONE]``) | ``drop`` (relay
     ``after_events`` events, then close the TCP connection) | ``non_json`` (200 with an HTML body).
@@ -485,6 +493,7 @@ class FaultyFront:
         #: Completion requests received (each one the gateway dispatched here).
         self.completion_requests = 0
         self._release = asyncio.Event()
+        self._held = asyncio.Event()
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -501,8 +510,13 @@ class FaultyFront:
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
         return self
 
+    def release_held(self) -> None:
+        """Let every request ``hold`` keeps (and any later one) through to the emulator."""
+        self._held.set()
+
     async def close(self) -> None:
         self._release.set()  # hung handlers return, so the runner stops at once
+        self._held.set()
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
@@ -523,6 +537,9 @@ class FaultyFront:
             mode = self.completions
             if mode == "hang":
                 return await self._hang()
+            if mode == "hold":
+                await self._held.wait()
+                return await self._relay(request, "pass")
             if mode == "non_json":
                 await request.read()
                 return web.Response(

@@ -17,6 +17,16 @@ Asserted: the fake replica sees its request closed within the write timeout plus
 while the client still has not read a byte; the gateway's RSS stays within 64 MiB of its size
 before the stream (it does not buffer what the client will not take); the client then finds its
 connection closed without ``[DONE]``; the access line says ``client_disconnected``.
+
+Body dribblers (``test_body_dribblers_get_408_and_touch_no_budget_nor_replica``): raw sockets send
+complete headers, then the body one byte every 0.2 s, never finishing it, and keep sending
+whatever they are told. With ``server.client_read_timeout_s`` at 2 s each gets a 408 JSON error
+(``request_timeout``, ``Connection: close``) and then finds its connection closed (after
+aiohttp's lingering close, at most 10 s): the gateway neither waits for ever nor pins the
+connection. Meanwhile the gateway serves others, a body sent in two halves within the timeout
+still goes through whole, the replica receives only those legitimate requests, and the
+dribblers' tenant, whose budget is one request a minute, still has its request afterwards:
+nothing was reserved for them.
 """
 
 from __future__ import annotations
@@ -25,12 +35,15 @@ import asyncio
 import json
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 
 from bench.soak import MODEL, free_port, rss_mib
+from gateway.tenants import hash_api_key
 from tests.integration.faults.rig import Emulator, FaultyFront, gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -152,3 +165,159 @@ async def test_a_client_that_never_reads_is_cut_and_frees_the_replica(tmp_path: 
     assert data.startswith(b"HTTP/1.1 200"), data[:200]
     assert b"[DONE]" not in data
     assert "error=client_disconnected" in log, log[-3000:]
+
+
+READ_TIMEOUT_S = 2.0
+#: The dribblers' tenant: one request a minute, so a reservation made for a dribbler would refuse
+#: the request sent after them.
+DRIBBLER_KEY = "sk-slow-dribbler-41c2"
+#: Everyone else: no limits.
+OTHER_KEY = "sk-slow-other-0b9e"
+DRIBBLERS = 6
+
+
+def _chat_body(content: str = "say something") -> bytes:
+    return json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8}
+    ).encode()
+
+
+def _head(port: int, key: str, length: int) -> bytes:
+    return (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+@dataclass
+class Dribbled:
+    """What one body dribbler saw: the bytes it received, and when (seconds after its headers)
+    the first answer byte arrived and the connection was closed (``None``: not within the watch)."""
+
+    data: bytes = b""
+    answered_after_s: float | None = None
+    closed_after_s: float | None = None
+
+
+def _dribble(port: int, watch_s: float) -> Dribbled:
+    """Complete headers, then the body one byte every 0.2 s, never all of it, reading whatever
+    comes back, until the gateway closes the connection or ``watch_s`` seconds pass."""
+    body = _chat_body("x" * 2000)
+    seen = Dribbled()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(_head(port, DRIBBLER_KEY, len(body)) + body[:10])
+        start = time.monotonic()
+        sock.settimeout(0.2)
+        sent = 10
+        while time.monotonic() - start < watch_s:
+            try:
+                if sent < len(body) - 1:  # never the last byte
+                    sock.send(body[sent : sent + 1])
+                    sent += 1
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:  # reset, broken pipe: the gateway closed the connection
+                chunk = b""
+            if not chunk:
+                seen.closed_after_s = time.monotonic() - start
+                return seen
+            if seen.answered_after_s is None:
+                seen.answered_after_s = time.monotonic() - start
+            seen.data += chunk
+    return seen
+
+
+def _split_body(port: int, pause_s: float) -> bytes:
+    """A chat request whose body arrives in two halves ``pause_s`` apart; the whole answer."""
+    body = _chat_body()
+    with socket.create_connection(("127.0.0.1", port), timeout=60.0) as sock:
+        sock.sendall(_head(port, OTHER_KEY, len(body)) + body[: len(body) // 2])
+        time.sleep(pause_s)
+        sock.sendall(body[len(body) // 2 :])
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _content_length(data):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    return data
+
+
+def _content_length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+async def _chat(session: aiohttp.ClientSession, url: str, key: str) -> int:
+    async with session.post(
+        f"{url}/v1/chat/completions", data=_chat_body(), headers={"Authorization": f"Bearer {key}"}
+    ) as resp:
+        await resp.read()
+        return resp.status
+
+
+async def test_body_dribblers_get_408_and_touch_no_budget_nor_replica(tmp_path: Path) -> None:
+    emulator = Emulator("emu")
+    emulator.start()
+    front = FaultyFront(emulator.url)
+    await front.start()
+    port = free_port()
+    config = {
+        "server": {"host": "127.0.0.1", "port": port, "client_read_timeout_s": READ_TIMEOUT_S},
+        "replicas": [{"name": "emu", "url": front.url, "hardware": HARDWARE}],
+        "logging": {"level": "INFO", "access_log": True},
+        "tenants": {
+            "tenants": {
+                "dribblers": {
+                    "api_keys": [hash_api_key(DRIBBLER_KEY)],
+                    "limits": {"requests_per_minute": 1},
+                },
+                "others": {"api_keys": [hash_api_key(OTHER_KEY)]},
+            }
+        },
+    }
+    try:
+        async with gateway(tmp_path, config) as gw, aiohttp.ClientSession() as session:
+            watch_s = READ_TIMEOUT_S + 10.0 + 20.0  # the timeout, aiohttp's lingering, margins
+            dribblers = [asyncio.to_thread(_dribble, port, watch_s) for _ in range(DRIBBLERS)]
+            running = asyncio.gather(*dribblers)
+            await asyncio.sleep(0.3)
+            # While they dribble: others are served, a body in two halves within the timeout too.
+            during = [await _chat(session, gw.url, OTHER_KEY) for _ in range(3)]
+            split = await asyncio.to_thread(_split_body, port, 0.3)
+            seen = await running
+            # Their tenant's one request a minute is intact: nothing was reserved for them.
+            after = await _chat(session, gw.url, DRIBBLER_KEY)
+            await asyncio.sleep(0.5)
+            log = gw.log()
+    finally:
+        await front.close()
+        emulator.stop()
+    print(
+        "dribblers answered after "
+        + ", ".join(f"{d.answered_after_s:.1f}" if d.answered_after_s else "-" for d in seen)
+        + " s, closed after "
+        + ", ".join(f"{d.closed_after_s:.1f}" if d.closed_after_s else "-" for d in seen)
+        + " s"
+    )
+    assert during == [200, 200, 200]
+    assert split.startswith(b"HTTP/1.1 200"), split[:300]
+    assert after == 200, log[-3000:]
+    for dribbled in seen:
+        head, _, body = dribbled.data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), dribbled.data[:300]
+        assert b"connection: close" in head.lower(), head
+        error = json.loads(body)["error"]
+        assert error["code"] == "request_timeout", error
+        assert error["type"] == "invalid_request_error", error
+        # Not before the timeout; within generous margins after it (a loaded 2-core machine).
+        assert dribbled.answered_after_s is not None
+        assert READ_TIMEOUT_S - 0.5 <= dribbled.answered_after_s < READ_TIMEOUT_S + 15.0, dribbled
+        assert dribbled.closed_after_s is not None, "the gateway kept a dribbler's connection open"
+    # The replica got the legitimate requests only: 3 during, the split one, the one after.
+    assert front.completion_requests == 5, front.completion_requests
+    assert log.count("error=request_timeout") == DRIBBLERS, log[-3000:]

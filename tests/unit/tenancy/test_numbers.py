@@ -12,6 +12,7 @@ from gateway.limits.memory import MemoryLimiter
 from gateway.observability.logs import RequestOutcome
 from gateway.prediction.facts import ReplicaFacts
 from gateway.prediction.service import PredictionService
+from gateway.replicas.snapshot import ReplicaSnapshot
 from gateway.settings import HardwareSettings, ReplicaSettings
 from gateway.tenancy import (
     DEFAULT_WEIGHTS,
@@ -23,8 +24,11 @@ from gateway.tenancy import (
     is_unlimited,
     rate_limit_headers,
     rejection_error,
+    replica_prices,
     settled_usage,
+    step_model_prices,
 )
+from predictor import StepModel, StepParams
 from tests.unit.limits.fakes import FakeClock
 
 
@@ -191,6 +195,106 @@ def test_fleet_weights_default_without_any_model() -> None:
     assert (
         fleet_token_weights(service, [_replica("unknown", None)]) == DEFAULT_WEIGHTS == TokenWeights(1.0, 2.0)
     )
+
+
+#: A fitted-looking model: 10 ms per step whatever it carries, 20 us per token past a 200-token
+#: knee, 50 us per decoding sequence, 0.1 us per KV token read; no attention term.
+LINEAR = StepModel(
+    StepParams(
+        base_s=0.010,
+        per_token_s=0.0,
+        per_decode_seq_s=50e-6,
+        per_compute_token_s=20e-6,
+        per_kv_token_s=0.1e-6,
+        knee_tokens=200.0,
+    )
+)
+
+
+def test_prices_at_the_observed_batch() -> None:
+    """Decode: the batch's step per sequence; prefill: what a full chunk adds to that step."""
+    prices = step_model_prices(
+        LINEAR, max_num_batched_tokens=8192, max_num_seqs=256, decode_seqs=10.0, context_tokens=500.0
+    )
+
+    assert prices is not None
+    assert prices.decode_s == pytest.approx((0.010 + 10 * 50e-6 + 10 * 500 * 0.1e-6) / 10)
+    # 10 decodes sit below the knee: the chunk's tokens past it are 8192 + 10 - 200.
+    assert prices.prefill_s == pytest.approx(20e-6 * (8192 + 10 - 200) / 8192)
+    assert prices.ratio == prices.decode_s / prices.prefill_s
+
+
+def test_a_degenerate_prefill_fit_does_not_make_prompts_free() -> None:
+    """A fit with no per-token prefill cost yet: a full chunk still costs one decode step more."""
+    flat = StepModel(
+        StepParams(
+            base_s=0.010,
+            per_token_s=0.0,
+            per_decode_seq_s=50e-6,
+            per_compute_token_s=0.0,
+            per_kv_token_s=0.1e-6,
+            knee_tokens=200.0,
+        )
+    )
+    prices = step_model_prices(
+        flat, max_num_batched_tokens=8192, max_num_seqs=4, decode_seqs=4.0, context_tokens=500.0
+    )
+
+    assert prices is not None
+    step = 0.010 + 4 * 50e-6 + 4 * 500 * 0.1e-6
+    assert prices.prefill_s == pytest.approx(step / 8192)
+    assert prices.ratio == pytest.approx(8192 / 4)
+
+
+def test_smaller_observed_batches_make_decode_tokens_dearer() -> None:
+    def ratio(seqs: float) -> float:
+        value = decode_to_prefill_ratio(
+            LINEAR, max_num_batched_tokens=8192, max_num_seqs=64, decode_seqs=seqs, context_tokens=500.0
+        )
+        assert value is not None
+        return value
+
+    assert ratio(4.0) > ratio(16.0) > ratio(64.0)
+    # The batch is capped by the engine's max_num_seqs, and is at least one sequence.
+    assert ratio(1000.0) == ratio(64.0)
+    assert ratio(0.2) == ratio(1.0)
+
+
+def test_replica_prices_use_the_batch_it_ran() -> None:
+    service = PredictionService()
+    service.set_replica("r0", H100)
+    replica = _replica("r0", "H100-SXM")
+    model = service.step_model("r0")
+    assert model is not None
+    settings = {"max_num_batched_tokens": 8192, "max_num_seqs": 256}
+    # Before any scrape: the default batch (256 sequences at 1024 tokens of context).
+    assert replica_prices(service, replica, model) == step_model_prices(model, **settings)
+
+    # A busy window: 8 output tokens per step, 600 KV tokens per running request.
+    for at in (8.0, 9.0, 10.0):
+        service.on_snapshot(
+            ReplicaSnapshot(
+                name="r0",
+                taken_at=at,
+                metrics_at=at,
+                window_s=5.0,
+                num_running=12,
+                num_waiting=0,
+                kv_cache_usage=12 * 600 / 448_304,
+                kv_capacity_tokens=448_304,
+                prompt_tokens_per_s=4000.0,
+                generation_tokens_per_s=400.0,
+                steps_per_s=50.0,
+            )
+        )
+    model = service.step_model("r0")
+    assert model is not None
+    prices = replica_prices(service, replica, model)
+
+    assert prices is not None
+    assert prices == step_model_prices(model, **settings, decode_seqs=8.0, context_tokens=600.0)
+    weights = fleet_token_weights(service, [replica])
+    assert weights == TokenWeights(input=1.0, output=round(prices.ratio, 2))
 
 
 # -- settled usage -----------------------------------------------------------------------------------

@@ -1,0 +1,76 @@
+"""The request body, read whole and in time before any handler runs (``server.client_read_timeout_s``).
+
+aiohttp bounds a request's headers (its keep-alive timer closes a connection that has not
+completed them 75 s after it opened; header lines are capped at 8,190 bytes) and its body's size
+(``client_max_size``), but not the time a body takes: once the headers are in, the keep-alive
+timer is off while the handler runs and ``request.read()`` waits for as long as the client
+dribbles. ``body_read_timeout_middleware`` reads the body under ``asyncio.timeout`` before the
+tenancy middleware and the handlers (``request.read()`` caches it, so their own reads in
+``gateway.openai_api.read_request`` return at once). Past the timeout the client gets a 408
+(``RequestBodyTimeout``, ``request_timeout``) with ``Connection: close``: no tenant budget was
+touched, no admission decision made, no replica contacted.
+
+Cost: a body that arrived with its headers (the usual case: aiohttp's parser fed it whole before
+the handler started) is not waited for and pays one ``is_eof()`` check; only a body still in
+flight runs under a timer.
+
+After the 408 aiohttp's lingering close (``lingering_time``, 10 s) reads and discards what the
+client still sends for at most 10 s, so the client can read the answer, then closes the
+connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+
+from gateway.errors import ClientClosedRequest, RequestBodyTimeout, error_response, log_error, request_id_of
+from gateway.observability.logs import OUTCOME
+from gateway.store import SettingsStore
+
+
+def body_read_timeout_middleware(store: SettingsStore) -> Middleware:
+    """Middleware factory (install inside the error middleware, before tenancy and the handlers):
+    the whole body within ``server.client_read_timeout_s`` seconds (read at request time, so a
+    reload applies to the next request), else a 408 that closes the connection.
+
+    A body announced larger than ``server.max_body_bytes`` is not read here: the handler answers
+    413 at once. A client gone mid-body is ``ClientClosedRequest`` (499, nobody reads it); a body
+    over aiohttp's ``client_max_size`` raises its 413, which the error middleware converts.
+    """
+
+    @web.middleware
+    async def impl(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not request.content.is_eof():
+            server = store.current.server
+            length = request.content_length
+            if length is None or length <= server.max_body_bytes:
+                timeout_s = server.client_read_timeout_s
+                try:
+                    async with asyncio.timeout(timeout_s):
+                        await request.read()
+                except TimeoutError:
+                    return _timed_out(request, timeout_s)
+                except ConnectionResetError:
+                    raise ClientClosedRequest(
+                        "the client closed the connection while sending the body"
+                    ) from None
+        return await handler(request)
+
+    return impl
+
+
+def _timed_out(request: web.Request, timeout_s: float) -> web.StreamResponse:
+    """The 408 for a body still incomplete after ``timeout_s`` seconds, closing the connection."""
+    err = RequestBodyTimeout(
+        f"the request body did not arrive within {timeout_s:g} s (server.client_read_timeout_s)"
+    )
+    outcome = request.get(OUTCOME)
+    if outcome is not None:
+        outcome.status, outcome.error = err.status, err.code
+    log_error(err, request_id_of(request))
+    response = error_response(err)
+    response.force_close()
+    return response
