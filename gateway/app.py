@@ -53,6 +53,7 @@ from gateway.observability.metrics import METRICS
 from gateway.observability.metrics import install as install_metrics
 from gateway.openai_api import ENGINE_MODELS, models_list
 from gateway.openapi import install_openapi
+from gateway.parse_errors import install as install_parse_errors
 from gateway.prediction.service import PredictionService
 from gateway.proxy import DisconnectMonitor, OutcomeListener, Proxy
 from gateway.replicas.emulators import EmulatorProcess, start_emulators, stop_emulators
@@ -411,6 +412,8 @@ def run_gateway(store: SettingsStore, *, reloader_factory: ReloaderFactory | Non
     if reloader_factory is not None:
         app.cleanup_ctx.append(_reloader_ctx(reloader_factory, store))
     store.subscribe(_follow_logging)
+    # Requests aiohttp cannot parse: OpenAI-style JSON, never aiohttp's body quoting their bytes.
+    install_parse_errors()
     web.run_app(
         app,
         host=settings.server.host,

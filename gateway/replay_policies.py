@@ -249,6 +249,14 @@ class TenantRateLimit(_Base):
         tok.charge(float(stats.prompt_tokens + stats.generation_tokens), now)
 
 
+def _decode_elapsed_s(first_token_s: float | None, last_token_s: float | None) -> float:
+    """Seconds from a stream's first token to its latest one (0 before its first), as the live
+    gateway sees them at the client side of the stream."""
+    if first_token_s is None or last_token_s is None:
+        return 0.0
+    return last_token_s - first_token_s
+
+
 @dataclass(slots=True)
 class _Stream:
     """What admission remembers of a request it sent (as ``live_admission._Stream``)."""
@@ -309,12 +317,14 @@ class SluicePolicy(_Base):
             running = [
                 StreamingRequest(
                     s.request_class,
-                    handle.open[i].request.prompt_tokens,
-                    handle.open[i].streamed,
+                    o.request.prompt_tokens,
+                    o.streamed,
                     s.expected_output_tokens,
                     s.predicted_tpot_s,
+                    _decode_elapsed_s(o.first_token_s, o.last_token_s),
                 )
                 for i, s in streams.items()
+                for o in (handle.open[i],)
             ]
             out.append(
                 ReplicaView.build(

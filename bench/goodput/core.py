@@ -69,11 +69,11 @@ TTFT_TARGET_S: Final = 1.0
 TPOT_TARGET_S: Final = 0.05
 TARGETS: Final = Targets(TTFT_TARGET_S, TPOT_TARGET_S)
 
-POLICIES: Final = ("none", "cap", "saturation", "gaie", "ratelimit", "sluice", "sluice-stall")
-#: Sluice's rows: its default configuration, and the one the ablation found (stall protection).
-SLUICES: Final = ("sluice", "sluice-stall")
-#: ``max_stall_s`` of the interactive class in the "sluice-stall" row (seconds).
-STALL_S: Final = 0.05
+POLICIES: Final = ("none", "cap", "saturation", "gaie", "ratelimit", "sluice", "sluice-budget")
+#: Sluice's rows: its default configuration, and with the per-stream stall budget on.
+SLUICES: Final = ("sluice", "sluice-budget")
+#: ``stall_budget_horizon`` of the interactive class in the "sluice-budget" row.
+BUDGET_HORIZON: Final = 0.02
 LABELS: Final = {
     "none": "(a) no admission",
     "cap": "(b) concurrency cap + FIFO",
@@ -81,7 +81,7 @@ LABELS: Final = {
     "gaie": "(c') saturation shedding, GAIE defaults",
     "ratelimit": "(d) tenant rpm/tpm",
     "sluice": "(e) Sluice",
-    "sluice-stall": "(e') Sluice, max_stall_s 50 ms",
+    "sluice-budget": "(e') Sluice, stall budget (horizon 0.02)",
 }
 KNOBS: Final = {
     "cap": "outstanding requests per replica",
@@ -227,9 +227,9 @@ def make_policy(spec: CellSpec) -> GatewayPolicy:
         return TenantRateLimit(rpm, rpm * spec.mean_tokens, label=f"rate limit {spec.knob:g}x")
     if spec.policy == "sluice":
         return SluicePolicy(admission_settings(spec.sluice_overrides), seed=spec.seed)
-    if spec.policy == "sluice-stall":
-        overrides = (("class.max_stall_s", STALL_S), *spec.sluice_overrides)
-        return SluicePolicy(admission_settings(overrides), seed=spec.seed, name="sluice-stall")
+    if spec.policy == "sluice-budget":
+        overrides = (("class.stall_budget_horizon", BUDGET_HORIZON), *spec.sluice_overrides)
+        return SluicePolicy(admission_settings(overrides), seed=spec.seed, name="sluice-budget")
     raise ValueError(f"unknown policy {spec.policy!r}")
 
 

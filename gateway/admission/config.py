@@ -111,6 +111,18 @@ class ClassSettings(Section):
             "null = only the mean-TPOT rule protects these streams."
         ),
     ] = None
+    stall_budget_horizon: Annotated[
+        Fraction | None,
+        Field(
+            description="Turns on the per-stream stall budget for running streams of this class: a "
+            "newcomer is held or refused when the pause its prefill adds (plus the prefill already "
+            "queued on the replica) would push any stream's final mean TPOT past tpot_target_s, "
+            "counting the time that stream's decode has already taken. Each stream is assumed to "
+            "produce at least this share (0-1] of its expected remaining output (a stream may end "
+            "sooner than expected, and a short stream has little room). While on, the mean-TPOT rule "
+            "for running streams leaves the prefill pause to this budget. null = off.",
+        ),
+    ] = None
     probe_prompt_tokens: Annotated[
         int,
         Field(

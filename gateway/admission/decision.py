@@ -12,6 +12,9 @@ tpot             (C.tpot_target - TPOT) / C.tpot_target                         
 streams_tpot     min over classes k streaming on r of                             protect_streams
                  (min headroom_k - inflicted TPOT) / k.tpot_target
 streams_stall    min over classes k with max_stall of (max_stall - stall) / max  protect_streams
+                 and, for classes k with stall_budget_horizon (instead of
+                 streams_tpot for them), 1 - (queued prefill's pause + stall) /
+                 k's smallest stall budget (ClassLoad.min_stall_budget_s)
 kv_share         (C.kv_share x KV capacity - class KV - own KV) / limit           batch_isolation
 slot_share       (C.slot_share x decode slots - class seqs - 1) / limit           batch_isolation
 yield_ttft/tpot  for each class P in C.yields_to, a typical P request queued       batch_isolation
@@ -62,6 +65,7 @@ from predictor import (
     ForecastConfig,
     ForecastReason,
     ReplicaState,
+    StepBatch,
     StepModel,
 )
 from predictor.forecast import ForecastValues, forecast_of, forecast_values
@@ -326,8 +330,10 @@ class SloAdmitter:
         self._all_enforced = self._enforced == self._all
         self._slo_enforced = not shadow.slo
         self._default = settings.classes[settings.default_class]
-        #: (TPOT target, max stall) per class, for the streams already running.
-        self._stream_limits = {n: (c.tpot_target_s, c.max_stall_s) for n, c in settings.classes.items()}
+        #: (TPOT target, max stall, stall-budget horizon) per class, for the streams already running.
+        self._stream_limits = {
+            n: (c.tpot_target_s, c.max_stall_s, c.stall_budget_horizon) for n, c in settings.classes.items()
+        }
         #: ``_hopeless``'s memo: idle copies of replica states by their limits, and forecasts on
         #: them by (request, limits) -> (the step model it was made with, TTFT, TPOT), unscaled.
         #: A flood of rejections is mostly alike requests: one forecast for all of them, not one
@@ -336,7 +342,12 @@ class SloAdmitter:
         self._idle_forecasts: dict[
             tuple[CandidateRequest, tuple[int, int, int, int]], tuple[StepModel, float, float]
         ] = {}
-        self._default_limits = (self._default.tpot_target_s, self._default.max_stall_s)
+        self._default_limits = (
+            self._default.tpot_target_s,
+            self._default.max_stall_s,
+            self._default.stall_budget_horizon,
+        )
+        self._any_budget = any(c.stall_budget_horizon is not None for c in settings.classes.values())
         tightest = min(settings.classes.values(), key=lambda c: c.tpot_target_s)
         self._tightest_tpot_s = tightest.tpot_target_s
         self._typical_context = tightest.probe_prompt_tokens + tightest.probe_output_tokens / 2.0
@@ -458,11 +469,24 @@ class SloAdmitter:
         streams = stalls = _INF
         extra = view.extra_tpot_s
         limits, fallback = self._stream_limits, self._default_limits
+        # Streams of a class with a stall budget are judged by it (below) instead of by the
+        # mean-TPOT rule: it counts what each stream's decode has already taken.
+        pending = step = math.nan
+        if self._any_budget:
+            pending = self._pending_stall_s(view) * scale
+            step = self._step_with_s(view, request.prompt_tokens + output / 2.0)
         for stream_class, load in view.loads.items():
-            target, max_stall = limits.get(stream_class, fallback)
-            s = (target - load.max_tpot_s - extra - infl) / target
-            if s < streams:
-                streams = s
+            target, max_stall, horizon = limits.get(stream_class, fallback)
+            if horizon is not None:
+                budget = load.min_stall_budget_s(target, horizon, step)
+                if budget < _INF:
+                    s = 1.0 - (pending + stall) / budget if budget > 0.0 else -1.0
+                    if s < stalls:
+                        stalls = s
+            else:
+                s = (target - load.max_tpot_s - extra - infl) / target
+                if s < streams:
+                    streams = s
             if max_stall is not None:
                 s = (max_stall - stall) / max_stall
                 if s < stalls:
@@ -506,6 +530,31 @@ class SloAdmitter:
         slack = min(slacks)
         enforced = slack if self._all_enforced else min((slacks[i] for i in self._enforced), default=_INF)
         return _Candidate(view, f, scale, ttft, tpot, infl, stall, output, slacks, slack, enforced, probes)
+
+    def _step_with_s(self, view: ReplicaView, context_tokens: float) -> float:
+        """The decode step on ``view`` once the newcomer decodes too (``context_tokens`` of KV;
+        no prefill riding along), margins applied: what the running streams' remaining steps
+        cost while every later prefill is held to their stall budgets."""
+        state = view.state
+        if not view.model.valid:
+            return 0.0
+        batch = StepBatch(0.0, state.decode_seqs + 1, state.kv_tokens_in_use + context_tokens)
+        return view.model.step_time(batch) * self._scale(view)
+
+    @staticmethod
+    def _pending_stall_s(view: ReplicaView) -> float:
+        """Seconds of pause the prefill already queued on ``view`` will add to its running decodes
+        (admitted, not yet computed: budgets must leave room for it): its tokens at the step
+        model's compute-bound cost per token, plus their attention pairs. 0 without a model."""
+        state, model = view.state, view.model
+        queued = state.queued_prefill_tokens
+        if queued <= 0 or not model.valid:
+            return 0.0
+        p = model.params
+        pairs = state.queued_prefill_attn_pairs
+        if pairs is None:
+            pairs = queued * queued / (2.0 * max(state.queued_requests, 1))
+        return queued * p.per_compute_token_s + pairs * p.per_attn_pair_s
 
     def _scale(self, view: ReplicaView) -> float:
         """Forecast multiplier on ``view``: ``1 + forecast_margin`` (times ``1 + stale_margin`` when
@@ -693,7 +742,8 @@ class SloAdmitter:
             waits = []
             for stream_class, load in view.loads.items():
                 k = self._settings.classes.get(stream_class, self._default)
-                if k.max_stall_s is not None and k.max_stall_s < stall:
+                over = k.max_stall_s is not None and k.max_stall_s < stall
+                if over or k.stall_budget_horizon is not None:
                     waits.append(load.max_finish_s)
             return self._or_typical(max(waits, default=0.0), state, tpot)
         if slot == _KV:

@@ -41,6 +41,8 @@ class StreamingRequest:
     ``expected_output_tokens``: its predicted total output (the quantile used at admission).
     ``predicted_tpot_s``: its current predicted mean TPOT in seconds (the forecast at admission,
     or the larger of that and the TPOT observed so far).
+    ``decode_elapsed_s``: seconds from its first token to its latest one (what its decode has
+    taken so far); ``None``: not known, then taken as ``predicted_tpot_s`` per token so far.
     """
 
     request_class: str
@@ -48,6 +50,7 @@ class StreamingRequest:
     generated_tokens: int
     expected_output_tokens: float
     predicted_tpot_s: float
+    decode_elapsed_s: float | None = None
 
     @property
     def projected_kv_tokens(self) -> float:
@@ -69,9 +72,20 @@ class ClassLoad:
     ``streams``: (TPOT, predicted remaining seconds, projected KV tokens) per known stream; the
     sorted tables behind the ``wait_*`` estimates are built from them on first use (O(k log k)),
     since only a request that is held back needs them.
+    ``decodes``: (decode intervals so far, seconds they took, expected remaining output tokens)
+    per stream, newly admitted ones included: what ``min_stall_budget_s`` needs.
     """
 
-    __slots__ = ("_by_finish", "_by_tpot", "kv_tokens", "max_tpot_s", "seqs", "streams")
+    __slots__ = (
+        "_budgets",
+        "_by_finish",
+        "_by_tpot",
+        "decodes",
+        "kv_tokens",
+        "max_tpot_s",
+        "seqs",
+        "streams",
+    )
 
     def __init__(
         self,
@@ -79,13 +93,16 @@ class ClassLoad:
         kv_tokens: float,
         max_tpot_s: float,
         streams: tuple[tuple[float, float, float], ...] = (),
+        decodes: tuple[tuple[float, float, float], ...] = (),
     ) -> None:
         self.seqs = seqs
         self.kv_tokens = kv_tokens
         self.max_tpot_s = max_tpot_s
         self.streams = streams
+        self.decodes = decodes
         self._by_tpot: tuple[tuple[float, ...], tuple[float, ...]] | None = None
         self._by_finish: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+        self._budgets: dict[tuple[float, float, float], float] | None = None
 
     def __repr__(self) -> str:
         return f"ClassLoad(seqs={self.seqs}, kv_tokens={self.kv_tokens}, max_tpot_s={self.max_tpot_s})"
@@ -101,11 +118,50 @@ class ClassLoad:
         finish = self.finish_s
         return finish[-1] if finish else 0.0
 
-    def with_stream(self, kv_tokens: float, tpot_s: float) -> ClassLoad:
-        """This load plus one newly admitted stream (the wait estimates keep the known streams only)."""
+    def with_stream(self, kv_tokens: float, tpot_s: float, output_tokens: float = 1.0) -> ClassLoad:
+        """This load plus one newly admitted stream of ``output_tokens`` expected output (the wait
+        estimates keep the known streams only)."""
         return ClassLoad(
-            self.seqs + 1, self.kv_tokens + kv_tokens, max(self.max_tpot_s, tpot_s), self.streams
+            self.seqs + 1,
+            self.kv_tokens + kv_tokens,
+            max(self.max_tpot_s, tpot_s),
+            self.streams,
+            (*self.decodes, (0.0, 0.0, output_tokens)),
         )
+
+    def min_stall_budget_s(self, tpot_target_s: float, horizon: float, step_s: float) -> float:
+        """The smallest **stall budget** among its streams that can still meet ``tpot_target_s``:
+        the extra decode pause, in seconds, a stream can absorb and still end at a mean TPOT within
+        the target; ``inf`` when no stream can (none, or all already past saving).
+
+        A stream that took ``e`` seconds for ``d`` decode intervals so far and is assumed to run
+        ``r`` more decode steps of ``step_s`` seconds (the replica's decode step without prefill)
+        ends at mean TPOT ``(e + r x step_s + stall) / (d + r)``, so its budget is
+        ``target x (d + r) - e - r x step_s``. ``r`` is ``horizon`` (0-1] times its expected
+        remaining output, at least 1: a stream may end sooner than expected, and a short stream has
+        little room. A stream whose budget is already negative will miss whatever is admitted,
+        so it does not hold newcomers back. O(k) once per (target, horizon, step), then O(1).
+        """
+        key = (tpot_target_s, horizon, step_s)
+        memo = self._budgets
+        if memo is None:
+            memo = self._budgets = {}
+        found = memo.get(key)
+        if found is not None:
+            return found
+        least = math.inf
+        room = tpot_target_s - step_s
+        for done, elapsed, remaining in self.decodes:
+            rest = horizon * remaining
+            if rest < 1.0:
+                rest = 1.0
+            budget = tpot_target_s * done - elapsed + rest * room
+            if 0.0 <= budget < least:
+                least = budget
+        if len(memo) >= 16:
+            memo.clear()
+        memo[key] = least
+        return least
 
     def _tpot_table(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """(TPOTs ascending, latest finish among the streams from each position on)."""
@@ -164,6 +220,7 @@ def class_load(streams: Iterable[StreamingRequest], step_s: float = 0.0) -> Clas
     that, whatever was predicted when it was admitted (others joined since).
     """
     items: list[tuple[float, float, float]] = []
+    decodes: list[tuple[float, float, float]] = []
     kv = 0.0
     worst = 0.0
     for s in streams:
@@ -175,9 +232,12 @@ def class_load(streams: Iterable[StreamingRequest], step_s: float = 0.0) -> Clas
         kv += footprint
         worst = tpot if tpot > worst else worst
         items.append((tpot, remaining, footprint))
+        done = generated - 1.0 if generated > 1.0 else 0.0
+        elapsed = s.decode_elapsed_s if s.decode_elapsed_s is not None else done * s.predicted_tpot_s
+        decodes.append((done, elapsed, expected - generated if expected > generated else 0.0))
     if not items:
         return EMPTY_LOAD
-    return ClassLoad(len(items), kv, worst, tuple(items))
+    return ClassLoad(len(items), kv, worst, tuple(items), tuple(decodes))
 
 
 def class_loads(streams: Iterable[StreamingRequest], step_s: float = 0.0) -> dict[str, ClassLoad]:

@@ -165,7 +165,7 @@ class ReplicaView:
         extra = self.extra_tpot_s + inflicted
         loads = dict(self.loads)
         current = loads.get(name, EMPTY_LOAD)
-        loads[name] = current.with_stream(request.prompt_tokens + output, tpot - extra)
+        loads[name] = current.with_stream(request.prompt_tokens + output, tpot - extra, output)
         return dataclasses.replace(
             self,
             state=with_queued(self.state, request.prompt_tokens, request.cached_prompt_tokens),

@@ -1,12 +1,12 @@
 """Two tenants saturating one emulated replica through a real gateway: who got the GPU.
 
-Real processes only: an emulated Llama-3-8B/H100 replica (``python -m simulator``) whose engine
-takes ``ENGINE_SEQS`` sequences at once, a ``sluice serve --config`` gateway with two tenants
-(``docs`` and ``chat``, each with its API key and fair-share weight), and closed-loop clients in
-the test process: ``docs`` sends long documents (``DOCS`` tokens: long prompt, short answer),
-``chat`` short chats (``CHAT``). Every request is a non-streamed ``/v1/completions`` call whose
-prompt is token ids (so the gateway's prompt estimate is exact) with ``ignore_eos`` (so the
-answer is exactly ``max_tokens`` long).
+Real processes only: an emulated Llama-3-8B/H100 replica whose engine takes ``ENGINE_SEQS``
+sequences at once, a ``sluice serve --config`` gateway with two tenants (``docs`` and ``chat``,
+each with its API key and fair-share weight), and closed-loop clients in the test process:
+``docs`` sends long documents (``DOCS``: long prompt, short answer), ``chat`` short chats
+(``CHAT``). Every request is a non-streamed ``/v1/completions`` call whose prompt is token ids
+(so the gateway's prompt estimate is exact) with ``ignore_eos`` (so the answer is exactly
+``max_tokens`` long).
 
 The gateway holds at most ``SLOTS`` requests on the replica at once (the class's
 ``slot_share``); the targets are so loose that nothing else binds and nothing is refused. Each
@@ -14,21 +14,30 @@ tenant runs more clients than there are slots, so while the load runs both tenan
 requests waiting in the gateway's queue (pigeonhole: a tenant's waiting requests >= its
 outstanding requests - ``SLOTS``), and the queue alone decides who is served next.
 
-What a request costs the GPU is what the fair-share counters charge: ``w_in x prompt + w_out x
-output`` with the budgets' token weights, which the config pins to the queue's default token
-costs (``TokenWeights.from_queue_settings``; ``costs=UNPINNED`` leaves them to the step model).
-A tenant's
-GPU time over a window is the cost of its requests that finished in that window.
+**GPU time is measured on the replica, not computed from tokens.** The replica is the real
+simulator (``simulator.server.build_app``) with ``GpuTimeEngine``, which splits every engine
+step's duration among the sequences in it (see its docstring) and adds each request's part to
+its prompt length (the tenants' prompts differ in length); ``GET /gpu_seconds`` returns the
+totals, which the load's sampler reads every 0.25 s. A tenant's GPU time over a window is the
+increase of its total between the window's first and last samples: what its requests used of
+the replica's busy time there, finished or not.
 
-``python -m tests.integration.tenancy.fair_share`` (``main``) compares those weighted tokens with
-the replica's own time, measured by letting each tenant alone saturate the replica.
+The gateway weighs tokens as it does by default (``limits.token_weights`` unset: the step
+model's prices, ``gateway.tenancy.fleet_token_weights``) unless ``gateway_config`` pins them.
+
+``python -m tests.integration.tenancy.fair_share`` (``main``) runs the scenarios of the test
+once more, plus fixed VTC weights (1 : 2), and prints each tenant's GPU-time share;
+``python -m tests.integration.tenancy.fair_share replica --profile P --port N --seed S`` is the
+replica the test starts.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import random
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator, Mapping
@@ -38,9 +47,14 @@ from typing import Any, Final
 
 import aiohttp
 import yaml
+from aiohttp import web
 
-from gateway.admission import QueueSettings, TokenWeights
+import simulator.server
+from gateway.admission import TokenWeights
 from gateway.tenants import hash_api_key
+from simulator.costmodel import StepShape
+from simulator.engine import Engine, StepPlan
+from simulator.profile import Profile, load_profile
 from tests.support.procs import ROOT, Proc, free_port, python_module
 
 MODEL: Final = "meta-llama/Meta-Llama-3-8B-Instruct"
@@ -49,6 +63,8 @@ ENGINE_SEQS: Final = 16
 #: The class's share of the replica's decode slots: floor(0.99 x 16) = 15 requests at once.
 SLOT_SHARE: Final = 0.99
 SLOTS: Final = 15
+#: Seconds between two samples of the gateway's queue and the replica's engine.
+SAMPLE_EVERY_S: Final = 0.25
 
 
 @dataclass(frozen=True)
@@ -60,10 +76,10 @@ class Shape:
     clients: int
 
 
-#: Long documents: 2000-token prompts, 16-token answers.
-DOCS: Final = Shape(prompt_tokens=2000, output_tokens=16, clients=24)
-#: Short chats: 100-token prompts, 100-token answers.
-CHAT: Final = Shape(prompt_tokens=100, output_tokens=100, clients=24)
+#: Long documents: 4000-token prompts, 16-token answers (about 0.1 s of an H100 each).
+DOCS: Final = Shape(prompt_tokens=4000, output_tokens=16, clients=24)
+#: Short chats: 100-token prompts, 20-token answers (about 0.015 s of an H100 each).
+CHAT: Final = Shape(prompt_tokens=100, output_tokens=20, clients=24)
 SHAPES: Final = {"docs": DOCS, "chat": CHAT}
 KEYS: Final = {"docs": "sk-fairness-docs-5b1f", "chat": "sk-fairness-chat-8d2e"}
 
@@ -88,18 +104,17 @@ class Running:
 
 @contextlib.contextmanager
 def emulator(directory: Path, seed: int = 3) -> Iterator[Running]:
-    """The emulated replica (its own process) on a free port."""
+    """The emulated replica that measures GPU time (``serve_replica``, its own process)."""
     port = free_port()
     args = python_module(
-        "simulator",
+        "tests.integration.tenancy.fair_share",
+        "replica",
         "--profile",
         str(engine_profile(directory)),
         "--port",
         str(port),
         "--seed",
         str(seed),
-        "--log-level",
-        "WARNING",
     )
     proc = Proc(args, name="emulator")
     try:
@@ -114,17 +129,12 @@ def gateway_config(
     weights: Mapping[str, float],
     fairness: str = "tokens",
     *,
-    costs: TokenWeights | None = None,
+    token_weights: TokenWeights | None = None,
 ) -> dict[str, Any]:
     """One replica, one class whose only binding limit is ``SLOTS`` requests at once, the two
-    tenants with their keys and ``weights``, the queue's fair share counting ``fairness``, with
-    the queue's token ``costs`` (seconds per token; default: ``cost_weights()``), to which the
-    budgets' token weights are pinned as well."""
-    pinned = costs is not UNPINNED
-    costs = costs if costs is not None and pinned else cost_weights()
-    queue: dict[str, Any] = {"fairness": fairness}
-    if pinned:
-        queue |= {"prompt_token_cost_s": costs.input, "output_token_cost_s": costs.output}
+    tenants with their keys and ``weights``, the queue's fair share counting ``fairness``.
+    ``token_weights``: pinned as ``limits.token_weights`` (what budgets and fair share charge per
+    prompt and output token); ``None`` (default): the gateway's step-model prices."""
     hardware = {
         "gpu": "H100-SXM",
         "model": "Llama-3-8B",
@@ -139,6 +149,9 @@ def gateway_config(
         "slot_share": SLOT_SHARE,
     }
     unlimited = {"tokens_per_minute": 1e12, "requests_per_minute": 1e9, "max_concurrent": 10_000}
+    limits: dict[str, Any] = {}
+    if token_weights is not None:
+        limits["token_weights"] = {"prompt": token_weights.input, "output": token_weights.output}
     return {
         "server": {"host": "127.0.0.1", "port": free_port(), "shutdown_grace_s": 1.0},
         "replicas": [{"name": "emu", "url": replica_url, "hardware": hardware}],
@@ -149,11 +162,9 @@ def gateway_config(
         "admission": {
             "classes": {"shared": patient},
             "default_class": "shared",
-            "queue": queue,
+            "queue": {"fairness": fairness},
         },
-        # The budgets (and so the fair share) weigh tokens with these; UNPINNED: with the fitted
-        # step model's decode-to-prefill ratio, as by default.
-        "limits": {"token_weights": {"prompt": 1.0, "output": costs.output / costs.input}} if pinned else {},
+        "limits": limits,
         "tenants": {
             "tenants": {
                 name: {"api_keys": [hash_api_key(KEYS[name])], "weight": weights[name], "limits": unlimited}
@@ -183,19 +194,9 @@ def gateway(directory: Path, config: Mapping[str, Any]) -> Iterator[Running]:
         proc.stop()
 
 
-#: ``gateway_config(costs=UNPINNED)``: no token weights in the config (the gateway derives them).
-UNPINNED: Final = TokenWeights(input=0.0, output=0.0, request=1.0)
-
-
-def cost_weights() -> TokenWeights:
-    """What a served request costs the GPU: what the gateway's fair-share counters charge per
-    token in ``tokens`` mode (the queue's default token costs, seconds per token)."""
-    return TokenWeights.from_queue_settings(QueueSettings(fairness="tokens"))
-
-
 @dataclass(frozen=True)
 class Answer:
-    """One request as its client saw it (monotonic seconds)."""
+    """One request as its client saw it (seconds since the run's start)."""
 
     tenant: str
     sent_at: float
@@ -207,12 +208,24 @@ class Answer:
 
 @dataclass
 class Sample:
-    """The gateway's queue and the replica's engine at one moment."""
+    """The gateway's queue and the replica's engine at one moment (seconds since the start).
+
+    ``replica_s``: each tenant's seconds of the replica's time so far, and ``busy_s`` all of it
+    (``GpuTimeEngine.replica_s``); ``engine_s``, ``engine_busy_s``: the same in the emulated
+    engine's step durations alone (``GpuTimeEngine.engine_s``). ``charged``: each tenant's
+    weighted tokens charged so far (the gateway's ``sluice_tenant_tokens_settled_total``: the
+    weights in force at each request's admission, as its fair-share counter was charged).
+    """
 
     at: float
     queued: float
     running: float
     waiting: float
+    replica_s: dict[str, float]
+    busy_s: float
+    engine_s: dict[str, float]
+    engine_busy_s: float
+    charged: dict[str, float]
 
 
 @dataclass
@@ -228,18 +241,41 @@ class LoadRun:
         """200 answers that arrived in ``[start_s, end_s)``."""
         return [a for a in self.answers if a.status == 200 and start_s <= a.done_at < end_s]
 
-    def gpu(self, start_s: float, end_s: float, weights: TokenWeights) -> dict[str, float]:
-        """Each tenant's weighted tokens finished in the window."""
-        out = dict.fromkeys(SHAPES, 0.0)
-        for a in self.finished_in(start_s, end_s):
-            out[a.tenant] += weights.cost(a.prompt_tokens, a.completion_tokens, 1.0)
-        return out
+    def window(self, start_s: float, end_s: float) -> list[Sample]:
+        """The samples taken in ``[start_s, end_s)``."""
+        return [s for s in self.samples if start_s <= s.at < end_s]
 
-    def shares(self, start_s: float, end_s: float, weights: TokenWeights) -> dict[str, float]:
-        """Each tenant's share (0-1) of the weighted tokens finished in the window."""
-        gpu = self.gpu(start_s, end_s, weights)
+    def gpu(self, start_s: float, end_s: float, *, engine: bool = False) -> dict[str, float]:
+        """Each tenant's GPU seconds between the window's first and last samples: of the
+        replica's time, or with ``engine`` of the emulated step durations alone."""
+        window = self.window(start_s, end_s)
+        first, last = window[0], window[-1]
+        if engine:
+            return {t: last.engine_s[t] - first.engine_s[t] for t in SHAPES}
+        return {t: last.replica_s[t] - first.replica_s[t] for t in SHAPES}
+
+    def busy(self, start_s: float, end_s: float, *, engine: bool = False) -> float:
+        """The fraction (0-1) of the time between the window's first and last samples that the
+        replica was busy (with ``engine``: that its emulated steps took)."""
+        window = self.window(start_s, end_s)
+        first, last = window[0], window[-1]
+        if engine:
+            return (last.engine_busy_s - first.engine_busy_s) / (last.at - first.at)
+        return (last.busy_s - first.busy_s) / (last.at - first.at)
+
+    def shares(self, start_s: float, end_s: float, *, engine: bool = False) -> dict[str, float]:
+        """Each tenant's share (0-1) of the GPU time the two used in the window (``gpu``)."""
+        gpu = self.gpu(start_s, end_s, engine=engine)
         total = sum(gpu.values())
         return {t: v / total for t, v in gpu.items()}
+
+    def charged(self, start_s: float, end_s: float) -> dict[str, float]:
+        """Each tenant's share (0-1) of the weighted tokens the gateway charged in the window."""
+        window = self.window(start_s, end_s)
+        first, last = window[0], window[-1]
+        charged = {t: last.charged[t] - first.charged[t] for t in SHAPES}
+        total = sum(charged.values())
+        return {t: v / total if total > 0 else 0.0 for t, v in charged.items()}
 
     def counts(self, start_s: float, end_s: float) -> dict[str, int]:
         """Each tenant's requests finished in the window."""
@@ -264,13 +300,14 @@ async def drive(
 ) -> LoadRun:
     """Every tenant's clients (``shapes``), closed loop (one request at a time each), from the
     tenant's ``joins_s`` (seconds after the start; default 0) until ``duration_s``, when every
-    client hangs up; meanwhile the gateway's queue length and the engine's running/waiting
-    counts, every 0.25 s."""
+    client hangs up; meanwhile, every ``SAMPLE_EVERY_S``, the gateway's queue length, the
+    engine's running/waiting counts and the replica's GPU seconds per tenant."""
     run = LoadRun(time.monotonic())
     stop_at = run.started_at + duration_s
     clients = sum(shape.clients for shape in shapes.values())
     connector = aiohttp.TCPConnector(limit=clients + 4)
     timeout = aiohttp.ClientTimeout(total=duration_s + 120.0)
+    tenant_of = {shape.prompt_tokens: tenant for tenant, shape in SHAPES.items()}
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
         async def client(tenant: str, index: int) -> None:
@@ -310,11 +347,38 @@ async def drive(
         async def sampler() -> None:
             while time.monotonic() < stop_at:
                 at = time.monotonic() - run.started_at
-                queued = await _metric(session, gateway_url + "/metrics", "sluice_queue_length")
-                running = await _metric(session, replica_url + "/metrics", "vllm:num_requests_running")
-                waiting = await _metric(session, replica_url + "/metrics", "vllm:num_requests_waiting")
-                run.samples.append(Sample(at, queued, running, waiting))
-                await asyncio.sleep(0.25)
+                async with session.get(replica_url + "/gpu_seconds") as resp:
+                    gpu = await resp.json()
+                async with session.get(gateway_url + "/metrics") as resp:
+                    gateway_text = await resp.text()
+                queued = _metric(gateway_text, "sluice_queue_length")
+                charged = {
+                    t: _metric(gateway_text, f'sluice_tenant_tokens_settled_total{{tenant="{t}"}}')
+                    for t in SHAPES
+                }
+                async with session.get(replica_url + "/metrics") as resp:
+                    replica_text = await resp.text()
+                running = _metric(replica_text, "vllm:num_requests_running")
+                waiting = _metric(replica_text, "vllm:num_requests_waiting")
+                replica_s, engine_s = dict.fromkeys(SHAPES, 0.0), dict.fromkeys(SHAPES, 0.0)
+                for prompt, seconds in gpu["replica_s"].items():
+                    replica_s[tenant_of[int(prompt)]] += seconds
+                for prompt, seconds in gpu["engine_s"].items():
+                    engine_s[tenant_of[int(prompt)]] += seconds
+                run.samples.append(
+                    Sample(
+                        at,
+                        queued,
+                        running,
+                        waiting,
+                        replica_s,
+                        gpu["busy_s"],
+                        engine_s,
+                        gpu["engine_busy_s"],
+                        charged,
+                    )
+                )
+                await asyncio.sleep(SAMPLE_EVERY_S)
 
         tasks = [
             asyncio.create_task(client(t, i)) for t, shape in shapes.items() for i in range(shape.clients)
@@ -327,78 +391,160 @@ async def drive(
     return run
 
 
-async def _metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
-    """The sum of every sample of metric ``name`` in a Prometheus text exposition."""
-    async with session.get(url) as resp:
-        text = await resp.text()
+def _metric(text: str, name: str) -> float:
+    """The sum of every sample of ``name`` (a metric name, or a name with its labels) in a
+    Prometheus text exposition; 0 when absent."""
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " ", ","):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
 
-# --- a cross-check in replica time: ``python -m tests.integration.tenancy.fair_share`` ------------
+# --- the replica, with each request's GPU time ----------------------------------------------------
 
 
-def step_model_costs() -> TokenWeights:
-    """The costs the budgets would weigh tokens with on this replica if not pinned: w_out / w_in =
-    the step model's decode-to-prefill ratio (``gateway.tenancy.decode_to_prefill_ratio``, roofline
-    prior of Llama-3-8B on H100, ``ENGINE_SEQS`` sequences), on the queue's prompt cost."""
-    from gateway.prediction.facts import ReplicaFacts
-    from gateway.tenancy import decode_to_prefill_ratio
+class GpuTimeEngine(Engine):
+    """The simulator's engine, also adding up the replica time each request used, by prompt length.
 
-    prior = ReplicaFacts(gpu="H100-SXM", model="Llama-3-8B", tensor_parallel=1).prior()
-    ratio = decode_to_prefill_ratio(prior, max_num_batched_tokens=8192, max_num_seqs=ENGINE_SEQS)
-    assert ratio is not None
-    prompt = cost_weights().input
-    return TokenWeights(input=prompt, output=prompt * ratio)
+    Each step is split among the sequences in it by the cost model's own terms
+    (``simulator.costmodel.CostModel.step_time_s``): what the step costs whatever it carries (the
+    step overhead, the linear layers and all-reduces at one token, i.e. reading the weights, and
+    the LM head) is shared equally by the sequences it serves; what its tokens add to the linear
+    layers and all-reduces beyond that is paid per token computed; attention by the sequence
+    whose KV it reads. So a decode pays its share of reading the weights and little more, and a
+    long prefill chunk pays for its GEMMs; the parts of a step add up to the whole step.
+
+    A step's *replica time* is from its start until the engine's next ``schedule`` (the next step,
+    or idle): the emulated duration plus whatever the replica's process did around it (on a
+    loaded machine, a good part of it), split in the same proportions. A real engine's step time
+    holds its CPU work too, and the gateway's step model learns these times.
+    ``replica_s[prompt tokens]``: replica seconds so far of the requests with that prompt length;
+    ``busy_s``: all of it. ``engine_s`` and ``engine_busy_s``:
+    the same in emulated step durations alone (jitter included).
+    """
+
+    def __init__(self, profile: Profile, *, seed: int | None = None, jitter: float = 0.0) -> None:
+        super().__init__(profile, seed=seed, jitter=jitter)
+        self.replica_s: dict[int, float] = {}
+        self.busy_s = 0.0
+        self.engine_s: dict[int, float] = {}
+        self.engine_busy_s = 0.0
+        #: The step in progress: its start, emulated duration and each sequence's emulated part
+        #: of it, by prompt length.
+        self._current: tuple[float, float, list[tuple[int, float]]] | None = None
+
+    def schedule(self, now: float) -> StepPlan | None:
+        if self._current is not None:
+            started, duration, parts = self._current
+            span = max(0.0, now - started)
+            for prompt, part in parts:
+                self.replica_s[prompt] = self.replica_s.get(prompt, 0.0) + part * span / duration
+            self.busy_s += span
+            self._current = None
+        plan = super().schedule(now)
+        if plan is not None:
+            parts = self._parts(plan)
+            for prompt, part in parts:
+                self.engine_s[prompt] = self.engine_s.get(prompt, 0.0) + part
+            self.engine_busy_s += plan.duration_s
+            self._current = (now, plan.duration_s, parts)
+        return plan
+
+    def _parts(self, plan: StepPlan) -> list[tuple[int, float]]:
+        """(prompt tokens, seconds) of every sequence in ``plan``; they add up to its duration."""
+        model = self.cost_model
+        work: list[tuple[int, int, float]] = []  # (prompt tokens, tokens computed, own attention s)
+        chunks: list[tuple[int, int]] = []
+        decodes: list[int] = []
+        for request_id, num_new in plan.num_scheduled_tokens.items():
+            req = self._in_flight_requests[request_id]
+            context = req.num_computed_tokens
+            if num_new == 1 and req.num_output_tokens > 0 and context == req.num_tokens - 1:
+                decodes.append(context + 1)
+                own = model.decode_attention_s((context + 1,))
+            else:
+                chunks.append((num_new, context))
+                own = model.prefill_attention_s(((num_new, context),))
+            work.append((req.prompt_tokens, num_new, own))
+        shape = StepShape(prefill_chunks=tuple(chunks), decode_contexts=tuple(decodes))
+        tokens, seqs = shape.num_tokens, shape.num_seqs
+        fixed = (
+            self.profile.cost.per_step_overhead_s
+            + model.linear_s(1)
+            + model.allreduce_s(1)
+            + model.lm_head_s(seqs)
+        )
+        added = model.linear_s(tokens) + model.allreduce_s(tokens) - model.linear_s(1) - model.allreduce_s(1)
+        per_seq, per_token = fixed / seqs, max(0.0, added) / tokens
+        parts = [(prompt, per_seq + per_token * n + own) for prompt, n, own in work]
+        scale = plan.duration_s / sum(part for _, part in parts)  # the step's jitter
+        return [(prompt, part * scale) for prompt, part in parts]
 
 
-def _replica_shares(
-    run: LoadRun, start_s: float, end_s: float, seconds: Mapping[str, float]
-) -> dict[str, float]:
-    counts = run.counts(start_s, end_s)
-    used = {t: counts[t] * seconds[t] for t in counts}
-    return {t: v / sum(used.values()) for t, v in used.items()}
+async def _gpu_seconds(request: web.Request) -> web.Response:
+    """``GET /gpu_seconds``: ``GpuTimeEngine``'s totals so far, prompt lengths as strings:
+    ``{"busy_s": s, "replica_s": {"4000": s, ...}, "engine_busy_s": s, "engine_s": {...}}``."""
+    engine = request.app[simulator.server.REPLICA].engine
+    assert isinstance(engine, GpuTimeEngine)
+    body = {
+        "busy_s": engine.busy_s,
+        "replica_s": {str(k): v for k, v in engine.replica_s.items()},
+        "engine_busy_s": engine.engine_busy_s,
+        "engine_s": {str(k): v for k, v in engine.engine_s.items()},
+    }
+    return web.json_response(body)
 
 
-def main(load_s: float = 15.0, warmup_s: float = 3.0) -> None:
-    """Measure what one request of each tenant costs the replica (each tenant alone saturating
-    the same ``SLOTS``: replica seconds per request = window / requests finished), then run the
-    two tenants together under several fairness settings and print each tenant's share in the
-    weighted tokens the gateway charges and in replica time."""
+def serve_replica(profile: str, port: int, seed: int) -> None:
+    """The real emulated replica (``simulator.server.build_app``, vLLM's API and ``/metrics``)
+    with ``GpuTimeEngine`` as its engine and ``GET /gpu_seconds``, on ``127.0.0.1:port`` until
+    SIGTERM or SIGINT."""
+    simulator.server.Engine = GpuTimeEngine  # type: ignore[attr-defined]  # its replicas use ours
+    app = simulator.server.build_app(load_profile(profile), seed=seed)
+    app.router.add_get("/gpu_seconds", _gpu_seconds)
+    web.run_app(app, host="127.0.0.1", port=port, handler_cancellation=True, access_log=None, print=None)
+
+
+# --- the scenarios once more, by hand: ``python -m tests.integration.tenancy.fair_share`` ---------
+
+
+def main(load_s: float = 20.0, warmup_s: float = 8.0) -> None:
+    """Run the two tenants together (weights 1 : 1) with token fairness at the gateway's own
+    weights, at VTC's fixed 1 : 2, and with request fairness, and print each tenant's requests
+    served and the documents' share of the replica's time and of the emulated GPU's."""
     import tempfile
 
     directory = Path(tempfile.mkdtemp(prefix="sluice-fair-"))
-    scenarios = [
-        ("tokens, queue costs", "tokens", cost_weights()),
-        ("tokens, step-model costs", "tokens", step_model_costs()),
-        ("requests", "requests", cost_weights()),
-    ]
     even = {"docs": 1.0, "chat": 1.0}
+    scenarios: list[tuple[str, str, TokenWeights | None]] = [
+        ("tokens, step-model weights", "tokens", None),
+        ("tokens, VTC 1 : 2", "tokens", TokenWeights(input=1.0, output=2.0)),
+        ("requests", "requests", None),
+    ]
     with emulator(directory) as replica:
-        seconds: dict[str, float] = {}
-        with gateway(directory, gateway_config(replica.url, even)) as gw:
-            for tenant, shape in SHAPES.items():
-                alone = asyncio.run(drive(gw.url, replica.url, load_s, shapes={tenant: shape}))
-                done = alone.counts(warmup_s, load_s)[tenant]
-                seconds[tenant] = (load_s - warmup_s) / done
-                print(f"{tenant} alone: {done / (load_s - warmup_s):.1f} requests/s")
-        print(f"replica seconds per request: { {t: round(v, 4) for t, v in seconds.items()} }")
-        for label, fairness, costs in scenarios:
-            with gateway(directory, gateway_config(replica.url, even, fairness, costs=costs)) as gw:
+        for label, fairness, pinned in scenarios:
+            config = gateway_config(replica.url, even, fairness, token_weights=pinned)
+            with gateway(directory, config) as gw:
                 run = asyncio.run(drive(gw.url, replica.url, load_s))
             counts = run.counts(warmup_s, load_s)
-            charged = run.shares(warmup_s, load_s, cost_weights())
-            model = run.shares(warmup_s, load_s, step_model_costs())
-            real = _replica_shares(run, warmup_s, load_s, seconds)
+            docs = run.shares(warmup_s, load_s)["docs"]
+            engine = run.shares(warmup_s, load_s, engine=True)["docs"]
+            busy, engine_busy = run.busy(warmup_s, load_s), run.busy(warmup_s, load_s, engine=True)
             print(
-                f"{label:26s} docs:chat requests {counts['docs']}:{counts['chat']} | docs share: "
-                f"queue-cost tokens {charged['docs']:.3f}, step-model tokens {model['docs']:.3f}, "
-                f"replica time {real['docs']:.3f}"
+                f"{label:28s} docs:chat requests {counts['docs']}:{counts['chat']} | docs share: "
+                f"replica time {docs:.3f}, emulated GPU {engine:.3f} | replica busy {busy:.2f}, "
+                f"emulated GPU busy {engine_busy:.2f}"
             )
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["replica"]:
+        parser = argparse.ArgumentParser(prog="fair_share replica")
+        parser.add_argument("--profile", required=True)
+        parser.add_argument("--port", type=int, required=True)
+        parser.add_argument("--seed", type=int, default=3)
+        args = parser.parse_args(sys.argv[2:])
+        serve_replica(args.profile, args.port, args.seed)
+    else:
+        main()

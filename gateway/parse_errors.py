@@ -1,0 +1,166 @@
+"""OpenAI-style JSON errors for requests aiohttp's HTTP parser refuses, never quoting their bytes.
+
+A request whose request line or headers aiohttp cannot parse (a control character or a NUL in an
+``Authorization: Bearer sk-...`` header, a line over 8190 bytes, a bad method, a bare LF) never
+reaches Sluice's middlewares: aiohttp answers it itself, from
+``aiohttp.web_protocol.RequestHandler.handle_error``, with a ``text/plain`` 400 whose body quotes
+the offending line back (``Invalid header value char: b'Authorization: Bearer sk-...'``), so a
+client's API key could land in whatever logs or shows that body. aiohttp offers no public hook
+for this answer (aio-libs/aiohttp#3287 is open since 2018): neither middlewares nor
+``on_response_prepare`` run for it, and ``web.run_app`` builds its own ``AppRunner`` and
+``Server``, so no subclass of them can be slipped in.
+
+``install()`` therefore replaces that one method, process-wide, with ``_json_handle_error``:
+aiohttp's own method still runs first (it logs the error, which
+``gateway.observability.logs.RedactMalformedRequests`` redacts, and refuses when a response is
+already under way), then its answer is swapped for ``gateway.errors``' JSON body with aiohttp's
+status kept and the connection closed, as aiohttp does::
+
+    {"error": {"message": "malformed HTTP request: Invalid header value char",
+               "type": "invalid_request_error", "param": null, "code": "malformed_request"}}
+
+The message names only the kind of error, from a fixed vocabulary, never the bytes. A 5xx (an
+exception no middleware caught, a handler timeout) becomes the generic ``internal_error`` body,
+never a traceback.
+
+``run_gateway`` calls ``install()``, so every listener of a ``sluice serve`` process (public and
+admin) answers this way; ``tests/integration/gateway/test_malformed_requests.py`` fails if an
+aiohttp release moves or reshapes the method.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+from aiohttp import web
+from aiohttp.http_exceptions import (
+    BadHttpMethod,
+    BadStatusLine,
+    HttpProcessingError,
+    InvalidHeader,
+    InvalidURLError,
+    LineTooLong,
+)
+from aiohttp.web_protocol import RequestHandler
+
+from gateway.errors import GatewayError, InternalError, InvalidRequest, error_response
+
+log = logging.getLogger("sluice.parse_errors")
+
+#: The ``code`` of the 4xx a request aiohttp cannot parse gets.
+MALFORMED_REQUEST = "malformed_request"
+
+#: The parameters of ``RequestHandler.handle_error`` this module was written against (aiohttp
+#: 3.14.5, as pinned in pyproject.toml): ``(self, request, status=500, exc=None, message=None)``.
+HANDLE_ERROR_PARAMETERS = ("self", "request", "status", "exc", "message")
+
+#: aiohttp's own method, run first by ``_json_handle_error`` (logging, ``ConnectionError``).
+_AIOHTTP_HANDLE_ERROR = RequestHandler.handle_error
+
+#: What the client is told when aiohttp's reason is not a known one: by error class, most
+#: specific first.
+_KINDS: tuple[tuple[type[HttpProcessingError], str], ...] = (
+    (BadHttpMethod, "invalid method"),
+    (BadStatusLine, "invalid request line"),
+    (InvalidURLError, "invalid request target"),
+    (InvalidHeader, "invalid header"),
+)
+
+#: Reasons aiohttp's C parser (llhttp) gives, shown as they are: fixed strings, so an exact match
+#: cannot carry the request's bytes (which aiohttp appends after ``":\n"``).
+_SAFE_REASONS = frozenset(
+    {
+        "Content-Length can't be present with Transfer-Encoding",
+        "Content-Length overflow",
+        "Duplicate Content-Length",
+        "Empty Content-Length",
+        "Expected CRLF after version",
+        "Expected HTTP/, RTSP/ or ICE/",
+        "Expected LF after CR",
+        "Expected LF after headers",
+        "Expected space after method",
+        "Invalid HTTP version",
+        "Invalid `Transfer-Encoding` header value",
+        "Invalid char in url path",
+        "Invalid char in url query",
+        "Invalid char in url fragment start",
+        "Invalid character in Content-Length",
+        "Invalid characters in url",
+        "Invalid header field char",
+        "Invalid header token",
+        "Invalid header value char",
+        "Invalid major version",
+        "Invalid method encountered",
+        "Invalid minor version",
+        "Missing expected CR after header value",
+        "Missing expected LF after header value",
+        "Request has invalid `Transfer-Encoding`",
+        "Too many headers received",
+        "Transfer-Encoding can't be present with Content-Length",
+        "Unexpected space after start line",
+        "Unexpected start char in url",
+        "Unexpected whitespace after header value",
+    }
+)
+
+
+def _describe(exc: BaseException | None) -> str:
+    """What went wrong, from a fixed vocabulary: aiohttp's reason when it is one of
+    ``_SAFE_REASONS``, else the error's class; never text taken from the request."""
+    if isinstance(exc, LineTooLong):  # its message quotes the line
+        return "request line or header too long"
+    if isinstance(exc, HttpProcessingError):
+        reason = exc.message.partition(":\n")[0]
+        if reason in _SAFE_REASONS:
+            return reason
+    return next((text for cls, text in _KINDS if isinstance(exc, cls)), "invalid header or framing")
+
+
+def parse_error(status: int, exc: BaseException | None) -> GatewayError:
+    """The error a request aiohttp answered itself gets: ``status`` kept (400 for everything the
+    parser refuses in aiohttp 3.14); a 4xx is ``malformed_request`` with a message naming only the
+    kind of error (``_describe``); a 5xx is the generic ``internal_error``."""
+    if status >= 500:
+        return InternalError("internal server error", status=status)
+    return InvalidRequest(f"malformed HTTP request: {_describe(exc)}", code=MALFORMED_REQUEST, status=status)
+
+
+def _json_handle_error(
+    self: RequestHandler,
+    request: web.BaseRequest,
+    status: int = 500,
+    exc: BaseException | None = None,
+    message: str | None = None,
+) -> web.StreamResponse:
+    """``RequestHandler.handle_error``'s contract (a response that closes the connection; raises
+    ``ConnectionError`` when part of a response was already sent), with ``parse_error``'s body."""
+    _AIOHTTP_HANDLE_ERROR(self, request, status, exc, message)
+    response = error_response(parse_error(status, exc))
+    response.force_close()
+    return response
+
+
+def hook_supported() -> bool:
+    """True when this aiohttp's ``RequestHandler.handle_error`` has the shape ``install`` replaces
+    (or is already replaced)."""
+    method = RequestHandler.__dict__.get("handle_error")
+    if method is _json_handle_error:
+        return True
+    return callable(method) and tuple(inspect.signature(method).parameters) == HANDLE_ERROR_PARAMETERS
+
+
+def install() -> bool:
+    """Make every aiohttp server of this process answer what it cannot parse with ``parse_error``'s
+    JSON. Idempotent. Returns False, with a warning and aiohttp's answer left in place, when this
+    aiohttp's ``RequestHandler.handle_error`` is not the one this module knows."""
+    if RequestHandler.handle_error is _json_handle_error:
+        return True
+    if not hook_supported():
+        log.warning(
+            "aiohttp's RequestHandler.handle_error has changed: requests aiohttp cannot parse "
+            "keep aiohttp's plain-text 400, which quotes the offending bytes"
+        )
+        return False
+    RequestHandler.handle_error = _json_handle_error  # type: ignore[method-assign]
+    return True
