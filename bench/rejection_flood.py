@@ -55,7 +55,6 @@ import os
 import queue
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -63,7 +62,7 @@ import time
 import timeit
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -74,6 +73,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.admission_load import Result, chat_body, quantile, send
+from bench.soak import free_port, process, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "tests" / "data" / "profiles" / "llama3-8b-h100-seqs4.yaml"
@@ -124,39 +124,6 @@ class Figures:
 
 
 # -- processes ----------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1.0) as resp:
-            if resp.status == 200:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not ready")
-
-
-@contextlib.contextmanager
-def _process(args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-        try:
-            yield proc
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-
-
 def _cpu_seconds(pid: int) -> tuple[float, float]:
     """(utime + stime, stime) of ``pid`` from /proc, in seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -335,7 +302,7 @@ def run(
         os.sched_setaffinity(0, others)
     with tempfile.TemporaryDirectory(prefix="sluice-flood-") as tmp_dir:
         tmp = Path(tmp_dir)
-        emu_port, gw_port = _free_port(), _free_port()
+        emu_port, gw_port = free_port(), free_port()
         emulator = [sys.executable, "-m", "simulator", "--profile", str(PROFILE), "--port", str(emu_port)]
         if others:
             emulator = ["taskset", "-c", _cpu_list(others), *emulator]
@@ -348,9 +315,9 @@ def run(
         gateway = ["taskset", "-c", str(core), sys.executable, "-m", "gateway.cli", "serve"]
         gateway += ["--config", str(tmp / "sluice.yaml")]
         url = f"http://127.0.0.1:{gw_port}"
-        with _process(emulator, tmp / "emulator.log") as emu, _process(gateway, tmp / "gateway.log") as gw:
-            _wait_http(f"http://127.0.0.1:{emu_port}/health", emu)
-            _wait_http(f"{url}/readyz", gw)
+        with process(emulator, tmp / "emulator.log") as emu, process(gateway, tmp / "gateway.log") as gw:
+            wait_http(f"http://127.0.0.1:{emu_port}/health", emu)
+            wait_http(f"{url}/readyz", gw)
             time.sleep(2.0)  # a couple of scrapes: the step model has data
             label = "on" if access_log else "off"
             return _measure(url, gw.pid, duration_s, workers, connections, label, py_spy)
