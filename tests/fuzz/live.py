@@ -23,6 +23,7 @@ from aiohttp import web
 from gateway.admission.config import ShadowSettings
 from gateway.app import build_app
 from gateway.openapi import OPENAPI_PATH, install_openapi
+from gateway.parse_errors import install as install_parse_errors
 from gateway.settings import ReplicaSettings, ServerSettings, Settings
 from gateway.store import SettingsStore
 from gateway.tenants import AuthSettings, TenantSettings, TenantsSettings, hash_api_key
@@ -129,6 +130,8 @@ def serve_gateway() -> Iterator[LiveGateway]:
         )
         app = build_app(SettingsStore(settings), spawn_emulators=False)
         ensure_openapi(app)
+        # As ``sluice serve`` does: what aiohttp cannot parse gets Sluice's JSON 400 (process-wide).
+        install_parse_errors()
         gateway_runner, _, port = run(_serve(app))
         runners.append(gateway_runner)
         yield LiveGateway(

@@ -474,11 +474,17 @@ def raw_chat(extra_headers: bytes, *, with_key: bool = True) -> bytes:
     ],
 )
 def test_malformed_header_lines_are_a_400_and_never_echoed(live: LiveGateway, line: bytes) -> None:
-    status, headers, _ = raw_exchange(live, raw_chat(line))
+    status, headers, body = raw_exchange(live, raw_chat(line))
 
     assert status == 400
     assert "x-injected" not in headers
     assert headers.get("x-request-id", "") != "abc"
+    # Sluice's JSON error (gateway.parse_errors, installed by the harness as by `sluice serve`),
+    # never aiohttp's plain text, which quotes the offending line back: the API key included.
+    assert headers["content-type"].startswith("application/json")
+    assert json.loads(body)["error"]["code"] == "malformed_request"
+    assert API_KEY.encode() not in body
+    assert b"X-Injected" not in body
 
 
 @pytest.mark.parametrize(
