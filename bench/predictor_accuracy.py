@@ -9,7 +9,8 @@ engine measures what really happened. Reported per cell: median and p90 absolute
 
 Run: ``.venv/bin/python -m bench.predictor_accuracy`` (writes docs/predictor-accuracy.md);
 ``--quick`` for a smaller run, ``--profiles`` / ``--loads`` to select cells, ``--no-write`` to
-only print.
+only print. ``--tpot-ideas`` instead scores candidate TPOT corrections on the selected cells
+(``tpot_ideas``; prints a table, writes nothing).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Final
 
 import numpy as np
 
-from gateway.prediction import ReplicaFacts
+from gateway.prediction import PredictionService, ReplicaFacts
 from gateway.replay import (
     ReplayConfig,
     TraceRequest,
@@ -35,6 +36,8 @@ from gateway.replay import (
     measure_capacity,
     run_replay,
 )
+from gateway.replicas.snapshot import InFlight
+from predictor import Forecast
 from simulator.profile import load_profile
 
 #: What an operator would write for each profile's deployment (never read from the profile).
@@ -194,6 +197,127 @@ def run_cell(
     )
 
 
+class _DispatchRecorder(PredictionService):
+    """The service, also noting at every forecast the mean inter-token latency (s) of the
+    replica's latest scrape window (NaN before one): what a TPOT correction may use at dispatch."""
+
+    def __init__(self, *, output_quantile: float) -> None:
+        super().__init__(output_quantile=output_quantile)
+        self.itl_at_forecast: list[float] = []
+
+    def forecast(
+        self,
+        replica: str,
+        *,
+        model: str,
+        tenant: str | None,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        in_flight: Sequence[InFlight],
+        now: float,
+    ) -> Forecast:
+        latest = self.latest_window(replica)
+        itl = None if latest is None else latest[0].itl_mean_s
+        self.itl_at_forecast.append(itl if itl is not None and itl > 0.0 else math.nan)
+        return super().forecast(
+            replica,
+            model=model,
+            tenant=tenant,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            in_flight=in_flight,
+            now=now,
+        )
+
+
+def _online_log_residual(
+    arrival: np.ndarray, finished: np.ndarray, y: np.ndarray, features: Sequence[np.ndarray], memory_s: float
+) -> np.ndarray:
+    """Per request, the log-correction an online residual model would apply at its dispatch.
+
+    ``y``: log(measured / forecast TPOT) (NaN: no TPOT). For request i the model is fitted on the
+    requests that finished before i arrived, within ``memory_s`` s (at least 30 of them, else no
+    correction): a median (L1, by iteratively reweighted least squares) regression of ``y`` on
+    ``features`` (an intercept alone when empty), evaluated at i's features.
+    """
+    n = len(arrival)
+    a = np.column_stack([np.ones(n), *features])
+    order = np.argsort(finished)
+    done_at = finished[order]
+    known = np.isfinite(y)
+    out = np.zeros(n)
+    for i in range(n):
+        idx = order[: np.searchsorted(done_at, arrival[i])]
+        idx = idx[known[idx] & (finished[idx] >= arrival[i] - memory_s)]
+        if len(idx) < 30:
+            continue
+        x, b = a[idx], y[idx]
+        w = np.ones(len(idx))
+        beta = np.zeros(a.shape[1])
+        for _ in range(8):
+            xw = x * w[:, None]
+            beta = np.linalg.lstsq(x.T @ xw, xw.T @ b, rcond=None)[0]
+            w = 1.0 / np.maximum(np.abs(b - x @ beta), 0.05)
+        out[i] = float(a[i] @ beta)
+    return out
+
+
+def tpot_ideas(
+    profile_name: str,
+    load: float,
+    trace: Sequence[TraceRequest],
+    capacity_per_s: float,
+    *,
+    schedule: Schedule,
+    seed: int,
+) -> dict[str, ErrorStats]:
+    """TPOT error of the shipped forecast and of candidate corrections, on one cell (1 replica).
+
+    Every candidate uses only what the gateway knows when it dispatches a request (finished
+    requests' measured TPOT, the prompts dispatched so far, the latest scrape window), so the
+    scores are those an online implementation would get: the TPOT forecast feeds nothing else.
+    ``hindsight constant`` is the exception, a bound: the forecast times the one factor that
+    removes the cell's median bias, as a conditional-median correction at best could.
+    """
+    profile = load_profile(profile_name)
+    rate = load * capacity_per_s
+    first, last = schedule.measured_span(rate)
+    count = min(len(trace), schedule.max_requests, math.ceil(rate * (last + schedule.cooldown_s)) + 1)
+    requests = at_rate(trace[:count], rate)
+    finish = sum(1 for r in requests if r.arrival_s < last)
+    config = ReplayConfig(profile=profile, facts=FACTS[profile_name], replicas=1, seed=seed)
+    service = _DispatchRecorder(output_quantile=config.output_quantile)
+    result = run_replay(requests, config, finish=finish, service=service)
+    records = sorted(result.records, key=lambda r: r.index)
+    itl = np.array([service.itl_at_forecast[r.index] for r in records])
+    arrival = np.array([r.arrival_s for r in records])
+    finished = np.array([r.finished_s for r in records])
+    prompt = np.array([float(r.prompt_tokens) for r in records])
+    forecast = np.array([r.forecast.tpot_s if r.forecast.valid else math.nan for r in records])
+    actual = np.array([r.tpot_s if r.tpot_s else math.nan for r in records])
+    y = np.log(actual / forecast)
+    scored = (arrival >= first) & (arrival < last) & np.isfinite(y)
+    # Prompt tokens per second dispatched to the replica over the 30 s before each arrival.
+    cumulative = np.concatenate([[0.0], np.cumsum(prompt)])
+    since = np.searchsorted(arrival, arrival - 30.0)
+    recent_rate = (cumulative[np.arange(len(arrival))] - cumulative[since]) / 30.0
+    log_forecast = np.where(np.isfinite(forecast), np.log(forecast), 0.0)
+    level = np.where(np.isfinite(itl), itl, forecast)
+    candidates = {
+        "shipped": forecast,
+        "residual, last 10 s": forecast * np.exp(_online_log_residual(arrival, finished, y, [], 10.0)),
+        "residual, last 60 s": forecast * np.exp(_online_log_residual(arrival, finished, y, [], 60.0)),
+        "residual regression": forecast
+        * np.exp(_online_log_residual(arrival, finished, y, [log_forecast, np.log1p(recent_rate)], 120.0)),
+        "blend with window ITL": np.sqrt(forecast * level),
+        "hindsight constant": forecast * math.exp(float(np.median(y[scored]))),
+    }
+    return {
+        name: error_stats(list(zip(pred[scored].tolist(), actual[scored].tolist(), strict=True)))
+        for name, pred in candidates.items()
+    }
+
+
 def _pct(x: float) -> str:
     return "n/a" if math.isnan(x) else f"{100 * x:.1f} %"
 
@@ -337,8 +461,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--measure", type=float, default=100.0, help="virtual seconds scored")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true", help="print only; do not write docs/")
+    parser.add_argument(
+        "--tpot-ideas", action="store_true", help="score candidate TPOT corrections (1 replica); print only"
+    )
     args = parser.parse_args(argv)
     schedule = Schedule(warmup_s=args.warmup, measure_s=args.measure, max_requests=args.trace_rows)
+    if args.tpot_ideas:
+        return _print_tpot_ideas(
+            args.profiles, args.loads, args.trace_start, args.trace_rows, schedule, args.seed
+        )
 
     started = time.perf_counter()
 
@@ -366,6 +497,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         kept = _hand_written(DOC.read_text(encoding="utf-8")) if DOC.exists() else ""
         DOC.write_text(document(main_run, check, command, schedule, args.replicas) + kept, encoding="utf-8")
         print(f"wrote {DOC}", file=sys.stderr)
+    return 0
+
+
+def _print_tpot_ideas(
+    profiles: Sequence[str], loads: Sequence[float], start: int, rows: int, schedule: Schedule, seed: int
+) -> int:
+    """Print ``tpot_ideas`` for every (profile, load) as a markdown table of median / p90 APE."""
+    raw = load_azure_trace(start=start, count=rows)
+    header: list[str] = []
+    for name in profiles:
+        profile = load_profile(name)
+        trace, _ = fit_to_model_len(raw, profile.engine.max_model_len)
+        capacity = measure_capacity(profile, trace, seed=seed)
+        for load in loads:
+            stats = tpot_ideas(name, load, trace, capacity, schedule=schedule, seed=seed)
+            if not header:
+                header = list(stats)
+                print("| cell | " + " | ".join(header) + " |")
+                print("|---|" + "---:|" * len(header))
+            cells = [f"{_pct(stats[k].median_ape)} / {_pct(stats[k].p90_ape)}" for k in header]
+            print(f"| {name} {100 * load:.0f} % | " + " | ".join(cells) + " |", flush=True)
     return 0
 
 
@@ -470,7 +622,9 @@ one-second life. At 100 % and 120 % of capacity the queue's prefill work keeps s
 is again the arrivals nobody has seen yet. These misses are reported as measured; they are a
 property of per-request point forecasts on bursty traffic, not something to tune away on one
 trace slice. A term for the load expected over the decode (Little's law on the recent arrivals)
-was tried and did not help: see "An expected-future-load term for TPOT" below.
+was tried and did not help: see "An expected-future-load term for TPOT" below; nor did residual
+corrections learned online from finished requests, a measured lifetime batch or a
+conditional-median correction: see "Online TPOT corrections" below.
 
 ## How to read the implementation
 

@@ -37,7 +37,9 @@ each flood (py-spy on PATH or in ``.cache/pyspy``) into ``PREFIX-off.txt`` / ``P
 collapsed stacks.
 
 Run: ``.venv/bin/python -m bench.rejection_flood`` (``--access-log`` off/on compares the cost of
-the per-request log lines). Prints a table; asserts nothing.
+the per-request log lines). Prints a table and the load average before and after; asserts nothing.
+On a loaded machine the figures move with the load: ``bench.rejection_replay`` compares checkouts
+side by side, in process.
 """
 
 from __future__ import annotations
@@ -542,6 +544,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     else:
         print(f"one core only: the gateway (core {args.core}) shares it with the emulator and the clients")
+    load_before = os.getloadavg()
     rows = [
         run(
             duration_s=args.duration,
@@ -556,6 +559,10 @@ def main(argv: list[str] | None = None) -> None:
     print(table(rows))
     for f in rows:
         print(f"access log {f.label}: flood statuses {f.flood_statuses}")
+    load_after = os.getloadavg()
+    # The figures are CPU per rejection on a shared core: compare runs only at a like load.
+    before, after = (" ".join(f"{x:.2f}" for x in load) for load in (load_before, load_after))
+    print(f"load average (1, 5, 15 min) before: {before}; after: {after} ({os.cpu_count()} cores)")
 
 
 if __name__ == "__main__":

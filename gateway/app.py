@@ -54,7 +54,7 @@ from gateway.observability.metrics import install as install_metrics
 from gateway.openai_api import ENGINE_MODELS, models_list
 from gateway.openapi import install_openapi
 from gateway.parse_errors import install as install_parse_errors
-from gateway.prediction.service import PredictionService
+from gateway.prediction.service import PredictionConfig, PredictionService
 from gateway.proxy import DisconnectMonitor, OutcomeListener, Proxy
 from gateway.replicas.emulators import EmulatorProcess, start_emulators, stop_emulators
 from gateway.replicas.health import HealthChecker
@@ -71,6 +71,11 @@ log = logging.getLogger("sluice.app")
 CONNECTIONS_PER_REPLICA = 4096
 #: Seconds an idle keep-alive connection to a replica stays in the pool.
 KEEPALIVE_S = 60.0
+#: The live gateway's prediction knobs: it learns each replica's dispatch overhead (the HTTP hop
+#: and the replica server's own work, which its TTFTs hold and no step model prices). The
+#: virtual-time replay (``gateway.replay*``) keeps ``PredictionConfig``'s default (off): it has
+#: no transport. See docs/predictor-accuracy.md, "Live".
+LIVE_PREDICTION = PredictionConfig(learn_dispatch_overhead=True)
 
 STORE = web.AppKey("store", SettingsStore)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
@@ -123,7 +128,7 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
     app[DISCONNECTS] = DisconnectMonitor()
     app[EMULATORS] = []
     # Pure and synchronous: built here so that it exists (and can be inspected) before startup.
-    app[PREDICTION_SERVICE] = PredictionService()
+    app[PREDICTION_SERVICE] = PredictionService(config=LIVE_PREDICTION)
     app.on_response_prepare.append(add_request_id_header)
     app.on_response_prepare.append(add_prediction_headers)
     app.on_shutdown.append(_end_requests_within_the_grace)

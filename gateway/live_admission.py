@@ -265,7 +265,8 @@ class LiveAdmission:
         except Exception:
             log.exception("token weights unavailable; fair share keeps its current weights")
             return
-        if weights != self.fairness.token_weights:
+        current = self.fairness.token_weights
+        if weights is not current and weights != current:
             self.fairness.set_token_weights(weights)
 
     def _apply_tenants(self, settings: Settings) -> None:
@@ -436,7 +437,7 @@ class LiveAdmission:
         if produced is None:
             produced = ticket.live.tokens_streamed
         try:
-            self.fairness.charge_output(ticket.tenant, max(0, produced))
+            self.fairness.charge_output(ticket.tenant, max(0, produced), ticket.request.prompt_tokens)
         except ValueError:
             log.exception("could not charge %r output tokens to tenant %r", produced, ticket.tenant)
         self.reevaluate()  # its replica's views were invalidated by _forget

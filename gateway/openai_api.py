@@ -47,6 +47,11 @@ MODEL_HEADER = "x-sluice-model"
 MAX_TOKENS_LIMIT = 2**53 - 1
 
 
+#: Largest ``n`` (choices per request) accepted, OpenAI's own limit: every choice is one more
+#: sequence decoding on the replica and ``n`` times the output to reserve.
+MAX_CHOICES = 128
+
+
 class _StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -62,6 +67,8 @@ class _Common(BaseModel):
     # At least 1, as vLLM and OpenAI require (admission's requests need one output token).
     max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    # Choices per request, each a sequence of its own on the engine (OpenAI allows 1-128).
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] | None = None
 
 
 class _ChatBody(_Common):
@@ -84,6 +91,8 @@ class ParsedRequest:
     ``max_tokens`` is ``max_completion_tokens`` or ``max_tokens`` (``None`` when absent).
     ``prompt_chars`` is the prompt's text length in characters (``prompt_size``);
     ``prompt_token_ids`` the prompt's length in tokens when it was sent as token ids, else ``None``.
+    ``choices`` is the body's ``n`` (1 when absent): the sequences the engine decodes for it, each
+    up to ``max_tokens``, sharing one prompt.
     """
 
     endpoint: Endpoint
@@ -99,6 +108,7 @@ class ParsedRequest:
     engine: str | None = None
     #: Native TGI routes: the client itself asked for ``parameters.details``.
     details: bool = False
+    choices: int = 1
 
     @property
     def native(self) -> bool:
@@ -176,8 +186,9 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
     aiohttp enforces the limit the application was built with (``client_max_size``); this also
     enforces a smaller limit set by a later reload.
     """
-    if request.content_length is not None and request.content_length > limit:
-        raise BodyTooLarge(f"request body is {request.content_length} bytes; the limit is {limit}")
+    announced = request.content_length
+    if announced is not None and announced > limit:
+        raise BodyTooLarge(f"request body is {announced} bytes; the limit is {limit}")
     try:
         body = await request.read()
     except ConnectionResetError:
@@ -213,8 +224,9 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
             bool(parsed.stream),
             bool(options is not None and options.include_usage),
             parsed.max_tokens if max_tokens is None else max_tokens,
+            1 if parsed.n is None else parsed.n,
         )
-    model, stream, include_usage, max_tokens = fields
+    model, stream, include_usage, max_tokens, choices = fields
     chars, token_ids = prompt_size(endpoint, body)
     return ParsedRequest(
         endpoint=endpoint,
@@ -226,11 +238,12 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
         raw=raw,
         prompt_chars=chars,
         prompt_token_ids=token_ids,
+        choices=choices,
     )
 
 
-def _plain_fields(endpoint: Endpoint, body: dict[str, Any]) -> tuple[str, bool, bool, int | None] | None:
-    """(model, stream, include_usage, max tokens) read straight from a body whose checked fields
+def _plain_fields(endpoint: Endpoint, body: dict[str, Any]) -> tuple[str, bool, bool, int | None, int] | None:
+    """(model, stream, include_usage, max tokens, choices) read straight from a body whose checked fields
     all have the plain shape the schema accepts (the common case: a few type checks instead of
     the pydantic validation, about 10 us, on every request); ``None`` for anything else, which
     the schema then judges (and words the 400 for).
@@ -263,13 +276,18 @@ def _plain_fields(endpoint: Endpoint, body: dict[str, Any]) -> tuple[str, bool, 
         if type(cap) is not int or not 1 <= cap <= MAX_TOKENS_LIMIT:
             return None
         max_tokens = cap
+    choices = body.get("n", 1)
+    if choices is None:
+        choices = 1
+    elif type(choices) is not int or not 1 <= choices <= MAX_CHOICES:
+        return None
     if endpoint == "chat":
         messages = body.get("messages")
         if type(messages) is not list or not messages or any(type(m) is not dict for m in messages):
             return None
     elif not _plain_prompt(body.get("prompt")):
         return None
-    return model, stream is True, include_usage, max_tokens
+    return model, stream is True, include_usage, max_tokens, choices
 
 
 def _plain_prompt(prompt: object) -> bool:

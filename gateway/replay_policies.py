@@ -39,6 +39,7 @@ from gateway.admission import (
     ReplicaView,
     StreamingRequest,
 )
+from gateway.admission.shares import decode_elapsed_s
 from gateway.live_admission import MAX_TICK_S, MIN_TICK_S, expected_output, replica_inputs
 from gateway.prediction import PredictionConfig, PredictionService
 from gateway.replay_admission import Fleet, GatewayRequest
@@ -249,14 +250,6 @@ class TenantRateLimit(_Base):
         tok.charge(float(stats.prompt_tokens + stats.generation_tokens), now)
 
 
-def _decode_elapsed_s(first_token_s: float | None, last_token_s: float | None) -> float:
-    """Seconds from a stream's first token to its latest one (0 before its first), as the live
-    gateway sees them at the client side of the stream."""
-    if first_token_s is None or last_token_s is None:
-        return 0.0
-    return last_token_s - first_token_s
-
-
 @dataclass(slots=True)
 class _Stream:
     """What admission remembers of a request it sent (as ``live_admission._Stream``)."""
@@ -321,7 +314,7 @@ class SluicePolicy(_Base):
                     o.streamed,
                     s.expected_output_tokens,
                     s.predicted_tpot_s,
-                    _decode_elapsed_s(o.first_token_s, o.last_token_s),
+                    decode_elapsed_s(o.first_token_s, o.last_token_s),
                 )
                 for i, s in streams.items()
                 for o in (handle.open[i],)

@@ -31,12 +31,13 @@ What it does
 
 Token weights
     ``limits.token_weights`` when set. Otherwise a weighted token is a prompt token's worth of GPU
-    time on the replicas as they run: ``w_in = 1`` and ``w_out`` is the step model's GPU time of
-    one decode token over one prefill token at the decode batch each replica's engine steps
-    really carried over its latest scrape window (``fleet_token_weights``, ``step_model_prices``),
-    averaged over the replicas that have a valid step model, recomputed at most every
-    ``WEIGHTS_REFRESH_S`` seconds; 2 (VTC's 1 : 2) until one has. A reservation is settled with
-    the weights it was made with, so a refit between the two never shifts a tenant's balance.
+    time on the replicas as they run: ``w_in = 1``, ``w_out`` is the GPU time of one output token
+    over one prompt token and ``w_ctx`` what each token of context an output token reads adds
+    (its KV read), at the decode batch each replica's engine steps really carried over its latest
+    scrape window (``fleet_token_weights``, ``replica_prices``), averaged over the replicas that have a valid
+    step model, recomputed at most every ``WEIGHTS_REFRESH_S`` seconds; 2 (VTC's 1 : 2) and no
+    context part until one has. A reservation is settled with the weights it was made with, so a
+    refit between the two never shifts a tenant's balance.
 
 Trade-offs
     The settle runs as its own task, created synchronously in ``finally`` (no ``await`` between
@@ -46,7 +47,8 @@ Trade-offs
     Redis call failed (re-run in the background until Redis answers) one last attempt. The
     request body is parsed here and again by the proxy (one ``json.loads`` more per limited
     request; ``bench/tenancy_cost.py`` measures the whole cost). Each reservation has its own
-    random id: a client-chosen ``x-request-id`` repeated on concurrent requests must not make the
+    fresh id (``new_request_id``: unique per process, a random per-process prefix), never the
+    request's: a client-chosen ``x-request-id`` repeated on concurrent requests must not make the
     limiter treat them as one retried call.
 
 Secrets
@@ -60,7 +62,6 @@ import dataclasses
 import logging
 import math
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
@@ -86,7 +87,7 @@ from gateway.limits.base import (
 )
 from gateway.limits.config import LimitsSettings
 from gateway.limits.factory import build_limiter
-from gateway.observability.logs import OUTCOME, RequestOutcome
+from gateway.observability.logs import OUTCOME, RequestOutcome, new_request_id
 from gateway.openai_api import COMPLETION_ROUTES, Endpoint, ParsedRequest, read_request
 from gateway.prediction.service import PredictionService
 from gateway.settings import ReplicaSettings, Settings
@@ -112,7 +113,9 @@ __all__ = [
     "install_tenancy",
     "rate_limit_headers",
     "replica_prices",
+    "request_cost",
     "settled_usage",
+    "split_context",
     "step_model_prices",
 ]
 
@@ -143,13 +146,16 @@ class Held:
     """An allowed reservation and what it was computed from (settle needs all of it).
 
     ``prompt_tokens``: the prompt estimate reserved; ``output_tokens``: the predicted output
-    reserved (capped by ``max_tokens``); ``weights``: the weights both costs use.
+    reserved (capped by ``max_tokens``, for all ``choices`` together); ``weights``: the weights
+    both costs use (``request_cost``).
     """
 
     reservation: Reservation
     weights: TokenWeights
     prompt_tokens: int
     output_tokens: int
+    #: The request's choices (``n``): ``output_tokens`` is all of theirs together.
+    choices: int = 1
 
 
 TENANT: Final = web.RequestKey("tenant", Tenant)
@@ -161,15 +167,23 @@ HELD: Final = web.RequestKey("tenant_reservation", Held)
 
 @dataclass(frozen=True, slots=True)
 class TokenPrices:
-    """GPU seconds of one prompt (``prefill_s``) and one output token (``decode_s``) on a replica."""
+    """GPU seconds of one prompt (``prefill_s``) and one output token (``decode_s``) on a replica;
+    ``context_s``: what each token of the context an output token reads adds to it (its KV read;
+    0 when ``decode_s`` is already the price at the batch's mean context)."""
 
     prefill_s: float
     decode_s: float
+    context_s: float = 0.0
 
     @property
     def ratio(self) -> float:
         """``decode_s / prefill_s``: what ``w_out`` is with ``w_in = 1``."""
         return self.decode_s / self.prefill_s
+
+    @property
+    def context_ratio(self) -> float:
+        """``context_s / prefill_s``: what ``w_ctx`` is with ``w_in = 1``."""
+        return self.context_s / self.prefill_s
 
 
 def step_model_prices(
@@ -179,6 +193,7 @@ def step_model_prices(
     max_num_seqs: int,
     decode_seqs: float | None = None,
     context_tokens: float | None = None,
+    prompt_tokens: float | None = None,
 ) -> TokenPrices | None:
     """A prompt and an output token's GPU seconds per ``model``, at the batch the replica runs.
 
@@ -195,7 +210,13 @@ def step_model_prices(
       a full chunk at least doubles a decode step on any real engine (thousands of tokens of
       compute against a few dozen), and a fit whose per-token prefill term is still near zero (a
       replica that has seen few prompts) must not make prompts free and price an output token
-      at hundreds of thousands of prompt tokens.
+      at hundreds of thousands of prompt tokens. The chunk's attention: ``prompt_tokens / 2``
+      pairs per token when the replica's mean prompt (``prompt_tokens``) is known, the pairs per
+      prompt token the fit itself saw (``predictor.calibrate.observation_from_window``); a
+      fresh prompt filling the chunk (``chunk / 2`` per token) otherwise. The fit cannot tell
+      the linear slope from attention when the prompts' lengths do not vary, and only prices at
+      the features it was fitted at are what its step times bear out: extrapolating its
+      attention coefficient to a longer prompt than the replica runs swings the price.
 
     ``None`` when the model is not valid or either time is not a positive finite number.
     """
@@ -208,7 +229,8 @@ def step_model_prices(
     batch = StepBatch(decode_seqs=seqs, kv_tokens_read=seqs * context)
     step = model.step_time(batch)
     chunk = float(max_num_batched_tokens)
-    with_chunk = dataclasses.replace(batch, prefill_tokens=chunk, prefill_attn_pairs=chunk * chunk / 2.0)
+    pairs_per_token = chunk / 2.0 if prompt_tokens is None or prompt_tokens <= 0.0 else prompt_tokens / 2.0
+    with_chunk = dataclasses.replace(batch, prefill_tokens=chunk, prefill_attn_pairs=chunk * pairs_per_token)
     prefill = max(model.step_time(with_chunk) - step, step) / chunk
     decode = step / seqs
     if not (math.isfinite(prefill) and math.isfinite(decode) and prefill > 0 and decode > 0):
@@ -239,27 +261,60 @@ def decode_to_prefill_ratio(
 def replica_prices(
     service: PredictionService, replica: ReplicaSettings, model: StepModel
 ) -> TokenPrices | None:
-    """The GPU seconds of a prompt and an output token on ``replica`` per ``model`` (its step
-    model), at the decode batch ``service`` saw it run over its latest scrape window; at the
-    defaults of ``step_model_prices`` before one. ``None`` when ``model`` gives no prices."""
+    """The GPU seconds of a prompt token, an output token and an output token's context token on
+    ``replica``; ``None`` when ``model`` (its step model) gives no prices.
+
+    ``step_model_prices``'s prices at the decode batch ``service`` saw the replica run over its
+    latest scrape window (its defaults before one): output tokens per step, KV tokens in use per
+    running request, and for the prompt's attention the replica's mean prompt, the point the fit
+    was made at. The output token's price is then split (``split_context``) into a part per
+    token and a part per token of context it reads (its KV read: the step model's
+    ``per_kv_token_s``, or its roofline prior's where the fit left it at 0), so that an output
+    token after a 4000-token document costs what it does, not the batch's mean.
+    """
     hardware = replica.hardware
     seqs: float | None = None
     context: float | None = None
+    prompt: float | None = None
     window = service.latest_window(replica.name)
     if window is not None:
         snapshot, gauges = window
+        prompt = snapshot.mean_prompt_tokens_per_request
         steps, output = snapshot.steps_per_s, snapshot.generation_tokens_per_s
         if steps is not None and output is not None and steps > 0.0 and output > 0.0:
             seqs = output / steps
         if gauges.running > 0.0 and gauges.kv_tokens > 0.0:
             context = gauges.kv_tokens / gauges.running
-    return step_model_prices(
+    prices = step_model_prices(
         model,
         max_num_batched_tokens=hardware.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
         max_num_seqs=hardware.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
         decode_seqs=seqs,
         context_tokens=context,
+        prompt_tokens=prompt,
     )
+    if prices is None or window is None:
+        return prices
+    per_kv = model.params.per_kv_token_s
+    if per_kv <= 0.0:
+        report = service.report(replica.name)
+        per_kv = 0.0 if report is None or report.prior is None else report.prior.per_kv_token_s
+    return split_context(prices.decode_s, per_kv, context or 0.0, prices.prefill_s)
+
+
+def split_context(
+    decode_s: float, per_kv_token_s: float, context_tokens: float, prefill_s: float
+) -> TokenPrices:
+    """``TokenPrices`` with an output token at ``decode_s`` on average over outputs read after
+    ``context_tokens`` of context each, of which ``per_kv_token_s`` per context token: the part
+    per output token is ``decode_s - per_kv_token_s x context_tokens``. When that would be below
+    half of ``decode_s`` (a KV price the window's times do not bear out), no split: the mean
+    price per output token, nothing per context token."""
+    per_kv = max(per_kv_token_s, 0.0) if math.isfinite(per_kv_token_s) else 0.0
+    own = decode_s - per_kv * max(context_tokens, 0.0)
+    if own < 0.5 * decode_s:
+        return TokenPrices(prefill_s=prefill_s, decode_s=decode_s)
+    return TokenPrices(prefill_s=prefill_s, decode_s=own, context_s=per_kv)
 
 
 def fleet_token_weights(service: PredictionService, replicas: Iterable[ReplicaSettings]) -> TokenWeights:
@@ -269,9 +324,12 @@ def fleet_token_weights(service: PredictionService, replicas: Iterable[ReplicaSe
 
     Per replica (``replica_prices``): the step model's prices (``step_model_prices``) at the
     decode batch its engine steps really carried over its latest scrape window (output tokens
-    per step, KV tokens in use per running request), not at a nominal one.
+    per step, KV tokens in use per running request), not at a nominal one. ``context``
+    (``w_ctx``): the mean over the same replicas of their output token's KV read per token of
+    context over their prompt token's price, to 3 significant digits.
     """
     ratios: list[float] = []
+    contexts: list[float] = []
     for replica in replicas:
         model = service.step_model(replica.name)
         if model is None:
@@ -279,9 +337,11 @@ def fleet_token_weights(service: PredictionService, replicas: Iterable[ReplicaSe
         prices = replica_prices(service, replica, model)
         if prices is not None:
             ratios.append(prices.ratio)
+            contexts.append(prices.context_ratio)
     if not ratios:
         return DEFAULT_WEIGHTS
-    return TokenWeights(input=1.0, output=max(round(sum(ratios) / len(ratios), 2), 0.01))
+    output = max(round(sum(ratios) / len(ratios), 2), 0.01)
+    return TokenWeights(input=1.0, output=output, context=float(f"{sum(contexts) / len(contexts):.3g}"))
 
 
 def configured_weights(limits: LimitsSettings) -> TokenWeights | None:
@@ -297,10 +357,24 @@ def estimated_prompt_tokens(service: PredictionService, parsed: ParsedRequest) -
     return max(service.estimate_prompt_tokens(parsed.model, parsed.prompt_chars), 1)
 
 
+def request_cost(
+    weights: TokenWeights, prompt_tokens: float, output_tokens: float, choices: int = 1
+) -> float:
+    """Weighted tokens a tenant's token budget is charged for one request (no per-request term):
+    one prompt, and ``output_tokens`` in all, decoded as ``choices`` (the body's ``n``) sequences
+    of equal length, each reading the prompt as its context. With one choice that is
+    ``weights.cost(prompt_tokens, output_tokens, 0.0)``."""
+    if choices <= 1:
+        return weights.cost(prompt_tokens, output_tokens, 0.0)
+    each = output_tokens / choices
+    return weights.cost(prompt_tokens, each, 0.0) + (choices - 1) * weights.output_cost(each, prompt_tokens)
+
+
 def predicted_output_tokens(
     service: PredictionService, parsed: ParsedRequest, tenant: str, prompt_tokens: int
 ) -> int:
-    """The prediction service's output length for this request, capped by ``max_tokens`` (>= 1).
+    """The prediction service's output length for this request, capped by ``max_tokens`` (>= 1),
+    times its choices (``n``): every choice is a sequence of its own.
 
     Asked of no replica (``""`` is never a replica's name): the forecast is then invalid, but its
     ``output_tokens_used`` is the model's (or tenant's) learned length, capped.
@@ -316,8 +390,8 @@ def predicted_output_tokens(
     )
     output = forecast.output_tokens_used
     if not math.isfinite(output):
-        return max(parsed.max_tokens or 1, 1)
-    return max(math.ceil(output), 1)
+        return max(parsed.max_tokens or 1, 1) * parsed.choices
+    return max(math.ceil(output), 1) * parsed.choices
 
 
 def settled_usage(outcome: RequestOutcome, held: Held) -> tuple[int, int]:
@@ -615,10 +689,10 @@ class Tenancy:
         weights = self.weights()
         prompt = estimated_prompt_tokens(self._predictions, parsed)
         output = predicted_output_tokens(self._predictions, parsed, tenant.name, prompt)
-        cost = weights.cost(prompt, output, 0.0)
+        cost = request_cost(weights, prompt, output, parsed.choices)
         try:
             reservation = await self.limiter.reserve(
-                tenant.name, cost_tokens=cost, limits=tenant.limits, request_id=uuid.uuid4().hex
+                tenant.name, cost_tokens=cost, limits=tenant.limits, request_id=new_request_id()
             )
         except LimiterUnavailable as exc:
             outcome.reason = "limiter_unavailable"
@@ -632,7 +706,7 @@ class Tenancy:
             outcome.reason, refusal = rejection_reason(reservation), rejection_error(reservation)
             outcome.retry_after_s = refusal.retry_after_s  # what the 429 says (concurrency: 1 s)
             raise self._refused(outcome, refusal)
-        return Held(reservation, weights, prompt, output)
+        return Held(reservation, weights, prompt, output, parsed.choices)
 
     def _refused(self, outcome: RequestOutcome, err: GatewayError) -> GatewayError:
         """Record a refusal answered here on the outcome and tell the outcome listeners (the proxy
@@ -657,7 +731,7 @@ class Tenancy:
 
     async def _settle(self, held: Held, outcome: RequestOutcome) -> None:
         prompt, output = settled_usage(outcome, held)
-        actual = held.weights.cost(prompt, output, 0.0)
+        actual = request_cost(held.weights, prompt, output, held.choices)
         try:
             await self.limiter.settle(held.reservation, actual_cost_tokens=actual)
         except Exception:

@@ -26,12 +26,13 @@ from gateway.replay import measure_capacity
 from simulator.profile import load_profile
 
 #: (label, overrides): ``class.<key>`` changes the interactive class, other keys the section.
-VARIANTS: Final[tuple[tuple[str, tuple[tuple[str, float], ...]], ...]] = (
-    ("defaults (forecast_margin 0.15)", ()),
-    ("forecast_margin 0.3", (("forecast_margin", 0.3),)),
-    ("forecast_margin 0.5", (("forecast_margin", 0.5),)),
-    ("max_stall_s 0.1", (("class.max_stall_s", 0.1),)),
-    ("max_stall_s 0.05", (("class.max_stall_s", 0.05),)),
+VARIANTS: Final[tuple[tuple[str, tuple[tuple[str, float | None], ...]], ...]] = (
+    ("defaults (stall budget, horizon 0.02)", ()),
+    ("stall budget off", (("class.stall_budget_horizon", None),)),
+    ("budget off, forecast_margin 0.3", (("class.stall_budget_horizon", None), ("forecast_margin", 0.3))),
+    ("budget off, forecast_margin 0.5", (("class.stall_budget_horizon", None), ("forecast_margin", 0.5))),
+    ("budget off, max_stall_s 0.1", (("class.stall_budget_horizon", None), ("class.max_stall_s", 0.1))),
+    ("budget off, max_stall_s 0.05", (("class.stall_budget_horizon", None), ("class.max_stall_s", 0.05))),
     ("stall budget, horizon 1", (("class.stall_budget_horizon", 1.0),)),
     ("stall budget, horizon 0.5", (("class.stall_budget_horizon", 0.5),)),
     ("stall budget, horizon 0.25", (("class.stall_budget_horizon", 0.25),)),

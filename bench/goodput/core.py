@@ -69,11 +69,10 @@ TTFT_TARGET_S: Final = 1.0
 TPOT_TARGET_S: Final = 0.05
 TARGETS: Final = Targets(TTFT_TARGET_S, TPOT_TARGET_S)
 
-POLICIES: Final = ("none", "cap", "saturation", "gaie", "ratelimit", "sluice", "sluice-budget")
-#: Sluice's rows: its default configuration, and with the per-stream stall budget on.
-SLUICES: Final = ("sluice", "sluice-budget")
-#: ``stall_budget_horizon`` of the interactive class in the "sluice-budget" row.
-BUDGET_HORIZON: Final = 0.02
+POLICIES: Final = ("none", "cap", "saturation", "gaie", "ratelimit", "sluice", "sluice-nobudget")
+#: Sluice's rows: its default configuration (the interactive class's per-stream stall budget on,
+#: ``INTERACTIVE_STALL_BUDGET_HORIZON``), and with the budget off (the default before it).
+SLUICES: Final = ("sluice", "sluice-nobudget")
 LABELS: Final = {
     "none": "(a) no admission",
     "cap": "(b) concurrency cap + FIFO",
@@ -81,7 +80,7 @@ LABELS: Final = {
     "gaie": "(c') saturation shedding, GAIE defaults",
     "ratelimit": "(d) tenant rpm/tpm",
     "sluice": "(e) Sluice",
-    "sluice-budget": "(e') Sluice, stall budget (horizon 0.02)",
+    "sluice-nobudget": "(e') Sluice, stall budget off",
 }
 KNOBS: Final = {
     "cap": "outstanding requests per replica",
@@ -150,21 +149,25 @@ def trace_requests(name: str) -> tuple[tuple[TraceRequest, ...], int]:
     return tuple(kept), too_long
 
 
-def admission_settings(overrides: Sequence[tuple[str, float]] = ()) -> AdmissionSettings:
-    """Sluice's configuration: one interactive class with the targets above, defaults otherwise.
+def admission_settings(overrides: Sequence[tuple[str, float | None]] = ()) -> AdmissionSettings:
+    """Sluice's configuration: the shipped interactive class (its stall budget included) with the
+    targets above, defaults otherwise.
 
     ``overrides``: (key, value) pairs for the ablation (``bench.goodput.ablation``): a key of the
-    ``admission`` section (``forecast_margin``...) or ``class.<key>`` for the interactive class.
+    ``admission`` section (``forecast_margin``...) or ``class.<key>`` for the interactive class
+    (``None``: the setting off, where it may be null).
     """
-    section: dict[str, float] = {}
-    cls: dict[str, float] = {}
+    section: dict[str, float | None] = {}
+    cls: dict[str, float | None] = {}
     for key, value in overrides:
         if key.startswith("class."):
             cls[key.removeprefix("class.")] = value
         else:
             section[key] = value
+    shipped = AdmissionSettings().classes["interactive"].model_dump()
     interactive = ClassSettings.model_validate(
         {
+            **shipped,
             "ttft_target_s": TTFT_TARGET_S,
             "tpot_target_s": TPOT_TARGET_S,
             "max_queue_wait_s": TTFT_TARGET_S,
@@ -194,7 +197,7 @@ class CellSpec:
     recovery_guard_s: float = 10.0
     recovery_tolerance: float = 0.9
     #: Sluice settings changed from ``admission_settings()`` (the ablation only).
-    sluice_overrides: tuple[tuple[str, float], ...] = ()
+    sluice_overrides: tuple[tuple[str, float | None], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,9 +230,9 @@ def make_policy(spec: CellSpec) -> GatewayPolicy:
         return TenantRateLimit(rpm, rpm * spec.mean_tokens, label=f"rate limit {spec.knob:g}x")
     if spec.policy == "sluice":
         return SluicePolicy(admission_settings(spec.sluice_overrides), seed=spec.seed)
-    if spec.policy == "sluice-budget":
-        overrides = (("class.stall_budget_horizon", BUDGET_HORIZON), *spec.sluice_overrides)
-        return SluicePolicy(admission_settings(overrides), seed=spec.seed, name="sluice-budget")
+    if spec.policy == "sluice-nobudget":
+        overrides = (("class.stall_budget_horizon", None), *spec.sluice_overrides)
+        return SluicePolicy(admission_settings(overrides), seed=spec.seed, name="sluice-nobudget")
     raise ValueError(f"unknown policy {spec.policy!r}")
 
 
@@ -651,6 +654,14 @@ def _machine() -> str:
     return f"{platform.system()} {platform.release()}, {cpu}, {os.cpu_count()} CPUs visible"
 
 
+def _load_average() -> str:
+    """The machine's load average (1, 5, 15 minutes), or "unknown" where the OS has none."""
+    try:
+        return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
 def report(
     runs: Sequence[TraceRun],
     plan: Plan,
@@ -665,7 +676,8 @@ def report(
         "",
         f"Command: `{command}` ({seconds / 60:.0f} min wall on the machine below; all virtual time).",
         "",
-        f"Machine: {_machine()}. Versions: {_versions()}. Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC.",
+        f"Machine: {_machine()}. Versions: {_versions()}. Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC. "
+        f"Load average at the end (1, 5, 15 min): {_load_average()}.",
         "",
         f"Fleet: {plan.replicas} x `{PROFILE}` (emulated vLLM: 1 H100, `max_num_seqs` 1024, 8192 batched "
         f"tokens, `max_model_len` 8192). Targets: TTFT <= {TTFT_TARGET_S:g} s from arrival at the gateway, "

@@ -277,8 +277,12 @@ def sluice_config(layout: Layout, port: int, *, lean: bool = False) -> dict[str,
     }
 
 
-def start_sluice(layout: Layout, *, lean: bool = False) -> Target:
-    name = "sluice-lean" if lean else "sluice"
+def start_sluice(
+    layout: Layout, *, lean: bool = False, tree: Path | None = None, name: str | None = None
+) -> Target:
+    """``sluice serve`` from this checkout, or (``tree``) from another one, e.g. an exported
+    commit for a before/after comparison inside one run (``--baseline-tree``)."""
+    name = name or ("sluice-lean" if lean else "sluice")
     port = free_port()
     config = layout.work / f"{name}.yaml"
     config.write_text(yaml.safe_dump(sluice_config(layout, port, lean=lean)))
@@ -286,6 +290,7 @@ def start_sluice(layout: Layout, *, lean: bool = False) -> Target:
     proc = start(
         pinned(layout.proxy_cpus, [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)]),
         log,
+        cwd=tree or ROOT,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -294,7 +299,8 @@ def start_sluice(layout: Layout, *, lean: bool = False) -> Target:
         stop(proc)
         raise
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    return Target(name, url, proc.pid, _sluice_version(), headers=headers, proc=proc, log=log)
+    version = _sluice_version() if tree is None else f"tree {tree}"
+    return Target(name, url, proc.pid, version, headers=headers, proc=proc, log=log)
 
 
 def _sluice_version() -> str:

@@ -85,7 +85,19 @@ def client_deadline_s(
     """
     if header_value is None:
         return None
-    text = header_value.strip()
-    if not _MILLIS.match(text):
-        raise InvalidHeader(header, header_value, "expected a non-negative number of milliseconds")
-    return arrival_s + float(text) / 1000.0
+    seconds = _deadlines.get(header_value)
+    if seconds is None:
+        text = header_value.strip()
+        if not _MILLIS.match(text):
+            raise InvalidHeader(header, header_value, "expected a non-negative number of milliseconds")
+        seconds = float(text) / 1000.0
+        if len(_deadlines) >= _DEADLINES_KEPT:
+            _deadlines.clear()
+        _deadlines[header_value] = seconds
+    return arrival_s + seconds
+
+
+#: Valid deadline header values already read, as seconds (clients send a few values, over and
+#: over: one lookup instead of a match and a parse). Cleared when it holds ``_DEADLINES_KEPT``.
+_deadlines: dict[str, float] = {}
+_DEADLINES_KEPT: Final = 1024

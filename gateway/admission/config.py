@@ -18,6 +18,7 @@ from pydantic import Field, model_validator
 from gateway.section import Name, PositiveSeconds, Section, SettingsViolations, Violation
 
 __all__ = [
+    "INTERACTIVE_STALL_BUDGET_HORIZON",
     "AdmissionSettings",
     "ClassSettings",
     "HeaderSettings",
@@ -120,7 +121,10 @@ class ClassSettings(Section):
             "counting the time that stream's decode has already taken. Each stream is assumed to "
             "produce at least this share (0-1] of its expected remaining output (a stream may end "
             "sooner than expected, and a short stream has little room). While on, the mean-TPOT rule "
-            "for running streams leaves the prefill pause to this budget. null = off.",
+            "for running streams leaves the prefill pause to this budget, and a newcomer's own TPOT "
+            "is judged without the replica's recent prefill share (the prefill admitted after it "
+            "must fit its budget): its decode step, when lower than the forecast. null = off. "
+            "The built-in interactive class has 0.02 (a stream may end at its next token).",
         ),
     ] = None
     probe_prompt_tokens: Annotated[
@@ -137,8 +141,12 @@ class ClassSettings(Section):
     ] = 256
 
 
+#: ``stall_budget_horizon`` of the built-in interactive class (docs/benchmarks.md, goodput).
+INTERACTIVE_STALL_BUDGET_HORIZON = 0.02
+
+
 def _interactive() -> ClassSettings:
-    return ClassSettings()
+    return ClassSettings(stall_budget_horizon=INTERACTIVE_STALL_BUDGET_HORIZON)
 
 
 def _batch() -> ClassSettings:

@@ -143,10 +143,10 @@ class AdmissionController:
         result = self._queue.reevaluate(now, views)
         for entry, decision in result.dispatched:
             self._record(entry.request_class, decision, queued=True)
-            self.stats.queue_wait_s.append((entry.request_class, entry.waited_s(now)))
+            self.stats.observe_queue_wait(entry.request_class, entry.waited_s(now))
         for entry, reject in result.rejected:
             self._record(entry.request_class, reject, queued=True)
-            self.stats.queue_wait_s.append((entry.request_class, entry.waited_s(now)))
+            self.stats.observe_queue_wait(entry.request_class, entry.waited_s(now))
         self._update_depths()
         return result
 
@@ -155,7 +155,7 @@ class AdmissionController:
         entry = self._queue.cancel(entry_id)
         if entry is not None:
             self.stats.record(entry.request_class, Outcome.CANCELLED, "client_disconnected")
-            self.stats.queue_wait_s.append((entry.request_class, entry.waited_s(now)))
+            self.stats.observe_queue_wait(entry.request_class, entry.waited_s(now))
             self._update_depths()
         return entry
 
@@ -177,7 +177,7 @@ class AdmissionController:
             outcome = Outcome.DISPATCHED if queued and not decision.enforced else Outcome.REJECTED
             stats.record(name, outcome, decision.reason.value, enforced=decision.enforced)
             if decision.enforced and decision.retry_after is not None:
-                stats.retry_after_s.append((decision.reason.value, decision.retry_after.delay_s))
+                stats.observe_retry_after(decision.reason.value, decision.retry_after.delay_s)
 
     def _update_depths(self) -> None:
         depths = self._queue.depths()

@@ -8,7 +8,9 @@ spare capacity as a fraction of its limit (negative = violated):
 blocker          slack                                                            rule
 =============== ================================================================ ===============
 ttft             (first-token deadline - now - TTFT) / C.ttft_target              slo
-tpot             (C.tpot_target - TPOT) / C.tpot_target                           slo
+tpot             (C.tpot_target - TPOT) / C.tpot_target; for a class C with      slo
+                 stall_budget_horizon, min(TPOT, the decode step with the
+                 newcomer seated): later prefill is held to its stall budget
 streams_tpot     min over classes k streaming on r of                             protect_streams
                  (min headroom_k - inflicted TPOT) / k.tpot_target
 streams_stall    min over classes k with max_stall of (max_stall - stall) / max  protect_streams
@@ -149,6 +151,10 @@ _INF: Final = math.inf
 _IDLE_STATES_KEPT: Final = 64
 #: Most forecasts on idle replicas kept for ``_hopeless`` (cleared when exceeded).
 _IDLE_FORECASTS_KEPT: Final = 1024
+#: Slacks this close are equal for routing (``_pick``): the fewest gateway requests wins.
+_SLACK_TIE: Final = 1e-9
+#: Most forecasts kept per replica state in ``_evaluate``'s memo (cleared when exceeded).
+_FORECASTS_KEPT: Final = 256
 #: A probe's outcome on one candidate: (the protected class, its probe's TTFT, its TPOT), seconds,
 #: margins applied.
 _Probe = tuple[ClassSettings, float, float]
@@ -272,13 +278,47 @@ class _Candidate:
     slack_enforced: float  # minimum over the enforced rules
     probes: list[_Probe]
     _forecast: Forecast | None = None
+    #: The memo entry ``raw`` came from (``_Known``), which keeps the ``Forecast`` built from it.
+    known: _Known | None = None
 
     @property
     def forecast(self) -> Forecast | None:
         """The forecast with the margins applied (``None`` without a step model)."""
         if self._forecast is None and self.raw is not None:
-            self._forecast = forecast_of(self.raw, self.scale)
+            known = self.known
+            if known is not None and known.forecast is not None and known.scale == self.scale:
+                self._forecast = known.forecast
+            else:
+                self._forecast = forecast_of(self.raw, self.scale)
+                if known is not None:
+                    known.scale, known.forecast = self.scale, self._forecast
         return self._forecast
+
+
+class _Known:
+    """One memoised forecast (``SloAdmitter._forecast``): the predictor's numbers and the
+    ``Forecast`` object last built from them, with the scale it was built at."""
+
+    __slots__ = ("forecast", "scale", "values")
+
+    def __init__(self, values: ForecastValues) -> None:
+        self.values = values
+        self.scale = math.nan
+        self.forecast: Forecast | None = None
+
+
+class _Forecasts:
+    """``_evaluate``'s memo for one replica: forecasts made on ``state`` with ``model``, by request.
+
+    Valid while the replica's view carries these very objects (states and models are immutable;
+    a view rebuild or a refit brings new ones, which replace the memo)."""
+
+    __slots__ = ("known", "model", "state")
+
+    def __init__(self, state: ReplicaState, model: StepModel) -> None:
+        self.state = state
+        self.model = model
+        self.known: dict[CandidateRequest, _Known] = {}
 
 
 def _idle(state: ReplicaState) -> ReplicaState:
@@ -342,6 +382,11 @@ class SloAdmitter:
         self._idle_forecasts: dict[
             tuple[CandidateRequest, tuple[int, int, int, int]], tuple[StepModel, float, float]
         ] = {}
+        #: ``_evaluate``'s memo, per replica name: the forecast of a request on a view is a pure
+        #: function of (request, state, step model, forecast config), and a view lives for many
+        #: decisions (``view_ttl_s``), so alike requests (a flood) share one forecast and one
+        #: ``Forecast`` object per view instead of one each.
+        self._forecasts: dict[str, _Forecasts] = {}
         self._default_limits = (
             self._default.tpot_target_s,
             self._default.max_stall_s,
@@ -457,7 +502,8 @@ class SloAdmitter:
     ) -> _Candidate | None:
         """Forecast on one replica and compute its slack vector; ``None`` if it cannot serve it."""
         state = view.state
-        f = forecast_values(request.candidate(state.max_model_len), state, view.model, self._fc)
+        known = self._forecast(request.candidate(state.max_model_len), view)
+        f = known.values
         if not f[3] and f[4] != ForecastReason.STALE_STATE:
             if f[4] == ForecastReason.NO_STEP_MODEL:
                 return self._unmodelled(view)
@@ -502,7 +548,14 @@ class SloAdmitter:
                 slots = self._slot_limit(cls, view)
                 slot = (slots - (own.seqs if own is not None else 0) - 1) / slots
         s_ttft = (deadline - now - ttft) / cls.ttft_target_s
-        s_tpot = (cls.tpot_target_s - tpot) / cls.tpot_target_s
+        # A class with a stall budget: once admitted, this request is one of the streams whose
+        # budgets every later prefill must fit, so its own TPOT is not also charged the prefill
+        # share the replica had recently (the forecast's): its decode step with it seated, when
+        # that is lower.
+        own_tpot = tpot
+        if cls.stall_budget_horizon is not None and 0.0 < step < tpot:
+            own_tpot = step
+        s_tpot = (cls.tpot_target_s - own_tpot) / cls.tpot_target_s
         probes: list[_Probe] = _NO_PROBES
         plan = self._probes[name]
         # The probes cost a forecast each: skip them where another enforced rule already fails.
@@ -529,7 +582,24 @@ class SloAdmitter:
         )
         slack = min(slacks)
         enforced = slack if self._all_enforced else min((slacks[i] for i in self._enforced), default=_INF)
-        return _Candidate(view, f, scale, ttft, tpot, infl, stall, output, slacks, slack, enforced, probes)
+        return _Candidate(
+            view, f, scale, ttft, tpot, infl, stall, output, slacks, slack, enforced, probes, None, known
+        )
+
+    def _forecast(self, candidate: CandidateRequest, view: ReplicaView) -> _Known:
+        """``forecast_values(candidate, view.state, view.model)``, memoised per view (``_Forecasts``)."""
+        state, model = view.state, view.model
+        memo = self._forecasts.get(view.name)
+        if memo is None or memo.state is not state or memo.model is not model:
+            if len(self._forecasts) >= _IDLE_STATES_KEPT:
+                self._forecasts.clear()  # replicas that left the fleet
+            memo = self._forecasts[view.name] = _Forecasts(state, model)
+        known = memo.known.get(candidate)
+        if known is None:
+            if len(memo.known) >= _FORECASTS_KEPT:
+                memo.known.clear()
+            known = memo.known[candidate] = _Known(forecast_values(candidate, state, model, self._fc))
+        return known
 
     def _step_with_s(self, view: ReplicaView, context_tokens: float) -> float:
         """The decode step on ``view`` once the newcomer decodes too (``context_tokens`` of KV;
@@ -581,8 +651,9 @@ class SloAdmitter:
 
     def _pick(self, candidates: list[_Candidate], *, enforced: bool) -> _Candidate | None:
         """The candidate with the most slack among those admissible under every rule (or, with
-        ``enforced``, under the enforced rules only); replicas without a step model only when no
-        modelled one is admissible (the one with the fewest of the gateway's requests)."""
+        ``enforced``, under the enforced rules only), of equal slacks the one with the fewest of the
+        gateway's requests; replicas without a step model only when no modelled one is admissible
+        (the one with the fewest of the gateway's requests)."""
         best: _Candidate | None = None
         fallback: _Candidate | None = None
         for c in candidates:
@@ -591,8 +662,15 @@ class SloAdmitter:
             if c.slacks is None:
                 if fallback is None or c.view.gateway_streams < fallback.view.gateway_streams:
                     fallback = c
-            elif best is None or c.slack > best.slack:
+            elif (
+                best is None
+                or c.slack > best.slack + _SLACK_TIE
+                or (c.slack >= best.slack - _SLACK_TIE and c.view.gateway_streams < best.view.gateway_streams)
+            ):
                 # Ranked by the full slack even when some rules are shadowed: routing stays the same.
+                # Equal slacks (idle replicas alike, or a binding rule that does not see the load:
+                # a decode step before the newcomers queued there have started) go to the replica
+                # with the fewest of the gateway's requests, not always to the first listed.
                 best = c
         return best if best is not None else fallback
 

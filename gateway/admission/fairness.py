@@ -14,8 +14,11 @@ What it does
     smallest, puts it first again as soon as it fits; ``reserve_after_s`` bounds how long.)
 
 Inputs consumed
-    ``TokenWeights``: the cost of one prompt token (``input``), one output token (``output``) and
-    one request (``request``), in any one unit (only ratios matter). ``TokenWeights()`` is VTC's
+    ``TokenWeights``: the cost of one prompt token (``input``), one output token (``output``), one
+    request (``request``) and, per output token, one token of the context it reads (``context``:
+    VTC's profiled cost has this ``x·y`` term, the KV read of decoding, so an output token after a
+    4000-token document costs more than one after a short chat), in any one unit (only ratios
+    matter). ``TokenWeights()`` is VTC's
     1 : 2; ``AdmissionController`` starts from ``from_queue_settings``: the queue's job-size costs
     in seconds per token (``admission.queue.prompt_token_cost_s`` and ``output_token_cost_s``),
     or ``REQUEST_COUNT`` (every request 1, tokens 0: request-count fairness) with
@@ -32,9 +35,11 @@ When service is charged
       leaves for a replica (``charge_dispatch``): the prefill is about to happen;
     * output as it is produced, by the gateway (``charge_output``), either per streamed chunk or
       once with the total when the request ends (a request cut short is charged the tokens it
-      produced). Charging per chunk keeps the counters current while long streams run; charging
-      at the end lags each counter by the output of that tenant's requests in flight, a bounded
-      amount, so long-run shares are the same either way.
+      produced), with the context they were produced after (``context_tokens``: the prompt, plus
+      the output charged before) for the ``context`` weight. Charging per chunk keeps the
+      counters current while long streams run; charging at the end lags each counter by the
+      output of that tenant's requests in flight, a bounded amount, so long-run shares are the
+      same either way.
 
 No banked credit
     A tenant whose queue goes from empty to non-empty is lifted to the smallest counter of the
@@ -60,7 +65,7 @@ from typing import Final
 
 from gateway.admission.config import QueueSettings
 
-__all__ = ["REQUEST_COUNT", "TenantKey", "TokenWeights", "VirtualTokenCounter"]
+__all__ = ["REQUEST_COUNT", "TenantKey", "TokenWeights", "VirtualTokenCounter", "output_context"]
 
 #: The tenant a request belongs to (``AdmissionRequest.tenant``); ``None``: no tenant.
 TenantKey = str | None
@@ -72,15 +77,18 @@ class TokenWeights:
 
     ``input``: per prompt token (w_in). ``output``: per output token (w_out). ``request``: per
     request, whatever its size (0 by default; with ``input = output = 0`` the counters count
-    requests, which is request-count fairness). Each finite and >= 0, not all 0.
+    requests, which is request-count fairness). ``context``: per output token and per token of
+    context it is produced after (w_ctx; 0 by default): the ``i``-th output token (from 1) of a
+    request with ``P`` prompt tokens adds ``w_ctx x (P + i - 1)``. Each finite and >= 0, not all 0.
     """
 
     input: float = 1.0
     output: float = 2.0
     request: float = 0.0
+    context: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("input", "output", "request"):
+        for name in ("input", "output", "request", "context"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} weight must be finite and >= 0, got {value!r}")
@@ -96,8 +104,27 @@ class TokenWeights:
         return cls(input=queue.prompt_token_cost_s, output=queue.output_token_cost_s)
 
     def cost(self, prompt_tokens: float, output_tokens: float, requests: float = 1.0) -> float:
-        """Weighted tokens of ``requests`` requests totalling these prompt and output tokens."""
-        return self.input * prompt_tokens + self.output * output_tokens + self.request * requests
+        """Weighted tokens of ``requests`` requests totalling these prompt and output tokens (the
+        ``context`` term as for one request: ``output_context(prompt_tokens, output_tokens)``)."""
+        weighted = self.input * prompt_tokens + self.output * output_tokens + self.request * requests
+        if self.context:
+            weighted += self.context * output_context(prompt_tokens, output_tokens)
+        return weighted
+
+    def output_cost(self, output_tokens: float, context_tokens: float = 0.0) -> float:
+        """Weighted tokens of ``output_tokens`` produced one after another after
+        ``context_tokens`` tokens of context: ``output x n + context x output_context(ctx, n)``."""
+        weighted = self.output * output_tokens
+        if self.context:
+            weighted += self.context * output_context(context_tokens, output_tokens)
+        return weighted
+
+
+def output_context(context_tokens: float, output_tokens: float) -> float:
+    """Tokens of context ``output_tokens`` output tokens read, produced one after another after
+    ``context_tokens``: ``n x ctx + n (n - 1) / 2`` (0 for no output)."""
+    n = max(output_tokens, 0.0)
+    return n * context_tokens + n * max(n - 1.0, 0.0) / 2.0
 
 
 class VirtualTokenCounter:
@@ -195,11 +222,13 @@ class VirtualTokenCounter:
         self._virtual_time = max(self._virtual_time, self.counter(tenant))
         return self._charge(tenant, self._tokens.cost(prompt_tokens, 0.0))
 
-    def charge_output(self, tenant: TenantKey, output_tokens: float) -> float:
-        """Charge ``output_tokens`` (>= 0) produced for ``tenant``: ``output x output_tokens``.
-        Call per streamed chunk or once at the end. Returns the counter increment."""
+    def charge_output(self, tenant: TenantKey, output_tokens: float, context_tokens: float = 0.0) -> float:
+        """Charge ``output_tokens`` (>= 0) produced for ``tenant`` after ``context_tokens`` (>= 0:
+        the request's prompt, plus its output charged before): ``TokenWeights.output_cost``. Call
+        per streamed chunk or once at the end. Returns the counter increment."""
         _check_tokens(output_tokens)
-        return self._charge(tenant, self._tokens.output * output_tokens)
+        _check_tokens(context_tokens)
+        return self._charge(tenant, self._tokens.output_cost(output_tokens, context_tokens))
 
     def _charge(self, tenant: TenantKey, weighted: float) -> float:
         increment = weighted / self.weight(tenant)

@@ -27,10 +27,21 @@ __all__ = [
     "ClassLoad",
     "StreamingRequest",
     "class_loads",
+    "decode_elapsed_s",
     "decode_slot_capacity",
     "kv_share_limit",
     "slot_share_limit",
 ]
+
+
+def decode_elapsed_s(first_token_at: float | None, last_token_at: float | None) -> float:
+    """Seconds a stream's decode has taken so far: from its first token to its latest one, as
+    the gateway saw them relayed (``StreamingRequest.decode_elapsed_s``); 0 before its first
+    token. The live gateway and the replay both take it from here, so the stall budget is
+    reckoned the same way in both."""
+    if first_token_at is None or last_token_at is None:
+        return 0.0
+    return max(0.0, last_token_at - first_token_at)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Final
 
-__all__ = ["AdmissionStats", "DecisionKey", "Outcome"]
+__all__ = ["OBSERVATIONS_KEPT", "AdmissionStats", "DecisionKey", "Outcome"]
 
 
 class Outcome(StrEnum):
@@ -23,6 +24,16 @@ class Outcome(StrEnum):
     DISPATCHED = "dispatched"  # left the queue for a replica
     REJECTED = "rejected"  # refused, at once or from the queue
     CANCELLED = "cancelled"  # its client went away while it was queued
+
+
+#: Most observations each of ``AdmissionStats``' lists keeps between two drains.
+OBSERVATIONS_KEPT: Final = 65536
+
+
+def _append(observations: list[tuple[str, float]], item: tuple[str, float]) -> None:
+    if len(observations) >= OBSERVATIONS_KEPT:
+        del observations[: OBSERVATIONS_KEPT // 2]  # amortised O(1) per observation
+    observations.append(item)
 
 
 #: (class, outcome, reason, enforced). ``reason``: "ok" for admitted/dispatched, a ``Blocker``
@@ -37,7 +48,10 @@ class AdmissionStats:
 
     ``decisions``: count per ``DecisionKey``. ``queue_depth``: requests waiting per class now.
     ``queue_wait_s``: (class, seconds waited) for each request that left the queue, since the last
-    ``drain_observations``. ``retry_after_s``: (reason, delay sent) per Retry-After, idem.
+    ``drain_observations``. ``retry_after_s``: (reason, delay sent) per Retry-After, idem. Each
+    list keeps at most ``OBSERVATIONS_KEPT`` (the newest; the oldest half goes when it is full), so
+    a process whose lists nobody drains (the live gateway's metrics count outcomes instead) does
+    not grow by one entry per 429 under a flood.
     """
 
     decisions: Counter[DecisionKey] = field(default_factory=Counter)
@@ -48,6 +62,14 @@ class AdmissionStats:
     def record(self, request_class: str, outcome: Outcome, reason: str, *, enforced: bool = True) -> None:
         """Count one decision."""
         self.decisions[(request_class, outcome, reason, enforced)] += 1
+
+    def observe_retry_after(self, reason: str, delay_s: float) -> None:
+        """Keep one Retry-After sent (``retry_after_s``; the oldest go past ``OBSERVATIONS_KEPT``)."""
+        _append(self.retry_after_s, (reason, delay_s))
+
+    def observe_queue_wait(self, request_class: str, waited_s: float) -> None:
+        """Keep one request's wait in the queue (``queue_wait_s``; bounded like ``retry_after_s``)."""
+        _append(self.queue_wait_s, (request_class, waited_s))
 
     def count(
         self,

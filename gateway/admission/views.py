@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from gateway.admission.request import AdmissionRequest
-from gateway.admission.shares import EMPTY_LOAD, ClassLoad, StreamingRequest, class_loads
+from gateway.admission.shares import EMPTY_LOAD, ClassLoad, StreamingRequest, class_loads, decode_elapsed_s
 from predictor import Forecast, ReplicaState, StepBatch, StepModel
 
 __all__ = ["LiveEntry", "ReplicaView", "TrackedStream", "current_step_s", "with_queued"]
@@ -24,14 +24,18 @@ _Frozen = TypeVar("_Frozen")
 
 class LiveEntry(Protocol[_Frozen_co]):
     """A dispatched request's mutable in-flight entry (``gateway.replicas.registry.LiveRequest``):
-    prompt tokens (an estimate until usage arrives), tokens streamed so far, when the latest was
-    relayed (monotonic seconds, ``None`` before the first), and its immutable snapshot."""
+    prompt tokens (an estimate until usage arrives), tokens streamed so far, when the first and
+    the latest were relayed (monotonic seconds, ``None`` before the first), and its immutable
+    snapshot."""
 
     @property
     def prompt_tokens(self) -> int: ...
 
     @property
     def tokens_streamed(self) -> int: ...
+
+    @property
+    def first_token_at(self) -> float | None: ...
 
     @property
     def last_token_at(self) -> float | None: ...
@@ -90,16 +94,25 @@ class TrackedStream(Generic[_Frozen]):
         return self._frozen
 
     def streaming(self) -> StreamingRequest:
-        """The stream as the class loads count it, as of now."""
+        """The stream as the class loads count it, as of now; ``decode_elapsed_s`` is the time
+        from its first relayed token to its latest (``shares.decode_elapsed_s``), what the
+        stall budget reckons a stream has already taken."""
         live = self.live
         s = self._streaming
-        if s is None or s.generated_tokens != live.tokens_streamed or s.prompt_tokens != live.prompt_tokens:
+        elapsed = decode_elapsed_s(live.first_token_at, live.last_token_at)
+        if (
+            s is None
+            or s.generated_tokens != live.tokens_streamed
+            or s.prompt_tokens != live.prompt_tokens
+            or s.decode_elapsed_s != elapsed
+        ):
             s = self._streaming = StreamingRequest(
                 self.request_class,
                 live.prompt_tokens,
                 live.tokens_streamed,
                 self.expected_output_tokens,
                 self.predicted_tpot_s,
+                elapsed,
             )
         return s
 

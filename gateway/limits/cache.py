@@ -92,6 +92,8 @@ class OverLimitCache:
         self, tenant: str, *, cost_tokens: float, limits: TenantLimits, request_id: str
     ) -> Reservation | None:
         """A local rejection when a live entry shows this cost cannot fit yet; else None."""
+        if not self._entries:  # no tenant is known to be over its limit: the admitted path
+            return None
         now = self._clock()
         live = [e for k in _BUCKET_KINDS if (e := self._live_entry(tenant, k, limits, now)) is not None]
         # The newest rejection describes both buckets best.

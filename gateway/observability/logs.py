@@ -263,8 +263,15 @@ class TextFormatter(logging.Formatter):
         self._second: tuple[int, str] = (-1, "")
 
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
         fields: dict[str, Any] | None = getattr(record, "fields", None)
+        if record.exc_info or record.exc_text or record.stack_info:
+            line = super().format(record)
+        else:
+            # ``logging.Formatter.format``'s line for this format, without its generic steps
+            # (style lookup, ``%`` against the record's ``__dict__``): the access line's hot path.
+            record.message = record.getMessage()
+            record.asctime = self.formatTime(record)
+            line = f"{record.asctime} {record.levelname} {record.name} {record.message}"
         if not fields:
             return line
         pairs = " ".join([f"{key}={_text_value(value)}" for key, value in fields.items()])
@@ -286,11 +293,14 @@ class TextFormatter(logging.Formatter):
 def _text_value(value: Any) -> str:
     if value is None:
         return "-"
+    kind = type(value)
+    if kind is int or kind is float:
+        return str(value)
     if value is True:
         return "true"
     if value is False:
         return "false"
-    text = value if type(value) is str else str(value)
+    text = value if kind is str else str(value)
     return json.dumps(text) if (" " in text or not text) else text
 
 

@@ -228,7 +228,17 @@ def code_label(value: str | None, default: str = NONE_LABEL) -> str:
     """A code (``snake_case``, at most 64 characters) as a label value; ``default`` for ``None``."""
     if value is None:
         return default
-    return value if _CODE.match(value) else OTHER_LABEL
+    label = _CODE_LABELS.get(value)
+    if label is None:
+        label = value if _CODE.match(value) else OTHER_LABEL
+        if len(_CODE_LABELS) < _CODE_LABELS_KEPT:  # codes are few; anything else is not kept
+            _CODE_LABELS[value] = label
+    return label
+
+
+#: ``code_label``'s answers so far (at most ``_CODE_LABELS_KEPT``): one lookup, not a match.
+_CODE_LABELS: dict[str, str] = {}
+_CODE_LABELS_KEPT: Final = 1024
 
 
 def configured_classes(settings: Settings) -> frozenset[str]:
@@ -307,9 +317,11 @@ def decision_of(outcome: RequestOutcome) -> tuple[str, str]:
 
 def slo_result(outcome: RequestOutcome) -> str | None:
     """The SLO result label of an admitted request (see the module docstring); ``None`` = not judged."""
+    if outcome.replica is None:  # never dispatched (refused): not judged
+        return None
     ttft_target = _number(outcome, "ttft_target_s")
     tpot_target = _number(outcome, "tpot_target_s")
-    if ttft_target is None or tpot_target is None or outcome.replica is None:
+    if ttft_target is None or tpot_target is None:
         return None
     if outcome.error in _ABANDONED:
         return "abandoned"

@@ -32,7 +32,7 @@ import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, cast
 
 from gateway.prediction.facts import ReplicaFacts
 from gateway.prediction.state import (
@@ -198,6 +198,11 @@ class PredictionService:
         #: most ask alike; a lookup costs a tenth of the estimate).
         self._outputs_memo: dict[tuple[str, str | None, int], tuple[float, float]] = {}
         self._prompts_memo: dict[tuple[str, int], int] = {}
+        #: ``replica_inputs``' expected remaining output per (model, tenant), by (tokens generated,
+        #: output cap): the same numbers as ``expected_remaining`` until ``on_finished`` teaches a
+        #: new length (a view rebuild asks for every stream in flight, most of which have not
+        #: moved since the last rebuild, every ``view_ttl_s``).
+        self._remaining_memo: dict[tuple[str, str | None], dict[tuple[int, int | None], float]] = {}
 
     # ------------------------------------------------------------------ replicas
 
@@ -398,6 +403,7 @@ class PredictionService:
         if completion_tokens is not None and completion_tokens >= 0:
             self._outputs.observe(model, tenant, completion_tokens)
             self._outputs_memo.clear()
+            self._remaining_memo.clear()
         if prompt_chars is not None and prompt_tokens is not None:
             self._prompts.observe(model, prompt_chars, prompt_tokens)
             self._prompts_memo.clear()
@@ -413,12 +419,13 @@ class PredictionService:
         mean, measures the overhead without the forecast (so the step fit and the
         overhead cannot feed each other). The replica's mean also counts other clients' requests
         and the windows' edges differ by a request's decode time: an EWMA over windows smooths
-        that. Only with ``PredictionConfig.learn_dispatch_overhead``.
+        that. Only with ``PredictionConfig.learn_dispatch_overhead``. An engine without a TTFT
+        histogram (TGI) gives its queue time plus its prefill step instead (``_engine_ttft_mean_s``).
         """
-        engine = snapshot.ttft_mean_s
         cfg = self._config
         if not cfg.learn_dispatch_overhead:
             return
+        engine = _engine_ttft_mean_s(snapshot)
         if engine is None or not math.isfinite(engine) or snapshot.window_s < cfg.overhead_min_window_s:
             return
         since = snapshot.taken_at - snapshot.window_s
@@ -506,15 +513,31 @@ class PredictionService:
         r = self._replicas.get(replica)
         outputs = self._outputs
 
+        memo = self._remaining_memo.get((model, tenant))
+        if memo is None:
+            memo = self._remaining_memo[(model, tenant)] = {}
+        elif len(memo) >= _MEMO_SIZE:
+            memo.clear()
+
         def remaining(generated: Sequence[int], max_out: Sequence[int | None]) -> list[float]:
-            if len(generated) <= _SCALAR_REMAINING_MAX and len(generated) == len(max_out):
+            if len(generated) != len(max_out):
+                return outputs.expected_remaining_many(model, tenant, generated, max_out)  # raises
+            rests = [memo.get(key) for key in zip(generated, max_out, strict=True)]
+            missing = [i for i, rest in enumerate(rests) if rest is None]
+            if len(missing) <= _SCALAR_REMAINING_MAX:
                 # A few requests: one lookup each costs less than building the arrays for one
                 # vectorised lookup (same numbers: ``expected_remaining_many`` says so).
-                return [
-                    outputs.expected_remaining(model, tenant, g, m)
-                    for g, m in zip(generated, max_out, strict=True)
-                ]
-            return outputs.expected_remaining_many(model, tenant, generated, max_out)
+                for i in missing:
+                    rests[i] = memo[(generated[i], max_out[i])] = outputs.expected_remaining(
+                        model, tenant, generated[i], max_out[i]
+                    )
+            else:
+                found = outputs.expected_remaining_many(
+                    model, tenant, [generated[i] for i in missing], [max_out[i] for i in missing]
+                )
+                for i, rest in zip(missing, found, strict=True):
+                    rests[i] = memo[(generated[i], max_out[i])] = rest
+            return cast(list[float], rests)
 
         if r is None:
             state = replica_state(
@@ -587,10 +610,20 @@ class PredictionService:
         step_model, state = self.replica_inputs(
             replica, model=model, tenant=tenant, in_flight=in_flight, now=now
         )
-        engine = forecast_request(request, state, step_model, self._config.forecast)
-        if r.overhead_s <= 0.0 or not math.isfinite(engine.ttft_s):
+        return self.with_overhead(
+            replica, forecast_request(request, state, step_model, self._config.forecast), now
+        )
+
+    def with_overhead(self, replica: str, engine: Forecast, now: float) -> Forecast:
+        """``engine`` (a forecast of the engine alone, as ``predictor.forecast_request`` makes them),
+        made at ``now`` (the caller's clock, seconds), with ``replica``'s learned dispatch overhead
+        added to its TTFT (``Forecast.overhead_s`` says how much; 0 when none is learned, the
+        replica is unknown or the TTFT is not a number). What ``forecast`` returns; a caller that
+        forecasts with ``replica_inputs`` itself (admission) passes its forecast here."""
+        r = self._replicas.get(replica)
+        overhead = 0.0 if r is None else r.overhead_s
+        if overhead <= 0.0 or not math.isfinite(engine.ttft_s):
             return dataclasses.replace(engine, made_at=now)
-        overhead = r.overhead_s
         return dataclasses.replace(engine, ttft_s=engine.ttft_s + overhead, overhead_s=overhead, made_at=now)
 
     def _limits(self, r: _Replica | None) -> Limits:
@@ -686,6 +719,23 @@ def _no_model(request: CandidateRequest) -> Forecast:
         nan,
         0,
     )
+
+
+def _engine_ttft_mean_s(snapshot: ReplicaSnapshot) -> float | None:
+    """The replica's own mean TTFT over the snapshot's window, seconds; ``None`` if unknown.
+
+    Its TTFT histogram's mean (vLLM, SGLang: arrival to first token). TGI has none: its own
+    dashboard's TTFT, the mean queue time (``tgi_request_queue_duration``: arrival in the queue
+    to the batch that takes it) plus the mean prefill step as the router ran it
+    (``tgi_batch_inference_duration{method="prefill"}``: the step whose end is the first token).
+    Validation (tokenization) happens before the queue and so counts as overhead, like the hop.
+    """
+    if snapshot.ttft_mean_s is not None:
+        return snapshot.ttft_mean_s
+    queue, prefill = snapshot.queue_time_mean_s, snapshot.prefill_step_time_mean_s
+    if queue is None or prefill is None:
+        return None
+    return queue + prefill
 
 
 def _finite(x: float | None) -> float | None:

@@ -55,12 +55,15 @@ class LiveRequest:
     event (vLLM sends one chunk per engine step per sequence), so this is a plain slotted object:
     two attribute stores per event, no allocation. ``freeze()`` gives the immutable ``InFlight``
     the scraper and the forecast take. ``prompt_tokens`` is an estimate (characters / learned
-    characters-per-token) until the replica's usage arrives; ``started_at`` and
-    ``last_token_at`` are monotonic seconds (dispatch; latest token relayed, ``None`` before the
-    first); ``max_tokens`` is the output cap in tokens (``None``: the client set none).
+    characters-per-token) until the replica's usage arrives; ``started_at``,
+    ``first_token_at`` and ``last_token_at`` are monotonic seconds (dispatch; first and latest
+    token relayed, ``None`` before the first); ``max_tokens`` is the output cap in tokens
+    (``None``: the client set none). Admission reads ``last_token_at - first_token_at`` as the
+    time the stream's decode has taken so far (its stall budget, ``StreamingRequest``).
     """
 
     __slots__ = (
+        "first_token_at",
         "last_token_at",
         "max_tokens",
         "prompt_tokens",
@@ -77,6 +80,7 @@ class LiveRequest:
         self.tokens_streamed = 0
         self.started_at = started_at
         self.max_tokens = max_tokens
+        self.first_token_at: float | None = None
         self.last_token_at: float | None = None
 
     def freeze(self) -> InFlight:

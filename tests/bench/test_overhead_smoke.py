@@ -97,6 +97,19 @@ def test_write_doc_replaces_only_its_own_block(tmp_path: Path) -> None:
     assert doc.read_text() == f"# Benchmarks\n\nbefore\n\n{BEGIN}\nnew\n{END}\n\nafter\n"
 
 
+def test_a_baseline_tree_without_a_gateway_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.overhead", "--quick", "--baseline-tree", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "holds no gateway/cli.py" in done.stderr
+
+
 def test_profile_summary_counts_self_inclusive_packages_and_callers() -> None:
     site = "/x/.venv/lib/python3.11/site-packages"
     handle = f"handle ({ROOT}/gateway/proxy.py)"

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from bench.admission_load import chat_body
-from gateway.openai_api import _SCHEMAS, MAX_TOKENS_LIMIT, Endpoint, _plain_fields, parse_request
+from gateway.openai_api import _SCHEMAS, MAX_CHOICES, MAX_TOKENS_LIMIT, Endpoint, _plain_fields, parse_request
 
 BOUNDED = settings(
     max_examples=600,
@@ -66,6 +66,7 @@ PLAIN: dict[str, st.SearchStrategy[Any]] = {
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
     "max_tokens": st.integers(min_value=1, max_value=4096),
     "max_completion_tokens": st.integers(min_value=1, max_value=4096),
+    "n": st.integers(min_value=1, max_value=8),
 }
 ODD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "model": st.sampled_from(["", "modèle", "\ud800"]) | ANY_TEXT | ODD,
@@ -75,6 +76,7 @@ ODD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": ODD}) | ODD,
     "max_tokens": st.sampled_from([0, -1, MAX_TOKENS_LIMIT, MAX_TOKENS_LIMIT + 1]) | ODD,
     "max_completion_tokens": st.sampled_from([0, -1, MAX_TOKENS_LIMIT, MAX_TOKENS_LIMIT + 1]) | ODD,
+    "n": st.sampled_from([0, -1, MAX_CHOICES, MAX_CHOICES + 1]) | ODD,
 }
 
 
@@ -92,7 +94,7 @@ def bodies(draw: st.DrawFn) -> dict[str, Any]:
     return body
 
 
-def schema_fields(endpoint: Endpoint, body: dict[str, Any]) -> tuple[str, bool, bool, int | None] | None:
+def schema_fields(endpoint: Endpoint, body: dict[str, Any]) -> tuple[str, bool, bool, int | None, int] | None:
     """What the pydantic schema makes of ``body`` (``None``: a 400)."""
     try:
         parsed = _SCHEMAS[endpoint].model_validate(body)
@@ -105,6 +107,7 @@ def schema_fields(endpoint: Endpoint, body: dict[str, Any]) -> tuple[str, bool, 
         bool(parsed.stream),
         bool(options is not None and options.include_usage),
         parsed.max_tokens if cap is None else cap,
+        1 if parsed.n is None else parsed.n,
     )
 
 
@@ -125,7 +128,7 @@ def test_the_fast_path_is_sound(endpoint: Endpoint, body: dict[str, Any]) -> Non
 def test_ordinary_bodies_take_the_fast_path() -> None:
     """The bench's flood body and typical SDK bodies never reach pydantic."""
     flood = chat_body("meta-llama/Meta-Llama-3-8B-Instruct", 40, 16, random.Random(0))
-    assert _plain_fields("chat", flood) == ("meta-llama/Meta-Llama-3-8B-Instruct", True, False, 16)
+    assert _plain_fields("chat", flood) == ("meta-llama/Meta-Llama-3-8B-Instruct", True, False, 16, 1)
     sdk = {
         "model": "m",
         "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hé"}],
@@ -135,13 +138,21 @@ def test_ordinary_bodies_take_the_fast_path() -> None:
         "max_tokens": 99,
         "temperature": 0.2,
     }
-    assert _plain_fields("chat", sdk) == ("m", True, True, 7)
-    assert _plain_fields("completions", {"model": "m", "prompt": [[1, 2], [3]]}) == ("m", False, False, None)
+    assert _plain_fields("chat", sdk) == ("m", True, True, 7, 1)
+    assert _plain_fields("chat", {**sdk, "n": 3}) == ("m", True, True, 7, 3)
+    assert _plain_fields("completions", {"model": "m", "prompt": [[1, 2], [3]]}) == (
+        "m",
+        False,
+        False,
+        None,
+        1,
+    )
     assert _plain_fields("completions", {"model": "m", "prompt": "hello", "stream": False}) == (
         "m",
         False,
         False,
         None,
+        1,
     )
 
 

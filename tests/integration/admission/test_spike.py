@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import pytest
 
 from bench.admission_load import Phase, Result, closed_loop_throughput, open_loop, quantile
+from gateway.admission.config import INTERACTIVE_STALL_BUDGET_HORIZON
 from tests.integration.admission.conftest import (
     MODEL,
     Running,
@@ -61,6 +62,9 @@ ADMISSION = {
             "tpot_target_s": TPOT_TARGET_S,
             "max_queue_wait_s": 0.4,
             "queue_capacity": 64,
+            # The built-in interactive class's per-stream stall budget (a class map given in the
+            # configuration replaces the built-in classes, so it is set here as shipped).
+            "stall_budget_horizon": INTERACTIVE_STALL_BUDGET_HORIZON,
         },
     },
     "default_class": "interactive",

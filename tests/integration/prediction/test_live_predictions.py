@@ -38,6 +38,7 @@ from bench.live_accuracy import (
     serve_gateway,
     wait_until_ready,
 )
+from gateway.admission.config import AdmissionSettings
 from gateway.settings import (
     HardwareSettings,
     HealthSettings,
@@ -76,6 +77,9 @@ async def _measure(emulator_url: str) -> list[Sample]:
         replicas=[ReplicaSettings(name="emu", url=emulator_url, hardware=HARDWARE)],
         health=HealthSettings(interval_s=1.0, timeout_s=1.0),
         logging=LoggingSettings(access_log=False),
+        # No forecast margin: the headers then carry the predictor's own forecast (admission's
+        # default 0.15 is a safety factor on its decisions, and would add 15 % to every error).
+        admission=AdmissionSettings(forecast_margin=0.0),
     )
     async with serve_gateway(settings) as gateway:
         await wait_until_ready(gateway.url, MODEL)

@@ -417,8 +417,14 @@ class GpuTimeEngine(Engine):
 
     A step's *replica time* is from its start until the engine's next ``schedule`` (the next step,
     or idle): the emulated duration plus whatever the replica's process did around it (on a
-    loaded machine, a good part of it), split in the same proportions. A real engine's step time
-    holds its CPU work too, and the gateway's step model learns these times.
+    loaded machine, a good part of it: emitting the step's tokens, answering requests, waiting
+    for a CPU). The emulated duration is split as above; the rest is a cost of the step, not of
+    its tokens' compute, so it is shared equally by the step's sequences, like the step's fixed
+    overhead (a 4000-token prefill chunk does not make the process slower to wake up). A real
+    engine's step time holds its CPU work too, and the gateway's step model learns these times
+    (as a per-step cost: its ``base``). ``kind_s``, ``kind_tokens``: the same replica seconds,
+    and the tokens computed, by prompt length and kind (``"prefill"`` chunks, ``"decode"``
+    tokens): each kind's realised price per token.
     ``replica_s[prompt tokens]``: replica seconds so far of the requests with that prompt length;
     ``busy_s``: all of it. ``engine_s`` and ``engine_busy_s``:
     the same in emulated step durations alone (jitter included).
@@ -430,31 +436,42 @@ class GpuTimeEngine(Engine):
         self.busy_s = 0.0
         self.engine_s: dict[int, float] = {}
         self.engine_busy_s = 0.0
+        #: Replica seconds and tokens computed, by prompt length and kind ("prefill", "decode").
+        self.kind_s: dict[tuple[int, str], float] = {}
+        self.kind_tokens: dict[tuple[int, str], int] = {}
         #: The step in progress: its start, emulated duration and each sequence's emulated part
         #: of it, by prompt length.
-        self._current: tuple[float, float, list[tuple[int, float]]] | None = None
+        self._current: tuple[float, float, list[tuple[int, float, str, int]]] | None = None
 
     def schedule(self, now: float) -> StepPlan | None:
         if self._current is not None:
             started, duration, parts = self._current
             span = max(0.0, now - started)
-            for prompt, part in parts:
-                self.replica_s[prompt] = self.replica_s.get(prompt, 0.0) + part * span / duration
+            # The emulated duration by the cost model's terms; what the replica took beyond it
+            # (its own per-step work and waits) shared equally, like the step's fixed overhead.
+            scale, extra = min(span, duration) / duration, max(0.0, span - duration) / len(parts)
+            for prompt, part, kind, tokens in parts:
+                key = (prompt, kind)
+                seconds = part * scale + extra
+                self.replica_s[prompt] = self.replica_s.get(prompt, 0.0) + seconds
+                self.kind_s[key] = self.kind_s.get(key, 0.0) + seconds
+                self.kind_tokens[key] = self.kind_tokens.get(key, 0) + tokens
             self.busy_s += span
             self._current = None
         plan = super().schedule(now)
         if plan is not None:
             parts = self._parts(plan)
-            for prompt, part in parts:
+            for prompt, part, _, _ in parts:
                 self.engine_s[prompt] = self.engine_s.get(prompt, 0.0) + part
             self.engine_busy_s += plan.duration_s
             self._current = (now, plan.duration_s, parts)
         return plan
 
-    def _parts(self, plan: StepPlan) -> list[tuple[int, float]]:
-        """(prompt tokens, seconds) of every sequence in ``plan``; they add up to its duration."""
+    def _parts(self, plan: StepPlan) -> list[tuple[int, float, str, int]]:
+        """(prompt tokens, seconds, kind, tokens computed) of every sequence in ``plan`` (kind
+        ``"decode"`` or ``"prefill"``); the seconds add up to its duration."""
         model = self.cost_model
-        work: list[tuple[int, int, float]] = []  # (prompt tokens, tokens computed, own attention s)
+        work: list[tuple[int, int, float, str]] = []  # (prompt, tokens computed, own attention s, kind)
         chunks: list[tuple[int, int]] = []
         decodes: list[int] = []
         for request_id, num_new in plan.num_scheduled_tokens.items():
@@ -462,11 +479,11 @@ class GpuTimeEngine(Engine):
             context = req.num_computed_tokens
             if num_new == 1 and req.num_output_tokens > 0 and context == req.num_tokens - 1:
                 decodes.append(context + 1)
-                own = model.decode_attention_s((context + 1,))
+                own, kind = model.decode_attention_s((context + 1,)), "decode"
             else:
                 chunks.append((num_new, context))
-                own = model.prefill_attention_s(((num_new, context),))
-            work.append((req.prompt_tokens, num_new, own))
+                own, kind = model.prefill_attention_s(((num_new, context),)), "prefill"
+            work.append((req.prompt_tokens, num_new, own, kind))
         shape = StepShape(prefill_chunks=tuple(chunks), decode_contexts=tuple(decodes))
         tokens, seqs = shape.num_tokens, shape.num_seqs
         fixed = (
@@ -477,14 +494,15 @@ class GpuTimeEngine(Engine):
         )
         added = model.linear_s(tokens) + model.allreduce_s(tokens) - model.linear_s(1) - model.allreduce_s(1)
         per_seq, per_token = fixed / seqs, max(0.0, added) / tokens
-        parts = [(prompt, per_seq + per_token * n + own) for prompt, n, own in work]
-        scale = plan.duration_s / sum(part for _, part in parts)  # the step's jitter
-        return [(prompt, part * scale) for prompt, part in parts]
+        parts = [(prompt, per_seq + per_token * n + own, kind, n) for prompt, n, own, kind in work]
+        scale = plan.duration_s / sum(part for _, part, _, _ in parts)  # the step's jitter
+        return [(prompt, part * scale, kind, n) for prompt, part, kind, n in parts]
 
 
 async def _gpu_seconds(request: web.Request) -> web.Response:
     """``GET /gpu_seconds``: ``GpuTimeEngine``'s totals so far, prompt lengths as strings:
-    ``{"busy_s": s, "replica_s": {"4000": s, ...}, "engine_busy_s": s, "engine_s": {...}}``."""
+    ``{"busy_s": s, "replica_s": {"4000": s, ...}, "engine_busy_s": s, "engine_s": {...},
+    "kind_s": {"4000/prefill": s, "4000/decode": s, ...}, "kind_tokens": {"4000/prefill": n, ...}}``."""
     engine = request.app[simulator.server.REPLICA].engine
     assert isinstance(engine, GpuTimeEngine)
     body = {
@@ -492,6 +510,8 @@ async def _gpu_seconds(request: web.Request) -> web.Response:
         "replica_s": {str(k): v for k, v in engine.replica_s.items()},
         "engine_busy_s": engine.engine_busy_s,
         "engine_s": {str(k): v for k, v in engine.engine_s.items()},
+        "kind_s": {f"{p}/{k}": v for (p, k), v in engine.kind_s.items()},
+        "kind_tokens": {f"{p}/{k}": v for (p, k), v in engine.kind_tokens.items()},
     }
     return web.json_response(body)
 

@@ -17,8 +17,22 @@ from predictor import GPUS, MODELS, ReplicaState, StepModel, roofline_prior, unk
 
 MODEL = roofline_prior(MODELS["Llama-3-8B"], GPUS["H100-SXM"])
 UNKNOWN = unknown_step_model("not calibrated yet")
-#: The defaults, with forecasts taken as they are (the arithmetic below is checked exactly).
-SETTINGS = AdmissionSettings(forecast_margin=0.0)
+#: The defaults, with forecasts taken as they are (the arithmetic below is checked exactly), and
+#: the interactive class's stall budget off: these tests check the mean-TPOT rule for running
+#: streams, which the budget replaces for its class (``test_stall_budget.py`` checks the budget,
+#: the shipped default included).
+SETTINGS = AdmissionSettings.model_validate(
+    {
+        "forecast_margin": 0.0,
+        "classes": {
+            **{n: c.model_dump() for n, c in AdmissionSettings().classes.items()},
+            "interactive": {
+                **AdmissionSettings().classes["interactive"].model_dump(),
+                "stall_budget_horizon": None,
+            },
+        },
+    }
+)
 KV_CAPACITY = 400_000
 MAX_LEN = 131_072
 

@@ -110,3 +110,23 @@ def test_request_rejects_impossible_sizes(kw: dict[str, object], message: str) -
     }
     with pytest.raises(ValueError, match=message):
         AdmissionRequest(**{**base, **kw})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("values", "arrivals"),
+    [
+        pytest.param(["50", "50", " 50", "50"], [1000.0, 1000.5, 2000.25, 3.0], id="repeated"),
+        pytest.param(["250.5", "7", "250.5", "7"], [10.0, 10.0, 11.0, 12.0], id="interleaved"),
+    ],
+)
+def test_deadlines_read_again_are_the_same(values: list[str], arrivals: list[float]) -> None:
+    """A header value read before (kept as seconds) gives what parsing it anew gives."""
+    for value, arrival in zip(values, arrivals, strict=True):
+        assert client_deadline_s(arrival, value) == arrival + float(value.strip()) / 1000.0
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "1e3"])
+def test_invalid_deadlines_stay_invalid_when_repeated(value: str) -> None:
+    for _ in range(3):
+        with pytest.raises(InvalidHeader):
+            client_deadline_s(1000.0, value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -80,6 +81,29 @@ def decide(views: list[ReplicaView], prompt: int = 500, config: AdmissionSetting
 )
 def test_routes_to_the_replica_with_the_most_slack(views: list[ReplicaView], expected: str) -> None:
     decision = decide(views)
+    assert isinstance(decision, Admit)
+    assert decision.replica == expected
+
+
+@pytest.mark.parametrize(
+    ("gateway_streams", "expected"),
+    [
+        pytest.param((3, 0), "second", id="fewer-gateway-requests-wins-a-tie"),
+        pytest.param((0, 3), "first", id="whichever-is-listed"),
+        pytest.param((0, 0), "first", id="a-full-tie-keeps-the-listed-order"),
+    ],
+)
+def test_equal_slacks_go_to_the_replica_with_fewer_gateway_requests(
+    gateway_streams: tuple[int, int], expected: str
+) -> None:
+    """Replicas whose forecasts come out equal (the gateway's newest requests not yet running
+    there: nothing in the replica's state tells them apart) are balanced by the gateway's own
+    count, not all sent to the first one listed."""
+    first = replace(view("first", state()), gateway_streams=gateway_streams[0])
+    second = replace(view("second", state()), gateway_streams=gateway_streams[1])
+
+    decision = decide([first, second])
+
     assert isinstance(decision, Admit)
     assert decision.replica == expected
 

@@ -68,6 +68,23 @@ def test_prompt_is_charged_at_dispatch_and_output_as_it_is_produced() -> None:
     assert vtc.counters() == {"a": 314.0}
 
 
+def test_output_is_charged_for_the_context_it_reads() -> None:
+    # w_ctx per output token per token of context before it: the 1st of 4 outputs after a
+    # 1000-token prompt reads 1000, the 4th 1003 (VTC's profiled x·y and y² terms).
+    weights = TokenWeights(1.0, 2.0, context=0.01)
+    assert weights.cost(1000, 4) == pytest.approx(1000.0 + 8.0 + 0.01 * (4 * 1000 + 6))
+    vtc = VirtualTokenCounter(weights)
+    vtc.charge_dispatch("docs", 1000)
+    vtc.charge_output("docs", 2, context_tokens=1000)  # streamed in two chunks
+    vtc.charge_output("docs", 2, context_tokens=1002)
+    vtc.charge_dispatch("chat", 10)
+    vtc.charge_output("chat", 4, context_tokens=10)
+    assert vtc.served("docs") == pytest.approx(weights.cost(1000, 4))
+    assert vtc.served("chat") == pytest.approx(weights.cost(10, 4))
+    # Without a context weight (the default), the context changes nothing.
+    assert TokenWeights(1.0, 2.0).output_cost(4, context_tokens=1000) == 8.0
+
+
 def test_requests_without_a_tenant_share_one_counter_of_weight_one() -> None:
     vtc = VirtualTokenCounter(TokenWeights(1.0, 2.0), {"a": 4.0})
     vtc.charge_dispatch(None, 100)

@@ -4,6 +4,7 @@ target, counting what its decode has already taken."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -15,12 +16,15 @@ from gateway.admission import (
     Blocker,
     ClassSettings,
     Queue,
+    Reject,
     RetryAfterPolicy,
     SloAdmitter,
     StreamingRequest,
 )
+from gateway.admission.config import INTERACTIVE_STALL_BUDGET_HORIZON
 from gateway.admission.shares import class_load
 from tests.unit.admission.fleet import FakeClock, request, state, view, with_class
+from tests.unit.admission.test_invariants import random_fleet
 
 #: Interactive (100 ms TPOT target) with a loose TTFT target and the stall budget on.
 TARGET_S = 0.1
@@ -138,3 +142,60 @@ def test_horizon_must_be_a_fraction(horizon: float) -> None:
 
 def test_off_by_default() -> None:
     assert ClassSettings().stall_budget_horizon is None
+
+
+def test_on_for_the_built_in_interactive_class() -> None:
+    classes = AdmissionSettings().classes
+    assert classes["interactive"].stall_budget_horizon == INTERACTIVE_STALL_BUDGET_HORIZON
+    assert classes["batch"].stall_budget_horizon is None
+
+
+@pytest.mark.parametrize(
+    ("share", "horizon", "admits"),
+    [
+        # 32 decodes step ~10 ms; a replica that spent 95 % of its recent time on prefill makes the
+        # forecast ~0.2 s per token, past the 100 ms target.
+        pytest.param(None, 0.5, True, id="no-prefill-share"),
+        pytest.param(0.95, None, False, id="budget-off-prices-the-prefill-share"),
+        # With the budget on, later prefill must fit this request's own budget once it streams:
+        # its own TPOT is its decode step, not the replica's recent prefill share on top.
+        pytest.param(0.95, 0.5, True, id="budget-on-judges-its-decode-step"),
+    ],
+)
+def test_own_tpot_with_a_budget(share: float | None, horizon: float | None, admits: bool) -> None:
+    replica = dataclasses.replace(state(32), prefill_share=share)
+    decision = admitter(budget_config(horizon)).decide(request(2_000), [view("a", replica)], 1000.0)
+    assert decision.admits == admits
+    if not admits:
+        assert isinstance(decision, Queue | Reject)
+        assert decision.blocker == Blocker.TPOT
+        assert decision.forecast is not None
+        assert decision.forecast.tpot_s > TARGET_S
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_shipped_defaults_admit_only_what_fits_the_budgets(seed: int) -> None:
+    """The shipped configuration (interactive budget on) over seeded random fleets: an admitted
+    request's first token is forecast by its deadline, and on its replica the pause its prefill
+    adds, plus the prefill already queued there, fits every budgeted stream's budget."""
+    rng = random.Random(seed)
+    config = AdmissionSettings(forecast_margin=0.0)
+    horizon = config.classes["interactive"].stall_budget_horizon
+    assert horizon is not None
+    decide = admitter(config)
+    for _ in range(25):
+        views = random_fleet(rng)
+        name = rng.choice(["interactive", "batch"])
+        r = request(rng.choice([50, 500, 4000, 20_000]), float(rng.randint(10, 800)), request_class=name)
+        decision = decide.decide(r, views, 1000.0)
+        if not isinstance(decision, Admit) or decision.forecast is None:
+            continue
+        f = decision.forecast
+        assert 1000.0 + f.ttft_s <= r.first_token_deadline_s(config.classes[name]) + 1e-9
+        target = next(v for v in views if v.name == decision.replica)
+        load = target.loads.get("interactive")
+        if load is None or not target.model.valid or target.stale:
+            continue  # (stale: margins scale the numbers; the arithmetic is checked fresh)
+        step = decide._step_with_s(target, r.prompt_tokens + f.output_tokens_used / 2.0)
+        budget = load.min_stall_budget_s(config.classes["interactive"].tpot_target_s, horizon, step)
+        assert decide._pending_stall_s(target) + f.inflicted_stall_s <= budget + 1e-9

@@ -10,7 +10,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.admission.shares import StreamingRequest
+from gateway.admission.shares import StreamingRequest, decode_elapsed_s
 from gateway.admission.views import TrackedStream
 from gateway.replicas.registry import LiveRequest
 from gateway.replicas.snapshot import InFlight
@@ -27,7 +27,8 @@ CHANGES = st.lists(
 
 
 def fresh_streaming(live: LiveRequest) -> StreamingRequest:
-    return StreamingRequest("standard", live.prompt_tokens, live.tokens_streamed, 120.0, 0.03)
+    elapsed = decode_elapsed_s(live.first_token_at, live.last_token_at)
+    return StreamingRequest("standard", live.prompt_tokens, live.tokens_streamed, 120.0, 0.03, elapsed)
 
 
 @given(CHANGES)
@@ -39,6 +40,8 @@ def test_its_forms_always_equal_a_fresh_build(changes: list[tuple[str, float]]) 
         if kind == "token":
             live.tokens_streamed += 1
             live.last_token_at = value
+            if live.first_token_at is None:
+                live.first_token_at = value
         elif kind == "prompt":
             live.prompt_tokens = int(value)
         assert tracked.in_flight() == live.freeze()

@@ -228,6 +228,31 @@ async def test_429_headers_are_exact(start_tenant_gateway: StartTenantGateway) -
     assert (await gw.post()).status == 200
 
 
+@pytest.mark.parametrize(
+    ("choices", "remaining"),
+    [
+        pytest.param(None, "60", id="no-n"),
+        pytest.param(1, "60", id="n-1"),
+        # Three sequences of the predicted 10 tokens: 20 + 2 x 30 = 80 of the 100 the bucket holds.
+        pytest.param(3, "20", id="n-3"),
+    ],
+)
+async def test_each_choice_reserves_its_own_output(
+    start_tenant_gateway: StartTenantGateway, choices: int | None, remaining: str
+) -> None:
+    """``n`` choices are ``n`` sequences: the reservation holds the predicted output of each (the
+    settle then charges the usage the replica reports, as for one choice)."""
+    gw = await start_tenant_gateway(Scripted().answer, settings=tight)
+    body = COMPLETION if choices is None else {**COMPLETION, "n": choices}
+
+    resp = await gw.post(body=body)
+
+    assert resp.status == 200
+    assert _ratelimit(resp)["x-ratelimit-remaining-tokens"] == remaining
+    await gw.tenancy.drain()
+    assert await gw.level(limits=TIGHT.to_limits()) == pytest.approx(100.0 - 40.0)  # usage 20 + 10
+
+
 async def test_oversize_request_is_never_retryable(start_tenant_gateway: StartTenantGateway) -> None:
     gw = await start_tenant_gateway(Scripted().answer, settings=tight)
 

@@ -17,6 +17,7 @@ from gateway.settings import HardwareSettings, ReplicaSettings
 from gateway.tenancy import (
     DEFAULT_WEIGHTS,
     Held,
+    TokenPrices,
     decode_to_prefill_ratio,
     fleet_token_weights,
     go_duration,
@@ -25,7 +26,9 @@ from gateway.tenancy import (
     rate_limit_headers,
     rejection_error,
     replica_prices,
+    request_cost,
     settled_usage,
+    split_context,
     step_model_prices,
 )
 from predictor import StepModel, StepParams
@@ -282,9 +285,9 @@ def test_replica_prices_use_the_batch_it_ran() -> None:
                 num_waiting=0,
                 kv_cache_usage=12 * 600 / 448_304,
                 kv_capacity_tokens=448_304,
-                prompt_tokens_per_s=4000.0,
-                generation_tokens_per_s=400.0,
-                steps_per_s=50.0,
+                prompt_tokens_per_s=7200.0,
+                generation_tokens_per_s=720.0,
+                steps_per_s=90.0,
             )
         )
     model = service.step_model("r0")
@@ -292,9 +295,23 @@ def test_replica_prices_use_the_batch_it_ran() -> None:
     prices = replica_prices(service, replica, model)
 
     assert prices is not None
-    assert prices == step_model_prices(model, **settings, decode_seqs=8.0, context_tokens=600.0)
+    at_batch = step_model_prices(model, **settings, decode_seqs=8.0, context_tokens=600.0)
+    assert at_batch is not None
+    # The output token at that batch, split into its own part and its KV read per context token.
+    assert prices.context_s == model.params.per_kv_token_s > 0.0
+    assert prices.decode_s + 600.0 * prices.context_s == pytest.approx(at_batch.decode_s)
+    assert prices.prefill_s == at_batch.prefill_s
     weights = fleet_token_weights(service, [replica])
-    assert weights == TokenWeights(input=1.0, output=round(prices.ratio, 2))
+    context = float(f"{prices.context_ratio:.3g}")
+    assert weights == TokenWeights(input=1.0, output=round(prices.ratio, 2), context=context)
+
+
+def test_split_context_keeps_the_mean_price_when_the_kv_price_is_not_borne_out() -> None:
+    split = split_context(1.0e-3, 2.0e-7, 1000.0, 20.0e-6)
+    assert split.decode_s == pytest.approx(0.8e-3)
+    assert split.context_s == 2.0e-7
+    # A KV part over half of the mean price: no split.
+    assert split_context(1.0e-3, 1.0e-6, 1000.0, 20.0e-6) == TokenPrices(20.0e-6, 1.0e-3)
 
 
 # -- settled usage -----------------------------------------------------------------------------------
@@ -365,3 +382,20 @@ def _outcome(**fields: object) -> RequestOutcome:
 )
 def test_settled_usage(fields: dict[str, object], usage: tuple[int, int]) -> None:
     assert settled_usage(_outcome(**fields), HELD) == usage
+
+
+@pytest.mark.parametrize(
+    ("weights", "prompt", "output", "choices", "cost"),
+    [
+        pytest.param(TokenWeights(1.0, 2.0), 100, 30, 1, 160.0, id="one-choice"),
+        pytest.param(TokenWeights(1.0, 2.0), 100, 30, 3, 160.0, id="three-choices-no-context-weight"),
+        # One sequence of 30 after 100: 30 x 100 + 30 x 29 / 2 = 3435 context tokens.
+        pytest.param(TokenWeights(1.0, 2.0, context=0.01), 100, 30, 1, 160.0 + 34.35, id="context-one"),
+        # Three of 10 after the same 100: 3 x (10 x 100 + 10 x 9 / 2) = 3135 (a shorter history each).
+        pytest.param(TokenWeights(1.0, 2.0, context=0.01), 100, 30, 3, 160.0 + 31.35, id="context-three"),
+    ],
+)
+def test_request_cost_splits_the_output_over_the_choices(
+    weights: TokenWeights, prompt: int, output: int, choices: int, cost: float
+) -> None:
+    assert request_cost(weights, prompt, output, choices) == pytest.approx(cost)

@@ -1,0 +1,113 @@
+"""Where the dispatch overhead's "replica's own TTFT" comes from, and who learns it.
+
+The replica's TTFT histogram where it has one (vLLM, SGLang); TGI has none, so its queue time plus
+its prefill step (TGI's own dashboard's TTFT). The live gateway learns the overhead; the
+virtual-time replay, which has no transport, does not.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.app import LIVE_PREDICTION, PREDICTION_SERVICE, build_app
+from gateway.prediction import PredictionConfig, PredictionService, ReplicaFacts
+from gateway.replay import ReplayConfig
+from gateway.replicas.snapshot import ReplicaSnapshot
+from gateway.settings import ReplicaSettings, Settings
+from gateway.store import SettingsStore
+from predictor import Forecast
+
+H100 = ReplicaFacts(
+    gpu="H100-SXM",
+    model="meta-llama/Meta-Llama-3-8B-Instruct",
+    max_num_seqs=1024,
+    max_num_batched_tokens=8192,
+    max_model_len=8192,
+)
+MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
+
+
+def _learned_overhead_s(
+    gateway_ttft_s: float,
+    svc: PredictionService | None = None,
+    *,
+    ttft: float | None = None,
+    queue: float | None = None,
+    prefill: float | None = None,
+) -> float:
+    """The overhead ``svc`` (by default one that learns it) learned over 40 one-second windows of
+    12 requests each (EWMA from 0)."""
+    svc = svc or PredictionService(config=PredictionConfig(learn_dispatch_overhead=True))
+    svc.set_replica("r0", H100)
+    for second in range(1, 41):
+        for k in range(12):
+            svc.on_finished(
+                replica="r0",
+                model=MODEL,
+                tenant=None,
+                prompt_chars=None,
+                prompt_tokens=None,
+                completion_tokens=None,
+                finished_at=second - 1 + k / 12,
+                ttft_s=gateway_ttft_s,
+            )
+        svc.on_snapshot(
+            ReplicaSnapshot(
+                name="r0",
+                taken_at=float(second),
+                metrics_at=float(second),
+                window_s=10.0,
+                ttft_mean_s=ttft,
+                queue_time_mean_s=queue,
+                prefill_step_time_mean_s=prefill,
+            )
+        )
+    replicas = svc.describe()["replicas"]
+    assert isinstance(replicas, dict)
+    overhead = replicas["r0"]["dispatch_overhead_s"]
+    assert isinstance(overhead, float)
+    return overhead
+
+
+def test_tgi_without_a_ttft_histogram_gives_queue_time_plus_its_prefill_step() -> None:
+    # TGI: 4 ms in its queue, an 11 ms prefill step; the gateway measured 19 ms.
+    learned = _learned_overhead_s(0.019, queue=0.004, prefill=0.011)
+    assert learned == pytest.approx(0.004, abs=1e-4)
+
+
+def test_the_ttft_histogram_wins_over_the_tgi_proxy() -> None:
+    learned = _learned_overhead_s(0.019, ttft=0.017, queue=0.004, prefill=0.011)
+    assert learned == pytest.approx(0.002, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("queue", "prefill"),
+    [(0.004, None), (None, 0.011), (None, None)],
+    ids=["queue-only (vLLM without TTFT in the window)", "prefill-only", "nothing"],
+)
+def test_nothing_is_learned_without_the_replicas_own_ttft(queue: float | None, prefill: float | None) -> None:
+    assert _learned_overhead_s(0.019, queue=queue, prefill=prefill) == 0.0
+
+
+def test_the_live_gateway_learns_it_and_the_default_does_not() -> None:
+    """``build_app``'s service learns it; ``PredictionConfig``'s default (the replay's) does not."""
+    settings = Settings(replicas=[ReplicaSettings(name="r0", url="http://127.0.0.1:9")])
+    app = build_app(SettingsStore(settings), spawn_emulators=False)
+    assert LIVE_PREDICTION.learn_dispatch_overhead
+    live = _learned_overhead_s(0.019, app[PREDICTION_SERVICE], ttft=0.017)
+    assert live == pytest.approx(0.002, abs=1e-4)
+    assert ReplayConfig.__dataclass_fields__["prediction"].default is None
+    assert _learned_overhead_s(0.019, PredictionService(), ttft=0.017) == 0.0
+
+
+def test_with_overhead_adds_what_was_learned_to_a_forecast_made_elsewhere() -> None:
+    """Admission forecasts with ``replica_inputs`` itself; ``with_overhead`` adds the overhead."""
+    svc = PredictionService(config=PredictionConfig(learn_dispatch_overhead=True))
+    _learned_overhead_s(0.019, svc, ttft=0.016)
+    engine = Forecast(0.02, 0.01, 0.0, True, None, 50.0, 0.5)
+    shown = svc.with_overhead("r0", engine, 41.0)
+    assert shown.overhead_s == pytest.approx(0.003, abs=1e-4)
+    assert shown.ttft_s == pytest.approx(0.02 + shown.overhead_s)
+    assert (shown.tpot_s, shown.made_at) == (engine.tpot_s, 41.0)
+    unknown = svc.with_overhead("elsewhere", engine, 41.0)
+    assert (unknown.ttft_s, unknown.overhead_s, unknown.made_at) == (0.02, 0.0, 41.0)
