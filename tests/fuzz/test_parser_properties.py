@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from gateway.errors import InvalidRequest, error_response
 from gateway.openai_api import (
+    MAX_CHOICES,
     MAX_TOKENS_LIMIT,
     Endpoint,
     ParsedRequest,
@@ -318,15 +319,28 @@ def test_lone_surrogates_are_forwarded_escaped(parse: Any, raw: bytes, field: st
     assert json.loads(forwarded)[field] == json.loads(raw)[field]
 
 
-@pytest.mark.parametrize("count", [-1, 0, 1, 2, 128, 10**6])
+@pytest.mark.parametrize("count", [1, 2, 128])
 def test_n_passes_through_untouched(count: int) -> None:
-    """``n`` is the replica's to judge (vLLM serves n > 1; the emulator refuses it with a 400,
-    which the proxy relays): Sluice forwards it as sent and budgets the request as one sequence."""
+    """``n`` in OpenAI's range (1-128) is forwarded as sent, and the request is known to decode
+    ``n`` sequences (its budget reserves each one's output)."""
     raw = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": count}).encode()
     parsed = assert_valid_or_400(parse_chat, raw)
 
     assert parsed is not None
+    assert parsed.choices == count
     assert json.loads(upstream_body(parsed))["n"] == count
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("value", [0, -1, MAX_CHOICES + 1, 10**6, 1.5, "2", True])
+def test_bad_n_is_400_naming_the_field(endpoint: Endpoint, value: object) -> None:
+    """Out of OpenAI's range, or not an integer: Sluice's 400 (as OpenAI answers), before any
+    budget is reserved for a request that could never run."""
+    body = {"model": MODEL, "messages": [{"content": "x"}], "prompt": "x", "n": value}
+    with pytest.raises(InvalidRequest) as caught:
+        parse_request(endpoint, json.dumps(body).encode())
+
+    assert caught.value.param == "n"
 
 
 @pytest.mark.parametrize(
