@@ -96,6 +96,11 @@ def facts_of(replica: Replica) -> ReplicaFacts:
     )
 
 
+def ttft_header_value(ttft_s: float) -> str:
+    """``x-sluice-predicted-ttft-ms``'s value for a finite TTFT of ``ttft_s`` seconds."""
+    return f"{ttft_s * 1000:.1f}"
+
+
 def forecast_headers(replica: str, forecast: Forecast | None) -> dict[str, str]:
     """The ``x-sluice-*`` headers for a request sent to ``replica`` with ``forecast``.
 
@@ -109,7 +114,7 @@ def forecast_headers(replica: str, forecast: Forecast | None) -> dict[str, str]:
         return headers
     headers[PREDICTION_HEADER] = "ok" if forecast.valid else str(forecast.reason or "invalid")
     if math.isfinite(forecast.ttft_s):
-        headers[PREDICTED_TTFT_HEADER] = f"{forecast.ttft_s * 1000:.1f}"
+        headers[PREDICTED_TTFT_HEADER] = ttft_header_value(forecast.ttft_s)
     if math.isfinite(forecast.tpot_s):
         headers[PREDICTED_TPOT_HEADER] = f"{forecast.tpot_s * 1000:.2f}"
     return headers

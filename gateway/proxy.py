@@ -56,7 +56,7 @@ from gateway.forecasts import (
     PREDICTION_HEADERS,
     Admitted,
     LivePredictions,
-    forecast_headers,
+    ttft_header_value,
 )
 from gateway.live_admission import LiveAdmission, Ticket
 from gateway.observability.logs import OUTCOME, REQUEST_ID, REQUEST_ID_HEADER, RequestOutcome
@@ -353,7 +353,9 @@ class Proxy:
         if forecast.overhead_s > 0.0:
             outcome.predicted_ttft_s = forecast.ttft_s
             if PREDICTED_TTFT_HEADER in headers:  # exposed (``expose_prediction_headers``)
-                headers = {**headers, **forecast_headers(replica.name, forecast)}
+                # Only the TTFT moved (the overhead is added to finite TTFTs only): admission's
+                # headers are kept, not built again.
+                headers = {**headers, PREDICTED_TTFT_HEADER: ttft_header_value(forecast.ttft_s)}
                 request[PREDICTION_HEADERS] = headers
         return Admitted(ticket.live, forecast, headers)
 
