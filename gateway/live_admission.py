@@ -23,11 +23,18 @@ earliest of the queue's next hard deadline and its entries' predicted retry time
 One ``AdmissionController`` per model (requests for a model may only go to replicas serving
 it); they share one ``AdmissionStats`` and one tenant fairness counter.
 
-Views are cached per model and replica for ``view_ttl_s`` and rebuilt at once after anything that
-changes that replica's load here (a dispatch to it, a finish on it, its scrape), or anything's
-(a health or settings change), so a flood of requests that are rejected costs one view build per
-replica per ``view_ttl_s``, not one per request, and a request dispatched to one replica does not
-make the next decision rebuild the other replicas' views (a build is O(requests in flight there)).
+Views are cached per model and replica and rebuilt on events only: anything that changes that
+replica's load here (a dispatch to it, a finish on it, its scrape), anything's (a health or
+settings change), a token of a later engine step landing there (``_SAME_STEP_S``), or, while no
+request of the gateway's decodes there, the end of the engine step in progress when it was built,
+as the step model predicts it (``ReplicaView.usable_until``: a step that emits no token, a chunk
+of a long prompt, has no other mark). In between, only the step's phase moves, and the admitter
+takes the time elapsed off the step wait (``ReplicaView.step_elapsed_s``): a reused view
+forecasts what a fresh one would. A view is never older than ``view_max_age_s`` (what ages
+without an event: metrics going stale). A flood of requests that are rejected thus costs about
+one view build per replica per engine step, not one per request, and a request dispatched to one
+replica does not make the next decision rebuild the other replicas' views (a build is
+O(requests in flight there)).
 
 Cost per decision (``bench/admission_cost.py``, ``bench/rejection_flood.py``): one forecast per
 healthy replica serving the model and the admission arithmetic; the prediction service's
@@ -103,6 +110,9 @@ MAX_TICK_S: Final = 0.25
 #: Limits of a replica the prediction service does not know (never binding).
 _UNKNOWN_LIMITS: Final = Limits(1 << 40, 1, 1, 1 << 30)
 _NO_MODEL: Final = unknown_step_model("replica unknown to the prediction service")
+#: Tokens landing this soon (seconds) after the newest one a view saw are taken as the same
+#: engine step's (relayed one by one, each a loop iteration apart): they do not make a new view.
+_SAME_STEP_S: Final = 0.001
 
 
 @dataclass(slots=True)
@@ -139,11 +149,11 @@ class _Waiter:
 
 @dataclass(slots=True)
 class _Cached:
-    """One replica's view for one model: when it was built, at which versions (everything's, the
-    replica's own)."""
+    """One replica's view for one model, the newest token it saw land there (its last step
+    boundary; -inf: none), and the versions it was built at (everything's, the replica's own)."""
 
     view: ReplicaView
-    built_at: float
+    boundary: float
     version: int
     replica_version: int
 
@@ -194,7 +204,7 @@ class LiveAdmission:
         *,
         clock: Callable[[], float] = time.monotonic,
         rng: UniformSource | None = None,
-        view_ttl_s: float = 0.002,
+        view_max_age_s: float = 0.1,
     ) -> None:
         settings = store.current
         self._store = store
@@ -203,7 +213,7 @@ class LiveAdmission:
         self._service = predictions.service
         self._clock = clock
         self._rng: UniformSource = rng if rng is not None else random.Random()
-        self._view_ttl_s = view_ttl_s
+        self._view_max_age_s = view_max_age_s
         self._settings = settings.admission
         self.stats = AdmissionStats()
         self.fairness = VirtualTokenCounter(TokenWeights.from_queue_settings(settings.admission.queue))
@@ -604,11 +614,12 @@ class LiveAdmission:
 
     def _views_for(self, model: str, replicas: list[Replica], now: float) -> list[ReplicaView]:
         """Views of ``replicas`` for a request on ``model``: each from the cache while it is
-        current (no version change, younger than ``view_ttl_s``), else rebuilt."""
+        current (see the module: no event since it was built, still inside the engine step it was
+        built in or with none in progress, younger than ``view_max_age_s``), else rebuilt."""
         cache = self._views.get(model)
         if cache is None:
             cache = self._views[model] = {}
-        version, versions, ttl = self._version, self._replica_versions, self._view_ttl_s
+        version, versions, max_age = self._version, self._replica_versions, self._view_max_age_s
         views: list[ReplicaView] = []
         for replica in replicas:
             name = replica.name
@@ -618,15 +629,42 @@ class LiveAdmission:
                 cached is None
                 or cached.version != version
                 or cached.replica_version != replica_version
-                or now - cached.built_at > ttl
+                or not self._current(cached, now, max_age)
             ):
-                cached = cache[name] = _Cached(self._view(replica, model, now), now, version, replica_version)
+                view = self._view(replica, model, now)
+                cached = cache[name] = _Cached(view, self._newest_token(name), version, replica_version)
             views.append(cached.view)
         if len(cache) > len(replicas):
             # Replicas that left the fleet (or lost health): their views go.
             for name in [n for n in cache if all(r.name != n for r in replicas)]:
                 del cache[name]
         return views
+
+    def _current(self, cached: _Cached, now: float, max_age: float) -> bool:
+        """Whether ``cached``'s view (versions unchanged) still describes its replica at ``now``.
+
+        Younger than ``max_age``, and no token of a later engine step landed there. While some
+        of the gateway's requests there decode, every step ends with their tokens: a step
+        predicted over whose tokens have not landed yet is overdue, which the view as built says
+        at ``now`` (its step wait aged to 0). Otherwise (prefill only) a step may end unmarked, a
+        chunk of a long prompt: the view lasts until the step it was built in is predicted to end.
+        """
+        view = cached.view
+        if now - view.built_at > max_age:
+            return False
+        newest = self._newest_token(view.name)
+        if newest > cached.boundary + _SAME_STEP_S:
+            return False  # the next step's tokens: its phase is not in the view
+        return newest > -math.inf or not (now > view.usable_until and view.state.step_remaining_s > 0.0)
+
+    def _newest_token(self, replica: str) -> float:
+        """When the newest token of the gateway's requests on ``replica`` landed (-inf: none yet)."""
+        newest = -math.inf
+        for tracked in self._streams.get(replica, {}).values():
+            at = tracked.live.last_token_at
+            if at is not None and at > newest:
+                newest = at
+        return newest
 
     def _view(self, replica: Replica, route: str, now: float) -> ReplicaView:
         model, _ = split_route(route)
@@ -642,7 +680,13 @@ class LiveAdmission:
         self._note_staleness(replica.name, state.stale)
         running = [s.streaming() for s in streams.values()]
         return ReplicaView.build(
-            replica.name, healthy=True, model=step_model, state=state, streams=running, stale=state.stale
+            replica.name,
+            healthy=True,
+            model=step_model,
+            state=state,
+            streams=running,
+            stale=state.stale,
+            built_at=now,
         )
 
     def _note_staleness(self, name: str, stale: bool) -> None:

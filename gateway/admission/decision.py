@@ -321,6 +321,25 @@ class _Forecasts:
         self.known: dict[CandidateRequest, _Known] = {}
 
 
+def _after(f: ForecastValues, elapsed_s: float) -> ForecastValues:
+    """``f`` (made on a view as built) ``elapsed_s`` later, within the same engine step: the step
+    wait, and with it the TTFT, shorter by that much; nothing else moves (``ReplicaView``)."""
+    return (
+        f[0] - elapsed_s,
+        f[1],
+        f[2],
+        f[3],
+        f[4],
+        f[5],
+        f[6],
+        f[7],
+        f[8],
+        f[9],
+        f[10] - elapsed_s,
+        f[11],
+    )
+
+
 def _idle(state: ReplicaState) -> ReplicaState:
     """The same replica with nothing running or waiting."""
     return ReplicaState(
@@ -384,8 +403,8 @@ class SloAdmitter:
         ] = {}
         #: ``_evaluate``'s memo, per replica name: the forecast of a request on a view is a pure
         #: function of (request, state, step model, forecast config), and a view lives for many
-        #: decisions (``view_ttl_s``), so alike requests (a flood) share one forecast and one
-        #: ``Forecast`` object per view instead of one each.
+        #: decisions (an engine step; ``gateway.live_admission``), so alike requests (a flood)
+        #: share one forecast and one ``Forecast`` object per view instead of one each.
         self._forecasts: dict[str, _Forecasts] = {}
         self._default_limits = (
             self._default.tpot_target_s,
@@ -502,12 +521,18 @@ class SloAdmitter:
     ) -> _Candidate | None:
         """Forecast on one replica and compute its slack vector; ``None`` if it cannot serve it."""
         state = view.state
-        known = self._forecast(request.candidate(state.max_model_len), view)
-        f = known.values
+        memo = self._forecast(request.candidate(state.max_model_len), view)
+        f = memo.values
         if not f[3] and f[4] != ForecastReason.STALE_STATE:
             if f[4] == ForecastReason.NO_STEP_MODEL:
                 return self._unmodelled(view)
             return None
+        # The view may be a little older than ``now``: the step in progress has gone on since.
+        elapsed = view.step_elapsed_s(now)
+        known: _Known | None = memo
+        if elapsed > 0.0:
+            f = _after(f, elapsed)
+            known = None  # the memo's ``Forecast`` is the view's as built
         scale = self._stale_scale if view.stale else self._fresh_scale
         ttft, tpot, infl = f[0] * scale, f[1] * scale, f[2] * scale
         stall = f[7] * scale
@@ -565,7 +590,7 @@ class SloAdmitter:
             keep = 1.0 - self._settings.yield_margin
             for protected, probe in plan:
                 pf = forecast_values(probe, after, view.model, self._fc)
-                p_ttft, p_tpot = pf[0] * scale, pf[1] * scale
+                p_ttft, p_tpot = (pf[0] - elapsed) * scale, pf[1] * scale
                 probes.append((protected, p_ttft, p_tpot))
                 t, p = protected.ttft_target_s, protected.tpot_target_s
                 yttft = min(yttft, (keep * t - p_ttft) / t)

@@ -129,6 +129,10 @@ class ReplicaView:
     ``extra_tpot_s``: TPOT added to every stream by requests admitted since the view was built
     (``with_admitted``): a stream's TPOT is its load's figure plus this.
     ``gateway_streams``: the gateway's unfinished requests there.
+    ``built_at``: the instant (the admitter's clock, seconds) the state describes: its
+    ``step_remaining_s`` counts from then. A view may be used after it, until the step in progress
+    is predicted to end (``usable_until``): nothing about the replica changes in between but the
+    step's phase, which ``step_elapsed_s`` gives. NaN: timeless (used as built).
     """
 
     name: str
@@ -139,6 +143,7 @@ class ReplicaView:
     loads: Mapping[str, ClassLoad]
     gateway_streams: int
     extra_tpot_s: float = 0.0
+    built_at: float = math.nan
 
     @classmethod
     def build(
@@ -150,15 +155,34 @@ class ReplicaView:
         state: ReplicaState,
         streams: Iterable[StreamingRequest] = (),
         stale: bool = False,
+        built_at: float = math.nan,
     ) -> ReplicaView:
         """Aggregate ``streams`` (the gateway's requests running there) once: O(k log k).
 
         ``stale`` or ``state.stale`` marks the view stale. Each stream's TPOT is floored at the
-        replica's current decode step time (``current_step_s``).
+        replica's current decode step time (``current_step_s``). ``built_at``: see the class.
         """
         items = list(streams)
         loads = class_loads(items, current_step_s(model, state))
-        return cls(name, healthy, model, state, stale or state.stale, loads, len(items))
+        return cls(name, healthy, model, state, stale or state.stale, loads, len(items), 0.0, built_at)
+
+    @property
+    def usable_until(self) -> float:
+        """The instant (seconds) the engine's step in progress is predicted to end: until then the
+        view describes the replica once ``step_elapsed_s`` is taken off its step wait. NaN when
+        timeless; ``built_at`` itself when no step is in progress (idle, or overdue: its tokens
+        are about to land)."""
+        return self.built_at + self.state.step_remaining_s
+
+    def step_elapsed_s(self, now: float) -> float:
+        """Seconds of the step in progress that have passed between ``built_at`` and ``now``
+        (0 for a timeless view, never more than the step's remaining time): what a forecast made
+        on this view takes off its TTFT at ``now``."""
+        age = now - self.built_at
+        if not age > 0.0:  # NaN (timeless) or not later
+            return 0.0
+        left = self.state.step_remaining_s
+        return age if age < left else left
 
     def with_admitted(
         self, request: AdmissionRequest, forecast: Forecast | None, request_class: str | None = None
@@ -228,4 +252,8 @@ def with_queued(state: ReplicaState, prompt_tokens: int, cached_prompt_tokens: i
         state.release_kv_cumulative,
         state.background_prefill_tokens_per_step,
         state.stale,
+        state.step_remaining_s,
+        state.prefill_share,
+        state.finish_rate_per_s,
+        state.steady_step_s,
     )

@@ -201,7 +201,7 @@ class PredictionService:
         #: ``replica_inputs``' expected remaining output per (model, tenant), by (tokens generated,
         #: output cap): the same numbers as ``expected_remaining`` until ``on_finished`` teaches a
         #: new length (a view rebuild asks for every stream in flight, most of which have not
-        #: moved since the last rebuild, every ``view_ttl_s``).
+        #: moved since the last rebuild, once per engine step).
         self._remaining_memo: dict[tuple[str, str | None], dict[tuple[int, int | None], float]] = {}
 
     # ------------------------------------------------------------------ replicas
