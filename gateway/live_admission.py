@@ -113,6 +113,9 @@ _NO_MODEL: Final = unknown_step_model("replica unknown to the prediction service
 #: Tokens landing this soon (seconds) after the newest one a view saw are taken as the same
 #: engine step's (relayed one by one, each a loop iteration apart): they do not make a new view.
 _SAME_STEP_S: Final = 0.001
+#: Longest a view of a replica running non-streamed requests lives (seconds): their progress is
+#: estimated from the clock (``TrackedStream.tokens_at``), with no token to mark it.
+_UNSEEN_MAX_AGE_S: Final = 0.002
 
 
 @dataclass(slots=True)
@@ -143,6 +146,8 @@ class _Waiter:
     controller: AdmissionController
     model: str
     request: AdmissionRequest
+    #: Whether the client streams the response (its tokens are seen as they come).
+    streamed: bool = True
     #: Filled when it is dispatched: the in-flight entry registered at that moment.
     live: LiveRequest | None = None
 
@@ -361,7 +366,9 @@ class LiveAdmission:
         live: LiveRequest | None = None
         queued = isinstance(decision, Queue) and decision.enforced
         if isinstance(decision, Queue) and decision.enforced:
-            decision, live = await self._wait(request, outcome, controller, route, areq, decision, watch)
+            decision, live = await self._wait(
+                request, outcome, controller, route, areq, decision, watch, streamed=parsed.stream
+            )
         return self._conclude(request, parsed, outcome, areq, decision, tenant_name, queued, live)
 
     def _request(
@@ -429,7 +436,9 @@ class LiveAdmission:
             raise admission_error(decision)
         replica = self._replica_for(decision, route_of(parsed.model, parsed.engine))
         if live is None:
-            live = LiveRequest(areq.request_id, areq.prompt_tokens, now, parsed.max_tokens)
+            live = LiveRequest(
+                areq.request_id, areq.prompt_tokens, now, parsed.max_tokens, streamed=parsed.stream
+            )
             self._add_stream(replica.name, live, areq, forecast)
         if expose:
             headers = {**_forecast_headers(replica.name, forecast), **headers}
@@ -462,15 +471,18 @@ class LiveAdmission:
         areq: AdmissionRequest,
         queued: Queue,
         watch: Callable[[web.BaseRequest, Callable[[], object]], Callable[[], None]] | None,
+        *,
+        streamed: bool,
     ) -> tuple[Decision, LiveRequest | None]:
         """Wait in the queue until a re-evaluation decides; the client going away cancels it.
 
         Returns the decision and, when it was dispatched, the in-flight entry registered then.
+        ``streamed``: the client streams the response (``LiveRequest.streamed``).
         """
         assert queued.entry_id is not None
         key = (model, queued.entry_id)
         future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(future, controller, model, areq)
+        waiter = _Waiter(future, controller, model, areq, streamed)
         self._waiting[key] = waiter
         unwatch = watch(request, lambda: self._client_gone(key)) if watch is not None else None
         self._schedule()
@@ -529,7 +541,13 @@ class LiveAdmission:
         if dispatched and decision.admits and decision.replica is not None:
             # Counted on its replica now, before its handler runs, so the next decision sees it.
             request = waiter.request
-            live = LiveRequest(request.request_id, request.prompt_tokens, self._clock(), request.max_tokens)
+            live = LiveRequest(
+                request.request_id,
+                request.prompt_tokens,
+                self._clock(),
+                request.max_tokens,
+                streamed=waiter.streamed,
+            )
             waiter.live = live
             self._add_stream(decision.replica, live, request, decision.forecast)
         waiter.future.set_result(decision)
@@ -632,7 +650,7 @@ class LiveAdmission:
                 or not self._current(cached, now, max_age)
             ):
                 view = self._view(replica, model, now)
-                cached = cache[name] = _Cached(view, self._newest_token(name), version, replica_version)
+                cached = cache[name] = _Cached(view, self._marks(name)[0], version, replica_version)
             views.append(cached.view)
         if len(cache) > len(replicas):
             # Replicas that left the fleet (or lost health): their views go.
@@ -648,28 +666,39 @@ class LiveAdmission:
         predicted over whose tokens have not landed yet is overdue, which the view as built says
         at ``now`` (its step wait aged to 0). Otherwise (prefill only) a step may end unmarked, a
         chunk of a long prompt: the view lasts until the step it was built in is predicted to end.
+        A replica running requests whose tokens are not seen (non-streamed responses, whose
+        progress is estimated from the clock: ``TrackedStream.tokens_at``) has its view rebuilt
+        every ``_UNSEEN_MAX_AGE_S``.
         """
         view = cached.view
-        if now - view.built_at > max_age:
+        age = now - view.built_at
+        if age > max_age:
             return False
-        newest = self._newest_token(view.name)
+        newest, unseen = self._marks(view.name)
+        if unseen and age > _UNSEEN_MAX_AGE_S:
+            return False
         if newest > cached.boundary + _SAME_STEP_S:
             return False  # the next step's tokens: its phase is not in the view
         return newest > -math.inf or not (now > view.usable_until and view.state.step_remaining_s > 0.0)
 
-    def _newest_token(self, replica: str) -> float:
-        """When the newest token of the gateway's requests on ``replica`` landed (-inf: none yet)."""
-        newest = -math.inf
+    def _marks(self, replica: str) -> tuple[float, bool]:
+        """When the newest token of the gateway's requests on ``replica`` landed (-inf: none yet),
+        and whether any of them is a request whose tokens are not seen (not streamed, no
+        usage yet)."""
+        newest, unseen = -math.inf, False
         for tracked in self._streams.get(replica, {}).values():
-            at = tracked.live.last_token_at
+            live = tracked.live
+            at = live.last_token_at
             if at is not None and at > newest:
                 newest = at
-        return newest
+            if not live.streamed:
+                unseen = True
+        return newest, unseen
 
     def _view(self, replica: Replica, route: str, now: float) -> ReplicaView:
         model, _ = split_route(route)
         streams = self._streams.get(replica.name, {})
-        in_flight = [s.in_flight() for s in streams.values()]
+        in_flight = [s.in_flight(now) for s in streams.values()]
         try:
             step_model, state = self._service.replica_inputs(
                 replica.name, model=model, tenant=None, in_flight=in_flight, now=now
@@ -678,7 +707,7 @@ class LiveAdmission:
             log.exception("replica state for %s failed; judging it as unmodelled", replica.name)
             step_model, state = _NO_MODEL, _fallback_state(in_flight)
         self._note_staleness(replica.name, state.stale)
-        running = [s.streaming() for s in streams.values()]
+        running = [s.streaming(now) for s in streams.values()]
         return ReplicaView.build(
             replica.name,
             healthy=True,
@@ -709,10 +738,11 @@ class LiveAdmission:
         self, replica: str, live: LiveRequest, areq: AdmissionRequest, forecast: Forecast | None
     ) -> None:
         tpot = forecast.tpot_s if forecast is not None and math.isfinite(forecast.tpot_s) else 0.0
+        ttft = forecast.ttft_s if forecast is not None else math.nan
         output = areq.expected_output_tokens
         if forecast is not None:
             output = forecast.output_tokens_used
-        tracked = TrackedStream(live, areq.request_class, output, tpot)
+        tracked = TrackedStream(live, areq.request_class, output, tpot, ttft)
         self._streams.setdefault(replica, {})[live] = tracked
         self._touch(replica)
 

@@ -40,7 +40,16 @@ class LiveEntry(Protocol[_Frozen_co]):
     @property
     def last_token_at(self) -> float | None: ...
 
-    def freeze(self) -> _Frozen_co: ...
+    @property
+    def started_at(self) -> float: ...
+
+    @property
+    def max_tokens(self) -> int | None: ...
+
+    @property
+    def streamed(self) -> bool: ...
+
+    def freeze(self, tokens_streamed: int | None = None) -> _Frozen_co: ...
 
 
 class TrackedStream(Generic[_Frozen]):
@@ -49,6 +58,7 @@ class TrackedStream(Generic[_Frozen]):
 
     ``request_class``: the class it was admitted as. ``expected_output_tokens``: its predicted
     output (tokens). ``predicted_tpot_s``: its forecast TPOT at dispatch (seconds).
+    ``predicted_ttft_s``: its forecast TTFT at dispatch (seconds; NaN: none).
 
     A view rebuild needs every stream on the replica twice: frozen (``live.freeze()``, for the
     prediction service's state) and as a ``StreamingRequest`` (for the class loads). Both are
@@ -56,6 +66,12 @@ class TrackedStream(Generic[_Frozen]):
     size), so ``in_flight()`` and ``streaming()`` return the objects built last time unless the
     fields they copy changed: exactly what a fresh build would return, without allocating two
     objects per stream per rebuild (issue 7's profile: the rebuilds run on every decision).
+
+    **A request whose tokens are not seen** (``live.streamed`` False: a non-streamed response
+    arrives whole at its end) would otherwise look like a prompt still waiting for its prefill
+    however long it has run, and every newcomer's forecast would queue behind all of them. Its
+    progress at ``now`` is estimated from its own forecast instead (``tokens_at``): no token
+    before its predicted TTFT, then one per predicted TPOT, below its output cap.
     """
 
     __slots__ = (
@@ -65,6 +81,7 @@ class TrackedStream(Generic[_Frozen]):
         "expected_output_tokens",
         "live",
         "predicted_tpot_s",
+        "predicted_ttft_s",
         "request_class",
     )
 
@@ -74,42 +91,68 @@ class TrackedStream(Generic[_Frozen]):
         request_class: str,
         expected_output_tokens: float,
         predicted_tpot_s: float,
+        predicted_ttft_s: float = math.nan,
     ) -> None:
         self.live = live
         self.request_class = request_class
         self.expected_output_tokens = expected_output_tokens
         self.predicted_tpot_s = predicted_tpot_s
+        self.predicted_ttft_s = predicted_ttft_s
         self._frozen: _Frozen | None = None
         self._frozen_key: tuple[int, int, float | None] | None = None
         self._streaming: StreamingRequest | None = None
 
-    def in_flight(self) -> _Frozen:
-        """``live.freeze()`` as of now (the same object while prompt, tokens streamed and the
-        latest token's time are unchanged; the entry's other fields never change)."""
+    def tokens_at(self, now: float | None) -> int:
+        """Output tokens the request has produced by ``now`` (monotonic seconds), as far as the
+        gateway can tell: those relayed for a stream; for a request whose tokens are not seen,
+        the estimate from its forecast (0 until ``started_at + predicted_ttft_s``, then one more
+        per ``predicted_tpot_s``, at most ``max_tokens - 1``: it has not finished). ``now``
+        ``None``, or no forecast: the count relayed."""
         live = self.live
-        key = (live.prompt_tokens, live.tokens_streamed, live.last_token_at)
+        if live.streamed or now is None or live.tokens_streamed:
+            return live.tokens_streamed
+        since_first = now - live.started_at - self.predicted_ttft_s
+        if not since_first >= 0.0:  # before its first token, or no forecast (NaN)
+            return 0
+        tpot = self.predicted_tpot_s
+        tokens = 1 + int(since_first / tpot) if tpot > 0.0 else 1
+        cap = live.max_tokens
+        if cap is not None and tokens > cap - 1:
+            tokens = max(0, cap - 1)
+        return tokens
+
+    def in_flight(self, now: float | None = None) -> _Frozen:
+        """``live.freeze()`` as of ``now`` (``tokens_at``; the same object while prompt, tokens
+        and the latest token's time are unchanged; the entry's other fields never change)."""
+        live = self.live
+        tokens = self.tokens_at(now)
+        key = (live.prompt_tokens, tokens, live.last_token_at)
         if self._frozen is None or key != self._frozen_key:
-            self._frozen = live.freeze()
+            self._frozen = live.freeze(tokens)
             self._frozen_key = key
         return self._frozen
 
-    def streaming(self) -> StreamingRequest:
-        """The stream as the class loads count it, as of now; ``decode_elapsed_s`` is the time
-        from its first relayed token to its latest (``shares.decode_elapsed_s``), what the
-        stall budget reckons a stream has already taken."""
+    def streaming(self, now: float | None = None) -> StreamingRequest:
+        """The stream as the class loads count it, as of ``now`` (``tokens_at``);
+        ``decode_elapsed_s`` is the time from its first relayed token to its latest
+        (``shares.decode_elapsed_s``), what the stall budget reckons a stream has already taken
+        (``None`` for a request whose tokens are not seen: its tokens at its predicted TPOT)."""
         live = self.live
         s = self._streaming
-        elapsed = decode_elapsed_s(live.first_token_at, live.last_token_at)
+        tokens = self.tokens_at(now)
+        elapsed: float | None = decode_elapsed_s(live.first_token_at, live.last_token_at)
+        if not live.streamed and not live.tokens_streamed:
+            elapsed = None
         if (
             s is None
-            or s.generated_tokens != live.tokens_streamed
+            or s.generated_tokens != tokens
             or s.prompt_tokens != live.prompt_tokens
             or s.decode_elapsed_s != elapsed
         ):
             s = self._streaming = StreamingRequest(
                 self.request_class,
                 live.prompt_tokens,
-                live.tokens_streamed,
+                tokens,
                 self.expected_output_tokens,
                 self.predicted_tpot_s,
                 elapsed,

@@ -69,26 +69,39 @@ class LiveRequest:
         "prompt_tokens",
         "request_id",
         "started_at",
+        "streamed",
         "tokens_streamed",
     )
 
     def __init__(
-        self, request_id: str, prompt_tokens: int, started_at: float, max_tokens: int | None = None
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        started_at: float,
+        max_tokens: int | None = None,
+        *,
+        streamed: bool = True,
     ) -> None:
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.tokens_streamed = 0
         self.started_at = started_at
         self.max_tokens = max_tokens
+        #: Whether its tokens are relayed as they come (a stream). A non-streamed response
+        #: arrives whole at the end: until then ``tokens_streamed`` stays 0 and admission
+        #: estimates its progress instead (``TrackedStream``).
+        self.streamed = streamed
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
 
-    def freeze(self) -> InFlight:
-        """The request as of now, as an immutable ``InFlight``."""
+    def freeze(self, tokens_streamed: int | None = None) -> InFlight:
+        """The request as of now, as an immutable ``InFlight``; ``tokens_streamed``: the output
+        tokens to say it has (an estimate, for a request whose tokens are not seen), instead of
+        the count relayed."""
         return InFlight(
             self.request_id,
             self.prompt_tokens,
-            self.tokens_streamed,
+            self.tokens_streamed if tokens_streamed is None else tokens_streamed,
             self.started_at,
             self.max_tokens,
             last_token_at=self.last_token_at,
