@@ -52,6 +52,7 @@ from gateway.tenants.keys import key_digest
 __all__ = [
     "ADMIN_LISTENER",
     "ADMIN_SHUTDOWN_S",
+    "AdminGate",
     "AdminGuard",
     "AdminListener",
     "admin_middleware",
@@ -104,23 +105,45 @@ class AdminGuard:
         return hmac.compare_digest(key_digest(token), expected)
 
 
-def admin_middleware(store: SettingsStore, *, serve_admin: bool) -> Middleware:
-    """Middleware factory for admin paths (``is_admin_path``); other paths pass untouched.
+class AdminGate:
+    """What one listener does with the admin paths (``is_admin_path``); other paths pass.
 
     ``serve_admin``: the listener serves the admin routes, so they need the token when one is
     configured (``admin_token_required``, 401). False (the public listener while a separate admin
-    listener runs): they are 404 (``RouteNotFound``), token or not. Install it inside
-    ``error_middleware``, which turns both into their OpenAI-style JSON bodies.
+    listener runs): they are 404 (``RouteNotFound``), token or not.
     """
-    guard = AdminGuard(store)
+
+    __slots__ = ("guard", "serve_admin")
+
+    def __init__(self, store: SettingsStore, *, serve_admin: bool) -> None:
+        self.guard = AdminGuard(store)
+        self.serve_admin = serve_admin
+
+    @classmethod
+    def public(cls, store: SettingsStore) -> AdminGate:
+        """The public listener's gate: it serves the admin routes unless ``admin.port`` is set
+        (read once: restart required)."""
+        return cls(store, serve_admin=store.current.admin.port is None)
+
+    def check(self, request: web.Request) -> None:
+        """Raise the ``GatewayError`` this listener answers ``request`` with when it is an admin
+        request it refuses; return when it may go on."""
+        if is_admin_path(request.path):
+            if not self.serve_admin:
+                raise RouteNotFound("no such route")
+            if not self.guard.allowed(request.headers.get("Authorization")):
+                raise admin_token_required()
+
+
+def admin_middleware(store: SettingsStore, *, serve_admin: bool) -> Middleware:
+    """Middleware factory for admin paths (``AdminGate``); other paths pass untouched. Install it
+    inside ``error_middleware``, which turns its refusals into their OpenAI-style JSON bodies.
+    """
+    gate = AdminGate(store, serve_admin=serve_admin)
 
     @web.middleware
     async def impl(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if is_admin_path(request.path):
-            if not serve_admin:
-                raise RouteNotFound("no such route")
-            if not guard.allowed(request.headers.get("Authorization")):
-                raise admin_token_required()
+        gate.check(request)
         return await handler(request)
 
     return impl
@@ -204,23 +227,31 @@ class AdminListener:
 ADMIN_LISTENER: Final = web.AppKey("admin_listener", AdminListener)
 
 
-def install_admin(app: web.Application, store: SettingsStore) -> web.Application:
+def install_admin(
+    app: web.Application, store: SettingsStore, *, gate: AdminGate | None = None
+) -> web.Application:
     """Guard ``app``'s admin paths and return the application the admin routes go on (see the
     module docstring). Call before ``install_tenancy`` (the guard must run before its middleware)
     and append ``app[ADMIN_LISTENER].lifecycle`` to ``app.cleanup_ctx`` when it exists.
 
-    ``admin.host`` and ``admin.port`` are read here, once (restart required).
+    ``gate``: ``app``'s own middleware already applies this gate (``AdminGate.public(store)``, as
+    ``gateway.app.build_app``'s single middleware does, inside its error handling); else
+    ``admin_middleware`` is appended to ``app.middlewares``. ``admin.host`` and ``admin.port`` are
+    read here, once (restart required).
     """
     admin = store.current.admin
+    serve_admin = admin.port is None
+    if gate is None:
+        app.middlewares.append(admin_middleware(store, serve_admin=serve_admin))
+    elif gate.serve_admin != serve_admin:
+        raise ValueError(f"admin gate serving admin routes: {gate.serve_admin}; admin.port: {admin.port}")
     if admin.port is None:
-        app.middlewares.append(admin_middleware(store, serve_admin=True))
         if store.current.admin_token_digest() is None:
             log.info(
                 "admin routes (/metrics, /sluice/v1/*) are served on the public listener without a "
                 "token; in production set admin.port or admin.token_sha256"
             )
         return app
-    app.middlewares.append(admin_middleware(store, serve_admin=False))
     listener = AdminListener(store, admin.host, admin.port)
     app[ADMIN_LISTENER] = listener
     return listener.app

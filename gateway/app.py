@@ -14,6 +14,10 @@
 
 ``/metrics`` (``gateway.observability.metrics``) is installed last and fed by all of them.
 
+A request passes two middlewares: ``gateway_middleware`` (request id and access line, every error
+as its JSON body, the body's read timeout, the admin guard: four concerns in one layer, the cost
+a flood of refusals pays per request) and then the tenants' (``gateway.tenancy``).
+
 Every proxied response carries the forecast made for it (``x-sluice-replica``,
 ``x-sluice-predicted-ttft-ms``, ``x-sluice-predicted-tpot-ms``, ``x-sluice-prediction``), and
 ``GET /sluice/v1/replicas`` shows each replica's state, last snapshot and fitted step model.
@@ -34,20 +38,24 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
-from gateway.admin import ADMIN_LISTENER, install_admin
-from gateway.errors import error_middleware
+from gateway.admin import ADMIN_LISTENER, AdminGate, install_admin
+from gateway.errors import response_for_exception
 from gateway.forecasts import LivePredictions, add_prediction_headers
 from gateway.live_admission import LiveAdmission
 from gateway.observability.logs import (
     add_request_id_header,
     configure_logging,
-    request_context_middleware,
+    end_request,
+    flush_logs,
+    start_request,
 )
 from gateway.observability.metrics import METRICS
 from gateway.observability.metrics import install as install_metrics
@@ -60,7 +68,7 @@ from gateway.replicas.emulators import EmulatorProcess, start_emulators, stop_em
 from gateway.replicas.health import HealthChecker
 from gateway.replicas.registry import ReplicaRegistry
 from gateway.replicas.scraper import MetricsScraper
-from gateway.request_body import body_read_timeout_middleware
+from gateway.request_body import read_body_in_time
 from gateway.settings import Settings
 from gateway.store import SettingsStore
 from gateway.tenancy import TENANCY, install_tenancy
@@ -115,13 +123,10 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
     reload is enforced as well, a larger one only after a restart.
     """
     settings = store.current
+    admin_gate = AdminGate.public(store)
     app = web.Application(
         client_max_size=settings.server.max_body_bytes,
-        middlewares=[
-            request_context_middleware(store),
-            error_middleware(),
-            body_read_timeout_middleware(store),
-        ],
+        middlewares=[gateway_middleware(store, admin_gate)],
     )
     app[STORE] = store
     app[OUTCOME_LISTENERS] = []
@@ -132,6 +137,7 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
     app.on_response_prepare.append(add_request_id_header)
     app.on_response_prepare.append(add_prediction_headers)
     app.on_shutdown.append(_end_requests_within_the_grace)
+    app.on_cleanup.append(_flush_logs)
     app.cleanup_ctx.append(_client_session)
     if spawn_emulators and settings.emulators:
         app.cleanup_ctx.append(_emulators)
@@ -149,8 +155,8 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
     # Always public, never guarded: load balancers probe them without credentials.
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
-    # Before install_tenancy: the admin guard runs ahead of the tenants' middleware.
-    admin_app = install_admin(app, store)
+    # Before install_tenancy: the admin guard (in gateway_middleware) runs ahead of the tenants'.
+    admin_app = install_admin(app, store, gate=admin_gate)
     admin_app.router.add_get("/sluice/v1/replicas", _replicas_view(app))
     install_metrics(app, serve_on=admin_app)
     install_tenancy(app)
@@ -160,6 +166,58 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
         # Last: it serves once everything it reads is up, and stops first.
         app.cleanup_ctx.append(listener.lifecycle)
     return app
+
+
+def gateway_middleware(store: SettingsStore, admin_gate: AdminGate) -> Middleware:
+    """The public application's one middleware (outermost, before the tenants'): in one layer,
+    what these would do stacked in this order (one coroutine per request instead of four):
+
+    1. ``request_context_middleware``: request id, ``RequestOutcome``, the access line (status
+       499 when cancelled);
+    2. ``error_middleware``: every exception from what follows becomes its JSON error response
+       (``response_for_exception``);
+    3. ``body_read_timeout_middleware``: a body not yet whole is read within
+       ``server.client_read_timeout_s`` (else 408);
+    4. ``admin_middleware``: ``admin_gate`` on the admin paths (401 without the token, or 404
+       when a separate admin listener serves them).
+    """
+    clock = time.monotonic
+
+    @web.middleware
+    async def impl(request: web.Request, handler: Handler) -> web.StreamResponse:
+        outcome = start_request(request, clock())
+        status = 500
+        try:
+            try:
+                if not request.content.is_eof():
+                    refused = await read_body_in_time(request, store)
+                    if refused is not None:
+                        status = refused.status
+                        return refused
+                admin_gate.check(request)
+                response = await handler(request)
+            except Exception as exc:
+                converted = response_for_exception(request, exc)
+                if converted is None:
+                    raise
+                response = converted
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        except asyncio.CancelledError:  # client gone (handler_cancellation) or shutdown
+            status = 499
+            raise
+        finally:
+            end_request(outcome, status, clock(), store)
+
+    return impl
+
+
+async def _flush_logs(_app: web.Application) -> None:
+    """``on_cleanup``: the buffered access lines are written before the loop can stop."""
+    flush_logs()
 
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
@@ -429,3 +487,4 @@ def run_gateway(store: SettingsStore, *, reloader_factory: ReloaderFactory | Non
         loop=_new_event_loop(settings.server.uvloop),
         handle_signals=False,  # ours: a drain first (server.drain_s), see _install_signal_handlers
     )
+    flush_logs()  # the last access lines, whatever stopped the loop

@@ -18,7 +18,7 @@ import json
 import logging
 import math
 from json.encoder import encode_basestring_ascii
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -344,22 +344,27 @@ def _client_error_for(status: int, reason: str) -> GatewayError:
 def log_error(err: GatewayError, request_id: str | None, *, exc_info: bool = False) -> None:
     """Log ``err`` once: WARNING for 5xx (ERROR with traceback when ``exc_info``), INFO for 4xx,
     or the error's own ``log_level`` (admission's 429s: DEBUG)."""
-    level = logging.INFO if err.status < 500 else logging.WARNING
-    if err.log_level is not None:
-        level = err.log_level
-    if exc_info:
-        level = logging.ERROR
+    level = logging.ERROR if exc_info else _log_level(err)
     if not log.isEnabledFor(level):
         return
-    log.log(
-        level,
-        "request %s failed: %d %s: %s",
-        request_id or "-",
-        err.status,
-        err.code or err.error_type,
-        err.message,
-        exc_info=exc_info,
-    )
+    args = (request_id or "-", err.status, err.code or err.error_type, err.message)
+    if exc_info:
+        log.log(level, _FAILED, *args, exc_info=True)
+        return
+    # The record made directly, as ``log_access`` does: ``Logger.log`` would also look up the
+    # calling file, line and function (a 4xx flood pays this per request), which no formatter
+    # here prints.
+    log.handle(log.makeRecord(log.name, level, __file__, 0, _FAILED, args, None))
+
+
+_FAILED: Final = "request %s failed: %d %s: %s"
+
+
+def _log_level(err: GatewayError) -> int:
+    """The level ``log_error`` logs ``err`` at without a traceback."""
+    if err.log_level is not None:
+        return err.log_level
+    return logging.INFO if err.status < 500 else logging.WARNING
 
 
 def request_id_of(request: web.Request) -> str | None:
@@ -368,40 +373,51 @@ def request_id_of(request: web.Request) -> str | None:
 
 
 def error_middleware() -> Middleware:
-    """Middleware factory: every exception leaving a handler becomes our JSON error response.
-
-    ``GatewayError`` -> its response; aiohttp ``HTTPException`` with status >= 400 -> converted;
-    aiohttp's ``RequestPayloadError`` (a body it cannot decode) -> 400; anything else -> generic
-    500 with the traceback logged. Cancellation is not caught.
+    """Middleware factory: every exception leaving a handler becomes our JSON error response
+    (``response_for_exception``). Cancellation is not caught.
     """
 
     @web.middleware
     async def impl(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
-        except GatewayError as err:
-            log_error(err, request_id_of(request))
-            return error_response(err)
-        except web.HTTPException as exc:
-            if exc.status < 400:
+        except Exception as exc:
+            response = response_for_exception(request, exc)
+            if response is None:
                 raise
-            converted = from_http_exception(exc)
-            log_error(converted, request_id_of(request))
-            return error_response(converted)
-        except web.RequestPayloadError as exc:
-            # A body aiohttp could not decode while the handler read it (corrupt gzip or deflate
-            # data, broken chunking): the client's fault, a 400, never a 500.
-            cause = exc.__cause__
-            detail = cause.message if isinstance(cause, HttpProcessingError) else "cannot be decoded"
-            converted = InvalidRequest(f"malformed request body: {detail}")
-            log_error(converted, request_id_of(request))
-            return error_response(converted)
-        except Exception:
-            internal = InternalError("internal server error")
-            log_error(internal, request_id_of(request), exc_info=True)
-            return error_response(internal)
+            return response
 
     return impl
+
+
+def response_for_exception(request: web.Request, exc: Exception) -> web.Response | None:
+    """The answer to ``exc`` raised while handling ``request``, logged once (``log_error``);
+    call it in the ``except`` block (a 500's traceback is the exception being handled).
+
+    ``GatewayError`` -> its response; aiohttp ``HTTPException`` with status >= 400 -> converted;
+    aiohttp's ``RequestPayloadError`` (a body it cannot decode) -> 400; anything else -> generic
+    500 with the traceback logged. ``None`` for an ``HTTPException`` below 400 (a redirect): the
+    caller raises it on.
+    """
+    if isinstance(exc, GatewayError):
+        err: GatewayError = exc
+    elif isinstance(exc, web.HTTPException):
+        if exc.status < 400:
+            return None
+        err = from_http_exception(exc)
+    elif isinstance(exc, web.RequestPayloadError):
+        # A body aiohttp could not decode while the handler read it (corrupt gzip or deflate
+        # data, broken chunking): the client's fault, a 400, never a 500.
+        cause = exc.__cause__
+        detail = cause.message if isinstance(cause, HttpProcessingError) else "cannot be decoded"
+        err = InvalidRequest(f"malformed request body: {detail}")
+    else:
+        err = InternalError("internal server error")
+        log_error(err, request_id_of(request), exc_info=True)
+        return error_response(err)
+    if log.isEnabledFor(_log_level(err)):  # the request id only for a line that is written
+        log_error(err, request_id_of(request))
+    return error_response(err)
 
 
 # -- tenants: authentication and budgets (gateway.tenancy raises these) ------------------------------

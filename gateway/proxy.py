@@ -184,6 +184,10 @@ def _connection_gone(request: web.BaseRequest) -> bool:
     return transport is None or transport.is_closing()
 
 
+def _nothing() -> None:
+    """The default of ``_Exchange.end`` (an exchange not running yet has nothing to end)."""
+
+
 @dataclass(slots=True)
 class _Exchange:
     """One request's trip to one replica."""
@@ -205,6 +209,11 @@ class _Exchange:
     overloaded: bool = False
     #: The gateway is stopping and ended it (``Proxy.stop_all``).
     stopping: bool = False
+    #: Sluice itself cancelled the handler to end this exchange (a lost client or ``stop_all``):
+    #: at most once per exchange, so the cancellation it must take back is exactly one.
+    cancelled: bool = False
+    #: Ends the exchange (cancels its handler once); set by ``_forward``.
+    end: Callable[[], None] = _nothing
 
 
 class _ReplicaOverloaded(Exception):
@@ -246,8 +255,8 @@ class Proxy:
         self._clock = clock
         #: Draining after SIGTERM: new requests are refused with 503 (requests in flight go on).
         self.draining = False
-        #: Exchanges running now (their task -> the exchange), for ``stop_all``.
-        self._active: dict[asyncio.Task[web.StreamResponse], _Exchange] = {}
+        #: Exchanges running now (the handler task running each -> the exchange), for ``stop_all``.
+        self._active: dict[asyncio.Task[object], _Exchange] = {}
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         """Serve one ``/v1/chat/completions`` or ``/v1/completions`` request end to end.
@@ -383,30 +392,51 @@ class Proxy:
                 log.exception("outcome listener %r failed", listener)
 
     async def _forward(self, ex: _Exchange) -> web.StreamResponse:
-        """Run the exchange as a child task that the disconnect monitor can cancel.
+        """Run the exchange in the handler's own task, which the disconnect monitor (and
+        ``stop_all``) cancel to end it.
 
         A vanished client ends it quietly: the upstream response is closed and the outcome says
         ``client_disconnected`` (status 499 when nothing had been sent yet).
+
+        No task of its own (one task and a loop iteration less per request): the monitor cancels
+        the handler, at most once per exchange (``_Exchange.cancelled``), only while it awaits
+        inside ``_exchange``, and that one cancellation is taken back (``Task.uncancel``) before
+        the exchange is answered. A cancellation that is not Sluice's (aiohttp's, at shutdown or
+        with ``handler_cancellation``) propagates as before.
         """
-        exchange = asyncio.create_task(self._exchange(ex))
-        unwatch = self._disconnects.watch(ex.request, exchange.cancel)
-        self._active[exchange] = ex
+        handler = asyncio.current_task()
+        assert handler is not None
+
+        def end() -> None:
+            if not ex.cancelled:
+                ex.cancelled = True
+                handler.cancel()
+
+        unwatch = self._disconnects.watch(ex.request, end)
+        ex.end = end
+        self._active[handler] = ex
         try:
-            return await exchange
+            response = await self._exchange(ex)
         except asyncio.CancelledError:
-            handler = asyncio.current_task()
-            if handler is not None and handler.cancelling():
+            if not ex.cancelled or handler.uncancel() > 0:
                 # aiohttp cancelled the handler itself: a disconnect (with handler_cancellation)
-                # or shutdown. The exchange was cancelled with it and closed its upstream.
+                # or shutdown. The exchange's upstream response was closed on the way out.
                 lost = _connection_gone(ex.request)
                 ex.outcome.error = "client_disconnected" if lost else "cancelled"
                 raise
-            if ex.stopping:
-                return await self._stopped(ex)
-            return self._client_gone(ex)
+        else:
+            if ex.cancelled:
+                # Cancelled as it finished and the cancellation went unseen: take it back all the
+                # same, and the exchange's own answer stands (as a finished task's would).
+                handler.uncancel()
+            return response
         finally:
-            self._active.pop(exchange, None)
+            self._active.pop(handler, None)
             unwatch()
+        # Sluice's own cancellation, taken back: nothing can cancel it again from here on.
+        if ex.stopping:
+            return await self._stopped(ex)
+        return self._client_gone(ex)
 
     def stop_all(self) -> int:
         """The shutdown grace is running out: end every exchange still running, now. A stream gets
@@ -415,9 +445,9 @@ class Proxy:
         and every reservation settled before the process exits. Returns how many were stopped."""
         stopped = 0
         for task, ex in list(self._active.items()):
-            if not task.done():
+            if not task.done() and not ex.cancelled:
                 ex.stopping = True
-                task.cancel()
+                ex.end()
                 stopped += 1
         return stopped
 

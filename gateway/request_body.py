@@ -44,22 +44,32 @@ def body_read_timeout_middleware(store: SettingsStore) -> Middleware:
     @web.middleware
     async def impl(request: web.Request, handler: Handler) -> web.StreamResponse:
         if not request.content.is_eof():
-            server = store.current.server
-            length = request.content_length
-            if length is None or length <= server.max_body_bytes:
-                timeout_s = server.client_read_timeout_s
-                try:
-                    async with asyncio.timeout(timeout_s):
-                        await request.read()
-                except TimeoutError:
-                    return _timed_out(request, timeout_s)
-                except ConnectionResetError:
-                    raise ClientClosedRequest(
-                        "the client closed the connection while sending the body"
-                    ) from None
+            refused = await read_body_in_time(request, store)
+            if refused is not None:
+                return refused
         return await handler(request)
 
     return impl
+
+
+async def read_body_in_time(request: web.Request, store: SettingsStore) -> web.StreamResponse | None:
+    """The middleware's work for a body not yet whole (``request.content.is_eof()`` false: check
+    that first, it is the usual case's only cost): read it within ``server.client_read_timeout_s``
+    seconds; ``None`` when it was read (or is announced larger than ``server.max_body_bytes``,
+    left for the handler's 413), else the 408 to answer. Raises ``ClientClosedRequest`` when the
+    client goes away mid-body."""
+    server = store.current.server
+    length = request.content_length
+    if length is None or length <= server.max_body_bytes:
+        timeout_s = server.client_read_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                await request.read()
+        except TimeoutError:
+            return _timed_out(request, timeout_s)
+        except ConnectionResetError:
+            raise ClientClosedRequest("the client closed the connection while sending the body") from None
+    return None
 
 
 def _timed_out(request: web.Request, timeout_s: float) -> web.StreamResponse:

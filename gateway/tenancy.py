@@ -377,8 +377,19 @@ def predicted_output_tokens(
     times its choices (``n``): every choice is a sequence of its own.
 
     Asked of no replica (``""`` is never a replica's name): the forecast is then invalid, but its
-    ``output_tokens_used`` is the model's (or tenant's) learned length, capped.
+    ``output_tokens_used`` is the model's (or tenant's) learned length, capped. With a
+    ``max_tokens`` (the usual case) that length is ``PredictionService.expected_output``'s, the
+    same prediction at the same cap, memoised between two learned lengths and without building
+    a forecast; without one the forecast's own cap (the context left) applies.
     """
+    cap = parsed.max_tokens
+    if cap is not None and cap >= 1:
+        expected, _ = service.expected_output(parsed.model, tenant, cap)
+        # What ``forecast`` makes of it (``output_tokens_used``): at least 1, at most the cap.
+        output = min(max(expected, 1.0), float(cap))
+        if not math.isfinite(output):
+            return cap * parsed.choices
+        return max(math.ceil(output), 1) * parsed.choices
     forecast = service.forecast(
         "",
         model=parsed.model,

@@ -33,7 +33,10 @@ Run: ``.venv/bin/python -m bench.overhead`` (installs the peers into ``.cache/be
 and py-spy into ``.cache/bench/overhead/tools`` on first use, about a minute, then about 8
 minutes on 2 cores, and rewrites its generated block in ``docs/benchmarks.md``); ``--quick``
 for a tiny configuration; ``--only direct,bare,sluice`` for the parts that need no download
-(what CI runs). Asserts nothing; prints the tables.
+(what CI runs). Asserts nothing; prints the tables. For a before/after comparison inside one run:
+``--scenarios "json c=1"`` (only that scenario), ``--tree base=DIR`` (repeatable: Sluice with
+everything on from another checkout, as ``sluice@base``, taken in turn with the others). Where
+the time of one request goes at concurrency 1, stage by stage: ``bench/overhead/timeline.py``.
 """
 
 from __future__ import annotations
@@ -101,10 +104,13 @@ class Plan:
     max_tokens: int = 16
     token_delay_ms: float = 5.0
     profile_s: float = 10.0
+    #: Only these scenarios (their labels, e.g. ``"json c=1"``); empty: every one.
+    only_scenarios: tuple[str, ...] = ()
 
     @property
     def scenarios(self) -> list[Scenario]:
-        return [Scenario(stream, c) for stream in (False, True) for c in self.concurrencies]
+        every = [Scenario(stream, c) for stream in (False, True) for c in self.concurrencies]
+        return [s for s in every if not self.only_scenarios or s.label in self.only_scenarios]
 
 
 QUICK = Plan(rounds=2, warmup_s=0.15, duration_s=0.4, max_tokens=4, profile_s=0.0)
@@ -607,6 +613,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--proxy-core", type=int, help="CPU the proxy under test is pinned to (default: the first)"
     )
+    parser.add_argument(
+        "--scenarios",
+        help='only these scenarios, comma-separated labels (e.g. "json c=1"; default: all four)',
+    )
     parser.add_argument("--no-profile", action="store_true", help="skip the py-spy profile of Sluice")
     parser.add_argument(
         "--profile-s", type=float, help="seconds py-spy samples each Sluice configuration (--quick: 0)"
@@ -618,6 +628,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "another checkout (e.g. `git archive <commit> | tar x -C DIR`): adds the configuration "
             f"`{BASELINE}`, Sluice with everything on started from there, taken in turn with the others"
         ),
+    )
+    parser.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="LABEL=DIR",
+        help="adds the configuration `sluice@LABEL`: Sluice with everything on from checkout DIR "
+        "(repeatable; several variants taken in turn in one run)",
     )
     parser.add_argument("--json", type=Path, help="also write the report as JSON here")
     parser.add_argument(
@@ -635,6 +653,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides["profile_s"] = args.profile_s
     if args.no_profile:
         overrides["profile_s"] = 0.0
+    if args.scenarios:
+        wanted = tuple(label.strip() for label in args.scenarios.split(",") if label.strip())
+        known = {s.label for s in plan.scenarios}
+        if not set(wanted) <= known:
+            parser.error(f"--scenarios takes {', '.join(sorted(known))} (got {args.scenarios})")
+        overrides["only_scenarios"] = wanted
     plan = Plan(**{**asdict(plan), **overrides})
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     if args.baseline_tree is not None:
@@ -643,7 +667,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--baseline-tree {tree} holds no gateway/cli.py")
         peers.STARTERS[BASELINE] = functools.partial(peers.start_sluice, tree=tree, name=BASELINE)
         names = [n for n in names if n != BASELINE] + [BASELINE]
-    unknown = [n for n in names if n not in peers.ALL and n != BASELINE]
+    variants = []
+    for spec in args.tree:
+        label, _, path = spec.partition("=")
+        tree = Path(path).resolve()
+        if not label or not (tree / "gateway" / "cli.py").is_file():
+            parser.error(f"--tree {spec}: want LABEL=DIR with DIR a checkout holding gateway/cli.py")
+        name = f"sluice@{label}"
+        peers.STARTERS[name] = functools.partial(peers.start_sluice, tree=tree, name=name)
+        variants.append(name)
+    names = [n for n in names if n not in variants] + variants
+    unknown = [n for n in names if n not in peers.ALL and n != BASELINE and n not in variants]
     if unknown or "direct" not in names:
         parser.error(f"--only takes {', '.join(peers.ALL)} and must include direct (got {args.only})")
     command = (

@@ -4,8 +4,16 @@
 * ``RequestOutcome`` is what happened to one request (replica, status, token counts, timings); the
   proxy fills it in, the access log prints it, and later the admission code consumes it.
 * ``request_context_middleware`` (outermost) gives every request an id and an outcome, and writes
-  one access line per request when it is done; ``add_request_id_header`` puts the id on every
-  response, including streams and aiohttp's own error responses.
+  one access line per request when it is done (``start_request`` and ``end_request`` are its two
+  halves, for a middleware that does more in one layer: ``gateway.app``'s); ``add_request_id_header``
+  puts the id on every response, including streams and aiohttp's own error responses.
+* Lines below WARNING (the access lines, a 4xx's INFO line) are buffered, like nginx's
+  ``access_log ... buffer= flush=``: ``SluiceLogHandler`` writes them together at the end of the
+  event loop's iteration, once they pass ``ACCESS_BUFFER_CHARS``, before a WARNING or worse (written
+  at once), and at ``flush`` (exit, reconfiguration, the application's cleanup). When that handler
+  alone would print an access line (production, where ``configure_logging`` installed it),
+  ``log_access`` formats it straight from the outcome, with no ``LogRecord``; otherwise (a test's
+  ``caplog``, a handler of one's own) it logs a record as before.
 """
 
 from __future__ import annotations
@@ -17,10 +25,13 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from json.encoder import encode_basestring_ascii
+from typing import Any, Final
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -29,7 +40,12 @@ from aiohttp.typedefs import Handler, Middleware
 from gateway.settings import LoggingSettings
 from gateway.store import SettingsStore
 
-access_log = logging.getLogger("sluice.access")
+#: The access logger's name: its records are the access lines (``log_access``).
+ACCESS_LOGGER = "sluice.access"
+access_log = logging.getLogger(ACCESS_LOGGER)
+#: Buffered lines are written once they hold this many characters (else at the end of the event
+#: loop's iteration).
+ACCESS_BUFFER_CHARS = 64 * 1024
 
 REQUEST_ID_HEADER = "x-request-id"
 #: An incoming ``x-request-id`` is honoured only when it matches this (else we generate one).
@@ -155,23 +171,45 @@ def sane_request_id(value: str | None) -> str | None:
     return value
 
 
+def start_request(request: web.Request, received_at: float) -> RequestOutcome:
+    """The first half of ``request_context_middleware``: give ``request`` its id (an incoming sane
+    ``x-request-id``, else a new one) and its ``RequestOutcome`` (received at ``received_at``,
+    monotonic seconds), both stored on the request; returns the outcome."""
+    request_id = sane_request_id(request.headers.get(REQUEST_ID_HEADER)) or new_request_id()
+    request[REQUEST_ID] = request_id
+    outcome = RequestOutcome(
+        request_id=request_id, method=request.method, path=request.path, received_at=received_at
+    )
+    request[OUTCOME] = outcome
+    return outcome
+
+
+def end_request(outcome: RequestOutcome, status: int, finished_at: float, store: SettingsStore) -> None:
+    """The second half: ``outcome``'s status (``status`` unless a layer set one) and end time
+    (``finished_at``, monotonic seconds, unless already set), then its access line unless
+    ``logging.access_log`` is false."""
+    if outcome.status is None:
+        outcome.status = status
+    if outcome.finished_at is None:
+        outcome.finished_at = finished_at
+    if store.current.logging.access_log:
+        log_access(outcome)
+
+
 def request_context_middleware(
     store: SettingsStore, *, clock: Callable[[], float] = time.monotonic
 ) -> Middleware:
     """Middleware factory (install first, i.e. outermost): request id, outcome, access line.
 
     The access line is written after the handler returns, i.e. after a stream fully ended, so its
-    duration covers the whole response. It is skipped when ``logging.access_log`` is false.
+    duration covers the whole response. It is skipped when ``logging.access_log`` is false. The
+    status logged: the response's; an ``HTTPException``'s raised through; 499 when the handler was
+    cancelled (client gone, shutdown); 500 for anything else.
     """
 
     @web.middleware
     async def impl(request: web.Request, handler: Handler) -> web.StreamResponse:
-        request_id = sane_request_id(request.headers.get(REQUEST_ID_HEADER)) or new_request_id()
-        request[REQUEST_ID] = request_id
-        outcome = RequestOutcome(
-            request_id=request_id, method=request.method, path=request.path, received_at=clock()
-        )
-        request[OUTCOME] = outcome
+        outcome = start_request(request, clock())
         status = 500
         try:
             response = await handler(request)
@@ -184,12 +222,7 @@ def request_context_middleware(
             status = 499
             raise
         finally:
-            if outcome.status is None:
-                outcome.status = status
-            if outcome.finished_at is None:
-                outcome.finished_at = clock()
-            if store.current.logging.access_log:
-                log_access(outcome)
+            end_request(outcome, status, clock(), store)
 
     return impl
 
@@ -203,16 +236,44 @@ async def add_request_id_header(request: web.BaseRequest, response: web.StreamRe
 
 
 def log_access(outcome: RequestOutcome) -> None:
-    """Write ``outcome``'s access line (INFO on ``sluice.access``, ``access_fields`` as the
-    record's ``fields``). The record is made directly: ``Logger.info`` would also look up the
+    """Write ``outcome``'s access line (INFO on ``sluice.access``, ``access_fields`` as its fields).
+
+    When ``configure_logging``'s handler alone would print it (see ``_direct_handler``), the line
+    is formatted straight from the outcome, exactly as that handler's formatter would print the
+    record, and buffered (``SluiceLogHandler.buffer``): no ``LogRecord``, no logging dispatch.
+    Otherwise a record is made directly and handled: ``Logger.info`` would also look up the
     calling file, line and function, which no formatter here prints (``lineno`` is 0,
     ``funcName`` ``None``)."""
+    handler = _direct_handler()
+    if handler is not None:
+        line = handler.access_line(outcome, time.time())
+        if line is not None:
+            handler.buffer(line)
+            return
     if access_log.isEnabledFor(logging.INFO):
         extra = {"fields": access_fields(outcome)}
         record = access_log.makeRecord(
             access_log.name, logging.INFO, __file__, 0, "access", (), None, None, extra
         )
         access_log.handle(record)
+
+
+def _direct_handler() -> SluiceLogHandler | None:
+    """The handler ``configure_logging`` installed when an INFO record of ``sluice.access`` would
+    reach it and no other handler and pass no filter (``Logger.callHandlers``' walk, for the
+    usual tree: the access logger right under the root), else ``None``."""
+    handler = _INSTALLED[0]
+    if handler is None:
+        return None
+    logger = access_log
+    if logger.handlers or logger.filters or not logger.propagate or logger.parent is not _ROOT:
+        return None
+    if not logger.isEnabledFor(logging.INFO):  # levels, ``disabled``, ``logging.disable``
+        return None
+    handlers = _ROOT.handlers
+    if len(handlers) != 1 or handlers[0] is not handler or handler.filters or handler.level > logging.INFO:
+        return None
+    return handler
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -274,20 +335,57 @@ class TextFormatter(logging.Formatter):
             line = f"{record.asctime} {record.levelname} {record.name} {record.message}"
         if not fields:
             return line
-        pairs = " ".join([f"{key}={_text_value(value)}" for key, value in fields.items()])
         head, sep, tail = line.partition("\n")  # keep a traceback after the fields
-        return f"{head} {pairs}{sep}{tail}"
+        return f"{head} {_text_pairs(fields)}{sep}{tail}"
+
+    def access_line(self, outcome: RequestOutcome, created: float) -> str:
+        """``format``'s line for ``outcome``'s access record (``access_fields``) made at ``created``
+        (epoch seconds), without the record or the fields' dict."""
+        asctime = self._asctime(created, int((created - int(created)) * 1000) + 0.0)
+        level = logging.getLevelName(logging.INFO)
+        return f"{asctime} {level} {ACCESS_LOGGER} access {_access_pairs(outcome)}"
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         """``logging.Formatter.formatTime``'s text, with the date and time part computed once per
         second (an access line per request otherwise pays a ``localtime`` and a ``strftime``)."""
         if datefmt or not self.default_msec_format:
             return super().formatTime(record, datefmt)
-        second = int(record.created)
+        return self._asctime(record.created, record.msecs)
+
+    def _asctime(self, created: float, msecs: float) -> str:
+        if not self.default_msec_format:
+            return time.strftime(self.default_time_format, self.converter(created))
+        second = int(created)
         memo = self._second
         if memo[0] != second:
             memo = self._second = (second, time.strftime(self.default_time_format, self.converter(second)))
-        return self.default_msec_format % (memo[1], record.msecs)
+        return self.default_msec_format % (memo[1], msecs)
+
+
+def _text_pairs(fields: dict[str, Any]) -> str:
+    """``key=value`` for each field, space separated (``_text_value``)."""
+    return " ".join([f"{key}={_text_value(value)}" for key, value in fields.items()])
+
+
+def _access_pairs(o: RequestOutcome) -> str:
+    """``_text_pairs(access_fields(o))``, one f-string: the same keys in the same order, each
+    value through ``_text_value`` (keep it in step with ``access_fields``)."""
+    tv, ms = _text_value, _ms_text
+    return (
+        f"request_id={tv(o.request_id)} method={tv(o.method)} path={tv(o.path)} status={tv(o.status)} "
+        f"tenant={tv(o.tenant)} class={tv(o.request_class)} decision={tv(o.decision)} "
+        f"reason={tv(o.reason)} replica={tv(o.replica)} model={tv(o.model)} stream={tv(o.stream)} "
+        f"duration_ms={ms(o.duration_s)} queue_wait_ms={ms(o.queue_wait_s)} "
+        f"retry_after_ms={ms(o.retry_after_s)} predicted_ttft_ms={ms(o.predicted_ttft_s)} "
+        f"ttft_ms={ms(o.ttft_s)} predicted_tpot_ms={ms(o.predicted_tpot_s)} tpot_ms={ms(o.tpot_s)} "
+        f"prompt_tokens={tv(o.prompt_tokens)} completion_tokens={tv(o.completion_tokens)} "
+        f"tokens_streamed={tv(o.tokens_streamed)} error={tv(o.error)}"
+    )
+
+
+def _ms_text(seconds: float | None) -> str:
+    """``_text_value(_ms(seconds))``."""
+    return "-" if seconds is None else _text_value(round(seconds * 1000, 1))
 
 
 def _text_value(value: Any) -> str:
@@ -321,6 +419,22 @@ class JsonFormatter(logging.Formatter):
             payload["exc"] = self.formatException(record.exc_info)
         return json.dumps(payload, default=str)
 
+    def access_line(self, outcome: RequestOutcome, created: float) -> str:
+        """``format``'s line for ``outcome``'s access record (``access_fields``) made at
+        ``created`` (epoch seconds), without the record: the same object, keys in the same order,
+        by the same encoder settings (``json.dumps(..., default=str)``)."""
+        level = encode_basestring_ascii(logging.getLevelName(logging.INFO))
+        fields = _FIELDS_JSON.encode(access_fields(outcome))
+        return f'{{"ts": {round(created, 6)!r}, "level": {level}, {_ACCESS_JSON_NAME}, {fields[1:]}'
+
+
+#: The access line's ``logger`` and ``msg`` members in ``JsonFormatter``'s JSON.
+_ACCESS_JSON_NAME: Final = f'"logger": "{ACCESS_LOGGER}", "msg": "access"'
+
+
+#: ``json.dumps(..., default=str)``'s encoder, made once.
+_FIELDS_JSON = json.JSONEncoder(default=str)
+
 
 class RedactMalformedRequests(logging.Filter):
     """On aiohttp's ``aiohttp.server`` logger: a request aiohttp could not parse (bad header
@@ -343,18 +457,148 @@ class RedactMalformedRequests(logging.Filter):
 _REDACTOR = RedactMalformedRequests()
 
 
-class _SluiceHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Marks the handler ``configure_logging`` installed, so calling it again replaces it."""
+class SluiceLogHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The handler ``configure_logging`` installs on the root logger (calling it again replaces
+    it): every record to ``stream``, one line each, in the order they were logged.
+
+    Records below WARNING (the access lines, those ``log_access`` formats itself included) are
+    buffered and written together, one ``write`` and one ``flush`` for all of them: at the end of
+    the running event loop's current iteration (``call_soon``), as soon as they hold
+    ``ACCESS_BUFFER_CHARS`` characters, before a record at WARNING or above (written at once, as
+    ``logging.StreamHandler`` does), and at ``flush`` (which ``logging.shutdown`` calls at exit,
+    ``configure_logging`` when it replaces the handler, and the application's cleanup). Without a
+    running event loop in the thread a line is written at once.
+    """
+
+    def __init__(self, stream: Any = None) -> None:
+        super().__init__(stream)
+        lock = self.lock
+        assert lock is not None  # ``logging.Handler.__init__`` made it (re-entrant)
+        #: ``self.lock``: held for every write, so lines from several threads never interleave.
+        self._lock: threading.RLock = lock
+        self._pending: list[str] = []
+        self._pending_chars = 0
+        #: The event loop a flush is scheduled on (``None``: none is).
+        self._flush_on: asyncio.AbstractEventLoop | None = None
+        _HANDLERS.add(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+            if record.levelno < logging.WARNING:
+                self.buffer(line)
+                return
+            with self._lock:
+                self._write_pending()
+                self.stream.write(line + self.terminator)
+                self.flush()
+        except RecursionError:  # as logging.StreamHandler: see issue 36272
+            raise
+        except Exception:
+            self.handleError(record)
+
+    def access_line(self, outcome: RequestOutcome, created: float) -> str | None:
+        """The line this handler's formatter prints for ``outcome``'s access record made at
+        ``created`` (epoch seconds); ``None`` for a formatter other than Sluice's own two."""
+        formatter = self.formatter
+        if type(formatter) is TextFormatter or type(formatter) is JsonFormatter:
+            return formatter.access_line(outcome, created)
+        return None
+
+    def buffer(self, line: str) -> None:
+        """Queue one line (no terminator); written as the class docstring says."""
+        with self._lock:
+            self._pending.append(line)
+            self._pending_chars += len(line)
+            if self._pending_chars < ACCESS_BUFFER_CHARS:
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:
+                    loop = None
+                if loop is not None:
+                    if self._flush_on is not loop:
+                        self._flush_on = loop
+                        loop.call_soon(self._flush_soon)
+                    return
+            self._write_pending()
+
+    def flush(self) -> None:
+        """Write the buffered lines, then flush the stream."""
+        with self._lock:
+            self._write_pending()
+            super().flush()
+
+    def write_buffered(self) -> None:
+        """Write the buffered lines now, if any (the stream is left alone otherwise)."""
+        with self._lock:
+            self._write_pending()
+
+    def _flush_soon(self) -> None:
+        with self._lock:
+            self._flush_on = None
+            self._write_pending()
+
+    def _write_pending(self) -> None:
+        """Write and flush the buffered lines (call with the lock held); a failed write is
+        reported as ``logging`` reports one (``handleError``) and its lines are dropped."""
+        pending = self._pending
+        if not pending:
+            return
+        terminator = self.terminator
+        text = terminator.join(pending) + terminator
+        count = len(pending)
+        pending.clear()
+        self._pending_chars = 0
+        try:
+            self.stream.write(text)
+            super().flush()
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(
+                logging.makeLogRecord({"name": "sluice.logs", "msg": f"{count} buffered lines not written"})
+            )
+
+    def _forget_pending(self) -> None:
+        """In a forked child: the parent writes the lines it had buffered."""
+        self._pending.clear()
+        self._pending_chars = 0
+        self._flush_on = None
 
 
-def configure_logging(settings: LoggingSettings) -> None:
-    """Send all logging to stderr in ``settings``' format and level; safe to call again on reload."""
-    root = logging.getLogger()
-    for handler in [h for h in root.handlers if isinstance(h, _SluiceHandler)]:
+#: Every ``SluiceLogHandler`` (for ``os.fork``: a child forgets its parent's buffered lines).
+_HANDLERS: weakref.WeakSet[SluiceLogHandler] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for handler in list(_HANDLERS):
+        handler._forget_pending()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+_ROOT = logging.getLogger()
+#: The handler ``configure_logging`` installed last (``None`` before it ran).
+_INSTALLED: list[SluiceLogHandler | None] = [None]
+
+
+def flush_logs() -> None:
+    """Write every buffered line now (of every ``SluiceLogHandler``)."""
+    for handler in list(_HANDLERS):
+        handler.write_buffered()
+
+
+def configure_logging(settings: LoggingSettings, *, stream: Any = None) -> None:
+    """Send all logging to ``stream`` (default: ``sys.stderr``) in ``settings``' format and level;
+    safe to call again on reload (the handler it installed before is flushed and replaced)."""
+    root = _ROOT
+    for handler in [h for h in root.handlers if isinstance(h, SluiceLogHandler)]:
         root.removeHandler(handler)
-    handler = _SluiceHandler(sys.stderr)
+        handler.flush()
+    handler = SluiceLogHandler(sys.stderr if stream is None else stream)
     handler.setFormatter(JsonFormatter() if settings.json_format else TextFormatter())
     root.addHandler(handler)
+    _INSTALLED[0] = handler
     root.setLevel(settings.level)
     server_log = logging.getLogger("aiohttp.server")
     if _REDACTOR not in server_log.filters:

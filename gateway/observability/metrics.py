@@ -84,6 +84,7 @@ not look like a code (``[a-z][a-z0-9_]*``, at most 64 characters) becomes ``othe
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 import time
@@ -261,9 +262,14 @@ def configured_tenants(settings: Settings) -> frozenset[str]:
 # -- reading optional outcome fields ------------------------------------------------------------------
 def _number(outcome: RequestOutcome, name: str) -> float | None:
     value: Any = getattr(outcome, name, None)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if type(value) is float:  # the usual case first
+        return value if math.isfinite(value) else None
+    if isinstance(value, bool) or not isinstance(value, _NUMBERS) or not math.isfinite(value):
         return None
     return float(value)
+
+
+_NUMBERS: Final = (int, float)
 
 
 def _text(outcome: RequestOutcome, name: str) -> str | None:
@@ -346,6 +352,36 @@ def _e2e_result(outcome: RequestOutcome, ttft_target: float, tpot_target: float)
     return "met" if duration is not None and duration <= budget else "missed_e2e"
 
 
+def _fast_observe(child: Histogram) -> Callable[[float], None]:
+    """``child.observe`` (one labelled child, no exemplar) as prometheus_client 0.26 does it: the
+    sum grows by the amount and the first bucket whose upper bound is >= the amount counts one
+    (none for NaN); the bucket found by bisection. ``child.observe`` itself when the child does
+    not have that layout (another prometheus_client)."""
+    bounds = getattr(child, "_upper_bounds", None)
+    buckets = getattr(child, "_buckets", None)
+    total = getattr(child, "_sum", None)
+    if (
+        not isinstance(bounds, list)
+        or not isinstance(buckets, list)
+        or len(bounds) != len(buckets)
+        or not bounds
+        or bounds[-1] != math.inf
+        or not callable(getattr(total, "inc", None))
+    ):
+        return child.observe
+    upper = [float(b) for b in bounds]
+    incs = [b.inc for b in buckets]
+    add = total.inc  # type: ignore[union-attr]
+    find = bisect.bisect_left
+
+    def observe(amount: float) -> None:
+        add(amount)
+        if amount == amount:  # not NaN: some bound (the last is +Inf) is >= it
+            incs[find(upper, amount)](1)
+
+    return observe
+
+
 # -- the metrics ----------------------------------------------------------------------------------------
 class SluiceMetrics:
     """All of Sluice's Prometheus objects in one private ``CollectorRegistry``.
@@ -361,6 +397,8 @@ class SluiceMetrics:
         self._tenants: frozenset[str] = frozenset()
         #: ``child``'s memo: per metric, its children by label values.
         self._children: dict[MetricWrapperBase, dict[tuple[str, ...], MetricWrapperBase]] = {}
+        #: ``observer``'s and ``counter``'s memo: per metric, by label values.
+        self._updaters: dict[MetricWrapperBase, dict[tuple[str, ...], Callable[[float], None]]] = {}
         r = self.registry
         self.build_info = Gauge(
             "sluice_build_info", "Always 1; the running version.", ["version"], registry=r
@@ -597,17 +635,43 @@ class SluiceMetrics:
             found = children[values] = metric.labels(*values)
         return cast(_Metric, found)
 
+    def observer(self, histogram: Histogram, *values: str) -> Callable[[float], None]:
+        """``histogram.labels(*values).observe``, memoised, and cheaper to call: the bucket found
+        by bisection, not by prometheus_client's loop over the bounds, then the same counts
+        incremented (``_fast_observe``)."""
+        updaters = self._updaters.get(histogram)
+        if updaters is None:
+            updaters = self._updaters[histogram] = {}
+        found = updaters.get(values)
+        if found is None:
+            found = updaters[values] = _fast_observe(self.child(histogram, *values))
+        return found
+
+    def counter(self, counter: Counter, *values: str) -> Callable[[float], None]:
+        """``counter.labels(*values).inc`` for amounts known to be >= 0 (``1``), memoised: the
+        child's value incremented directly (``Counter.inc`` checks the sign on every call)."""
+        updaters = self._updaters.get(counter)
+        if updaters is None:
+            updaters = self._updaters[counter] = {}
+        found = updaters.get(values)
+        if found is None:
+            child = self.child(counter, *values)
+            value = getattr(child, "_value", None)
+            inc = getattr(value, "inc", None)
+            found = updaters[values] = inc if callable(inc) else child.inc
+        return found
+
     def observe_outcome(self, outcome: RequestOutcome) -> None:
         """Count one finished request (an ``OutcomeListener``): decision, status, tokens, latencies,
         predictions against observations, SLO result and overhead. Never raises on odd values."""
         cls = self.class_label(_text(outcome, "request_class"))
         tenant = self.tenant_label(_text(outcome, "tenant"))
         decision, reason = decision_of(outcome)
-        self.child(self.requests, cls, tenant, decision, reason).inc()
+        self.counter(self.requests, cls, tenant, decision, reason)(1)
         if outcome.status is not None:
-            self.child(self.responses, cls, str(outcome.status)).inc()
+            self.counter(self.responses, cls, str(outcome.status))(1)
         if outcome.error is not None:
-            self.child(self.request_errors, cls, code_label(outcome.error)).inc()
+            self.counter(self.request_errors, cls, code_label(outcome.error))(1)
         self._observe_tokens(outcome, cls, tenant)
         self._observe_admission(outcome, cls, decision, reason)
         self._observe_latency(outcome, cls)
@@ -615,7 +679,7 @@ class SluiceMetrics:
             self._observe_prediction(outcome, outcome.replica)
         result = slo_result(outcome)
         if result is not None:
-            self.child(self.slo, cls, result).inc()
+            self.counter(self.slo, cls, result)(1)
         overhead = proxy_overhead_s(outcome)
         if overhead is not None:
             self.proxy_overhead.observe(overhead)
@@ -629,21 +693,21 @@ class SluiceMetrics:
     def _observe_admission(self, outcome: RequestOutcome, cls: str, decision: str, reason: str) -> None:
         wait = _number(outcome, "queue_wait_s")
         if wait is not None:
-            self.child(self.queue_wait, cls, decision).observe(max(0.0, wait))
+            self.observer(self.queue_wait, cls, decision)(max(0.0, wait))
         retry_after = _number(outcome, "retry_after_s")
         if retry_after is not None and decision == "rejected":
-            self.child(self.retry_after, cls, reason).observe(max(0.0, retry_after))
+            self.observer(self.retry_after, cls, reason)(max(0.0, retry_after))
 
     def _observe_latency(self, outcome: RequestOutcome, cls: str) -> None:
         duration = outcome.duration_s
         if duration is not None:
-            self.child(self.duration, cls).observe(max(0.0, duration))
+            self.observer(self.duration, cls)(max(0.0, duration))
         ttft = client_ttft_s(outcome)
         if ttft is not None:
-            self.child(self.ttft, cls).observe(max(0.0, ttft))
+            self.observer(self.ttft, cls)(max(0.0, ttft))
         tpot = observed_tpot_s(outcome)
         if tpot is not None:
-            self.child(self.tpot, cls).observe(tpot)
+            self.observer(self.tpot, cls)(tpot)
 
     def _observe_prediction(self, outcome: RequestOutcome, replica: str) -> None:
         ttft = (_number(outcome, "predicted_ttft_s"), outcome.ttft_s)
@@ -661,14 +725,14 @@ class SluiceMetrics:
         observed_hist: Histogram,
     ) -> None:
         if observed is not None:
-            self.child(observed_hist, replica).observe(max(0.0, observed))
+            self.observer(observed_hist, replica)(max(0.0, observed))
         if predicted is None:
             return
-        self.child(predicted_hist, replica).observe(max(0.0, predicted))
+        self.observer(predicted_hist, replica)(max(0.0, predicted))
         error = None if observed is None else relative_error(predicted, observed)
         if error is not None:
-            self.child(self.prediction_error, replica, kind).observe(error)
-            self.child(self.prediction_abs_error, replica, kind).observe(abs(error))
+            self.observer(self.prediction_error, replica, kind)(error)
+            self.observer(self.prediction_abs_error, replica, kind)(abs(error))
 
     # -- replicas ------------------------------------------------------------------------------------
     def observe_snapshot(self, snapshot: ReplicaSnapshot) -> None:

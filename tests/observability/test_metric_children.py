@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from gateway.observability.metrics import SluiceMetrics
 
 
@@ -29,3 +31,47 @@ def test_children_of_different_metrics_with_the_same_labels_stay_apart() -> None
     assert sample("sluice_ttft_seconds_count", {"class": "standard"}) == 1.0
     assert sample("sluice_ttft_seconds_sum", {"class": "standard"}) == 0.2
     assert sample("sluice_request_duration_seconds_sum", {"class": "standard"}) == 3.0
+
+
+def _series(metrics: SluiceMetrics, name: str, labels: dict[str, str]) -> dict[str, float]:
+    """Every sample of ``name``'s series with ``labels`` (buckets by ``le``, sum, count)."""
+    found = {}
+    for family in metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name.startswith(name) and all(sample.labels.get(k) == v for k, v in labels.items()):
+                found[f"{sample.name}{sample.labels.get('le', '')}"] = sample.value
+    return found
+
+
+def test_observer_counts_as_observe_does() -> None:
+    """Bounds exactly, between, below the first, negative, huge, then +Inf and NaN: the same
+    buckets, sum and count as prometheus_client's ``observe`` on a twin series."""
+    metrics = SluiceMetrics()
+    observe = metrics.observer(metrics.duration, "fast")
+    assert metrics.observer(metrics.duration, "fast") is observe
+    twin = metrics.child(metrics.duration, "slow")
+    bounds = [float(b) for b in twin._upper_bounds]
+    finite = [*bounds[:-1], *(b * 1.001 for b in bounds[:-1]), 0.0, -1.0, 1e-9, 1e12]
+    for amounts in (finite, [float("inf"), float("nan")]):
+        for amount in amounts:
+            observe(amount)
+            twin.observe(amount)
+        fast = _series(metrics, "sluice_request_duration_seconds", {"class": "fast"})
+        slow = _series(metrics, "sluice_request_duration_seconds", {"class": "slow"})
+        assert len(fast) == len(bounds) + 3  # the buckets, count, sum and created
+        for key, value in fast.items():
+            if not key.endswith("_created"):
+                assert value == slow[key] or (math.isnan(value) and math.isnan(slow[key])), key
+
+
+def test_counter_adds_to_the_series_of_its_labels() -> None:
+    metrics = SluiceMetrics()
+    inc = metrics.counter(metrics.responses, "standard", "429")
+    assert metrics.counter(metrics.responses, "standard", "429") is inc
+    inc(1)
+    inc(1)
+    metrics.child(metrics.responses, "standard", "429").inc()
+    metrics.counter(metrics.responses, "standard", "200")(1)
+    sample = metrics.registry.get_sample_value
+    assert sample("sluice_responses_total", {"class": "standard", "status": "429"}) == 3.0
+    assert sample("sluice_responses_total", {"class": "standard", "status": "200"}) == 1.0
