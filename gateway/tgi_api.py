@@ -24,6 +24,7 @@ TGI references: ``router/src/lib.rs`` (``GenerateRequest``, ``GenerateParameters
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Mapping
 from typing import Annotated, Any, Final
 
@@ -42,12 +43,35 @@ JSON_TOO_COMPLEX: Final = "request body is not valid JSON: nested too deeply or 
 
 def json_bytes(payload: object) -> bytes:
     """``payload`` as UTF-8 JSON text, non-ASCII characters kept as they are. A lone surrogate
-    (valid JSON when escaped, ``"\\ud800"``, but not encodable in UTF-8) is sent escaped again."""
+    (valid JSON when escaped, ``"\\ud800"``, but not encodable in UTF-8) is sent escaped again.
+
+    Nesting the decoder accepted (``parse_request``, near the top of the handler's stack) can
+    exceed the recursion limit when it is encoded deeper in the handler's stack: then it is
+    encoded again on a fresh thread's empty stack (rare: only bodies nested hundreds deep)."""
+    try:
+        return _encode(payload)
+    except RecursionError:
+        return _on_fresh_stack(payload)
+
+
+def _encode(payload: object) -> bytes:
     text = json.dumps(payload, ensure_ascii=False)
     try:
         return text.encode()
     except UnicodeEncodeError:
         return json.dumps(payload).encode()
+
+
+def _on_fresh_stack(payload: object) -> bytes:
+    """``_encode(payload)`` run on a new thread (its own, empty Python stack); waits for it.
+    ``RecursionError`` when even that is too deep."""
+    out: list[bytes] = []
+    worker = threading.Thread(target=lambda: out.append(_encode(payload)), name="sluice-deep-json")
+    worker.start()
+    worker.join()
+    if not out:
+        raise RecursionError("JSON nested too deeply to encode")
+    return out[0]
 
 
 class _Parameters(BaseModel):
