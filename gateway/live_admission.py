@@ -88,7 +88,7 @@ from gateway.forecasts import (
     LivePredictions,
     forecast_headers,
 )
-from gateway.observability.logs import OUTCOME, REQUEST_ID, RequestOutcome
+from gateway.observability.logs import RequestOutcome
 from gateway.openai_api import ParsedRequest
 from gateway.prediction.service import PredictionService
 from gateway.prediction.state import Limits
@@ -110,8 +110,9 @@ MAX_TICK_S: Final = 0.25
 #: Limits of a replica the prediction service does not know (never binding).
 _UNKNOWN_LIMITS: Final = Limits(1 << 40, 1, 1, 1 << 30)
 _NO_MODEL: Final = unknown_step_model("replica unknown to the prediction service")
-#: Tokens landing this soon (seconds) after the newest one a view saw are taken as the same
-#: engine step's (relayed one by one, each a loop iteration apart): they do not make a new view.
+#: A request whose newest token landed this soon (seconds) before the newest of all on its replica
+#: when a view was built had its token of that engine step already (``_Cached.seen``): its next
+#: token is of a later step, and makes a new view.
 _SAME_STEP_S: Final = 0.001
 #: Longest a view of a replica running non-streamed requests lives (seconds): their progress is
 #: estimated from the clock (``TrackedStream.tokens_at``), with no token to mark it.
@@ -154,13 +155,15 @@ class _Waiter:
 
 @dataclass(slots=True)
 class _Cached:
-    """One replica's view for one model, the newest token it saw land there (its last step
-    boundary; -inf: none), and the versions it was built at (everything's, the replica's own)."""
+    """One replica's view for one model, the versions it was built at (everything's, the
+    replica's own), and each of the gateway's requests there as the view saw it: its tokens
+    streamed, and whether its newest token was of the engine step in progress then (landed within
+    ``_SAME_STEP_S`` of the newest of all; ``_Marks``)."""
 
     view: ReplicaView
-    boundary: float
     version: int
     replica_version: int
+    seen: dict[LiveRequest, tuple[int, bool]]
 
 
 @dataclass(slots=True)
@@ -357,7 +360,7 @@ class LiveAdmission:
             cls.ttft_target_s if deadline is None else min(cls.ttft_target_s, deadline - arrival)
         )
         outcome.tpot_target_s = cls.tpot_target_s
-        areq = self._request(request, parsed, choice.name, arrival, deadline, tenant_name)
+        areq = self._request(outcome.request_id, parsed, choice.name, arrival, deadline, tenant_name)
         route = route_of(parsed.model, parsed.engine)
         controller = self._controller(route)
         replicas = self._candidates(route)
@@ -373,7 +376,7 @@ class LiveAdmission:
 
     def _request(
         self,
-        request: web.Request,
+        request_id: str,
         parsed: ParsedRequest,
         request_class: str,
         arrival: float,
@@ -386,7 +389,6 @@ class LiveAdmission:
         except Exception:
             log.exception("output-length prediction failed; assuming the output cap")
             output, quantile = float(parsed.max_tokens or 256), 1.0
-        request_id = request.get(REQUEST_ID) or outcome_id(request)
         return AdmissionRequest(
             request_id=request_id,
             request_class=request_class,
@@ -650,7 +652,7 @@ class LiveAdmission:
                 or not self._current(cached, now, max_age)
             ):
                 view = self._view(replica, model, now)
-                cached = cache[name] = _Cached(view, self._marks(name)[0], version, replica_version)
+                cached = cache[name] = _Cached(view, version, replica_version, self._seen_now(name))
             views.append(cached.view)
         if len(cache) > len(replicas):
             # Replicas that left the fleet (or lost health): their views go.
@@ -661,8 +663,12 @@ class LiveAdmission:
     def _current(self, cached: _Cached, now: float, max_age: float) -> bool:
         """Whether ``cached``'s view (versions unchanged) still describes its replica at ``now``.
 
-        Younger than ``max_age``, and no token of a later engine step landed there. While some
-        of the gateway's requests there decode, every step ends with their tokens: a step
+        Younger than ``max_age``, and no token of a later engine step landed there: a request
+        whose token of the view's step had landed when it was built got another, or any got two.
+        A request whose token of that step was still on its way (relayed later than the others:
+        a gateway busy with a flood relays one engine step's tokens over several milliseconds)
+        adds that one without a rebuild, so a step costs one rebuild, not one per stream. While
+        some of the gateway's requests there decode, every step ends with their tokens: a step
         predicted over whose tokens have not landed yet is overdue, which the view as built says
         at ``now`` (its step wait aged to 0). Otherwise (prefill only) a step may end unmarked, a
         chunk of a long prompt: the view lasts until the step it was built in is predicted to end.
@@ -674,26 +680,36 @@ class LiveAdmission:
         age = now - view.built_at
         if age > max_age:
             return False
-        newest, unseen = self._marks(view.name)
-        if unseen and age > _UNSEEN_MAX_AGE_S:
-            return False
-        if newest > cached.boundary + _SAME_STEP_S:
-            return False  # the next step's tokens: its phase is not in the view
-        return newest > -math.inf or not (now > view.usable_until and view.state.step_remaining_s > 0.0)
-
-    def _marks(self, replica: str) -> tuple[float, bool]:
-        """When the newest token of the gateway's requests on ``replica`` landed (-inf: none yet),
-        and whether any of them is a request whose tokens are not seen (not streamed, no
-        usage yet)."""
-        newest, unseen = -math.inf, False
-        for tracked in self._streams.get(replica, {}).values():
-            live = tracked.live
-            at = live.last_token_at
-            if at is not None and at > newest:
-                newest = at
+        seen = cached.seen
+        any_token = unseen = False
+        for live in self._streams.get(view.name, {}):
             if not live.streamed:
                 unseen = True
-        return newest, unseen
+            tokens = live.tokens_streamed
+            if tokens:
+                any_token = True
+            before = seen.get(live)
+            if before is not None:
+                moved = tokens - before[0]
+                if moved > 1 or (moved == 1 and before[1]):
+                    return False  # the next step's tokens: its phase is not in the view
+        if unseen and age > _UNSEEN_MAX_AGE_S:
+            return False
+        return any_token or not (now > view.usable_until and view.state.step_remaining_s > 0.0)
+
+    def _seen_now(self, replica: str) -> dict[LiveRequest, tuple[int, bool]]:
+        """Each of the gateway's requests on ``replica``: (tokens streamed, whether its newest
+        token landed within ``_SAME_STEP_S`` of the newest of all there, i.e. is of the engine
+        step whose tokens landed last)."""
+        streams = self._streams.get(replica)
+        if not streams:
+            return {}
+        newest = max((live.last_token_at or -math.inf for live in streams), default=-math.inf)
+        edge = newest - _SAME_STEP_S
+        return {
+            live: (live.tokens_streamed, live.last_token_at is not None and live.last_token_at >= edge)
+            for live in streams
+        }
 
     def _view(self, replica: Replica, route: str, now: float) -> ReplicaView:
         model, _ = split_route(route)
@@ -804,12 +820,6 @@ def _forecast_headers(replica: str, forecast: Forecast | None) -> dict[str, str]
     if forecast is None:
         return {REPLICA_HEADER: replica, PREDICTION_HEADER: ForecastReason.NO_STEP_MODEL.value}
     return forecast_headers(replica, forecast)
-
-
-def outcome_id(request: web.Request) -> str:
-    """The request id its outcome carries (the request-id middleware always sets both)."""
-    outcome = request.get(OUTCOME)
-    return outcome.request_id if outcome is not None else str(id(request))
 
 
 def _set_headers(request: web.Request, headers: dict[str, str]) -> None:

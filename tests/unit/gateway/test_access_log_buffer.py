@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import random
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -190,6 +191,35 @@ async def test_lines_are_written_together_after_the_loop_iteration() -> None:
         expected = handler.access_line(replace(REJECTED, request_id="a1"), 0.0)
         assert expected is not None
         assert lines[0].split(" ", 2)[2] == expected.split(" ", 2)[2]  # all but the time
+
+
+@pytest.mark.usefixtures("no_records")
+async def test_lines_after_a_write_wait_for_the_flush_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flood's lines go out in batches: after a write, the next lines are written one
+    ``ACCESS_FLUSH_INTERVAL_S`` after it (here 0.3 s), together, not at the end of each iteration."""
+    interval = 0.3
+    monkeypatch.setattr(logs, "ACCESS_FLUSH_INTERVAL_S", interval)
+    sink = Sink()
+    with sluice_logging(sink):
+        sink.writes = 0
+        log_access(replace(REJECTED, request_id="b1"))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert sink.writes == 1  # the first line after a quiet spell: at the end of the iteration
+        written = time.monotonic()
+        for request_id in ("b2", "b3"):
+            log_access(replace(REJECTED, request_id=request_id))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        if time.monotonic() - written < interval:  # (a machine stalled for the whole interval: moot)
+            assert sink.writes == 1, sink.lines()
+        for _ in range(500):
+            if sink.writes >= 2:
+                break
+            await asyncio.sleep(0.01)
+        assert time.monotonic() - written >= interval * 0.9  # (call_later's clock granularity)
+        assert sink.writes == 2
+        assert [line.split("request_id=")[1].split()[0] for line in sink.lines()] == ["b1", "b2", "b3"]
 
 
 @pytest.mark.usefixtures("no_records")
