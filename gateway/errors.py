@@ -432,6 +432,9 @@ class Unauthenticated(GatewayError):
     status = 401
     error_type = "invalid_request_error"
     default_code = "invalid_api_key"
+    # The access line (``reason=auth_...``) and the metrics already record each one; an INFO line
+    # per refusal too would let anyone flood the log with bad keys.
+    log_level = logging.DEBUG
 
     def __init__(self, message: str, *, www_authenticate: str, code: str | None = None) -> None:
         super().__init__(message, code=code)
@@ -454,6 +457,9 @@ class TenantRateLimited(GatewayError):
     status = 429
     error_type = "rate_limit_exceeded"
     default_code = "rate_limit_exceeded"
+    # Counted in metrics and in the access line, as admission's 429s: a tenant over its budget
+    # would otherwise write an extra INFO line per refusal exactly when it floods.
+    log_level = logging.DEBUG
 
     def __init__(
         self, message: str, *, retry_after_s: float | None, rate_limit_headers: dict[str, str]

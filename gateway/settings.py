@@ -365,7 +365,11 @@ class LoggingSettings(Section):
     ] = False
     access_log: Annotated[
         bool,
-        Field(description="Log one line per request (method, path, status, replica, duration, request id)."),
+        Field(
+            description="Log one line per request (method, path, status, replica, duration, request id). "
+            "Lines are buffered and written together at most every 10 ms, at once before a warning, "
+            "and at exit."
+        ),
     ] = True
 
 

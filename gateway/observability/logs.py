@@ -377,17 +377,23 @@ def _text_pairs(fields: dict[str, Any]) -> str:
 
 def _access_pairs(o: RequestOutcome) -> str:
     """``_text_pairs(access_fields(o))``, one f-string: the same keys in the same order, each
-    value through ``_text_value`` (keep it in step with ``access_fields``)."""
+    value through ``_text_value`` (keep it in step with ``access_fields``). The fields that are
+    often ``None`` print their ``-`` inline (no call): a 429 has no replica, tokens or TTFT."""
     tv, ms = _text_value, _ms_text
     return (
         f"request_id={tv(o.request_id)} method={tv(o.method)} path={tv(o.path)} status={tv(o.status)} "
-        f"tenant={tv(o.tenant)} class={tv(o.request_class)} decision={tv(o.decision)} "
-        f"reason={tv(o.reason)} replica={tv(o.replica)} model={tv(o.model)} stream={tv(o.stream)} "
+        f"tenant={'-' if o.tenant is None else tv(o.tenant)} "
+        f"class={'-' if o.request_class is None else tv(o.request_class)} "
+        f"decision={'-' if o.decision is None else tv(o.decision)} "
+        f"reason={'-' if o.reason is None else tv(o.reason)} "
+        f"replica={'-' if o.replica is None else tv(o.replica)} "
+        f"model={'-' if o.model is None else tv(o.model)} stream={tv(o.stream)} "
         f"duration_ms={ms(o.duration_s)} queue_wait_ms={ms(o.queue_wait_s)} "
         f"retry_after_ms={ms(o.retry_after_s)} predicted_ttft_ms={ms(o.predicted_ttft_s)} "
         f"ttft_ms={ms(o.ttft_s)} predicted_tpot_ms={ms(o.predicted_tpot_s)} tpot_ms={ms(o.tpot_s)} "
-        f"prompt_tokens={tv(o.prompt_tokens)} completion_tokens={tv(o.completion_tokens)} "
-        f"tokens_streamed={tv(o.tokens_streamed)} error={tv(o.error)}"
+        f"prompt_tokens={'-' if o.prompt_tokens is None else tv(o.prompt_tokens)} "
+        f"completion_tokens={'-' if o.completion_tokens is None else tv(o.completion_tokens)} "
+        f"tokens_streamed={tv(o.tokens_streamed)} error={'-' if o.error is None else tv(o.error)}"
     )
 
 
