@@ -28,8 +28,14 @@ replica's current decode step, plus what requests admitted since the view was bu
 The first-token deadline is arrival + TTFT target, or the client's earlier deadline, so time spent
 in Sluice's queue counts. The replica's slack is the minimum; the request goes to the replica with
 the most slack among those where it is >= 0. A long prompt that would push running streams past
-their targets is therefore sent where it hurts least, or held. A replica with no step model yet is
-used only when no modelled one can take the request, below ``unmodelled_max_in_flight``.
+their targets is therefore sent where it hurts least, or held. Slacks within ``_SLACK_TIE`` (1 %
+of the binding target) of the most are comparable: of those, the replica with the fewest of the
+gateway's requests wins (then the most slack, then the order listed). A difference that small is
+below the forecast's own error; ranked on it alone, a replica whose step model came out a little
+pessimistic got no request while the others took every one, and so never got the traffic that
+would correct its fit (an emulated vLLM served 3 of 754 requests beside a TGI and an SGLang).
+A replica with no step model yet is used only when no modelled one can take the request, below
+``unmodelled_max_in_flight``.
 
 When no replica can take it now, each replica's *wait* is estimated (``retry_after``: drain times
 of the failing constraints) and its predicted first token is ``now + wait + TTFT``. If even the
@@ -151,8 +157,12 @@ _INF: Final = math.inf
 _IDLE_STATES_KEPT: Final = 64
 #: Most forecasts on idle replicas kept for ``_hopeless`` (cleared when exceeded).
 _IDLE_FORECASTS_KEPT: Final = 1024
-#: Slacks this close are equal for routing (``_pick``): the fewest gateway requests wins.
-_SLACK_TIE: Final = 1e-9
+#: Slacks this close to the most (a fraction of the binding target, as slacks are) are comparable
+#: for routing (``_pick``): of those, the replica with the fewest gateway requests wins. 1 % of the
+#: target (20 ms of the default 2 s TTFT, 1 ms of its 100 ms TPOT) is within the forecast's own
+#: error (``forecast_margin`` defaults to 15 % of the forecast) while a replica is far from its
+#: targets; near them, slacks differ by more and the most slack decides.
+_SLACK_TIE: Final = 0.01
 #: Most forecasts kept per replica state in ``_evaluate``'s memo (cleared when exceeded).
 _FORECASTS_KEPT: Final = 256
 #: A probe's outcome on one candidate: (the protected class, its probe's TTFT, its TPOT), seconds,
@@ -675,11 +685,19 @@ class SloAdmitter:
         )
 
     def _pick(self, candidates: list[_Candidate], *, enforced: bool) -> _Candidate | None:
-        """The candidate with the most slack among those admissible under every rule (or, with
-        ``enforced``, under the enforced rules only), of equal slacks the one with the fewest of the
-        gateway's requests; replicas without a step model only when no modelled one is admissible
-        (the one with the fewest of the gateway's requests)."""
-        best: _Candidate | None = None
+        """The candidate to route to among those admissible under every rule (or, with
+        ``enforced``, under the enforced rules only): of those whose slack is within ``_SLACK_TIE``
+        of the most, the one with the fewest of the gateway's requests (then the most slack, then
+        the first listed); replicas without a step model only when no modelled one is admissible
+        (the one with the fewest of the gateway's requests).
+
+        Comparable slacks are balanced by the gateway's count, least-outstanding style, instead of
+        ranked on differences below the forecasts' error: ranked on them, the replica whose fit is
+        a little slower (its prior, or a fit from a few windows on a busy host) got nothing while
+        others took every request, and without requests its fit never learned otherwise. The
+        choice does not depend on the order the candidates are listed in unless they tie fully.
+        Ranked by the full slack even when some rules are shadowed: routing stays the same."""
+        top = -_INF
         fallback: _Candidate | None = None
         for c in candidates:
             if (c.slack_enforced if enforced else c.slack) < 0.0:
@@ -687,17 +705,22 @@ class SloAdmitter:
             if c.slacks is None:
                 if fallback is None or c.view.gateway_streams < fallback.view.gateway_streams:
                     fallback = c
-            elif (
-                best is None
-                or c.slack > best.slack + _SLACK_TIE
-                or (c.slack >= best.slack - _SLACK_TIE and c.view.gateway_streams < best.view.gateway_streams)
-            ):
-                # Ranked by the full slack even when some rules are shadowed: routing stays the same.
-                # Equal slacks (idle replicas alike, or a binding rule that does not see the load:
-                # a decode step before the newcomers queued there have started) go to the replica
-                # with the fewest of the gateway's requests, not always to the first listed.
+            elif c.slack > top:
+                top = c.slack
+        if top == -_INF:
+            return fallback
+        floor = top - _SLACK_TIE
+        best: _Candidate | None = None
+        for c in candidates:
+            if c.slacks is None or not c.slack >= floor or (c.slack_enforced if enforced else c.slack) < 0.0:
+                continue
+            if best is None:
                 best = c
-        return best if best is not None else fallback
+                continue
+            streams, best_streams = c.view.gateway_streams, best.view.gateway_streams
+            if streams < best_streams or (streams == best_streams and c.slack > best.slack):
+                best = c
+        return best
 
     def _admit(self, c: _Candidate) -> Admit:
         return Admit(c.view.name, c.forecast, c.slack if c.slacks is not None else math.nan)
