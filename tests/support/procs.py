@@ -50,6 +50,19 @@ class Proc:
     def output(self) -> str:
         return Path(self.log.name).read_text(errors="replace")
 
+    def output_with(self, text: str, timeout_s: float = 10.0) -> str:
+        """The output once it holds ``text`` (polled; lines below WARNING reach it up to the
+        gateway's log flush interval later, ``ACCESS_FLUSH_INTERVAL_S``); fails with the output
+        after ``timeout_s`` seconds."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out = self.output()
+            if text in out:
+                return out
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name} never logged {text!r}:\n{out[-3000:]}")
+            time.sleep(0.02)
+
     def wait_http(self, url: str, timeout_s: float = 60.0) -> None:
         """Poll `url` until it answers 200; fail with the process log otherwise."""
         deadline = time.monotonic() + timeout_s
