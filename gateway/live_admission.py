@@ -158,7 +158,7 @@ class _Cached:
     """One replica's view for one model, the versions it was built at (everything's, the
     replica's own), and each of the gateway's requests there as the view saw it: its tokens
     streamed, and whether its newest token was of the engine step in progress then (landed within
-    ``_SAME_STEP_S`` of the newest of all; ``_Marks``)."""
+    ``_SAME_STEP_S`` of the newest of all; ``_seen_now``)."""
 
     view: ReplicaView
     version: int

@@ -699,20 +699,23 @@ class SloAdmitter:
         Ranked by the full slack even when some rules are shadowed: routing stays the same."""
         top = -_INF
         fallback: _Candidate | None = None
+        modelled: list[_Candidate] = []
         for c in candidates:
             if (c.slack_enforced if enforced else c.slack) < 0.0:
                 continue
             if c.slacks is None:
                 if fallback is None or c.view.gateway_streams < fallback.view.gateway_streams:
                     fallback = c
-            elif c.slack > top:
-                top = c.slack
+            else:
+                modelled.append(c)
+                if c.slack > top:
+                    top = c.slack
         if top == -_INF:
             return fallback
         floor = top - _SLACK_TIE
         best: _Candidate | None = None
-        for c in candidates:
-            if c.slacks is None or not c.slack >= floor or (c.slack_enforced if enforced else c.slack) < 0.0:
+        for c in modelled:
+            if not c.slack >= floor:
                 continue
             if best is None:
                 best = c

@@ -50,14 +50,14 @@ class Proc:
     def output(self) -> str:
         return Path(self.log.name).read_text(errors="replace")
 
-    def output_with(self, text: str, timeout_s: float = 10.0) -> str:
-        """The output once it holds ``text`` (polled; lines below WARNING reach it up to the
-        gateway's log flush interval later, ``ACCESS_FLUSH_INTERVAL_S``); fails with the output
-        after ``timeout_s`` seconds."""
+    def output_with(self, text: str, timeout_s: float = 10.0, *, count: int = 1) -> str:
+        """The output once it holds ``text`` at least ``count`` times (polled; lines below WARNING
+        reach it up to the gateway's log flush interval later, ``ACCESS_FLUSH_INTERVAL_S``); fails
+        with the output after ``timeout_s`` seconds."""
         deadline = time.monotonic() + timeout_s
         while True:
             out = self.output()
-            if text in out:
+            if out.count(text) >= count:
                 return out
             if time.monotonic() > deadline:
                 raise AssertionError(f"{self.name} never logged {text!r}:\n{out[-3000:]}")
