@@ -10,18 +10,35 @@ shows how much one run's numbers move.
 Run: ``.venv/bin/python -m bench.goodput.ablation`` (``--loads``, ``--seeds``, ``--variants``,
 ``--jobs``; ``--trace mooncake`` for the other trace, ``--spike`` to add the spike scenario with
 its recovery time, ``--no-baseline`` to leave out the reference rows).
+
+``--forecast-accuracy`` also scores Sluice's forecasts on the same cells: per scored request that
+was served and finished, the forecast its admission decision made at dispatch (the predictor's
+own, admission's ``forecast_margin`` divided out) against the TTFT (dispatch -> first token) and
+TPOT the engine measured (``bench.goodput.metrics.forecast_accuracy``), printed as a second table.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from typing import Final
 
-from bench.goodput.core import PROFILE, TRACES, Plan, run_cell, spike, steady, trace_requests
+from bench.goodput.core import (
+    PROFILE,
+    TRACES,
+    CellResult,
+    Plan,
+    admission_settings,
+    run_cell,
+    spike,
+    steady,
+    trace_requests,
+)
+from bench.predictor_accuracy import ABS_MET_S, TPOT_MEDIAN, TPOT_P90, TTFT_MEDIAN, TTFT_P90, ErrorStats
 from gateway.replay import measure_capacity
 from simulator.profile import load_profile
 
@@ -43,6 +60,55 @@ VARIANTS: Final[tuple[tuple[str, tuple[tuple[str, float | None], ...]], ...]] = 
 BASELINE_KV: Final = 0.4
 
 
+def _pct(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{100 * x:.1f} %"
+
+
+def _met(stats: ErrorStats, median_target: float, p90_target: float) -> str:
+    """``yes`` / ``yes*`` (only by the 5 ms absolute rule) / ``**no**`` for the median, then the p90."""
+
+    def one(ape: float, abs_s: float, target: float) -> str:
+        if ape <= target:
+            return "yes"
+        return "yes*" if abs_s < ABS_MET_S else "**no**"
+
+    if stats.n == 0:
+        return "n/a"
+    return (
+        f"{one(stats.median_ape, stats.median_abs_s, median_target)} / "
+        f"{one(stats.p90_ape, stats.p90_abs_s, p90_target)}"
+    )
+
+
+def accuracy_table(trace: str, rows: Sequence[tuple[str, CellResult]]) -> str:
+    """Markdown: per (label, cell) with ``accuracy``, the predictor's own TTFT and TPOT errors at
+    dispatch (median / p90 APE, median signed error as bias, met or not), then the same with
+    admission's margin applied (what the decision, and the live headers, carry)."""
+    out = [
+        "| trace | policy | seed | load | served | TTFT n | TTFT med | TTFT p90 | TTFT bias | TTFT met "
+        "| TPOT n | TPOT med | TPOT p90 | TPOT bias | TPOT met | stale | margin x | with margin: "
+        "TTFT med / p90 | TPOT med / p90 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|:---:|---:|---:|---:|---:|:---:|---:|---:|---:|---:|",
+    ]
+    for label, res in rows:
+        a = res.accuracy
+        if a is None:
+            continue
+        ttft, tpot = a.ttft, a.tpot
+        scale = f"{1.0 + admission_settings(res.spec.sluice_overrides).forecast_margin:g}"
+        load = "spike" if res.spec.spike is not None else f"{res.spec.phases[0][1]:g}x"
+        out.append(
+            f"| {trace} | {label} | {res.spec.seed} | {load} | {a.served} | {ttft.n} | "
+            f"{_pct(ttft.median_ape)} | {_pct(ttft.p90_ape)} | {_pct(ttft.bias)} | "
+            f"{_met(ttft, TTFT_MEDIAN, TTFT_P90)} | "
+            f"{tpot.n} | {_pct(tpot.median_ape)} | {_pct(tpot.p90_ape)} | {_pct(tpot.bias)} | "
+            f"{_met(tpot, TPOT_MEDIAN, TPOT_P90)} | {a.stale} | {scale} | "
+            f"{_pct(a.ttft_with_margin.median_ape)} / {_pct(a.ttft_with_margin.p90_ape)} | "
+            f"{_pct(a.tpot_with_margin.median_ape)} / {_pct(a.tpot_with_margin.p90_ape)} |"
+        )
+    return "\n".join(out) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--loads", nargs="+", type=float, default=[1.0, 2.0])
@@ -59,6 +125,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--diagnose", action="store_true", help="also print why requests missed or were refused"
     )
+    parser.add_argument(
+        "--forecast-accuracy",
+        action="store_true",
+        help="also score Sluice's dispatch forecasts (the predictor's own, margin divided out) against "
+        "the TTFT and TPOT its served requests measured; printed as a second table",
+    )
     args = parser.parse_args(argv)
     plan = Plan()
     trace, _ = trace_requests(args.trace)
@@ -66,14 +138,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     mean = sum(r.prompt_tokens + r.output_tokens for r in trace) / len(trace)
     labels = {VARIANTS[i][1]: VARIANTS[i][0] for i in args.variants}
     specs = [
-        replace(steady(args.trace, "sluice", None, load, plan, capacity, mean), sluice_overrides=o, seed=seed)
+        replace(
+            steady(args.trace, "sluice", None, load, plan, capacity, mean),
+            sluice_overrides=o,
+            seed=seed,
+            forecast_accuracy=args.forecast_accuracy,
+        )
         for o in labels
         for seed in args.seeds
         for load in args.loads
     ]
     if args.spike:
         specs += [
-            replace(spike(args.trace, "sluice", None, plan, capacity, mean), sluice_overrides=o, seed=seed)
+            replace(
+                spike(args.trace, "sluice", None, plan, capacity, mean),
+                sluice_overrides=o,
+                seed=seed,
+                forecast_accuracy=args.forecast_accuracy,
+            )
             for o in labels
             for seed in args.seeds
         ]
@@ -87,6 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "| policy | seed | load | goodput req/s | good ktok/s | attainment | rejected | GPU time wasted "
         "| recovery after the spike |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
+    scored: list[tuple[str, CellResult]] = []
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         for res in pool.map(run_cell, specs):
             s, spec = res.score, res.spec
@@ -105,9 +188,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{100 * s.rejection_rate:.1f} % | {100 * s.wasted:.1f} % | {recovery} |",
                 flush=True,
             )
+            if res.accuracy is not None:
+                scored.append((label, res))
             if args.diagnose:
                 details = ", ".join(f"{k} {v:g}" for k, v in res.extra.items())
                 print(f"  {label}, {spec.phases[0][1]:g}x: {details}", file=sys.stderr, flush=True)
+    if scored:
+        print(
+            "\nSluice's dispatch forecasts against what its served requests measured (APE; the "
+            "predictor's own forecast, then with admission's margin as the decision carried it):\n"
+        )
+        print(accuracy_table(args.trace, scored), end="", flush=True)
     print(f"(capacity {capacity:.2f} req/s per replica, {plan.replicas} replicas)", file=sys.stderr)
     return 0
 

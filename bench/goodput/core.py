@@ -33,8 +33,17 @@ from functools import cache
 from pathlib import Path
 from typing import Final
 
-from bench.goodput.metrics import Score, attainment_series, recovery_time_s, rejections_stop_s, score
-from gateway.admission import AdmissionSettings, ClassSettings
+from bench.goodput.metrics import (
+    DispatchForecast,
+    ForecastAccuracy,
+    Score,
+    attainment_series,
+    forecast_accuracy,
+    recovery_time_s,
+    rejections_stop_s,
+    score,
+)
+from gateway.admission import AdmissionRequest, AdmissionSettings, ClassSettings, Decision, ReplicaView
 from gateway.prediction import ReplicaFacts
 from gateway.replay import (
     TraceRequest,
@@ -44,7 +53,14 @@ from gateway.replay import (
     measure_capacity,
     piecewise_rate,
 )
-from gateway.replay_admission import FleetConfig, GatewayPolicy, Outcome, Targets, run_gateway_replay
+from gateway.replay_admission import (
+    FleetConfig,
+    GatewayPolicy,
+    GatewayRequest,
+    Outcome,
+    Targets,
+    run_gateway_replay,
+)
 from gateway.replay_policies import (
     ConcurrencyCap,
     NoAdmission,
@@ -198,6 +214,9 @@ class CellSpec:
     recovery_tolerance: float = 0.9
     #: Sluice settings changed from ``admission_settings()`` (the ablation only).
     sluice_overrides: tuple[tuple[str, float | None], ...] = ()
+    #: Also score Sluice's dispatch forecasts against what its requests measured
+    #: (``CellResult.accuracy``; Sluice's policies only, decisions unchanged).
+    forecast_accuracy: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +228,43 @@ class CellResult:
     recovery_s: float | None = None
     rejections_stop_s: float | None = None
     extra: dict[str, float] = field(default_factory=dict)
+    #: Sluice's forecast errors over the scored requests (``spec.forecast_accuracy`` only).
+    accuracy: ForecastAccuracy | None = None
+
+
+class ForecastRecorder(SluicePolicy):
+    """Sluice's policy, every decision its own, that also keeps each dispatched request's forecast.
+
+    ``forecasts``: by request index, the forecast the admission decision carried when the request
+    was sent (what the live gateway's ``x-sluice-predicted-*`` headers show, less the dispatch
+    overhead the replay does not learn), with admission's margins divided out again, so that it is
+    the predictor's own (``DispatchForecast``). Observation only: it reads the decision and the
+    views the decision was made on, and changes neither.
+    """
+
+    def __init__(self, settings: AdmissionSettings, *, seed: int = 0, name: str = "sluice") -> None:
+        super().__init__(settings, seed=seed, name=name)
+        self._fresh_scale = 1.0 + settings.forecast_margin
+        self._stale_scale = self._fresh_scale * (1.0 + settings.stale_margin)
+        self._view_stale: dict[str, bool] = {}
+        self.forecasts: dict[int, DispatchForecast] = {}
+
+    def views(self, now: float) -> list[ReplicaView]:
+        out = super().views(now)
+        self._view_stale = {v.name: v.stale for v in out}
+        return out
+
+    def _conclude(
+        self, request: GatewayRequest, areq: AdmissionRequest, decision: Decision, now: float
+    ) -> None:
+        forecast = decision.forecast
+        if decision.admits and forecast is not None and decision.replica is not None:
+            stale = self._view_stale.get(decision.replica, False)
+            scale = self._stale_scale if stale else self._fresh_scale
+            self.forecasts[request.index] = DispatchForecast(
+                forecast.ttft_s / scale, forecast.tpot_s / scale, scale, stale
+            )
+        super()._conclude(request, areq, decision, now)
 
 
 def make_policy(spec: CellSpec) -> GatewayPolicy:
@@ -228,11 +284,12 @@ def make_policy(spec: CellSpec) -> GatewayPolicy:
         tenants = FleetConfig(load_profile(PROFILE), FACTS).tenants
         rpm = spec.knob * fleet_capacity * 60.0 / tenants
         return TenantRateLimit(rpm, rpm * spec.mean_tokens, label=f"rate limit {spec.knob:g}x")
+    sluice = ForecastRecorder if spec.forecast_accuracy else SluicePolicy
     if spec.policy == "sluice":
-        return SluicePolicy(admission_settings(spec.sluice_overrides), seed=spec.seed)
+        return sluice(admission_settings(spec.sluice_overrides), seed=spec.seed)
     if spec.policy == "sluice-nobudget":
         overrides = (("class.stall_budget_horizon", None), *spec.sluice_overrides)
-        return SluicePolicy(admission_settings(overrides), seed=spec.seed, name="sluice-nobudget")
+        return sluice(admission_settings(overrides), seed=spec.seed, name="sluice-nobudget")
     raise ValueError(f"unknown policy {spec.policy!r}")
 
 
@@ -256,8 +313,9 @@ def run_cell(spec: CellSpec) -> CellResult:
     if isinstance(policy, SluicePolicy):
         for (reason, blocker), n in sorted(policy.refusals.items()):
             extra[f"refused {reason}/{blocker}"] = float(n)
+    accuracy = forecast_accuracy(scored, policy.forecasts) if isinstance(policy, ForecastRecorder) else None
     if spec.spike is None:
-        return CellResult(spec, cell, time.perf_counter() - started, extra=extra)
+        return CellResult(spec, cell, time.perf_counter() - started, extra=extra, accuracy=accuracy)
     series = attainment_series(scored, TARGETS, first, last)
     start, end = spec.spike
     return CellResult(
@@ -275,6 +333,7 @@ def run_cell(spec: CellSpec) -> CellResult:
         ),
         rejections_stop_s(series, end),
         extra,
+        accuracy,
     )
 
 

@@ -25,19 +25,29 @@ span) and the class targets; times are virtual seconds.
   below); ``None`` when it never recovers within the span.
 * **rejections stop**: the first second t >= the spike's end after which no scored request is
   rejected, minus the spike's end (0 when none are rejected after it).
+* **forecast accuracy** (opt-in, Sluice only: ``forecast_accuracy``): per scored request that was
+  served, finished and had a forecast at dispatch, the forecast's TTFT against the engine's
+  (dispatch -> first token: the forecast counts from the decision, so gateway queueing is not in
+  it) and its TPOT against the engine's mean TPOT; absolute percentage error |pred - meas| / meas,
+  median and p90, as ``bench.predictor_accuracy`` scores them (an absolute error under 5 ms
+  counts as met).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from bench.predictor_accuracy import ErrorStats, error_stats
 from gateway.replay_admission import Outcome, Targets
 
 __all__ = [
+    "DispatchForecast",
+    "ForecastAccuracy",
     "Score",
     "attainment_series",
+    "forecast_accuracy",
     "recovery_time_s",
     "rejections_stop_s",
     "score",
@@ -162,3 +172,80 @@ def rejections_stop_s(series: Sequence[tuple[float, int, int, int]], spike_end_s
         if start >= spike_end_s - 1e-9 and rejected:
             last = start + 1.0
     return last - spike_end_s
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchForecast:
+    """The predictor's own forecast for one request when admission sent it (seconds).
+
+    ``ttft_s``: from the dispatch to the first token, engine side; ``tpot_s``: mean time per
+    output token after the first. Both without admission's margins: ``scale`` is the multiplier
+    admission applied to them (``1 + forecast_margin``, times ``1 + stale_margin`` on a stale
+    replica) in the ``Forecast`` its decision carried, which is what the live gateway's
+    ``x-sluice-predicted-*`` headers show (plus its learned dispatch overhead, 0 in the replay).
+    """
+
+    ttft_s: float
+    tpot_s: float
+    scale: float
+    stale: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ForecastAccuracy:
+    """How close the dispatch forecasts of one cell's served requests came to what they measured.
+
+    ``served``: scored requests sent to a replica that finished. ``no_forecast``: of those, how
+    many had no usable forecast (no step model yet, or non-finite numbers): not scored.
+    ``stale``: of the scored ones, how many were forecast on a replica with stale metrics.
+    ``ttft`` / ``tpot``: errors of the predictor's own forecast (margins removed);
+    ``ttft_with_margin`` / ``tpot_with_margin``: of the forecast as the decision carried it.
+    """
+
+    served: int
+    no_forecast: int
+    stale: int
+    ttft: ErrorStats
+    tpot: ErrorStats
+    ttft_with_margin: ErrorStats
+    tpot_with_margin: ErrorStats
+
+
+def forecast_accuracy(
+    outcomes: Sequence[Outcome], forecasts: Mapping[int, DispatchForecast]
+) -> ForecastAccuracy:
+    """Score ``forecasts`` (by ``Outcome.index``) against the scored ``outcomes``.
+
+    Only requests that were served and finished count. TTFT pairs need a first token after the
+    dispatch (measured > 0); TPOT pairs need the engine's TPOT (two tokens or more, > 0) and a
+    finite forecast TPOT.
+    """
+    served = [o for o in outcomes if o.served and o.finished_s is not None]
+    ttft: list[tuple[float, float]] = []
+    tpot: list[tuple[float, float]] = []
+    ttft_margin: list[tuple[float, float]] = []
+    tpot_margin: list[tuple[float, float]] = []
+    no_forecast = stale = 0
+    for o in served:
+        f = forecasts.get(o.index)
+        if f is None or not math.isfinite(f.ttft_s):
+            no_forecast += 1
+            continue
+        stale += int(f.stale)
+        if o.first_token_s is not None and o.dispatched_s is not None:
+            measured = o.first_token_s - o.dispatched_s
+            if measured > 0:
+                ttft.append((f.ttft_s, measured))
+                ttft_margin.append((f.ttft_s * f.scale, measured))
+        if o.tpot_s is not None and o.tpot_s > 0 and math.isfinite(f.tpot_s):
+            tpot.append((f.tpot_s, o.tpot_s))
+            tpot_margin.append((f.tpot_s * f.scale, o.tpot_s))
+    return ForecastAccuracy(
+        served=len(served),
+        no_forecast=no_forecast,
+        stale=stale,
+        ttft=error_stats(ttft),
+        tpot=error_stats(tpot),
+        ttft_with_margin=error_stats(ttft_margin),
+        tpot_with_margin=error_stats(tpot_margin),
+    )

@@ -7,7 +7,9 @@ import math
 import pytest
 
 from bench.goodput.metrics import (
+    DispatchForecast,
     attainment_series,
+    forecast_accuracy,
     recovery_time_s,
     rejections_stop_s,
     score,
@@ -147,3 +149,36 @@ def test_tolerance_lets_a_single_miss_pass_when_the_level_is_perfect() -> None:
     series = _series([1.0] * 10 + [0.0] * 10 + [1.0, 0.9, 1.0, 1.0, 0.9, 1.0, 1.0, 1.0, 1.0, 1.0])
     assert recovery_time_s(series, 10.0, 20.0, window_s=2) == pytest.approx(5.0)
     assert recovery_time_s(series, 10.0, 20.0, window_s=2, tolerance=0.9) == 0.0
+
+
+def test_forecast_accuracy_scores_served_finished_requests_from_their_dispatch() -> None:
+    def served(index: int, arrival: float, dispatched: float, ttft: float, tpot: float | None) -> Outcome:
+        first = dispatched + ttft
+        return Outcome(
+            index, "t0", arrival, 100, 10, False, "", "r0", dispatched, first, first + 1, tpot, 1.0, 0
+        )
+
+    outcomes = [
+        served(0, 0.0, 0.5, 0.1, 0.02),  # waited 0.5 s in the gateway's queue: not in the TTFT scored
+        served(1, 1.0, 1.0, 0.2, None),  # one token: no TPOT
+        served(2, 2.0, 2.0, 0.1, 0.02),  # no forecast
+        outcome(3.0, rejected=True),
+        outcome(4.0, finished=False),
+    ]
+    forecasts = {
+        0: DispatchForecast(0.12, 0.021, 1.15),
+        1: DispatchForecast(0.15, 0.03, 1.15, stale=True),
+    }
+    acc = forecast_accuracy(outcomes, forecasts)
+    assert (acc.served, acc.no_forecast, acc.stale) == (3, 1, 1)
+    assert acc.ttft.n == 2
+    assert acc.ttft.median_ape == pytest.approx((0.2 + 0.25) / 2)  # APEs 0.2 and 0.25
+    assert acc.ttft.median_abs_s == pytest.approx((0.02 + 0.05) / 2)
+    assert acc.tpot.n == 1
+    assert acc.tpot.median_ape == pytest.approx(0.05)
+    # With the margin: 0.12 x 1.15 = 0.138 against 0.1, 0.15 x 1.15 = 0.1725 against 0.2.
+    assert acc.ttft_with_margin.median_ape == pytest.approx((0.38 + 0.1375) / 2)
+    assert acc.tpot_with_margin.median_ape == pytest.approx(0.021 * 1.15 / 0.02 - 1)
+    empty = forecast_accuracy([], {})
+    assert empty.ttft.n == 0
+    assert math.isnan(empty.tpot.median_ape)

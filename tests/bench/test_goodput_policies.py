@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 
-from bench.goodput.core import FACTS, PROFILE, admission_settings
+from bench.goodput.core import FACTS, PROFILE, ForecastRecorder, admission_settings
 from gateway.replay import TraceRequest, load_mooncake_trace, piecewise_rate
 from gateway.replay_admission import FleetConfig, GatewayReplayResult, Targets, run_gateway_replay
 from gateway.replay_policies import (
@@ -174,6 +174,26 @@ def test_sluice_refuses_a_burst_it_cannot_serve_in_time_and_serves_the_rest_in_t
     assert rejected
     assert all(o.reason in {"slo_unattainable", "overloaded", "deadline_exceeded"} for o in rejected)
     assert sum(o.met(TARGETS) for o in served) >= 0.8 * len(served)
+
+
+def test_forecast_recorder_decides_as_sluice_and_keeps_the_predictors_own_forecasts() -> None:
+    # 20 requests/s with prompts of 800 to 7,830 tokens on one replica: more than it can serve in
+    # time, so Sluice refuses some; only those it sent get a forecast.
+    trace = [TraceRequest(0.05 * i, 800 + 370 * (i % 20), 50 + 13 * (i % 11)) for i in range(200)]
+    settings = admission_settings((("forecast_margin", 0.25),))
+    recorder = ForecastRecorder(settings)
+    recorded = run_gateway_replay(trace, fleet(), recorder, targets=TARGETS)
+    plain = run_gateway_replay(trace, fleet(), SluicePolicy(settings), targets=TARGETS)
+    assert recorded.outcomes == plain.outcomes
+    served = {o.index for o in recorded.outcomes if o.served}
+    assert 0 < len(served) < len(trace)
+    assert set(recorder.forecasts) == served
+    forecasts = recorder.forecasts.values()
+    assert all(f.scale == pytest.approx(1.25) and not f.stale for f in forecasts)
+    # The margin divided out: admission held 1.25 x the TTFT against the target (every request
+    # here was sent on arrival). Its TPOT is the forecast's, prefill share included, which a class
+    # with a stall budget does not hold against the target (its decode step stands in).
+    assert all(0.0 < 1.25 * f.ttft_s <= 1.0 and f.tpot_s > 0.0 for f in forecasts)
 
 
 def test_mooncake_slots_are_spread_over_their_three_seconds() -> None:
