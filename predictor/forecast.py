@@ -303,8 +303,9 @@ class Forecast:
     ``prefill_batch``: the mean composition of its prefill steps (what ``ttft_s - step_wait_s -
     admission_wait_s`` is the time of, ``prefill_steps`` times); ``None`` when not valid. A
     measured TTFT thus gives a step-time observation (``predictor.calibrate``).
-    ``overhead_s``: part of ``ttft_s`` outside the engine (the caller's transport and the replica
-    server's own work, learned by the caller); ``forecast_request`` itself always gives 0.
+    ``overhead_s``: part of ``ttft_s`` the caller added for the way to and from the engine (its
+    transport and the replica server's own work, learned by the caller: on a busy engine, the
+    step the request misses on its way in, if any); ``forecast_request`` itself always gives 0.
     ``made_at``: the caller's clock (s) when the forecast was made, if it says; ``None`` here.
     """
 

@@ -60,6 +60,7 @@ from predictor import (
     PromptTokenConfig,
     PromptTokenEstimator,
     ReplicaState,
+    StepBatch,
     StepCalibrator,
     StepModel,
     StepParams,
@@ -398,8 +399,9 @@ class PredictionService:
                 while len(r.ttfts) > self._config.overhead_samples:
                     r.ttfts.popleft()
         if r is not None and forecast is not None and ttft_s is not None:
-            # The step fit learns engine steps: the transport is not theirs to absorb.
-            self._observe_prefill(r, forecast, max(ttft_s - r.overhead_s, 1e-6), finished_at)
+            # The step fit learns engine steps: what ``with_overhead`` added for the way to and
+            # from the replica (or the step missed on the way in) is not theirs to absorb.
+            self._observe_prefill(r, forecast, max(ttft_s - forecast.overhead_s, 1e-6), finished_at)
         if completion_tokens is not None and completion_tokens >= 0:
             self._outputs.observe(model, tenant, completion_tokens)
             self._outputs_memo.clear()
@@ -616,15 +618,39 @@ class PredictionService:
 
     def with_overhead(self, replica: str, engine: Forecast, now: float) -> Forecast:
         """``engine`` (a forecast of the engine alone, as ``predictor.forecast_request`` makes them),
-        made at ``now`` (the caller's clock, seconds), with ``replica``'s learned dispatch overhead
-        added to its TTFT (``Forecast.overhead_s`` says how much; 0 when none is learned, the
-        replica is unknown or the TTFT is not a number). What ``forecast`` returns; a caller that
-        forecasts with ``replica_inputs`` itself (admission) passes its forecast here."""
+        made at ``now`` (the caller's clock, seconds), as the caller will measure its TTFT (dispatch
+        to first token back) given ``replica``'s learned dispatch overhead ``d`` (the way in, the
+        replica server's own work and the way back); ``Forecast.overhead_s`` says what was added.
+        What ``forecast`` returns; a caller that forecasts with ``replica_inputs`` itself
+        (admission) passes its forecast here. Unchanged (``overhead_s`` 0) when no overhead is
+        learned, the replica is unknown or the TTFT is not a number.
+
+        * **Idle engine** (no step in progress, nothing decoding): the request's prefill starts
+          when it gets there, so all of ``d`` comes on top: ``ttft_s + d``.
+        * **Busy engine**: the forecast's step wait runs to the end of the step in progress as the
+          caller sees it, from the tokens that last landed, which took the way back too: counted
+          from them, the way back is already in it, and the request's prefill starts at that
+          step's end if it gets there in time. It does when the wait is at least ``d`` (the way in
+          plus the lag of the boundaries it was counted from): nothing is added. Otherwise the
+          engine has started the next step without it and it waits for that one too: one decode
+          step of the batch it joins is added. Adding ``d`` on a busy engine instead over-predicted
+          the requests that caught the step by ``d`` and under-predicted the ones that missed it by
+          a decode step less ``d`` (mixed-fleet runs, docs/engines.md).
+        """
         r = self._replicas.get(replica)
         overhead = 0.0 if r is None else r.overhead_s
-        if overhead <= 0.0 or not math.isfinite(engine.ttft_s):
+        if r is None or overhead <= 0.0 or not math.isfinite(engine.ttft_s):
             return dataclasses.replace(engine, made_at=now)
-        return dataclasses.replace(engine, ttft_s=engine.ttft_s + overhead, overhead_s=overhead, made_at=now)
+        added = overhead
+        batch = engine.prefill_batch
+        decoding = batch is not None and batch.decode_seqs > 0.0
+        if (engine.step_wait_s > 0.0 or decoding) and r.model.valid:
+            added = 0.0
+            if engine.step_wait_s < overhead:
+                decodes = batch.decode_seqs if batch is not None else 0.0
+                kv = batch.kv_tokens_read if batch is not None else 0.0
+                added = r.model.step_time(StepBatch(0.0, decodes, kv))
+        return dataclasses.replace(engine, ttft_s=engine.ttft_s + added, overhead_s=added, made_at=now)
 
     def _limits(self, r: _Replica | None) -> Limits:
         if r is None:

@@ -15,7 +15,7 @@ from gateway.replay import ReplayConfig
 from gateway.replicas.snapshot import ReplicaSnapshot
 from gateway.settings import ReplicaSettings, Settings
 from gateway.store import SettingsStore
-from predictor import Forecast
+from predictor import Forecast, StepBatch
 
 H100 = ReplicaFacts(
     gpu="H100-SXM",
@@ -111,3 +111,43 @@ def test_with_overhead_adds_what_was_learned_to_a_forecast_made_elsewhere() -> N
     assert (shown.tpot_s, shown.made_at) == (engine.tpot_s, 41.0)
     unknown = svc.with_overhead("elsewhere", engine, 41.0)
     assert (unknown.ttft_s, unknown.overhead_s, unknown.made_at) == (0.02, 0.0, 41.0)
+
+
+@pytest.mark.parametrize(
+    ("step_wait_s", "decode_seqs", "missed"),
+    [(0.005, 3.0, False), (0.003, 3.0, False), (0.001, 3.0, True), (0.0, 3.0, True), (0.002, 0.0, True)],
+    ids=[
+        "busy, in time for the step in progress",
+        "busy, just in time (the wait equals the overhead)",
+        "busy, too late: waits for the next step too",
+        "busy, step overdue: its tokens are landing, the next one runs without it",
+        "a prefill-only step in progress, too late",
+    ],
+)
+def test_on_a_busy_engine_the_overhead_decides_which_step_the_request_catches(
+    step_wait_s: float, decode_seqs: float, missed: bool
+) -> None:
+    """The step wait is counted from tokens the gateway saw land (the way back is in it): a request
+    whose way in (the learned overhead, 3 ms here) is shorter than the wait catches the step in
+    progress and nothing is added; a later one waits one more decode step of the batch it joins."""
+    svc = PredictionService(config=PredictionConfig(learn_dispatch_overhead=True))
+    _learned_overhead_s(0.019, svc, ttft=0.016)
+    batch = StepBatch(300.0, decode_seqs, 3000.0 if decode_seqs else 0.0)
+    engine = Forecast(0.02, 0.01, 0.0, True, None, 50.0, 0.5, step_wait_s=step_wait_s, prefill_batch=batch)
+    shown = svc.with_overhead("r0", engine, 41.0)
+    model, _ = svc.replica_inputs("r0", model=MODEL, tenant=None, in_flight=[], now=41.0)
+    next_step = model.step_time(StepBatch(0.0, decode_seqs, batch.kv_tokens_read))
+    assert next_step > 0.003
+    assert shown.overhead_s == pytest.approx(next_step if missed else 0.0)
+    assert shown.ttft_s == pytest.approx(0.02 + shown.overhead_s)
+    assert shown.made_at == 41.0
+
+
+def test_an_idle_engine_gets_the_whole_overhead() -> None:
+    """No step in progress and nothing decoding: the prefill starts when the request gets there."""
+    svc = PredictionService(config=PredictionConfig(learn_dispatch_overhead=True))
+    _learned_overhead_s(0.019, svc, ttft=0.016)
+    engine = Forecast(0.02, 0.01, 0.0, True, None, 50.0, 0.5, prefill_batch=StepBatch(300.0, 0.0, 0.0))
+    shown = svc.with_overhead("r0", engine, 41.0)
+    assert shown.overhead_s == pytest.approx(0.003, abs=1e-4)
+    assert shown.ttft_s == pytest.approx(0.02 + shown.overhead_s)
