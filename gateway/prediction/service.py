@@ -399,8 +399,12 @@ class PredictionService:
                 while len(r.ttfts) > self._config.overhead_samples:
                     r.ttfts.popleft()
         if r is not None and forecast is not None and ttft_s is not None:
-            # The step fit learns engine steps: what ``with_overhead`` added for the way to and
-            # from the replica (or the step missed on the way in) is not theirs to absorb.
+            # The step fit learns engine steps: what ``with_overhead`` added for this request (the
+            # way to and from an idle engine; the steps a busy one ran before it got there) is not
+            # theirs to absorb. The mean overhead instead averages out over the step phases at
+            # dispatch, but the fit is robust: it followed the majority, the requests that caught
+            # their step, whose prefill then looked shorter by the whole overhead (TGI's TTFT
+            # median 12-15 % in the mixed fleet, 5 % with this).
             self._observe_prefill(r, forecast, max(ttft_s - forecast.overhead_s, 1e-6), finished_at)
         if completion_tokens is not None and completion_tokens >= 0:
             self._outputs.observe(model, tenant, completion_tokens)
@@ -631,11 +635,14 @@ class PredictionService:
           caller sees it, from the tokens that last landed, which took the way back too: counted
           from them, the way back is already in it, and the request's prefill starts at that
           step's end if it gets there in time. It does when the wait is at least ``d`` (the way in
-          plus the lag of the boundaries it was counted from): nothing is added. Otherwise the
-          engine has started the next step without it and it waits for that one too: one decode
-          step of the batch it joins is added. Adding ``d`` on a busy engine instead over-predicted
-          the requests that caught the step by ``d`` and under-predicted the ones that missed it by
-          a decode step less ``d`` (mixed-fleet runs, docs/engines.md).
+          plus the lag of the boundaries it was counted from): nothing is added. Otherwise it is
+          ``d - wait`` late: the engine has started the next steps without it, and it waits for
+          the end of the one in progress when it gets there: that many decode steps of the batch
+          it joins are added, ``ceil((d - wait) / step)`` (one where ``d`` is shorter than a step,
+          as on a GPU; about ``d`` plus half a step where it is several, as in front of a slow
+          API server). Adding ``d`` on a busy engine instead over-predicted the requests that
+          caught the step by ``d`` and under-predicted the ones that missed it by a decode step
+          less ``d`` (mixed-fleet runs, docs/engines.md).
         """
         r = self._replicas.get(replica)
         overhead = 0.0 if r is None else r.overhead_s
@@ -646,10 +653,12 @@ class PredictionService:
         decoding = batch is not None and batch.decode_seqs > 0.0
         if (engine.step_wait_s > 0.0 or decoding) and r.model.valid:
             added = 0.0
-            if engine.step_wait_s < overhead:
+            late = overhead - engine.step_wait_s
+            if late > 0.0:
                 decodes = batch.decode_seqs if batch is not None else 0.0
                 kv = batch.kv_tokens_read if batch is not None else 0.0
-                added = r.model.step_time(StepBatch(0.0, decodes, kv))
+                step = r.model.step_time(StepBatch(0.0, decodes, kv))
+                added = math.ceil(late / step) * step if step > 0.0 else overhead
         return dataclasses.replace(engine, ttft_s=engine.ttft_s + added, overhead_s=added, made_at=now)
 
     def _limits(self, r: _Replica | None) -> Limits:

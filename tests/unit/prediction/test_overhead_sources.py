@@ -7,6 +7,8 @@ virtual-time replay, which has no transport, does not.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from gateway.app import LIVE_PREDICTION, PREDICTION_SERVICE, build_app
@@ -151,3 +153,19 @@ def test_an_idle_engine_gets_the_whole_overhead() -> None:
     shown = svc.with_overhead("r0", engine, 41.0)
     assert shown.overhead_s == pytest.approx(0.003, abs=1e-4)
     assert shown.ttft_s == pytest.approx(0.02 + shown.overhead_s)
+
+
+def test_an_overhead_of_several_steps_costs_the_steps_it_spans() -> None:
+    """A slow way in (an API server's own work on a busy CPU) is late by several steps: the
+    request waits for the end of the step in progress when it gets there."""
+    svc = PredictionService(config=PredictionConfig(learn_dispatch_overhead=True))
+    _learned_overhead_s(0.060, svc, ttft=0.016)  # 44 ms of overhead
+    batch = StepBatch(300.0, 3.0, 3000.0)
+    engine = Forecast(0.02, 0.01, 0.0, True, None, 50.0, 0.5, step_wait_s=0.002, prefill_batch=batch)
+    shown = svc.with_overhead("r0", engine, 41.0)
+    model, _ = svc.replica_inputs("r0", model=MODEL, tenant=None, in_flight=[], now=41.0)
+    step = model.step_time(StepBatch(0.0, 3.0, 3000.0))
+    steps = math.ceil((0.044 - 0.002) / step)
+    assert steps >= 2
+    assert shown.overhead_s == pytest.approx(steps * step, rel=1e-3)
+    assert 0.042 <= shown.overhead_s < 0.042 + step
