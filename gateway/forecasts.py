@@ -225,6 +225,7 @@ class LivePredictions:
                 max_tokens=parsed.max_tokens,
                 in_flight=replica.in_flight(),
                 now=now,
+                api=parsed.endpoint,
             )
         except Exception:
             self._forecast_failures += 1
@@ -254,6 +255,7 @@ class LivePredictions:
                 finished_at=admitted.live.last_token_at,
                 forecast=admitted.forecast,
                 ttft_s=outcome.ttft_s,
+                api=parsed.endpoint,
             )
         except Exception:
             log.exception("prediction service failed on a finished request of replica %s", outcome.replica)

@@ -106,6 +106,9 @@ class PredictionConfig:
     ``overhead_min_window_s`` / ``overhead_min_requests``: a scrape window shorter than this
     (seconds), or holding fewer of the caller's finished requests, does not measure it (window
     edges count a request's decode time against it).
+    ``api_offset_weight``: EWMA weight (0-1] of each finished request in its API's offset on the
+    dispatch overhead (``PredictionService.api_offset_s``); ``api_offset_min_requests``: finished
+    requests of an API on a replica before its offset is applied.
     ``steady_state``: blend each TPOT forecast toward the replica's steady state under its recent
     traffic (``predictor.forecast.steady_state``: Little's law over the requests the caller saw
     finish there in the last ``arrival_memory_s`` seconds); off: the batch it joins alone. Off by
@@ -129,6 +132,8 @@ class PredictionConfig:
     overhead_weight: float = 0.2
     overhead_min_window_s: float = 5.0
     overhead_min_requests: int = 10
+    api_offset_weight: float = 0.05
+    api_offset_min_requests: int = 20
     steady_state: bool = False
     arrival_memory_s: float = 60.0
     arrival_min_span_s: float = 10.0
@@ -140,6 +145,8 @@ class PredictionConfig:
             raise ValueError(f"prefill_share_weight must be in [0, 1], got {self.prefill_share_weight}")
         if self.overhead_samples < 1 or not 0.0 < self.overhead_weight <= 1.0:
             raise ValueError("overhead_samples must be >= 1 and overhead_weight in (0, 1]")
+        if not 0.0 < self.api_offset_weight <= 1.0 or self.api_offset_min_requests < 1:
+            raise ValueError("api_offset_weight must be in (0, 1] and api_offset_min_requests >= 1")
         if not 0.0 < self.arrival_min_span_s <= self.arrival_memory_s:
             raise ValueError("need 0 < arrival_min_span_s <= arrival_memory_s")
 
@@ -170,6 +177,11 @@ class _Replica:
     #: be < 0 (noise), the forecast adds ``max(0, ...)`` of it.
     overhead_ewma_s: float = 0.0
     overhead_windows: int = 0
+    #: EWMAs of (caller-measured TTFT - forecast TTFT), seconds: over all its requests, and by the
+    #: API they came through, with that API's count (``PredictionService.api_offset_s``).
+    residual_s: float = 0.0
+    api_residual_s: dict[str, float] = field(default_factory=dict)
+    api_requests: dict[str, int] = field(default_factory=dict)
     #: (finished at, prompt tokens, output tokens) of the caller's recent requests there.
     finishes: deque[tuple[float, int, int]] = field(default_factory=deque)
     #: When the service first saw a snapshot of it (the start of its finish history), seconds.
@@ -367,6 +379,7 @@ class PredictionService:
         finished_at: float | None = None,
         forecast: Forecast | None = None,
         ttft_s: float | None = None,
+        api: str | None = None,
     ) -> None:
         """Learn from a finished request: its output length, chars per prompt token, its prefill.
 
@@ -376,7 +389,8 @@ class PredictionService:
         ``forecast`` (the one made for it on ``replica`` at dispatch) and ``ttft_s`` (its measured
         time to first token, seconds): the prefill steps the forecast priced become one step-time
         observation for ``replica``'s fit. Scrape windows are dominated by decode steps; these are
-        the prefill-heavy steps the forecast needs most, measured where they happen.
+        the prefill-heavy steps the forecast needs most, measured where they happen. ``api``: the
+        API it came through (the proxy's endpoint), for that API's offset on the overhead.
         """
         r = self._replicas.get(replica)
         if r is not None and finished_at is not None:
@@ -398,6 +412,8 @@ class PredictionService:
                 r.ttfts.append((at, ttft_s))
                 while len(r.ttfts) > self._config.overhead_samples:
                     r.ttfts.popleft()
+            if api is not None and forecast is not None and math.isfinite(forecast.ttft_s):
+                self._observe_api(r, api, ttft_s - forecast.ttft_s)
         if r is not None and forecast is not None and ttft_s is not None:
             # The step fit learns engine steps: what ``with_overhead`` added for this request (the
             # way to and from an idle engine; the steps a busy one ran before it got there) is not
@@ -443,6 +459,32 @@ class PredictionService:
         # From 0, not from the first window: a short first window after start-up is the least
         # trustworthy, and an overhead too large would teach the step fit steps too short.
         r.overhead_ewma_s += cfg.overhead_weight * (measured - r.overhead_ewma_s)
+
+    def _observe_api(self, r: _Replica, api: str, residual_s: float) -> None:
+        """One finished request's TTFT residual (measured - forecast, seconds) into its replica's
+        and its API's EWMAs (both from 0, so that a replica served through one API keeps them
+        equal: offset 0)."""
+        w = self._config.api_offset_weight
+        r.residual_s += w * (residual_s - r.residual_s)
+        mean = r.api_residual_s.get(api, 0.0)
+        r.api_residual_s[api] = mean + w * (residual_s - mean)
+        r.api_requests[api] = r.api_requests.get(api, 0) + 1
+
+    def api_offset_s(self, replica: str, api: str | None) -> float:
+        """Seconds the way in through ``api`` takes on ``replica`` beyond the replica's dispatch
+        overhead (negative: less), 0 until ``api_offset_min_requests`` of its requests finished.
+
+        The overhead is learned against the replica's own TTFT, which mixes every API: one API
+        can cost the replica's server more than another before its engine sees the request (an
+        OpenAI chat request is templated and tokenized; TGI's ``/generate`` takes its text as
+        is), and the mixed overhead then under-forecasts one and over-forecasts the other. Its
+        requests' mean residual against the replica's mean residual measures that difference;
+        the replica's level stays the engine's TTFT's.
+        """
+        r = self._replicas.get(replica)
+        if r is None or api is None or r.api_requests.get(api, 0) < self._config.api_offset_min_requests:
+            return 0.0
+        return r.api_residual_s.get(api, 0.0) - r.residual_s
 
     def _observe_prefill(self, r: _Replica, forecast: Forecast, ttft_s: float, at: float | None) -> None:
         """One step observation from a measured TTFT: the time left after the step it waited for.
@@ -598,12 +640,14 @@ class PredictionService:
         max_tokens: int | None,
         in_flight: Sequence[InFlight],
         now: float,
+        api: str | None = None,
     ) -> Forecast:
         """TTFT, TPOT and inflicted TPOT of a request of ``prompt_tokens`` on ``replica`` at ``now``.
 
         ``max_tokens`` ``None`` means the engine's default, ``max_model_len - prompt_tokens``.
-        ``in_flight``: the gateway's unfinished requests on that replica now. Never raises for a
-        bad request or an unknown replica: the forecast is ``valid=False`` with a reason.
+        ``in_flight``: the gateway's unfinished requests on that replica now; ``api``: the API it
+        comes through (``with_overhead``). Never raises for a bad request or an unknown replica:
+        the forecast is ``valid=False`` with a reason.
         """
         r = self._replicas.get(replica)
         limits = self._limits(r)
@@ -617,14 +661,17 @@ class PredictionService:
             replica, model=model, tenant=tenant, in_flight=in_flight, now=now
         )
         return self.with_overhead(
-            replica, forecast_request(request, state, step_model, self._config.forecast), now
+            replica, forecast_request(request, state, step_model, self._config.forecast), now, api=api
         )
 
-    def with_overhead(self, replica: str, engine: Forecast, now: float) -> Forecast:
+    def with_overhead(
+        self, replica: str, engine: Forecast, now: float, *, api: str | None = None
+    ) -> Forecast:
         """``engine`` (a forecast of the engine alone, as ``predictor.forecast_request`` makes them),
         made at ``now`` (the caller's clock, seconds), as the caller will measure its TTFT (dispatch
         to first token back) given ``replica``'s learned dispatch overhead ``d`` (the way in, the
-        replica server's own work and the way back); ``Forecast.overhead_s`` says what was added.
+        replica server's own work and the way back; plus ``api``'s offset, ``api_offset_s``, for
+        a request coming through that API); ``Forecast.overhead_s`` says what was added.
         What ``forecast`` returns; a caller that forecasts with ``replica_inputs`` itself
         (admission) passes its forecast here. Unchanged (``overhead_s`` 0) when no overhead is
         learned, the replica is unknown or the TTFT is not a number.
@@ -648,6 +695,7 @@ class PredictionService:
         overhead = 0.0 if r is None else r.overhead_s
         if r is None or overhead <= 0.0 or not math.isfinite(engine.ttft_s):
             return dataclasses.replace(engine, made_at=now)
+        overhead = max(0.0, overhead + self.api_offset_s(replica, api))
         added = overhead
         batch = engine.prefill_batch
         decoding = batch is not None and batch.decode_seqs > 0.0
@@ -729,6 +777,7 @@ class PredictionService:
                 "background_prefill_tokens_per_step": r.load.prefill_tokens_per_step,
                 "prefill_share": r.load.prefill_share,
                 "dispatch_overhead_s": r.overhead_s,
+                "api_overhead_offsets_s": {a: self.api_offset_s(name, a) for a in sorted(r.api_requests)},
                 "steady_state": None
                 if r.steady is None
                 else {

@@ -169,3 +169,62 @@ def test_an_overhead_of_several_steps_costs_the_steps_it_spans() -> None:
     assert steps >= 2
     assert shown.overhead_s == pytest.approx(steps * step, rel=1e-3)
     assert 0.042 <= shown.overhead_s < 0.042 + step
+
+
+def _finish(svc: PredictionService, api: str | None, residual_s: float) -> None:
+    """One finished request on ``r0`` through ``api`` whose TTFT came ``residual_s`` after its
+    forecast's (an idle-engine forecast: no prefill steps to learn from)."""
+    engine = Forecast(0.02, 0.01, 0.0, True, None, 50.0, 0.5, made_at=50.0)
+    svc.on_finished(
+        replica="r0",
+        model=MODEL,
+        tenant=None,
+        prompt_chars=None,
+        prompt_tokens=None,
+        completion_tokens=None,
+        forecast=engine,
+        ttft_s=0.02 + residual_s,
+        api=api,
+    )
+
+
+def test_an_api_that_costs_the_server_more_gets_its_own_share_of_the_overhead() -> None:
+    """TGI behind one gateway, its native API beside its OpenAI one: the chat requests come 4 ms
+    later than forecast, the native ones on time. The mixed overhead stays the replica's; each
+    API's offset is its residual against the replica's mean residual."""
+    svc = PredictionService(config=PredictionConfig(learn_dispatch_overhead=True))
+    _learned_overhead_s(0.019, svc, ttft=0.016)  # 3 ms
+    for _ in range(300):
+        _finish(svc, "chat", 0.004)
+        _finish(svc, "generate_stream", 0.0)
+    assert svc.api_offset_s("r0", "chat") == pytest.approx(0.002, abs=2e-4)
+    assert svc.api_offset_s("r0", "generate_stream") == pytest.approx(-0.002, abs=2e-4)
+    idle = Forecast(0.02, 0.01, 0.0, True, None, 50.0, 0.5)
+    assert svc.with_overhead("r0", idle, 60.0, api="chat").overhead_s == pytest.approx(0.005, abs=3e-4)
+    assert svc.with_overhead("r0", idle, 60.0, api="generate_stream").overhead_s == pytest.approx(
+        0.001, abs=3e-4
+    )
+    assert svc.with_overhead("r0", idle, 60.0).overhead_s == pytest.approx(0.003, abs=1e-4)
+    offsets = svc.describe()["replicas"]["r0"]["api_overhead_offsets_s"]  # type: ignore[index]
+    assert set(offsets) == {"chat", "generate_stream"}
+
+
+@pytest.mark.parametrize(
+    ("apis", "requests", "expected_s"),
+    [
+        (["chat"], 300, 0.0),
+        (["chat", "generate"], 10, 0.0),
+    ],
+    ids=["one API: its residual is the replica's", "too few requests yet"],
+)
+def test_no_api_offset_without_a_difference_to_measure(
+    apis: list[str], requests: int, expected_s: float
+) -> None:
+    svc = PredictionService(config=PredictionConfig(learn_dispatch_overhead=True))
+    _learned_overhead_s(0.019, svc, ttft=0.016)
+    for i in range(requests):
+        for k, api in enumerate(apis):
+            _finish(svc, api, 0.004 + 0.002 * k + 0.001 * (i % 3))
+    assert svc.api_offset_s("r0", "chat") == pytest.approx(expected_s, abs=1e-9)
+    assert svc.api_offset_s("r0", None) == 0.0
+    assert svc.api_offset_s("elsewhere", "chat") == 0.0
