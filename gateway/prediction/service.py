@@ -684,12 +684,17 @@ class PredictionService:
           step's end if it gets there in time. It does when the wait is at least ``d`` (the way in
           plus the lag of the boundaries it was counted from): nothing is added. Otherwise it is
           ``d - wait`` late: the engine has started the next steps without it, and it waits for
-          the end of the one in progress when it gets there: that many decode steps of the batch
-          it joins are added, ``ceil((d - wait) / step)`` (one where ``d`` is shorter than a step,
-          as on a GPU; about ``d`` plus half a step where it is several, as in front of a slow
-          API server). Adding ``d`` on a busy engine instead over-predicted the requests that
-          caught the step by ``d`` and under-predicted the ones that missed it by a decode step
-          less ``d`` (mixed-fleet runs, docs/engines.md).
+          the end of the one in progress when it gets there: ``ceil((d - wait) / step)`` decode
+          steps of the batch it joins are added (one where ``d`` is shorter than a step, as on a
+          GPU; about ``d`` plus half a step where it is several, as in front of a slow API
+          server). How late it is varies from request to request by about the hop itself (the
+          way in and the boundaries' lag on a busy host): it is taken as uniform over
+          ``(d - wait) +- d / 2`` and the steps averaged over that (``_steps_waited_s``), so a
+          request near the edge is forecast half a step late rather than a whole step wrong
+          half the time (mixed fleet: TTFT p90 ~30 % -> ~25 %, median ~6 % -> ~7 %).
+          Adding ``d`` on a busy engine instead over-predicted the requests that caught the step
+          by ``d`` and under-predicted the ones that missed it by a decode step less ``d``
+          (mixed-fleet runs, docs/engines.md).
         """
         r = self._replicas.get(replica)
         overhead = 0.0 if r is None else r.overhead_s
@@ -700,13 +705,15 @@ class PredictionService:
         batch = engine.prefill_batch
         decoding = batch is not None and batch.decode_seqs > 0.0
         if (engine.step_wait_s > 0.0 or decoding) and r.model.valid:
-            added = 0.0
             late = overhead - engine.step_wait_s
-            if late > 0.0:
-                decodes = batch.decode_seqs if batch is not None else 0.0
-                kv = batch.kv_tokens_read if batch is not None else 0.0
-                step = r.model.step_time(StepBatch(0.0, decodes, kv))
-                added = math.ceil(late / step) * step if step > 0.0 else overhead
+            decodes = batch.decode_seqs if batch is not None else 0.0
+            kv = batch.kv_tokens_read if batch is not None else 0.0
+            step = r.model.step_time(StepBatch(0.0, decodes, kv))
+            added = (
+                _steps_waited_s(late - 0.5 * overhead, late + 0.5 * overhead, step)
+                if step > 0.0
+                else overhead
+            )
         return dataclasses.replace(engine, ttft_s=engine.ttft_s + added, overhead_s=added, made_at=now)
 
     def _limits(self, r: _Replica | None) -> Limits:
@@ -820,6 +827,25 @@ def _engine_ttft_mean_s(snapshot: ReplicaSnapshot) -> float | None:
     if queue is None or prefill is None:
         return None
     return queue + prefill
+
+
+def _steps_waited_s(late_lo_s: float, late_hi_s: float, step_s: float) -> float:
+    """Mean seconds of engine steps (``step_s`` each, > 0) a request waits for when it reaches
+    the engine uniformly between ``late_lo_s`` and ``late_hi_s`` seconds after the step in
+    progress ended (<= 0: in time for it, none): ``ceil(late / step)`` steps each, averaged
+    exactly. ``late_lo_s == late_hi_s``: that one lateness."""
+    if late_hi_s <= late_lo_s:
+        return math.ceil(late_hi_s / step_s) * step_s if late_hi_s > 0.0 else 0.0
+
+    def integral(x: float) -> float:
+        """``integral of ceil(t / step) dt`` from 0 to ``x`` (0 for ``x <= 0``)."""
+        if x <= 0.0:
+            return 0.0
+        whole = math.floor(x / step_s)
+        rest = x - whole * step_s
+        return step_s * whole * (whole + 1) / 2.0 + (whole + 1) * rest
+
+    return step_s * (integral(late_hi_s) - integral(late_lo_s)) / (late_hi_s - late_lo_s)
 
 
 def _finite(x: float | None) -> float | None:
