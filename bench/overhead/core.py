@@ -35,7 +35,9 @@ minutes on 2 cores, and rewrites its generated block in ``docs/benchmarks.md``);
 for a tiny configuration; ``--only direct,bare,sluice`` for the parts that need no download
 (what CI runs). Asserts nothing; prints the tables. For a before/after comparison inside one run:
 ``--scenarios "json c=1"`` (only that scenario), ``--tree base=DIR`` (repeatable: Sluice with
-everything on from another checkout, as ``sluice@base``, taken in turn with the others). Where
+everything on from another checkout, as ``sluice@base``, taken in turn with the others);
+``--variant LABEL=JSON`` (repeatable: Sluice with everything on and those settings merged in, as
+``sluice+LABEL``: one feature's cost, side by side). Where
 the time of one request goes at concurrency 1, stage by stage: ``bench/overhead/timeline.py``.
 """
 
@@ -637,6 +639,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="adds the configuration `sluice@LABEL`: Sluice with everything on from checkout DIR "
         "(repeatable; several variants taken in turn in one run)",
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=JSON",
+        help="adds the configuration `sluice+LABEL`: Sluice with everything on and the settings JSON "
+        """merged into its configuration, e.g. 'redis-off={"limits": {"backend": "memory"}}' """
+        "(repeatable; taken in turn with the others: one feature's cost, side by side)",
+    )
     parser.add_argument("--json", type=Path, help="also write the report as JSON here")
     parser.add_argument(
         "--doc", type=Path, help="markdown file to update (default docs/benchmarks.md; --quick: none)"
@@ -675,6 +686,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--tree {spec}: want LABEL=DIR with DIR a checkout holding gateway/cli.py")
         name = f"sluice@{label}"
         peers.STARTERS[name] = functools.partial(peers.start_sluice, tree=tree, name=name)
+        variants.append(name)
+    for spec in args.variant:
+        label, _, text = spec.partition("=")
+        try:
+            patch = json.loads(text)
+        except json.JSONDecodeError as exc:
+            parser.error(f"--variant {spec}: the settings are not JSON ({exc})")
+        if not label or not isinstance(patch, dict):
+            parser.error(f"--variant {spec}: want LABEL=JSON with a JSON object")
+        name = f"sluice+{label}"
+        peers.STARTERS[name] = functools.partial(peers.start_sluice, name=name, patch=patch)
         variants.append(name)
     names = [n for n in names if n not in variants] + variants
     unknown = [n for n in names if n not in peers.ALL and n != BASELINE and n not in variants]

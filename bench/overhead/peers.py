@@ -242,10 +242,13 @@ def start_bare(layout: Layout) -> Target:
     return Target("bare", url, proc.pid, f"aiohttp {aiohttp.__version__} + uvloop", proc=proc, log=log)
 
 
-def sluice_config(layout: Layout, port: int, *, lean: bool = False) -> dict[str, Any]:
+def sluice_config(
+    layout: Layout, port: int, *, lean: bool = False, patch: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Sluice with everything on (see the module doc); ``lean``: no tenants (no keys, no limits,
     no Redis), ``admit_all``, no prediction headers, no access log: what is left is the proxy with
-    its health checks, scrapes and metrics, Sluice's floor."""
+    its health checks, scrapes and metrics, Sluice's floor. ``patch``: settings merged into the
+    everything-on configuration (``merge_settings``), to take one feature's cost apart."""
     if lean:
         return {
             "server": {"host": "127.0.0.1", "port": port},
@@ -253,7 +256,7 @@ def sluice_config(layout: Layout, port: int, *, lean: bool = False) -> dict[str,
             "admission": {"policy": "admit_all", "expose_prediction_headers": False},
             "logging": {"level": "INFO", "access_log": False},
         }
-    return {
+    config: dict[str, Any] = {
         "server": {"host": "127.0.0.1", "port": port},
         "replicas": [
             {
@@ -275,17 +278,36 @@ def sluice_config(layout: Layout, port: int, *, lean: bool = False) -> dict[str,
         # open to local buckets for a second, and the bench would measure Sluice without Redis.
         "limits": {"backend": "redis", "redis": {"url": layout.redis_url, "timeout_s": 1.0}},
     }
+    return merge_settings(config, patch or {})
+
+
+def merge_settings(base: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``patch`` merged in: mappings key by key, recursively; anything else replaced."""
+    merged = dict(base)
+    for key, value in patch.items():
+        old = merged.get(key)
+        if isinstance(old, Mapping) and isinstance(value, Mapping):
+            merged[key] = merge_settings(old, value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def start_sluice(
-    layout: Layout, *, lean: bool = False, tree: Path | None = None, name: str | None = None
+    layout: Layout,
+    *,
+    lean: bool = False,
+    tree: Path | None = None,
+    name: str | None = None,
+    patch: Mapping[str, Any] | None = None,
 ) -> Target:
     """``sluice serve`` from this checkout, or (``tree``) from another one, e.g. an exported
-    commit for a before/after comparison inside one run (``--baseline-tree``)."""
+    commit for a before/after comparison inside one run (``--baseline-tree``); ``patch``: see
+    ``sluice_config`` (``--variant``)."""
     name = name or ("sluice-lean" if lean else "sluice")
     port = free_port()
     config = layout.work / f"{name}.yaml"
-    config.write_text(yaml.safe_dump(sluice_config(layout, port, lean=lean)))
+    config.write_text(yaml.safe_dump(sluice_config(layout, port, lean=lean, patch=patch)))
     log = layout.work / f"{name}.log"
     proc = start(
         pinned(layout.proxy_cpus, [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)]),

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from bench.overhead.core import BEGIN, END, HEADING, QUICK, write_doc
+from bench.overhead.peers import Layout, merge_settings, sluice_config
 from bench.overhead.profile import summarise
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,3 +138,40 @@ def test_profile_summary_counts_self_inclusive_packages_and_callers() -> None:
     inclusive = {c.name: c.share for c in profile.top_inclusive}
     assert inclusive["handle (gateway/proxy.py)"] == 1.0
     assert "<module> (gateway/cli.py)" not in inclusive  # the root chain is left out
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [("redis-off={not json}", "not JSON"), ("=[]", "want LABEL=JSON"), ("x=[1]", "want LABEL=JSON")],
+    ids=["not JSON", "no label, not an object", "not an object"],
+)
+def test_a_bad_variant_is_refused_before_anything_starts(spec: str, message: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.overhead", "--quick", "--variant", spec],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
+
+
+def test_a_variant_merges_its_settings_into_everything_on(tmp_path: Path) -> None:
+    """``--variant``'s settings go into Sluice's everything-on configuration key by key: the rest
+    of each section stays."""
+    layout = Layout(None, None, tmp_path, "http://127.0.0.1:2", "redis://127.0.0.1:1/0", 1)
+    base = sluice_config(layout, 3)
+    patched = sluice_config(
+        layout, 3, patch={"limits": {"backend": "memory"}, "logging": {"access_log": False}}
+    )
+    assert patched["limits"] == {**base["limits"], "backend": "memory"}
+    assert patched["logging"] == {**base["logging"], "access_log": False}
+    assert {k: v for k, v in patched.items() if k not in ("limits", "logging")} == {
+        k: v for k, v in base.items() if k not in ("limits", "logging")
+    }
+    assert merge_settings({"a": {"b": 1, "c": 2}, "d": 3}, {"a": {"b": 5}, "d": {"e": 1}}) == {
+        "a": {"b": 5, "c": 2},
+        "d": {"e": 1},
+    }
