@@ -320,11 +320,11 @@ def tpot_ideas(
     }
 
 
-def _pct(x: float) -> str:
+def pct(x: float) -> str:
     return "n/a" if math.isnan(x) else f"{100 * x:.1f} %"
 
 
-def _verdict(stats: ErrorStats, median_target: float, p90_target: float) -> str:
+def verdict(stats: ErrorStats, median_target: float, p90_target: float) -> str:
     """``yes`` / ``**no**`` for the median and the p90 target; ``yes*`` when only the 5 ms rule met it."""
 
     def one(ape: float, abs_s: float, target: float) -> str:
@@ -347,9 +347,9 @@ def table(cells: Sequence[Cell]) -> str:
     )
     rows = [
         f"| {c.profile} | {100 * c.load:.0f} % | {c.rate_per_s:.2f} | {c.ttft.n} | "
-        f"{1e3 * c.mean_ttft_s:.0f} ms | {_pct(c.ttft.median_ape)} | {_pct(c.ttft.p90_ape)} | "
-        f"{_verdict(c.ttft, TTFT_MEDIAN, TTFT_P90)} | {1e3 * c.mean_tpot_s:.1f} ms | "
-        f"{_pct(c.tpot.median_ape)} | {_pct(c.tpot.p90_ape)} | {_verdict(c.tpot, TPOT_MEDIAN, TPOT_P90)} |"
+        f"{1e3 * c.mean_ttft_s:.0f} ms | {pct(c.ttft.median_ape)} | {pct(c.ttft.p90_ape)} | "
+        f"{verdict(c.ttft, TTFT_MEDIAN, TTFT_P90)} | {1e3 * c.mean_tpot_s:.1f} ms | "
+        f"{pct(c.tpot.median_ape)} | {pct(c.tpot.p90_ape)} | {verdict(c.tpot, TPOT_MEDIAN, TPOT_P90)} |"
         for c in cells
     ]
     return head + "\n".join(rows) + "\n"
@@ -393,9 +393,9 @@ def run_slice(
             cells.append(cell)
             print(
                 f"  {100 * load:.0f} %: n={cell.measured} "
-                f"TTFT {_pct(cell.ttft.median_ape)} / {_pct(cell.ttft.p90_ape)} "
-                f"(bias {_pct(cell.ttft.bias)}) TPOT {_pct(cell.tpot.median_ape)} / "
-                f"{_pct(cell.tpot.p90_ape)} (bias {_pct(cell.tpot.bias)}) "
+                f"TTFT {pct(cell.ttft.median_ape)} / {pct(cell.ttft.p90_ape)} "
+                f"(bias {pct(cell.ttft.bias)}) TPOT {pct(cell.tpot.median_ape)} / "
+                f"{pct(cell.tpot.p90_ape)} (bias {pct(cell.tpot.bias)}) "
                 f"invalid {cell.invalid}, {cell.seconds:.1f} s",
                 file=sys.stderr,
             )
@@ -518,7 +518,7 @@ def _print_tpot_ideas(
                 header = list(stats)
                 print("| cell | " + " | ".join(header) + " |")
                 print("|---|" + "---:|" * len(header))
-            cells = [f"{_pct(stats[k].median_ape)} / {_pct(stats[k].p90_ape)}" for k in header]
+            cells = [f"{pct(stats[k].median_ape)} / {pct(stats[k].p90_ape)}" for k in header]
             print(f"| {name} {100 * load:.0f} % | " + " | ".join(cells) + " |", flush=True)
     return 0
 

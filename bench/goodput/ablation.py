@@ -20,7 +20,6 @@ TPOT the engine measured (``bench.goodput.metrics.forecast_accuracy``), printed 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -38,7 +37,7 @@ from bench.goodput.core import (
     steady,
     trace_requests,
 )
-from bench.predictor_accuracy import ABS_MET_S, TPOT_MEDIAN, TPOT_P90, TTFT_MEDIAN, TTFT_P90, ErrorStats
+from bench.predictor_accuracy import TPOT_MEDIAN, TPOT_P90, TTFT_MEDIAN, TTFT_P90, ErrorStats, pct, verdict
 from gateway.replay import measure_capacity
 from simulator.profile import load_profile
 
@@ -60,24 +59,9 @@ VARIANTS: Final[tuple[tuple[str, tuple[tuple[str, float | None], ...]], ...]] = 
 BASELINE_KV: Final = 0.4
 
 
-def _pct(x: float) -> str:
-    return "n/a" if math.isnan(x) else f"{100 * x:.1f} %"
-
-
 def _met(stats: ErrorStats, median_target: float, p90_target: float) -> str:
-    """``yes`` / ``yes*`` (only by the 5 ms absolute rule) / ``**no**`` for the median, then the p90."""
-
-    def one(ape: float, abs_s: float, target: float) -> str:
-        if ape <= target:
-            return "yes"
-        return "yes*" if abs_s < ABS_MET_S else "**no**"
-
-    if stats.n == 0:
-        return "n/a"
-    return (
-        f"{one(stats.median_ape, stats.median_abs_s, median_target)} / "
-        f"{one(stats.p90_ape, stats.p90_abs_s, p90_target)}"
-    )
+    """``bench.predictor_accuracy.verdict``, or ``n/a`` when nothing was scored."""
+    return "n/a" if stats.n == 0 else verdict(stats, median_target, p90_target)
 
 
 def accuracy_table(trace: str, rows: Sequence[tuple[str, CellResult]]) -> str:
@@ -99,12 +83,12 @@ def accuracy_table(trace: str, rows: Sequence[tuple[str, CellResult]]) -> str:
         load = "spike" if res.spec.spike is not None else f"{res.spec.phases[0][1]:g}x"
         out.append(
             f"| {trace} | {label} | {res.spec.seed} | {load} | {a.served} | {ttft.n} | "
-            f"{_pct(ttft.median_ape)} | {_pct(ttft.p90_ape)} | {_pct(ttft.bias)} | "
+            f"{pct(ttft.median_ape)} | {pct(ttft.p90_ape)} | {pct(ttft.bias)} | "
             f"{_met(ttft, TTFT_MEDIAN, TTFT_P90)} | "
-            f"{tpot.n} | {_pct(tpot.median_ape)} | {_pct(tpot.p90_ape)} | {_pct(tpot.bias)} | "
+            f"{tpot.n} | {pct(tpot.median_ape)} | {pct(tpot.p90_ape)} | {pct(tpot.bias)} | "
             f"{_met(tpot, TPOT_MEDIAN, TPOT_P90)} | {a.stale} | {scale} | "
-            f"{_pct(a.ttft_with_margin.median_ape)} / {_pct(a.ttft_with_margin.p90_ape)} | "
-            f"{_pct(a.tpot_with_margin.median_ape)} / {_pct(a.tpot_with_margin.p90_ape)} |"
+            f"{pct(a.ttft_with_margin.median_ape)} / {pct(a.ttft_with_margin.p90_ape)} | "
+            f"{pct(a.tpot_with_margin.median_ape)} / {pct(a.tpot_with_margin.p90_ape)} |"
         )
     return "\n".join(out) + "\n"
 

@@ -482,7 +482,11 @@ class PredictionService:
         the replica's level stays the engine's TTFT's.
         """
         r = self._replicas.get(replica)
-        if r is None or api is None or r.api_requests.get(api, 0) < self._config.api_offset_min_requests:
+        return 0.0 if r is None else self._api_offset(r, api)
+
+    def _api_offset(self, r: _Replica, api: str | None) -> float:
+        """``api_offset_s`` of a known replica."""
+        if api is None or r.api_requests.get(api, 0) < self._config.api_offset_min_requests:
             return 0.0
         return r.api_residual_s.get(api, 0.0) - r.residual_s
 
@@ -700,7 +704,7 @@ class PredictionService:
         overhead = 0.0 if r is None else r.overhead_s
         if r is None or overhead <= 0.0 or not math.isfinite(engine.ttft_s):
             return dataclasses.replace(engine, made_at=now)
-        overhead = max(0.0, overhead + self.api_offset_s(replica, api))
+        overhead = max(0.0, overhead + self._api_offset(r, api))
         added = overhead
         batch = engine.prefill_batch
         decoding = batch is not None and batch.decode_seqs > 0.0
@@ -836,16 +840,16 @@ def _steps_waited_s(late_lo_s: float, late_hi_s: float, step_s: float) -> float:
     exactly. ``late_lo_s == late_hi_s``: that one lateness."""
     if late_hi_s <= late_lo_s:
         return math.ceil(late_hi_s / step_s) * step_s if late_hi_s > 0.0 else 0.0
+    whole = _ceil_integral(late_hi_s, step_s) - _ceil_integral(late_lo_s, step_s)
+    return step_s * whole / (late_hi_s - late_lo_s)
 
-    def integral(x: float) -> float:
-        """``integral of ceil(t / step) dt`` from 0 to ``x`` (0 for ``x <= 0``)."""
-        if x <= 0.0:
-            return 0.0
-        whole = math.floor(x / step_s)
-        rest = x - whole * step_s
-        return step_s * whole * (whole + 1) / 2.0 + (whole + 1) * rest
 
-    return step_s * (integral(late_hi_s) - integral(late_lo_s)) / (late_hi_s - late_lo_s)
+def _ceil_integral(x: float, step_s: float) -> float:
+    """The integral of ``ceil(t / step_s) dt`` from 0 to ``x`` (0 for ``x <= 0``)."""
+    if x <= 0.0:
+        return 0.0
+    whole = math.floor(x / step_s)
+    return step_s * whole * (whole + 1) / 2.0 + (whole + 1) * (x - whole * step_s)
 
 
 def _finite(x: float | None) -> float | None:

@@ -98,9 +98,11 @@ def test_write_doc_replaces_only_its_own_block(tmp_path: Path) -> None:
     assert doc.read_text() == f"# Benchmarks\n\nbefore\n\n{BEGIN}\nnew\n{END}\n\nafter\n"
 
 
-def test_a_baseline_tree_without_a_gateway_is_refused_before_anything_starts(tmp_path: Path) -> None:
+def _refused(*args: str) -> str:
+    """``python -m bench.overhead --quick ARGS``, which must stop with a usage error (exit 2)
+    before starting anything; its stderr."""
     done = subprocess.run(
-        [sys.executable, "-m", "bench.overhead", "--quick", "--baseline-tree", str(tmp_path)],
+        [sys.executable, "-m", "bench.overhead", "--quick", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -108,7 +110,11 @@ def test_a_baseline_tree_without_a_gateway_is_refused_before_anything_starts(tmp
         check=False,
     )
     assert done.returncode == 2, done.stderr
-    assert "holds no gateway/cli.py" in done.stderr
+    return done.stderr
+
+
+def test_a_baseline_tree_without_a_gateway_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    assert "holds no gateway/cli.py" in _refused("--baseline-tree", str(tmp_path))
 
 
 def test_profile_summary_counts_self_inclusive_packages_and_callers() -> None:
@@ -146,16 +152,7 @@ def test_profile_summary_counts_self_inclusive_packages_and_callers() -> None:
     ids=["not JSON", "no label, not an object", "not an object"],
 )
 def test_a_bad_variant_is_refused_before_anything_starts(spec: str, message: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.overhead", "--quick", "--variant", spec],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 2, done.stderr
-    assert message in done.stderr
+    assert message in _refused("--variant", spec)
 
 
 def test_a_variant_merges_its_settings_into_everything_on(tmp_path: Path) -> None:
