@@ -86,7 +86,10 @@ def test_quick_e2e_bench_gets_aiperf_results_on_both_paths_and_no_5xx_from_sluic
         assert result["requests"] > 0, where
         assert result["request_throughput"] > 0, where
         assert 0 < result["ttft_ms"]["p50"] <= result["ttft_ms"]["p99"], where
-        assert 0 < result["itl_ms"]["p50"] <= result["itl_ms"]["p99"], where
+        # ITL's median may be 0: the tiny CPU model sometimes sends several tokens in one SSE chunk,
+        # which AIPerf counts as inter-token gaps of 0 ms. The tail is never all zeros.
+        assert 0 <= result["itl_ms"]["p50"] <= result["itl_ms"]["p99"], where
+        assert result["itl_ms"]["p99"] > 0, where
         assert sum(result["errors_by_status"].values()) == result["errors"], where
         if r["path"] == "sluice":
             # Sluice may refuse (429) or queue, but never fails a request itself.
