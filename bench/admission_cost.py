@@ -20,6 +20,7 @@ Run: ``.venv/bin/python -m bench.admission_cost`` (prints a table; asserts nothi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import time
@@ -94,14 +95,22 @@ def main() -> None:
         ReplicaView.build(name, healthy=True, model=model, state=s, streams=gateway_streams(rng, s))
         for name, s in states
     ]
-    # A stream just past its TPOT target on every replica: a newcomer must wait for it (queued).
+    # On every replica a decoding stream one token from its end whose stall budget (about 30 ms:
+    # 99 intervals in 9.96 s against a 100 ms TPOT target) is below the newcomer's prefill stall:
+    # the newcomer must wait for it (queued, ``streams_stall``). The replica's state counts it.
+    held = StreamingRequest("interactive", 1000, 100, 101.0, 0.1, 9.96)
     held_views = [
         ReplicaView.build(
             v.name,
             healthy=True,
             model=model,
-            state=v.state,
-            streams=[StreamingRequest("interactive", 1000, 100, 105.0, 0.101)],
+            state=dataclasses.replace(
+                v.state,
+                num_running=max(v.state.num_running, 1),
+                decode_seqs=max(v.state.decode_seqs, 1),
+                kv_tokens_in_use=max(v.state.kv_tokens_in_use, 1100),
+            ),
+            streams=[held],
         )
         for v in views
     ]
