@@ -26,8 +26,9 @@ Pinning (``taskset``): on a machine with at least two CPUs, the proxy under test
 other CPUs; on one CPU nothing is pinned and the output says so.
 
 Then, unless ``--no-profile``, py-spy samples each Sluice configuration under the JSON c=32 and
-stream c=32 loads (``bench/overhead/profile.py``). The raw stacks and every process's log are kept
-in ``.cache/bench/overhead/`` (ignored) for a closer look.
+stream c=32 loads, or under the scenarios run when ``--scenarios`` names neither
+(``bench/overhead/profile.py``). The raw stacks and every process's log are kept in
+``.cache/bench/overhead/`` (ignored) for a closer look.
 
 Run: ``.venv/bin/python -m bench.overhead`` (installs the peers into ``.cache/bench/overhead/``
 and py-spy into ``.cache/bench/overhead/tools`` on first use, about a minute, then about 8
@@ -484,12 +485,15 @@ def _profiles(
     load_cpus: str | None,
     redis_commands: Callable[[], dict[str, int]],
 ) -> dict[str, Profile]:
-    """py-spy on each Sluice configuration under JSON and stream c=32, by "config scenario"."""
+    """py-spy on each Sluice configuration under the JSON and stream c=32 loads among the scenarios
+    run (when none of them is, under the scenarios run: ``--scenarios "json c=1"`` profiles that
+    one), by "config scenario"."""
     out: dict[str, Profile] = {}
     sluices = [targets[n] for n in ("sluice", "sluice-lean") if n in targets]
     if plan.profile_s <= 0:
         return out
-    for sluice, scenario in [(t, s) for t in sluices for s in (Scenario(False, 32), Scenario(True, 32))]:
+    profiled = [s for s in plan.scenarios if s.concurrency == 32] or plan.scenarios
+    for sluice, scenario in [(t, s) for t in sluices for s in profiled]:
         assert sluice.pid is not None
         label = f"{sluice.name} {scenario.label}"
         raw = work / f"pyspy-{label.replace(' ', '-').replace('=', '')}.txt"
