@@ -197,7 +197,11 @@ def main() -> None:
             forecast_request(request, s, model)
 
     rows.append(
-        ("sweep: 8 replicas", per_call_us(sweep, args.batch // 8, args.samples), "one request, every replica")
+        (
+            "sweep: 8 replicas",
+            per_call_us(sweep, max(1, args.batch // 8), args.samples),
+            "one request, every replica",
+        )
     )
 
     lengths = OutputLengthPredictor()

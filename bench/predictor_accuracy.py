@@ -8,9 +8,11 @@ engine measures what really happened. Reported per cell: median and p90 absolute
 (APE) of TTFT and TPOT, and whether the issue's targets hold.
 
 Run: ``.venv/bin/python -m bench.predictor_accuracy`` (writes docs/predictor-accuracy.md);
-``--quick`` for a smaller run, ``--profiles`` / ``--loads`` to select cells, ``--no-write`` to
-only print. ``--tpot-ideas`` instead scores candidate TPOT corrections on the selected cells
-(``tpot_ideas``; prints a table, writes nothing).
+``--quick`` for a smaller run (``QUICK``: every profile at one load on both slices, 400 trace
+rows, 5 + 15 virtual seconds; seconds of wall time, for CI; prints only, as ``--no-write``:
+its tiny cells never replace the document's), ``--profiles`` / ``--loads`` to select cells,
+``--no-write`` to only print. ``--tpot-ideas`` instead scores candidate TPOT corrections on the
+selected cells (``tpot_ideas``; prints a table, writes nothing).
 """
 
 from __future__ import annotations
@@ -72,6 +74,15 @@ FACTS: Final[dict[str, ReplicaFacts]] = {
 }
 
 LOADS: Final = (0.2, 0.4, 0.6, 0.8, 1.0, 1.2)
+#: ``--quick``'s option defaults (options given on the command line still win).
+QUICK: Final[dict[str, object]] = {
+    "loads": [0.6],
+    "check_loads": [0.6],
+    "trace_rows": 400,
+    "warmup": 5.0,
+    "measure": 15.0,
+    "no_write": True,
+}
 
 #: The issue's targets (fractions) and the absolute error that counts as met whatever the ratio.
 TTFT_MEDIAN, TTFT_P90, TPOT_MEDIAN, TPOT_P90 = 0.15, 0.35, 0.10, 0.25
@@ -466,7 +477,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--tpot-ideas", action="store_true", help="score candidate TPOT corrections (1 replica); print only"
     )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tiny run (one load per slice, 400 rows, 5 + 15 virtual s; seconds, for CI); print only",
+    )
     args = parser.parse_args(argv)
+    if args.quick:
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
     schedule = Schedule(warmup_s=args.warmup, measure_s=args.measure, max_requests=args.trace_rows)
     if args.tpot_ideas:
         return _print_tpot_ideas(

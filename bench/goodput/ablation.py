@@ -9,7 +9,9 @@ shows how much one run's numbers move.
 
 Run: ``.venv/bin/python -m bench.goodput.ablation`` (``--loads``, ``--seeds``, ``--variants``,
 ``--jobs``; ``--trace mooncake`` for the other trace, ``--spike`` to add the spike scenario with
-its recovery time, ``--no-baseline`` to leave out the reference rows).
+its recovery time, ``--no-baseline`` to leave out the reference rows). ``--quick`` replays every
+cell with the goodput bench's tiny plan (``bench.goodput.core.QUICK``: one replica, seconds of
+virtual time, a shorter capacity measurement): the same table, in seconds, for CI.
 
 ``--forecast-accuracy`` also scores Sluice's forecasts on the same cells: per scored request that
 was served and finished, the forecast its admission decision made at dispatch (the predictor's
@@ -28,6 +30,7 @@ from typing import Final
 
 from bench.goodput.core import (
     PROFILE,
+    QUICK,
     TRACES,
     CellResult,
     Plan,
@@ -115,8 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also score Sluice's dispatch forecasts (the predictor's own, margin divided out) against "
         "the TTFT and TPOT its served requests measured; printed as a second table",
     )
+    parser.add_argument(
+        "--quick", action="store_true", help="the goodput bench's tiny plan (seconds; for CI)"
+    )
     args = parser.parse_args(argv)
-    plan = Plan()
+    plan = QUICK if args.quick else Plan()
     trace, _ = trace_requests(args.trace)
     capacity = measure_capacity(load_profile(PROFILE), trace[: plan.capacity_rows], seed=plan.seed)
     mean = sum(r.prompt_tokens + r.output_tokens for r in trace) / len(trace)
