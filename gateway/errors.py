@@ -282,8 +282,16 @@ def admission_error(reject: Reject) -> GatewayError:
     return AdmissionRejected(reject.message, reason=reason.value, retry_after=reject.retry_after)
 
 
+#: The longest ``Retry-After`` Sluice sends, seconds: the ``openai`` SDKs ignore a longer one (and
+#: fall back to their own short backoff, so the client would come back sooner, not later).
+MAX_RETRY_AFTER_S = 60.0
+
+
 def retry_after_headers(retry_after_s: float) -> dict[str, str]:
-    """``Retry-After`` (RFC 9110 delay-seconds: integer, rounded up, at least 1) and ``retry-after-ms``."""
+    """``Retry-After`` (RFC 9110 delay-seconds: integer, rounded up, at least 1) and ``retry-after-ms``,
+    both at most ``MAX_RETRY_AFTER_S`` (a tenant's bucket may refill later than that: its
+    ``x-ratelimit-reset-*`` headers keep the exact time; a client told 60 s asks again then)."""
+    retry_after_s = min(retry_after_s, MAX_RETRY_AFTER_S)
     seconds = max(1, math.ceil(retry_after_s))
     millis = max(1, math.ceil(retry_after_s * 1000))
     return {"Retry-After": str(seconds), "retry-after-ms": str(millis)}

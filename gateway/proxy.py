@@ -597,7 +597,17 @@ class Proxy:
             _record_usage(ex.outcome, payload, ex.live)
         if ex.parsed.native and not ex.parsed.details:
             body = without_details(body)  # Sluice asked for them; the client did not
-        return web.Response(status=upstream.status, body=body, headers=_relayed(upstream.headers))
+        # Answered here, before the request's bookkeeping (admission's and the predictor's
+        # finish, the outcome listeners, the settle, the access line), not after it by aiohttp:
+        # that work is then off the client's path, as a stream's is. The response hooks (request
+        # id, prediction and rate-limit headers) run in ``prepare`` as before; a client gone by
+        # now ends the exchange as a disconnect (``_exchange``).
+        response = ex.response = web.Response(
+            status=upstream.status, body=body, headers=_relayed(upstream.headers)
+        )
+        await response.prepare(ex.request)
+        await response.write_eof()
+        return response
 
     async def _first_events(
         self, ex: _Exchange, upstream: aiohttp.ClientResponse, splitter: EventSplitter

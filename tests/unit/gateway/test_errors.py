@@ -49,6 +49,9 @@ def assert_error_body(body: dict[str, Any], *, error_type: str, code: str | None
         pytest.param(2.0, "2", "2000", id="whole-seconds"),
         pytest.param(2.5, "3", "2500", id="rounded-up"),
         pytest.param(0.2, "1", "200", id="at-least-one-second"),
+        pytest.param(60.0, "60", "60000", id="sixty-seconds"),
+        pytest.param(60.4, "60", "60000", id="capped-at-sixty-seconds"),
+        pytest.param(300.0, "60", "60000", id="a-bucket-refilling-in-minutes-says-sixty"),
     ],
 )
 def test_retry_after_headers(retry_after_s: float, header: str, millis: str) -> None:
