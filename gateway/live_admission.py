@@ -65,6 +65,7 @@ from gateway.admission import (
     Reject,
     RejectReason,
     ReplicaView,
+    RetryAfterPolicy,
     UniformSource,
     VirtualTokenCounter,
     choose_class,
@@ -616,11 +617,13 @@ class LiveAdmission:
             rested = [r for r in healthy if not r.saturated(now)]
             if rested:
                 return rested
-            # All of them refused a request as overloaded moments ago (their own 429/503).
+            # All of them refused a request as overloaded moments ago (their own 429/503): come
+            # back when the first is expected to take requests again, jittered and within 60 s
+            # like every Retry-After admission sends (``RetryAfterPolicy``).
             wait = min(r.saturated_until for r in healthy) - now
+            retry = RetryAfterPolicy(self._settings.retry_after, self._rng).after(wait)
             raise ReplicasSaturated(
-                f"every replica serving `{model}` is overloaded right now",
-                retry_after_s=wait * (1.0 + 0.5 * self._rng.random()),
+                f"every replica serving `{model}` is overloaded right now", retry_after_s=retry.delay_s
             )
         if any(r.serves(model, engine) or r.models is None for r in replicas):
             return []  # admission answers 503 (no healthy replica)

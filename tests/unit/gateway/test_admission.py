@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import random
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,6 +21,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from gateway import live_admission
 from gateway.admission import (
     AdmissionSettings,
     Blocker,
@@ -31,10 +33,10 @@ from gateway.admission import (
     RetryAfterSettings,
     ShadowSettings,
 )
-from gateway.app import ADMISSION
+from gateway.app import ADMISSION, SCRAPER
 from gateway.errors import SHOULD_RETRY, AdmissionRejected, PromptTooLarge, admission_error, error_response
 from gateway.observability.logs import RequestOutcome
-from gateway.settings import Settings
+from gateway.settings import ScrapeSettings, Settings
 from tests.unit.gateway.conftest import StartGateway, StartReplica
 from tests.unit.gateway.fakes import (
     H100_LLAMA3_8B,
@@ -486,3 +488,171 @@ async def test_the_class_header_is_honoured_for_configured_classes(
 
     assert [o.request_class for o in gw.outcomes] == ["batch", "interactive"]
     assert gw.outcomes[0].ttft_target_s == 60.0
+
+
+@pytest.mark.parametrize(
+    ("deadline_ms", "ttft_target_s"),
+    [
+        pytest.param(None, 2.0, id="class-target"),
+        pytest.param("500", 0.5, id="client-tightens"),
+        pytest.param("600000", 2.0, id="client-cannot-loosen"),
+    ],
+)
+async def test_the_deadline_header_tightens_the_ttft_target_and_never_loosens_it(
+    start_replica: StartReplica, start_gateway: StartGateway, deadline_ms: str | None, ttft_target_s: float
+) -> None:
+    _, url = await start_replica(FakeReplica())
+    gw = await start_gateway(settings=settings_with(url, AdmissionSettings(), known=True))
+
+    headers = {} if deadline_ms is None else {"x-sluice-deadline-ms": deadline_ms}
+    resp = await gw.client.post("/v1/chat/completions", json=CHAT, headers=headers)
+    await resp.read()
+
+    assert resp.status == 200
+    (outcome,) = gw.outcomes
+    assert outcome.ttft_target_s == pytest.approx(ttft_target_s)
+
+
+async def _refuse_for_a_minute(request: web.Request) -> web.StreamResponse:
+    """A replica's own overload refusal asking for the most a Retry-After may say (60 s)."""
+    return web.json_response(
+        {"error": {"message": "Model is overloaded"}}, status=429, headers={"Retry-After": "60"}
+    )
+
+
+async def test_retry_after_for_replicas_that_refused_as_overloaded_never_exceeds_60s(
+    start_replica: StartReplica, start_gateway: StartGateway
+) -> None:
+    """Every replica said it is overloaded for 60 s: Sluice's own 429 is spread with jitter, but
+    like every Retry-After it sends it stays within 60 s (the ``openai`` SDKs ignore larger ones)."""
+    replica = FakeReplica(handler=_refuse_for_a_minute)
+    _, url = await start_replica(replica)
+    gw = await start_gateway(settings=settings_with(url, AdmissionSettings()))
+
+    answers = []
+    for _ in range(8):
+        resp = await gw.client.post("/v1/chat/completions", json=CHAT)
+        answers.append((resp.status, (await resp.json())["error"]["code"], dict(resp.headers)))
+
+    assert len(replica.seen) == 1  # then it is left alone while it said so
+    for status, code, headers in answers:
+        assert (status, code) == (429, "overloaded")
+        assert 1 <= int(headers["Retry-After"]) <= 60, headers
+        assert 1 <= int(headers["retry-after-ms"]) <= 60_000, headers
+    delays = [int(headers["retry-after-ms"]) for _, _, headers in answers]
+    assert len(set(delays)) > 1, "clients refused together are spread"
+
+
+# -- what re-evaluates the queue: a request finishing, a scrape arriving -------------------------------
+
+#: One scrape at startup, then none for a minute: only the scrapes a test asks for arrive.
+QUIET_SCRAPES = ScrapeSettings(interval_s=60.0, timeout_s=1.0, window_s=120.0)
+
+
+@pytest.fixture
+def no_timer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The queue's timer ticks only past every queue deadline below (30 s): a queued request then
+    leaves the queue early only if an event re-evaluates it."""
+    monkeypatch.setattr(live_admission, "MIN_TICK_S", 120.0)
+    monkeypatch.setattr(live_admission, "MAX_TICK_S", 120.0)
+
+
+@pytest.mark.usefixtures("no_timer")
+async def test_a_request_finishing_re_evaluates_the_queue_at_once(
+    start_replica: StartReplica, start_gateway: StartGateway
+) -> None:
+    gate = Gate()
+    _, url = await start_replica(FakeReplica(handler=gate))
+    settings = gateway_settings({"r1": url}, scrape=QUIET_SCRAPES).model_copy(
+        update={"admission": one_in_flight(max_queue_wait_s=30.0)}
+    )
+    gw = await start_gateway(settings=settings)
+    admission = gw.app[ADMISSION]
+
+    first = asyncio.create_task(gw.client.post("/v1/chat/completions", json=CHAT))
+    await wait_for(lambda: gate.holding == 1)
+    second = asyncio.create_task(gw.client.post("/v1/chat/completions", json=CHAT))
+    await wait_for(lambda: admission.queued() == 1)
+    gate.open.set()  # the first finishes: its replica has room again
+    await wait_for(lambda: admission.queued() == 0, timeout_s=5.0)
+
+    assert [(await t).status for t in (first, second)] == [200, 200]
+    assert admission.stats.count(outcome=Outcome.DISPATCHED) == 1
+
+
+def vllm_metrics(running: int, kv_usage: float) -> str:
+    """A vLLM scrape: ``running`` requests of other clients holding ``kv_usage`` of 400K KV tokens."""
+    labels = f'{{model_name="{MODEL}"}}'
+    return (
+        f"vllm:num_requests_running{labels} {running}\n"
+        f"vllm:num_requests_waiting{labels} 0\n"
+        f"vllm:kv_cache_usage_perc{labels} {kv_usage}\n"
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="25000"} 1\n'
+    )
+
+
+@pytest.mark.usefixtures("no_timer")
+async def test_a_scrape_re_evaluates_the_queue_at_once(
+    start_replica: StartReplica, start_gateway: StartGateway
+) -> None:
+    """Other clients' 128 streams (seen in the scrape) put the decode step at ~29 ms, over a 20 ms
+    TPOT target: the request waits in Sluice's queue. The next scrape shows them gone (an idle step
+    is ~8 ms): that scrape alone sends it."""
+    replica = FakeReplica(metrics_text=vllm_metrics(128, 0.9))
+    _, url = await start_replica(replica)
+    admission_settings = AdmissionSettings(
+        classes={"interactive": ClassSettings(ttft_target_s=30.0, max_queue_wait_s=30.0, tpot_target_s=0.02)}
+    )
+    settings = gateway_settings({"r1": url}, hardware=H100_LLAMA3_8B, scrape=QUIET_SCRAPES).model_copy(
+        update={"admission": admission_settings}
+    )
+    gw = await start_gateway(settings=settings)
+    admission = gw.app[ADMISSION]
+    await gw.app[SCRAPER].scrape_once("r1")
+
+    pending = asyncio.create_task(gw.client.post("/v1/chat/completions", json=CHAT))
+    await wait_for(lambda: admission.queued() == 1)
+    assert admission.stats.count(outcome=Outcome.QUEUED) == 1
+    assert replica.seen == []
+    replica.metrics_text = vllm_metrics(0, 0.0)
+    await gw.app[SCRAPER].scrape_once("r1")
+    resp = await asyncio.wait_for(pending, timeout=5.0)
+    await resp.read()
+
+    assert resp.status == 200
+    assert len(replica.seen) == 1
+    (outcome,) = gw.outcomes
+    assert (outcome.decision, outcome.reason) == ("admitted", "ok")
+    assert outcome.queue_wait_s is not None
+    assert 0.0 < outcome.queue_wait_s < 5.0
+
+
+async def test_stale_metrics_are_logged_once_per_transition_not_per_request(
+    start_replica: StartReplica, start_gateway: StartGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The replica's /metrics answers 404 (stale: admission judges it by its own accounting), then
+    a good scrape (fresh again): one line each, whatever the number of requests in between."""
+    replica = FakeReplica(metrics_text=None)
+    _, url = await start_replica(replica)
+    settings = gateway_settings({"r1": url}, hardware=H100_LLAMA3_8B, scrape=QUIET_SCRAPES)
+    gw = await start_gateway(settings=settings)
+
+    def lines(text: str) -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == "sluice.admission" and text in r.getMessage()]
+
+    with caplog.at_level(logging.INFO, logger="sluice.admission"):
+        assert (await gw.app[SCRAPER].scrape_once("r1")).stale
+        for _ in range(4):
+            resp = await gw.client.post("/v1/chat/completions", json=CHAT)
+            await resp.read()
+            assert resp.status == 200
+        replica.metrics_text = vllm_metrics(0, 0.0)
+        assert not (await gw.app[SCRAPER].scrape_once("r1")).stale
+        for _ in range(4):
+            resp = await gw.client.post("/v1/chat/completions", json=CHAT)
+            await resp.read()
+            assert resp.status == 200
+
+    assert len(lines("metrics stale")) == 1
+    assert lines("metrics stale")[0].levelno == logging.WARNING
+    assert len(lines("metrics fresh again")) == 1
