@@ -292,6 +292,9 @@ async def _admission(app: web.Application) -> AsyncIterator[None]:
         admission.token_weights = tenancy.weights
     app[ADMISSION] = admission
     unsubscribe = app[SCRAPER].subscribe(admission.on_snapshot)
+    # A replica back (or gone) changes who can take what waits: re-evaluate at once, not at the
+    # queue's next timer tick.
+    unwatch = app[HEALTH].on_state(lambda _replica: admission.changed())
     metrics = app.get(METRICS)
     if metrics is not None:
         metrics.track_queue(admission.queue_lengths)
@@ -299,6 +302,7 @@ async def _admission(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         unsubscribe()
+        unwatch()
         admission.close()
 
 

@@ -14,7 +14,7 @@ Inputs consumed: ``store.current.health`` read at every round (so reloads apply 
 registry's replicas. ``poke()`` starts the next round early (the proxy calls it after a
 connection error). Only state transitions are logged (by ``Replica.record``). ``on_models``
 listeners hear of every replica whose model list changed (the predictor takes ``max_model_len``
-from it).
+from it), ``on_state`` listeners of every replica a check made healthy or unhealthy (admission).
 """
 
 from __future__ import annotations
@@ -82,11 +82,24 @@ class HealthChecker:
         self._session = session
         self._poked = asyncio.Event()
         self._model_listeners: list[Callable[[Replica], None]] = []
+        self._state_listeners: list[Callable[[Replica], None]] = []
 
     def on_models(self, listener: Callable[[Replica], None]) -> None:
         """Call ``listener(replica)`` whenever a replica's model list is fetched and differs from
         the one it had (errors are logged, never raised)."""
         self._model_listeners.append(listener)
+
+    def on_state(self, listener: Callable[[Replica], None]) -> Callable[[], None]:
+        """Call ``listener(replica)`` whenever a check moves a replica between healthy and
+        unhealthy (admission re-evaluates its queue: a replica back may take what waits; errors
+        are logged, never raised). Returns the call that stops it."""
+        self._state_listeners.append(listener)
+
+        def stop() -> None:
+            with contextlib.suppress(ValueError):
+                self._state_listeners.remove(listener)
+
+        return stop
 
     def poke(self) -> None:
         """Start the next round now instead of at the end of the interval."""
@@ -117,6 +130,8 @@ class HealthChecker:
         if replica.retired:
             return None
         changed = replica.record(error is None, health, error=error)
+        if changed is not None:
+            self._notify(self._state_listeners, replica, "state")
         if replica.state == ReplicaState.HEALTHY or error is None:
             replica.next_check_at = 0.0
         else:
@@ -126,11 +141,15 @@ class HealthChecker:
         return changed
 
     def _models_changed(self, replica: Replica) -> None:
-        for listener in list(self._model_listeners):
+        self._notify(self._model_listeners, replica, "model-list")
+
+    @staticmethod
+    def _notify(listeners: list[Callable[[Replica], None]], replica: Replica, what: str) -> None:
+        for listener in list(listeners):
             try:
                 listener(replica)
             except Exception:
-                log.exception("model-list listener %r failed for replica %s", listener, replica.name)
+                log.exception("%s listener %r failed for replica %s", what, listener, replica.name)
 
     async def run(self) -> None:
         """Check every ``health.interval_s`` seconds (or sooner when poked) until cancelled.

@@ -33,10 +33,11 @@ from gateway.admission import (
     RetryAfterSettings,
     ShadowSettings,
 )
-from gateway.app import ADMISSION, SCRAPER
+from gateway.app import ADMISSION, HEALTH, REGISTRY, SCRAPER
 from gateway.errors import SHOULD_RETRY, AdmissionRejected, PromptTooLarge, admission_error, error_response
 from gateway.observability.logs import RequestOutcome
-from gateway.settings import ScrapeSettings, Settings
+from gateway.replicas.registry import ReplicaState
+from gateway.settings import HealthSettings, ScrapeSettings, Settings
 from tests.unit.gateway.conftest import StartGateway, StartReplica
 from tests.unit.gateway.fakes import (
     H100_LLAMA3_8B,
@@ -578,6 +579,42 @@ async def test_a_request_finishing_re_evaluates_the_queue_at_once(
 
     assert [(await t).status for t in (first, second)] == [200, 200]
     assert admission.stats.count(outcome=Outcome.DISPATCHED) == 1
+
+
+@pytest.mark.usefixtures("no_timer")
+async def test_a_replica_back_to_health_re_evaluates_the_queue_at_once(
+    start_replica: StartReplica, start_gateway: StartGateway
+) -> None:
+    """r1 holds its one request; r2 is down, so the second request waits. The health check that
+    finds r2 back sends it there at once, while r1 still holds the first."""
+    gate = Gate()
+    _, url1 = await start_replica(FakeReplica(handler=gate))
+    down = FakeReplica(health_status=503)
+    _, url2 = await start_replica(down)
+    health = HealthSettings(interval_s=300.0, timeout_s=2.0, unhealthy_after=1, healthy_after=1)
+    settings = gateway_settings({"r1": url1, "r2": url2}, health=health, scrape=QUIET_SCRAPES).model_copy(
+        update={"admission": one_in_flight(max_queue_wait_s=30.0)}
+    )
+    gw = await start_gateway(settings=settings)
+    admission = gw.app[ADMISSION]
+    r2 = gw.app[REGISTRY].get("r2")
+    assert r2 is not None
+    assert r2.state == ReplicaState.UNHEALTHY
+
+    first = asyncio.create_task(gw.client.post("/v1/chat/completions", json=CHAT))
+    await wait_for(lambda: gate.holding == 1)
+    second = asyncio.create_task(gw.client.post("/v1/chat/completions", json=CHAT))
+    await wait_for(lambda: admission.queued() == 1)
+    down.health_status = 200
+    await gw.app[HEALTH].check(r2)
+    await wait_for(lambda: admission.queued() == 0, timeout_s=5.0)
+    resp = await asyncio.wait_for(second, timeout=5.0)
+    await resp.read()
+    assert resp.status == 200
+    assert len(down.seen) == 1  # sent to r2 ...
+    assert gate.holding == 1  # ... while r1 still held the first
+    gate.open.set()
+    assert (await first).status == 200
 
 
 def vllm_metrics(running: int, kv_usage: float) -> str:
