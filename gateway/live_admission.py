@@ -71,6 +71,7 @@ from gateway.admission import (
     choose_class,
     client_deadline_s,
     decision_headers,
+    refusal_headers,
 )
 from gateway.admission.fairness import TokenWeights
 from gateway.admission.views import TrackedStream
@@ -364,7 +365,13 @@ class LiveAdmission:
         areq = self._request(outcome.request_id, parsed, choice.name, arrival, deadline, tenant_name)
         route = route_of(parsed.model, parsed.engine)
         controller = self._controller(route)
-        replicas = self._candidates(route)
+        try:
+            replicas = self._candidates(route)
+        except ReplicasSaturated:
+            # On top of the forecast of an earlier placement the replica refused, if any.
+            refused = refusal_headers(choice.name, SATURATED_REASON, settings)
+            request[PREDICTION_HEADERS] = {**request.get(PREDICTION_HEADERS, {}), **refused}
+            raise
         now = self._clock()
         decision = controller.submit(areq, self._views_for(route, replicas, now), now)
         live: LiveRequest | None = None
@@ -789,6 +796,10 @@ class LiveAdmission:
 
 #: Joins a model and an engine into one route key (a model id never contains a NUL).
 _ROUTE_SEP = "\x00"
+
+
+#: ``x-sluice-admission-reason`` of the 429 for a fleet whose replicas all refused as overloaded.
+SATURATED_REASON = "replicas_saturated"
 
 
 def route_of(model: str, engine: str | None) -> str:

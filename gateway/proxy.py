@@ -41,6 +41,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from gateway.admission import refusal_headers
 from gateway.errors import (
     GatewayError,
     ModelNotFound,
@@ -58,7 +59,7 @@ from gateway.forecasts import (
     LivePredictions,
     ttft_header_value,
 )
-from gateway.live_admission import LiveAdmission, Ticket
+from gateway.live_admission import SATURATED_REASON, LiveAdmission, Ticket
 from gateway.observability.logs import OUTCOME, REQUEST_ID, REQUEST_ID_HEADER, RequestOutcome
 from gateway.openai_api import (
     Endpoint,
@@ -309,6 +310,11 @@ class Proxy:
                         f"the replicas serving `{parsed.model}` are overloaded right now",
                         retry_after_s=over.back_off_s,
                     )
+                    if ticket is not None:  # admitted, then refused by every replica it tried
+                        refused = refusal_headers(
+                            outcome.request_class or "", SATURATED_REASON, settings.admission
+                        )
+                        request[PREDICTION_HEADERS] = {**request.get(PREDICTION_HEADERS, {}), **refused}
                     outcome.status, outcome.error = saturated.status, saturated.code
                     raise saturated from None
                 if ticket is not None and self._admission is not None:

@@ -30,7 +30,7 @@ from gateway.admission.decision import (
     make_admitter,
 )
 from gateway.admission.fairness import TenantKey, TokenWeights, VirtualTokenCounter
-from gateway.admission.headers import decision_headers
+from gateway.admission.headers import decision_headers, refusal_headers
 from gateway.admission.queue import AdmissionQueue, QueueEntry, Reevaluation
 from gateway.admission.request import AdmissionRequest
 from gateway.admission.retry_after import RetryAfter, RetryAfterPolicy, UniformSource
@@ -78,4 +78,5 @@ __all__ = [
     "client_deadline_s",
     "decision_headers",
     "make_admitter",
+    "refusal_headers",
 ]

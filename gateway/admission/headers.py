@@ -12,7 +12,15 @@ from typing import Final
 from gateway.admission.config import AdmissionSettings
 from gateway.admission.decision import Admit, Decision, Queue
 
-__all__ = ["ADMISSION", "CLASS", "PREDICTED_TPOT_MS", "PREDICTED_TTFT_MS", "REASON", "decision_headers"]
+__all__ = [
+    "ADMISSION",
+    "CLASS",
+    "PREDICTED_TPOT_MS",
+    "PREDICTED_TTFT_MS",
+    "REASON",
+    "decision_headers",
+    "refusal_headers",
+]
 
 CLASS: Final = "x-sluice-class"
 ADMISSION: Final = "x-sluice-admission"
@@ -45,3 +53,12 @@ def decision_headers(decision: Decision, request_class: str, settings: Admission
         headers[PREDICTED_TTFT_MS] = f"{f.ttft_s * 1e3:.1f}"
         headers[PREDICTED_TPOT_MS] = f"{f.tpot_s * 1e3:.2f}"
     return headers
+
+
+def refusal_headers(request_class: str, reason: str, settings: AdmissionSettings) -> dict[str, str]:
+    """Headers for a refusal no admission decision made (``reason``, e.g. ``replicas_saturated``:
+    every replica answered its own overload refusal): class, ``rejected`` and the reason, no
+    prediction. Empty when the setting is off."""
+    if not settings.expose_prediction_headers:
+        return {}
+    return {CLASS: request_class, ADMISSION: "rejected", REASON: reason}

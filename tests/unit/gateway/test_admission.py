@@ -538,6 +538,11 @@ async def test_retry_after_for_replicas_that_refused_as_overloaded_never_exceeds
     assert len(replica.seen) == 1  # then it is left alone while it said so
     for status, code, headers in answers:
         assert (status, code) == (429, "overloaded")
+        # The first was admitted, then refused by the replica; the rest never reached it: each
+        # says so, as every response carries admission's outcome.
+        assert headers["x-sluice-admission"] == "rejected", headers
+        assert headers["x-sluice-admission-reason"] == "replicas_saturated", headers
+        assert headers["x-sluice-class"] == "interactive", headers
         assert 1 <= int(headers["Retry-After"]) <= 60, headers
         assert 1 <= int(headers["retry-after-ms"]) <= 60_000, headers
     delays = [int(headers["retry-after-ms"]) for _, _, headers in answers]

@@ -115,6 +115,9 @@ async def test_every_proxied_response_carries_the_forecast(
     assert resp.status == status
     assert resp.headers[REPLICA_HEADER] == "r1"
     assert resp.headers[PREDICTION_HEADER] == prediction
+    if status == 429:  # the replica's refusal: admission's headers say why this one was refused
+        assert resp.headers["x-sluice-admission"] == "rejected"
+        assert resp.headers["x-sluice-admission-reason"] == "replicas_saturated"
     if numbers:
         assert TTFT_FORMAT.match(resp.headers[PREDICTED_TTFT_HEADER])
         assert TPOT_FORMAT.match(resp.headers[PREDICTED_TPOT_HEADER])
