@@ -226,7 +226,6 @@ class _DispatchRecorder(PredictionService):
         max_tokens: int | None,
         in_flight: Sequence[InFlight],
         now: float,
-        api: str | None = None,
     ) -> Forecast:
         latest = self.latest_window(replica)
         itl = None if latest is None else latest[0].itl_mean_s
@@ -239,7 +238,6 @@ class _DispatchRecorder(PredictionService):
             max_tokens=max_tokens,
             in_flight=in_flight,
             now=now,
-            api=api,
         )
 
 

@@ -225,7 +225,6 @@ class LivePredictions:
                 max_tokens=parsed.max_tokens,
                 in_flight=replica.in_flight(),
                 now=now,
-                api=parsed.endpoint,
             )
         except Exception:
             self._forecast_failures += 1

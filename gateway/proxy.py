@@ -286,7 +286,7 @@ class Proxy:
                         request, parsed, outcome, watch=self._disconnects.watch
                     )
                     replica = ticket.replica
-                    admitted = self._with_overhead(request, replica, outcome, ticket, parsed.endpoint)
+                    admitted = self._with_overhead(request, replica, outcome, ticket)
                 else:
                     replica = self._pick(parsed.model, settings, parsed.engine)
                     admitted = self._admit(request, replica, parsed)
@@ -354,17 +354,16 @@ class Proxy:
         return admitted
 
     def _with_overhead(
-        self, request: web.Request, replica: Replica, outcome: RequestOutcome, ticket: Ticket, api: str
+        self, request: web.Request, replica: Replica, outcome: RequestOutcome, ticket: Ticket
     ) -> Admitted:
         """Admission's forecast with ``replica``'s learned dispatch overhead added to its TTFT
         (``PredictionService.with_overhead``: the HTTP hop and the replica server's own work, which
-        the TTFT the gateway measures holds and the engine forecast does not; ``api``, the endpoint it
-        came through, may cost the replica's server more or less of it), as the response's
+        the TTFT the gateway measures holds and the engine forecast does not), as the response's
         headers, the outcome and the prediction service (``finished``) see it."""
         forecast = ticket.forecast
         if self._predictions is None or forecast is None:
             return Admitted(ticket.live, forecast, ticket.headers)
-        forecast = self._predictions.service.with_overhead(replica.name, forecast, self._clock(), api=api)
+        forecast = self._predictions.service.with_overhead(replica.name, forecast, self._clock())
         headers = ticket.headers
         if forecast.overhead_s > 0.0:
             outcome.predicted_ttft_s = forecast.ttft_s

@@ -106,9 +106,9 @@ class PredictionConfig:
     ``overhead_min_window_s`` / ``overhead_min_requests``: a scrape window shorter than this
     (seconds), or holding fewer of the caller's finished requests, does not measure it (window
     edges count a request's decode time against it).
-    ``api_offset_weight``: EWMA weight (0-1] of each finished request in its API's offset on the
-    dispatch overhead (``PredictionService.api_offset_s``); ``api_offset_min_requests``: finished
-    requests of an API on a replica before its offset is applied.
+    ``api_residual_weight``: EWMA weight (0-1] of each finished request in its API's TTFT residual
+    (``PredictionService.api_residual_s``, a diagnostic: forecasts do not use it);
+    ``api_residual_min_requests``: finished requests of an API on a replica before it is reported.
     ``steady_state``: blend each TPOT forecast toward the replica's steady state under its recent
     traffic (``predictor.forecast.steady_state``: Little's law over the requests the caller saw
     finish there in the last ``arrival_memory_s`` seconds); off: the batch it joins alone. Off by
@@ -132,8 +132,8 @@ class PredictionConfig:
     overhead_weight: float = 0.2
     overhead_min_window_s: float = 5.0
     overhead_min_requests: int = 10
-    api_offset_weight: float = 0.05
-    api_offset_min_requests: int = 20
+    api_residual_weight: float = 0.05
+    api_residual_min_requests: int = 20
     steady_state: bool = False
     arrival_memory_s: float = 60.0
     arrival_min_span_s: float = 10.0
@@ -145,8 +145,8 @@ class PredictionConfig:
             raise ValueError(f"prefill_share_weight must be in [0, 1], got {self.prefill_share_weight}")
         if self.overhead_samples < 1 or not 0.0 < self.overhead_weight <= 1.0:
             raise ValueError("overhead_samples must be >= 1 and overhead_weight in (0, 1]")
-        if not 0.0 < self.api_offset_weight <= 1.0 or self.api_offset_min_requests < 1:
-            raise ValueError("api_offset_weight must be in (0, 1] and api_offset_min_requests >= 1")
+        if not 0.0 < self.api_residual_weight <= 1.0 or self.api_residual_min_requests < 1:
+            raise ValueError("api_residual_weight must be in (0, 1] and api_residual_min_requests >= 1")
         if not 0.0 < self.arrival_min_span_s <= self.arrival_memory_s:
             raise ValueError("need 0 < arrival_min_span_s <= arrival_memory_s")
 
@@ -178,9 +178,9 @@ class _Replica:
     overhead_ewma_s: float = 0.0
     overhead_windows: int = 0
     #: EWMAs of (caller-measured TTFT - forecast TTFT), seconds: over all its requests, and by the
-    #: API they came through, with that API's count (``PredictionService.api_offset_s``).
+    #: API they came through, with that API's count (``PredictionService.api_residual_s``).
     residual_s: float = 0.0
-    api_residual_s: dict[str, float] = field(default_factory=dict)
+    api_residuals: dict[str, float] = field(default_factory=dict)
     api_requests: dict[str, int] = field(default_factory=dict)
     #: (finished at, prompt tokens, output tokens) of the caller's recent requests there.
     finishes: deque[tuple[float, int, int]] = field(default_factory=deque)
@@ -390,7 +390,7 @@ class PredictionService:
         time to first token, seconds): the prefill steps the forecast priced become one step-time
         observation for ``replica``'s fit. Scrape windows are dominated by decode steps; these are
         the prefill-heavy steps the forecast needs most, measured where they happen. ``api``: the
-        API it came through (the proxy's endpoint), for that API's offset on the overhead.
+        API it came through (the proxy's endpoint), for that API's residual (``api_residual_s``).
         """
         r = self._replicas.get(replica)
         if r is not None and finished_at is not None:
@@ -463,32 +463,37 @@ class PredictionService:
     def _observe_api(self, r: _Replica, api: str, residual_s: float) -> None:
         """One finished request's TTFT residual (measured - forecast, seconds) into its replica's
         and its API's EWMAs (both from 0, so that a replica served through one API keeps them
-        equal: offset 0)."""
-        w = self._config.api_offset_weight
+        equal: residual 0)."""
+        w = self._config.api_residual_weight
         r.residual_s += w * (residual_s - r.residual_s)
-        mean = r.api_residual_s.get(api, 0.0)
-        r.api_residual_s[api] = mean + w * (residual_s - mean)
+        mean = r.api_residuals.get(api, 0.0)
+        r.api_residuals[api] = mean + w * (residual_s - mean)
         r.api_requests[api] = r.api_requests.get(api, 0) + 1
 
-    def api_offset_s(self, replica: str, api: str | None) -> float:
-        """Seconds the way in through ``api`` takes on ``replica`` beyond the replica's dispatch
-        overhead (negative: less), 0 until ``api_offset_min_requests`` of its requests finished.
+    def api_residual_s(self, replica: str, api: str | None) -> float:
+        """Seconds by which the TTFTs of ``api``'s requests on ``replica`` came later than forecast,
+        beyond the replica's requests of every API (negative: earlier); 0 until
+        ``api_residual_min_requests`` of its requests finished. A diagnostic (``describe``):
+        forecasts do not add it.
 
-        The overhead is learned against the replica's own TTFT, which mixes every API: one API
-        can cost the replica's server more than another before its engine sees the request (an
-        OpenAI chat request is templated and tokenized; TGI's ``/generate`` takes its text as
-        is), and the mixed overhead then under-forecasts one and over-forecasts the other. Its
-        requests' mean residual against the replica's mean residual measures that difference;
-        the replica's level stays the engine's TTFT's.
+        They once did, as a per-API offset on the dispatch overhead (an OpenAI chat request is
+        templated and tokenized by the replica's server, a TGI ``/generate`` one is not), and
+        TGI's forecasts got noisier for it. In the mixed fleet (``test_mixed_fleet``; the
+        emulators instrumented, 3 runs) the way in and back cost TGI's two routes the same
+        (1.1-1.8 ms, within 0.2 ms of each other); what differed was the engine: its OpenAI
+        requests waited 1-1.6 ms longer than forecast there, mostly because routing sends one to
+        TGI while a native client is between requests, whose next one then often shares its
+        prefill step. Added as an overhead, that engine-side tail moved every request's
+        predicted lateness (a whole decode step more or less); the estimate also swung +-0.7 ms
+        from request to request, and it was learned against forecasts that already held it
+        (converging to half its value). Without it, replayed on the same requests, TGI's TTFT
+        p90 went from 25-34 % to 20-30 % (docs/engines.md, "Why TGI's TTFT forecasts were the
+        noisiest").
         """
         r = self._replicas.get(replica)
-        return 0.0 if r is None else self._api_offset(r, api)
-
-    def _api_offset(self, r: _Replica, api: str | None) -> float:
-        """``api_offset_s`` of a known replica."""
-        if api is None or r.api_requests.get(api, 0) < self._config.api_offset_min_requests:
+        if r is None or api is None or r.api_requests.get(api, 0) < self._config.api_residual_min_requests:
             return 0.0
-        return r.api_residual_s.get(api, 0.0) - r.residual_s
+        return r.api_residuals.get(api, 0.0) - r.residual_s
 
     def _observe_prefill(self, r: _Replica, forecast: Forecast, ttft_s: float, at: float | None) -> None:
         """One step observation from a measured TTFT: the time left after the step it waited for.
@@ -644,14 +649,12 @@ class PredictionService:
         max_tokens: int | None,
         in_flight: Sequence[InFlight],
         now: float,
-        api: str | None = None,
     ) -> Forecast:
         """TTFT, TPOT and inflicted TPOT of a request of ``prompt_tokens`` on ``replica`` at ``now``.
 
         ``max_tokens`` ``None`` means the engine's default, ``max_model_len - prompt_tokens``.
-        ``in_flight``: the gateway's unfinished requests on that replica now; ``api``: the API it
-        comes through (``with_overhead``). Never raises for a bad request or an unknown replica:
-        the forecast is ``valid=False`` with a reason.
+        ``in_flight``: the gateway's unfinished requests on that replica now. Never raises for a
+        bad request or an unknown replica: the forecast is ``valid=False`` with a reason.
         """
         r = self._replicas.get(replica)
         limits = self._limits(r)
@@ -664,18 +667,15 @@ class PredictionService:
         step_model, state = self.replica_inputs(
             replica, model=model, tenant=tenant, in_flight=in_flight, now=now
         )
-        return self.with_overhead(
-            replica, forecast_request(request, state, step_model, self._config.forecast), now, api=api
-        )
+        engine = forecast_request(request, state, step_model, self._config.forecast)
+        return self.with_overhead(replica, engine, now)
 
-    def with_overhead(
-        self, replica: str, engine: Forecast, now: float, *, api: str | None = None
-    ) -> Forecast:
+    def with_overhead(self, replica: str, engine: Forecast, now: float) -> Forecast:
         """``engine`` (a forecast of the engine alone, as ``predictor.forecast_request`` makes them),
         made at ``now`` (the caller's clock, seconds), as the caller will measure its TTFT (dispatch
         to first token back) given ``replica``'s learned dispatch overhead ``d`` (the way in, the
-        replica server's own work and the way back; plus ``api``'s offset, ``api_offset_s``, for
-        a request coming through that API); ``Forecast.overhead_s`` says what was added.
+        replica server's own work and the way back, the same for every API it serves: see
+        ``api_residual_s``); ``Forecast.overhead_s`` says what was added.
         What ``forecast`` returns; a caller that forecasts with ``replica_inputs`` itself
         (admission) passes its forecast here. Unchanged (``overhead_s`` 0) when no overhead is
         learned, the replica is unknown or the TTFT is not a number.
@@ -704,7 +704,6 @@ class PredictionService:
         overhead = 0.0 if r is None else r.overhead_s
         if r is None or overhead <= 0.0 or not math.isfinite(engine.ttft_s):
             return dataclasses.replace(engine, made_at=now)
-        overhead = max(0.0, overhead + self._api_offset(r, api))
         added = overhead
         batch = engine.prefill_batch
         decoding = batch is not None and batch.decode_seqs > 0.0
@@ -788,7 +787,7 @@ class PredictionService:
                 "background_prefill_tokens_per_step": r.load.prefill_tokens_per_step,
                 "prefill_share": r.load.prefill_share,
                 "dispatch_overhead_s": r.overhead_s,
-                "api_overhead_offsets_s": {a: self.api_offset_s(name, a) for a in sorted(r.api_requests)},
+                "api_ttft_residuals_s": {a: self.api_residual_s(name, a) for a in sorted(r.api_requests)},
                 "steady_state": None
                 if r.steady is None
                 else {
@@ -824,10 +823,20 @@ def _engine_ttft_mean_s(snapshot: ReplicaSnapshot) -> float | None:
     to the batch that takes it) plus the mean prefill step as the router ran it
     (``tgi_batch_inference_duration{method="prefill"}``: the step whose end is the first token).
     Validation (tokenization) happens before the queue and so counts as overhead, like the hop.
+    The queue time is a mean over requests, the prefill step one over steps: a step several
+    requests share counts once there but once per request in their TTFTs, and takes longer. So
+    the prefill step is weighted by the requests each started (``tgi_batch_next_size``,
+    ``ReplicaSnapshot.request_prefill_step_time_mean_s``) where known. Unweighted, the mean
+    missed 0.5 ms in a mixed-fleet run (11 % of TGI's requests shared a prefill step), and the
+    learned overhead stood that much above the hop's mean (vLLM's, SGLang's matched it); in
+    the first windows, which hold the start's burst (five requests in one step), 2-5 ms.
     """
     if snapshot.ttft_mean_s is not None:
         return snapshot.ttft_mean_s
-    queue, prefill = snapshot.queue_time_mean_s, snapshot.prefill_step_time_mean_s
+    queue = snapshot.queue_time_mean_s
+    prefill = snapshot.request_prefill_step_time_mean_s
+    if prefill is None:
+        prefill = snapshot.prefill_step_time_mean_s
     if queue is None or prefill is None:
         return None
     return queue + prefill

@@ -130,6 +130,11 @@ class ReplicaSnapshot:
     decode_step_time_mean_s: float | None = None
     #: Mean seconds of one step that prefills (TGI ``method="prefill"``).
     prefill_step_time_mean_s: float | None = None
+    #: Mean over requests of the seconds of the step that prefilled them (the step their first
+    #: token came from): the prefill steps weighted by the requests each started (TGI
+    #: ``tgi_batch_next_size``; ``scrape.request_prefill_step_s``). Longer than the mean step
+    #: when several requests share one, which then takes longer.
+    request_prefill_step_time_mean_s: float | None = None
     #: Decode steps per second (TGI: count rate of ``method="decode"`` steps).
     decode_steps_per_s: float | None = None
     #: The engine's own smoothed decode throughput, tokens/s (SGLang ``gen_throughput``, updated

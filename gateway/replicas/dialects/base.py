@@ -62,6 +62,9 @@ class HistogramName(enum.StrEnum):
     #: The same for decode-only steps and for steps that prefill (TGI ``method`` label).
     DECODE_STEP_TIME = "decode_step_time_s"
     PREFILL_STEP_TIME = "prefill_step_time_s"
+    #: Requests each prefill batch starts (TGI ``tgi_batch_next_size``, buckets 1, 2, ...):
+    #: one observation per new batch taken from the queue.
+    PREFILL_BATCH_REQUESTS = "prefill_batch_requests"
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,6 +73,7 @@ HISTOGRAMS: Mapping[HistogramName, tuple[tuple[str, Mapping[str, str] | None], .
         ("tgi_batch_inference_duration", {"method": "decode"}),
         ("tgi_batch_forward_duration", {"method": "decode"}),
     ),
+    HistogramName.PREFILL_BATCH_REQUESTS: (("tgi_batch_next_size", None),),
     HistogramName.QUEUE_TIME: (("tgi_request_queue_duration", None),),
     HistogramName.E2E: (("tgi_request_duration", None),),
     HistogramName.REQUEST_PROMPT_TOKENS: (("tgi_request_input_length", None),),

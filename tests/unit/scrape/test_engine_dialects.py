@@ -9,6 +9,7 @@ TGI: no real scrape exists in public, so its text is BUILT from the reference's 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -17,12 +18,13 @@ from gateway.replicas.dialects import (
     AUTO,
     DIALECTS,
     CounterName,
+    Histogram,
     HistogramName,
     detect,
     engine_from_info,
     get_dialect,
 )
-from gateway.replicas.scrape import SnapshotBuilder, parse_exposition
+from gateway.replicas.scrape import SnapshotBuilder, histogram_moments, parse_exposition
 from predictor import observation_from_window
 from tests.unit.scrape.scrapes import REAL_032, REAL_V0_010, ScrapeText, fixture_text
 from tests.unit.scrape.tgi_text import Observed, TgiState, tgi_exposition
@@ -103,8 +105,40 @@ def test_tgi_snapshot_measures_step_time_directly() -> None:
     assert snap.e2e_mean_s == pytest.approx(3.0)
     assert snap.mean_prompt_tokens_per_request == pytest.approx(500.0)
     assert snap.ttft_mean_s is None
+    assert snap.request_prefill_step_time_mean_s is None  # no tgi_batch_next_size in this scrape
     assert dict(snap.sources)["step_time_s"] == "tgi_batch_inference_duration"
     assert dict(snap.sources)["decode_step_time_s"] == 'tgi_batch_inference_duration{method="decode"}'
+
+
+def test_tgi_prefill_step_weighted_by_the_requests_each_started() -> None:
+    """The window's 20 prefill steps (50 ms each on average) started 24 requests: 16 alone, 4
+    steps two each (``tgi_batch_next_size``). Over the requests, the step that prefilled them is
+    longer than over the steps: the 12 ms decode step it rides along plus an equal share per
+    request, ``E[n^2] / E[n]^2 = (32 / 20) / 1.2^2`` times the rest."""
+    before, after, dt = _tgi_window()
+    before = dataclasses.replace(before, next_sizes={1: 100})
+    after = dataclasses.replace(after, next_sizes={1: 116, 2: 4})
+    builder = SnapshotBuilder("tgi-1", TGI)
+    builder.observe_text(tgi_exposition(before), 100.0)
+    snap = builder.observe_text(tgi_exposition(after), 100.0 + dt)
+
+    assert snap.prefill_step_time_mean_s == pytest.approx(0.050)
+    assert snap.request_prefill_step_time_mean_s == pytest.approx(0.012 + 0.038 * (32 / 20) / 1.2**2)
+    # One request per step: every request's step is the mean step.
+    single = dataclasses.replace(after, next_sizes={1: 120})
+    builder = SnapshotBuilder("tgi-1", TGI)
+    builder.observe_text(tgi_exposition(before), 100.0)
+    snap = builder.observe_text(tgi_exposition(single), 100.0 + dt)
+    assert snap.request_prefill_step_time_mean_s == pytest.approx(0.050)
+
+
+def test_histogram_moments_of_integer_buckets_and_overflow() -> None:
+    # 3 observations of 1, 1 of 2, and 2 beyond the last bound (3) summing to 10.
+    h = Histogram(bounds=(1.0, 2.0, 3.0, math.inf), cumulative=(3.0, 4.0, 4.0, 6.0), sum=15.0, count=6.0)
+    mean, square = histogram_moments(h)  # type: ignore[misc]
+    assert mean == pytest.approx(15 / 6)
+    assert square == pytest.approx((3 * 1 + 1 * 4 + 2 * 25) / 6)
+    assert histogram_moments(Histogram((1.0, math.inf), (0.0, 0.0), 0.0, 0.0)) is None
 
 
 def test_tgi_step_time_falls_back_to_the_forward_duration() -> None:

@@ -48,6 +48,8 @@ class TgiState:
     generated_tokens: Observed = Observed(80, 200.0)
     queue_duration: Observed = Observed(90, 0.2)
     request_duration: Observed = Observed(80, 3.0)
+    #: ``tgi_batch_next_size``: prefill batches by the requests each started (absent when empty).
+    next_sizes: Mapping[int, int] = field(default_factory=dict)
 
 
 def _number(value: float) -> str:
@@ -101,4 +103,14 @@ def tgi_exposition(s: TgiState, *, max_input_tokens: int = 4095, max_total_token
     _histogram(
         lines, "tgi_request_generated_tokens", [({}, s.generated_tokens)], token_buckets(max_total_tokens)
     )
+    if s.next_sizes:
+        # Buckets 1..1024 step 1 (``BATCH_SIZE_BUCKETS``): one bucket per batch size.
+        lines.append("# TYPE tgi_batch_next_size histogram")
+        for le in range(1, 1025):
+            below = sum(n for size, n in s.next_sizes.items() if size <= le)
+            lines.append(f'tgi_batch_next_size_bucket{{le="{le}"}} {below}')
+        total = sum(s.next_sizes.values())
+        lines.append(f'tgi_batch_next_size_bucket{{le="+Inf"}} {total}')
+        lines.append(f"tgi_batch_next_size_sum {sum(size * n for size, n in s.next_sizes.items())}")
+        lines.append(f"tgi_batch_next_size_count {total}")
     return "\n".join(lines) + "\n"
