@@ -742,6 +742,7 @@ class LiveAdmission:
             streams=running,
             stale=state.stale,
             built_at=now,
+            dispatch_overhead_s=self._service.dispatch_overhead_s(replica.name),
         )
 
     def _note_staleness(self, name: str, stale: bool) -> None:

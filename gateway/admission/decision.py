@@ -26,7 +26,10 @@ yield_ttft/tpot  for each class P in C.yields_to, a typical P request queued    
 Headroom of a stream = its class's TPOT target - its TPOT now (as predicted, at least the
 replica's current decode step, plus what requests admitted since the view was built inflict).
 The first-token deadline is arrival + TTFT target, or the client's earlier deadline, so time spent
-in Sluice's queue counts. The replica's slack is the minimum; the request goes to the replica with
+in Sluice's queue counts. Every TTFT held against a deadline includes the replica's learned
+dispatch overhead (``ReplicaView.dispatch_overhead_s``, added after the margins: all of it on an
+idle engine, the steps it misses on a busy one, ``predictor.overhead``). The replica's slack is
+the minimum; the request goes to the replica with
 the most slack among those where it is >= 0. A long prompt that would push running streams past
 their targets is therefore sent where it hurts least, or held. Slacks within ``_SLACK_TIE`` (1 %
 of the binding target) of the most are comparable: of those, the replica with the fewest of the
@@ -77,6 +80,7 @@ from predictor import (
     StepModel,
 )
 from predictor.forecast import ForecastValues, forecast_of, forecast_values
+from predictor.overhead import added_overhead_s
 
 __all__ = [
     "ADMITTERS",
@@ -331,6 +335,15 @@ class _Forecasts:
         self.known: dict[CandidateRequest, _Known] = {}
 
 
+def _overhead_s(d: float, f: ForecastValues, model: StepModel) -> float:
+    """What a dispatch overhead of ``d`` seconds (> 0) adds to the TTFT of forecast ``f``
+    (``predictor.overhead.added_overhead_s``: all of it on an idle engine, the steps it misses on
+    a busy one)."""
+    batch = f[11]
+    decodes, kv = (batch[1], batch[2]) if batch is not None else (0.0, 0.0)
+    return added_overhead_s(d, f[10], decodes, kv, model)
+
+
 def _after(f: ForecastValues, elapsed_s: float) -> ForecastValues:
     """``f`` (made on a view as built) ``elapsed_s`` later, within the same engine step: the step
     wait, and with it the TTFT, shorter by that much; nothing else moves (``ReplicaView``)."""
@@ -544,7 +557,12 @@ class SloAdmitter:
             f = _after(f, elapsed)
             known = None  # the memo's ``Forecast`` is the view's as built
         scale = self._stale_scale if view.stale else self._fresh_scale
-        ttft, tpot, infl = f[0] * scale, f[1] * scale, f[2] * scale
+        # The first token reaches the gateway the replica's dispatch overhead after the engine
+        # makes it, or the share of it a busy engine's steps leave (learned, not scaled by the
+        # margins; ``predictor.overhead``, as the response's forecast gets it).
+        d = view.dispatch_overhead_s
+        overhead = _overhead_s(d, f, view.model) if d > 0.0 else 0.0
+        ttft, tpot, infl = f[0] * scale + overhead, f[1] * scale, f[2] * scale
         stall = f[7] * scale
         output = f[5]
         streams = stalls = _INF
@@ -600,7 +618,8 @@ class SloAdmitter:
             keep = 1.0 - self._settings.yield_margin
             for protected, probe in plan:
                 pf = forecast_values(probe, after, view.model, self._fc)
-                p_ttft, p_tpot = (pf[0] - elapsed) * scale, pf[1] * scale
+                p_over = _overhead_s(d, pf, view.model) if d > 0.0 else 0.0
+                p_ttft, p_tpot = (pf[0] - elapsed) * scale + p_over, pf[1] * scale
                 probes.append((protected, p_ttft, p_tpot))
                 t, p = protected.ttft_target_s, protected.tpot_target_s
                 yttft = min(yttft, (keep * t - p_ttft) / t)
@@ -928,7 +947,7 @@ class SloAdmitter:
                 self._idle_forecasts.clear()
             self._idle_forecasts[key] = (model, ttft, tpot)
         scale = self._scale(view)
-        ttft *= scale
+        ttft = ttft * scale + view.dispatch_overhead_s
         if math.isnan(ttft):
             return False
         return ttft > request.fresh_ttft_budget_s(cls) or tpot * scale > cls.tpot_target_s

@@ -176,6 +176,10 @@ class ReplicaView:
     ``step_remaining_s`` counts from then. A view may be used after it, until the step in progress
     is predicted to end (``usable_until``): nothing about the replica changes in between but the
     step's phase, which ``step_elapsed_s`` gives. NaN: timeless (used as built).
+    ``dispatch_overhead_s``: seconds a request's first token takes beyond the engine's forecast
+    there (the HTTP hop and the replica server's own work, learned from its TTFTs: the live
+    gateway's ``PredictionService``); admission adds it to every TTFT it holds against a deadline.
+    0 where nothing is learned (virtual time).
     """
 
     name: str
@@ -187,6 +191,7 @@ class ReplicaView:
     gateway_streams: int
     extra_tpot_s: float = 0.0
     built_at: float = math.nan
+    dispatch_overhead_s: float = 0.0
 
     @classmethod
     def build(
@@ -199,15 +204,28 @@ class ReplicaView:
         streams: Iterable[StreamingRequest] = (),
         stale: bool = False,
         built_at: float = math.nan,
+        dispatch_overhead_s: float = 0.0,
     ) -> ReplicaView:
         """Aggregate ``streams`` (the gateway's requests running there) once: O(k log k).
 
         ``stale`` or ``state.stale`` marks the view stale. Each stream's TPOT is floored at the
-        replica's current decode step time (``current_step_s``). ``built_at``: see the class.
+        replica's current decode step time (``current_step_s``). ``built_at``,
+        ``dispatch_overhead_s``: see the class.
         """
         items = list(streams)
         loads = class_loads(items, current_step_s(model, state))
-        return cls(name, healthy, model, state, stale or state.stale, loads, len(items), 0.0, built_at)
+        return cls(
+            name,
+            healthy,
+            model,
+            state,
+            stale or state.stale,
+            loads,
+            len(items),
+            0.0,
+            built_at,
+            dispatch_overhead_s,
+        )
 
     @property
     def usable_until(self) -> float:

@@ -60,7 +60,6 @@ from predictor import (
     PromptTokenConfig,
     PromptTokenEstimator,
     ReplicaState,
-    StepBatch,
     StepCalibrator,
     StepModel,
     StepParams,
@@ -71,6 +70,7 @@ from predictor import (
     unknown_step_model,
 )
 from predictor.forecast import SteadyState, TrafficMix, steady_state
+from predictor.overhead import added_overhead_s
 
 __all__ = ["PredictionConfig", "PredictionService"]
 
@@ -670,6 +670,15 @@ class PredictionService:
         engine = forecast_request(request, state, step_model, self._config.forecast)
         return self.with_overhead(replica, engine, now)
 
+    def dispatch_overhead_s(self, replica: str) -> float:
+        """``replica``'s learned dispatch overhead ``d``, seconds (the way in, the replica server's
+        own work and the way back; 0 when unknown or not learned yet). Admission adds it to the
+        TTFTs it holds against deadlines (``ReplicaView.dispatch_overhead_s``): the whole of it,
+        as on an idle engine; ``with_overhead`` prices a busy engine's share more finely for the
+        forecast the response carries, never above ``d`` plus a decode step."""
+        r = self._replicas.get(replica)
+        return 0.0 if r is None else r.overhead_s
+
     def with_overhead(self, replica: str, engine: Forecast, now: float) -> Forecast:
         """``engine`` (a forecast of the engine alone, as ``predictor.forecast_request`` makes them),
         made at ``now`` (the caller's clock, seconds), as the caller will measure its TTFT (dispatch
@@ -693,7 +702,7 @@ class PredictionService:
           GPU; about ``d`` plus half a step where it is several, as in front of a slow API
           server). How late it is varies from request to request by about the hop itself (the
           way in and the boundaries' lag on a busy host): it is taken as uniform over
-          ``(d - wait) +- d / 2`` and the steps averaged over that (``_steps_waited_s``), so a
+          ``(d - wait) +- d / 2`` and the steps averaged over that (``predictor.overhead``), so a
           request near the edge is forecast half a step late rather than a whole step wrong
           half the time (mixed fleet: TTFT p90 ~30 % -> ~25 %, median ~6 % -> ~7 %).
           Adding ``d`` on a busy engine instead over-predicted the requests that caught the step
@@ -704,19 +713,10 @@ class PredictionService:
         overhead = 0.0 if r is None else r.overhead_s
         if r is None or overhead <= 0.0 or not math.isfinite(engine.ttft_s):
             return dataclasses.replace(engine, made_at=now)
-        added = overhead
         batch = engine.prefill_batch
-        decoding = batch is not None and batch.decode_seqs > 0.0
-        if (engine.step_wait_s > 0.0 or decoding) and r.model.valid:
-            late = overhead - engine.step_wait_s
-            decodes = batch.decode_seqs if batch is not None else 0.0
-            kv = batch.kv_tokens_read if batch is not None else 0.0
-            step = r.model.step_time(StepBatch(0.0, decodes, kv))
-            added = (
-                _steps_waited_s(late - 0.5 * overhead, late + 0.5 * overhead, step)
-                if step > 0.0
-                else overhead
-            )
+        decodes = batch.decode_seqs if batch is not None else 0.0
+        kv = batch.kv_tokens_read if batch is not None else 0.0
+        added = added_overhead_s(overhead, engine.step_wait_s, decodes, kv, r.model)
         return dataclasses.replace(engine, ttft_s=engine.ttft_s + added, overhead_s=added, made_at=now)
 
     def _limits(self, r: _Replica | None) -> Limits:
@@ -840,25 +840,6 @@ def _engine_ttft_mean_s(snapshot: ReplicaSnapshot) -> float | None:
     if queue is None or prefill is None:
         return None
     return queue + prefill
-
-
-def _steps_waited_s(late_lo_s: float, late_hi_s: float, step_s: float) -> float:
-    """Mean seconds of engine steps (``step_s`` each, > 0) a request waits for when it reaches
-    the engine uniformly between ``late_lo_s`` and ``late_hi_s`` seconds after the step in
-    progress ended (<= 0: in time for it, none): ``ceil(late / step)`` steps each, averaged
-    exactly. ``late_lo_s == late_hi_s``: that one lateness."""
-    if late_hi_s <= late_lo_s:
-        return math.ceil(late_hi_s / step_s) * step_s if late_hi_s > 0.0 else 0.0
-    whole = _ceil_integral(late_hi_s, step_s) - _ceil_integral(late_lo_s, step_s)
-    return step_s * whole / (late_hi_s - late_lo_s)
-
-
-def _ceil_integral(x: float, step_s: float) -> float:
-    """The integral of ``ceil(t / step_s) dt`` from 0 to ``x`` (0 for ``x <= 0``)."""
-    if x <= 0.0:
-        return 0.0
-    whole = math.floor(x / step_s)
-    return step_s * whole * (whole + 1) / 2.0 + (whole + 1) * (x - whole * step_s)
 
 
 def _finite(x: float | None) -> float | None:

@@ -628,3 +628,40 @@ def test_admit_all_policy_routes_by_slack_and_admits_everything() -> None:
     assert decision.admits
     assert not decision.enforced
     assert decision.replica == "better"
+
+
+# -- the replica's dispatch overhead -------------------------------------------------------------
+
+
+def _with_overhead(v: ReplicaView, overhead_s: float) -> ReplicaView:
+    return replace(v, dispatch_overhead_s=overhead_s)
+
+
+def test_dispatch_overhead_counts_against_the_first_token_deadline() -> None:
+    """On an idle replica the whole overhead comes on top of the engine's TTFT: a deadline the
+    engine alone would meet with 5 ms to spare is missed once the replica's 10 ms way in and
+    back is counted; the prediction the response carries is the engine's (the proxy adds its
+    own overhead estimate to it)."""
+    idle = view("a", state())
+    plain = decide([idle])
+    assert isinstance(plain, Admit)
+    assert plain.forecast is not None
+    deadline = NOW + plain.forecast.ttft_s + 0.005
+    assert isinstance(decide([idle], deadline=deadline), Admit)
+    late = decide([_with_overhead(idle, 0.010)], deadline=deadline)
+    assert isinstance(late, Reject)
+    assert late.reason == RejectReason.DEADLINE_EXCEEDED
+    roomy = decide([_with_overhead(idle, 0.010)])
+    assert isinstance(roomy, Admit)
+    assert roomy.forecast == plain.forecast
+
+
+def test_dispatch_overhead_routes_to_the_nearer_replica() -> None:
+    """Two idle replicas alike but for their overhead, 60 ms apart; the client's 300 ms deadline
+    makes TTFT the binding slack, where 60 ms is more than the slack tie (1 % of the 2 s target):
+    the request goes to the one whose first token comes back sooner, whichever is listed first."""
+    far, near = _with_overhead(view("far", state()), 0.080), _with_overhead(view("near", state()), 0.020)
+    for views in ([far, near], [near, far]):
+        decision = decide(views, deadline=NOW + 0.3)
+        assert isinstance(decision, Admit)
+        assert decision.replica == "near"

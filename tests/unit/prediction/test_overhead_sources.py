@@ -12,12 +12,12 @@ import pytest
 
 from gateway.app import LIVE_PREDICTION, PREDICTION_SERVICE, build_app
 from gateway.prediction import PredictionConfig, PredictionService, ReplicaFacts
-from gateway.prediction.service import _steps_waited_s
 from gateway.replay import ReplayConfig
 from gateway.replicas.snapshot import ReplicaSnapshot
 from gateway.settings import ReplicaSettings, Settings
 from gateway.store import SettingsStore
 from predictor import Forecast, StepBatch
+from predictor.overhead import steps_waited_s
 
 H100 = ReplicaFacts(
     gpu="H100-SXM",
@@ -176,7 +176,7 @@ def test_on_a_busy_engine_the_overhead_decides_which_step_the_request_catches(
     ],
 )
 def test_steps_waited_for_a_lateness_spread_uniformly(lo: float, hi: float, steps: float) -> None:
-    assert _steps_waited_s(lo * 0.008, hi * 0.008, 0.008) == pytest.approx(steps * 0.008)
+    assert steps_waited_s(lo * 0.008, hi * 0.008, 0.008) == pytest.approx(steps * 0.008)
 
 
 def test_an_idle_engine_gets_the_whole_overhead() -> None:

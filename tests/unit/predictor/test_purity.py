@@ -37,7 +37,7 @@ def test_importing_the_predictor_loads_no_service_library() -> None:
     code = (
         "import json, sys\n"
         "import predictor, predictor.calibrate, predictor.forecast, predictor.hardware, predictor.model\n"
-        "import predictor.output_length, predictor.prompt_tokens, predictor.step_model\n"
+        "import predictor.output_length, predictor.overhead, predictor.prompt_tokens, predictor.step_model\n"
         "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
