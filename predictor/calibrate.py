@@ -114,6 +114,11 @@ class WindowStats:
     counts as busy too.
     ``tokens_per_step_buckets``: the window's increase of ``iteration_tokens_total_bucket`` as
     cumulative ``(le, count)`` pairs in ascending ``le`` (last may be ``inf``); empty if not scraped.
+    ``steps_counted``: ``steps_per_s`` counts every step the engine ran (vLLM's iteration histogram),
+    so that window / steps is the mean step when busy. ``False`` for an estimate that counts some
+    steps only over a wall time that holds all of them (old SGLang: ``gen_throughput /
+    num_running_reqs``, decode steps alone over a log interval that also ran the prefill batches);
+    its period is then no step time and the ITL is used.
     """
 
     at_s: float
@@ -130,6 +135,7 @@ class WindowStats:
     mean_prompt_tokens: float | None = None
     busy: bool = False
     tokens_per_step_buckets: tuple[tuple[float, float], ...] = ()
+    steps_counted: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +210,8 @@ def observation_from_window(window: WindowStats, knee_tokens: float) -> Observat
     attention pairs per step ~ prefill tokens per step x mean prompt / 2.
 
     Step time: the mean step period (window / steps) when the engine was busy throughout, unless
-    it exceeds 1.5x the mean ITL (then it idled, and the ITL is used); else the mean ITL.
+    it exceeds 1.5x the mean ITL (then it idled, and the ITL is used), or the steps were estimated
+    rather than counted (``steps_counted``); else the mean ITL.
     """
     w, src = window, ObservationSource.WINDOW_ITL
     numbers = (w.steps_per_s, w.running, w.waiting, w.kv_tokens_in_use, w.generation_tokens_per_s)
@@ -226,7 +233,7 @@ def observation_from_window(window: WindowStats, knee_tokens: float) -> Observat
         excess = max(0.0, batch.tokens - knee_tokens)
     itl = w.mean_itl_s if w.mean_itl_s is not None and w.mean_itl_s > 0.0 else None
     period = 1.0 / w.steps_per_s
-    if (w.busy or w.waiting > 0.0) and (itl is None or period <= 1.5 * itl):
+    if w.steps_counted and (w.busy or w.waiting > 0.0) and (itl is None or period <= 1.5 * itl):
         step_s, src = period, ObservationSource.WINDOW_PERIOD
     elif itl is not None:
         step_s = itl

@@ -6,18 +6,26 @@ docs example of ~v0.4 (``tests/data/metrics/sglang-v0.4-docs-production_metrics.
 ``prompt_tokens_total`` and ``generation_tokens_total``; gauges ``token_usage``,
 ``cache_hit_rate``, ``num_running_reqs``, ``num_used_tokens``, ``gen_throughput``,
 ``num_queue_reqs``; histograms ``time_to_first_token_seconds``, ``e2e_request_latency_seconds``
-and ``time_per_output_token_seconds`` (the old name of the ITL histogram). One family is added:
-``max_total_num_tokens``, the KV pool's capacity, a startup constant SGLang has exported since
-2024 (reference §3.2). ``func_latency_seconds`` (timings of decorated Python functions) is left
-out: the emulator has no such functions.
+and ``time_per_output_token_seconds`` (what became the ITL histogram, with another meaning:
+below). One family is added: ``max_total_num_tokens``, the KV pool's capacity, a startup constant
+SGLang has exported since 2024 (reference §3.2). ``func_latency_seconds`` (timings of decorated
+Python functions) is left out: the emulator has no such functions.
 
 Behaviour that matters to a scraper, as SGLang (reference §4):
 
 * token counters grow **when a request finishes**, by its whole prompt and output;
+* ``time_per_output_token_seconds`` is not an inter-token latency: ~v0.4's tokenizer manager
+  observes, on every output chunk after a request's first, the request's mean time per output
+  token so far (``(now - first_token_time) / (completion_tokens - 1)``), and when the request
+  finishes its end-to-end latency over its output tokens (``(now - created_time) /
+  completion_tokens``), in its ``handle_loop`` of the v0.3-v0.4 era. One chunk per token here
+  (``stream_interval`` 1, SGLang's default). Intervals per chunk came later, with
+  ``inter_token_latency_seconds``;
 * the scheduler gauges are set only in its ``log_stats``: on every step that prefills, and every
   ``decode_log_interval`` (40) decode steps, so between those they hold old values;
   ``gen_throughput`` is the decode tokens of the last interval over its duration, and
-  ``token_usage`` is rounded to two decimals as SGLang's log does;
+  ``token_usage`` is rounded to two decimals as SGLang's ``log_stats`` does (``num_used_tokens`` is
+  exact);
 * no prefix cache is modelled: ``cache_hit_rate`` is 0.
 
 Overload: SGLang queues without limit by default (``--max-queued-requests`` is off, and its status
@@ -129,6 +137,8 @@ class SglangMetrics:
         )
         #: Decode tokens/s of the last log interval, as the ``gen_throughput`` gauge holds it.
         self.last_gen_throughput = 0.0
+        #: Seconds since its first token and tokens after it, per request still generating.
+        self._since_first: dict[str, tuple[float, int]] = {}
         self._decode_steps = 0
         self._decode_tokens = 0
         self._interval_started: float | None = None
@@ -143,17 +153,20 @@ class SglangMetrics:
         """SGLang never refuses a request here (no queue limit by default)."""
 
     def record_finished(self, stats: FinishedRequestStats) -> None:
-        """A request finished (or was aborted): its tokens join the counters, its latency the e2e."""
+        """A request finished (or was aborted): its tokens join the counters, its latency the e2e,
+        and its e2e over its output tokens the TPOT histogram (~v0.4 ``handle_loop``)."""
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(stats.generation_tokens)
         self.e2e.observe(stats.e2e_s)
+        if stats.generation_tokens >= 1:
+            self.tpot.observe(stats.e2e_s / stats.generation_tokens)
+        self._since_first.pop(stats.request_id, None)
 
     def record_step(self, result: StepResult, plan: StepPlan | None = None) -> None:
         """One engine step: latencies, finished requests, and the gauges when SGLang logs them."""
         for ttft in result.ttfts_s:
             self.ttft.observe(ttft)
-        for itl in result.inter_token_latencies_s:
-            self.tpot.observe(itl)
+        self._observe_tpot(result)
         for finished in result.finished:
             self.record_finished(finished)
         if plan is None:
@@ -174,6 +187,21 @@ class SglangMetrics:
             self._decode_tokens = 0
             self._interval_started = now
             self._log_stats()  # log_decode_stats
+
+    def _observe_tpot(self, result: StepResult) -> None:
+        """Each token after a request's first: its mean time per output token so far.
+
+        The engine lists one inter-token latency per such token, in the order of its events.
+        """
+        itls = iter(result.inter_token_latencies_s)
+        for event in result.events:
+            if event.num_output_tokens == event.num_new_tokens:  # its first token(s)
+                self._since_first[event.request_id] = (0.0, 0)
+                continue
+            elapsed, after = self._since_first.get(event.request_id, (0.0, 0))
+            elapsed, after = elapsed + next(itls, 0.0), after + event.num_new_tokens
+            self._since_first[event.request_id] = (elapsed, after)
+            self.tpot.observe(elapsed / after)
 
     def _log_stats(self) -> None:
         used = self._engine.kv_tokens_in_use

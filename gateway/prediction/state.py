@@ -80,6 +80,7 @@ def window_stats(snapshot: ReplicaSnapshot, gauges: GaugeMeans) -> WindowStats |
         mean_prompt_tokens=s.mean_prompt_tokens_per_request,
         busy=gauges.busy,
         tokens_per_step_buckets=s.tokens_per_step_buckets,
+        steps_counted=not s.steps_estimated,
     )
 
 

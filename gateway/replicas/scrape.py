@@ -325,6 +325,7 @@ def build_snapshot(
         computed_prompt_tokens_per_s=computed_prompt_rate(window),
         generation_tokens_per_s=window.counter_rate(CounterName.GENERATION_TOKENS),
         steps_per_s=steps.per_s,
+        steps_estimated=steps.estimated,
         requests_finished_per_s=window.counter_rate(CounterName.REQUESTS_FINISHED),
         preemptions_per_s=window.counter_rate(CounterName.PREEMPTIONS),
         admission_rejections_per_s=window.counter_rate(CounterName.ADMISSION_REJECTIONS),
@@ -362,6 +363,8 @@ class EngineSteps:
     per_s: float | None = None
     mean_s: float | None = None
     sources: dict[str, str] = field(default_factory=dict)
+    #: ``per_s`` is an estimate of decode steps alone (old SGLang), not a count of every step.
+    estimated: bool = False
 
 
 def engine_steps(window: ScrapeWindow, reading: Reading) -> EngineSteps:
@@ -393,7 +396,9 @@ def engine_steps(window: ScrapeWindow, reading: Reading) -> EngineSteps:
     decoded = itl is not None and itl[0].count > 0
     if decoded and gauges.decode_tokens_per_s is not None and gauges.num_running:
         per_s = gauges.decode_tokens_per_s / gauges.num_running
-        return EngineSteps(per_s, None, {"steps_per_s": "decode_tokens_per_s / num_running (estimate)"})
+        return EngineSteps(
+            per_s, None, {"steps_per_s": "decode_tokens_per_s / num_running (estimate)"}, estimated=True
+        )
     return EngineSteps()
 
 

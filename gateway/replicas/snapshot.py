@@ -89,6 +89,10 @@ class ReplicaSnapshot:
     #: ``tgi_batch_forward_duration`` count rate; SGLang batch dispatches, or for old SGLang the
     #: estimate ``gen_throughput / num_running_reqs`` (decode steps only; ``sources`` says which).
     steps_per_s: float | None = None
+    #: ``steps_per_s`` is an estimate of some steps only (old SGLang: decode steps, from
+    #: ``gen_throughput / num_running_reqs``), not a count of every step: the window over it is
+    #: no step period.
+    steps_estimated: bool = False
     #: Requests finished per second, every finish reason (stop, length, abort, error...).
     requests_finished_per_s: float | None = None
     preemptions_per_s: float | None = None

@@ -14,17 +14,23 @@ Names, types and labels: ``shared/reference/backend-metrics.md`` §3 (SGLang's
   so they can be a few hundred ms old): ``num_running_reqs`` (batch size B), ``num_queue_reqs``,
   ``token_usage`` (KV usage 0-1), ``num_used_tokens``, ``max_total_num_tokens`` (the KV pool's
   capacity in tokens), ``page_size``, ``gen_throughput`` (decode tokens/s over the last interval).
-  Without ``max_total_num_tokens`` (old versions) the capacity is estimated as
-  ``num_used_tokens / token_usage`` when usage is at least 10 % (``token_usage`` is rounded to two
-  decimals), and ``sources`` says so.
+  ``token_usage`` is rounded to two decimals: with ``max_total_num_tokens`` the usage is read as
+  ``num_used_tokens / max_total_num_tokens`` at full precision (``exact_usage``). Without it (old
+  versions) the capacity is estimated as ``num_used_tokens / token_usage`` when usage is at least
+  10 %, and ``sources`` says so.
 - Token counters ``prompt_tokens_total`` / ``generation_tokens_total`` are added **when a request
   finishes**, so their rates lag by a request's duration; ``realtime_tokens_total{mode}`` (recent)
   is counted as tokens are processed and is preferred.
 - Steps: recent versions count batch dispatches (``scheduler_loop_batch_dispatches_total``) and
   busy seconds (``forward_execution_seconds_total``); the mean step time is their ratio. Older
   versions have neither: the snapshot then estimates decode steps/s as ``gen_throughput /
-  num_running_reqs`` (every running request gains one token per decode step).
-- ITL: ``inter_token_latency_seconds`` (recent) <- ``time_per_output_token_seconds`` (old name).
+  num_running_reqs`` (every running request gains one token per decode step). That counts decode
+  batches alone over a log interval that also ran the prefill batches (and any idle time), so it
+  is no step period: the snapshot marks it ``steps_estimated`` and the step fit times such a
+  window by its ITL instead.
+- ITL: ``inter_token_latency_seconds`` (recent) <- ``time_per_output_token_seconds`` (old name;
+  per output chunk, the request's mean time per output token so far, and at its end its e2e over
+  its output tokens: over a window, about the same mean).
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ GEN_THROUGHPUT = "sglang:gen_throughput"
 
 #: ``token_usage`` at least this high gives a capacity estimate within ~5 % (it has 2 decimals).
 _MIN_USAGE_FOR_ESTIMATE = 0.1
+#: How far ``num_used_tokens / max_total_num_tokens`` may be from ``token_usage``, which is that
+#: ratio rounded to two decimals (and set in the same ``log_stats`` call).
+_ROUNDING_SLACK = 0.005 + 1e-9
 
 #: Counter -> (sample name, extra label filter) aliases, newest first.
 COUNTERS: Mapping[CounterName, tuple[tuple[str, Mapping[str, str] | None], ...]] = {
@@ -141,6 +150,33 @@ def _histograms(samples: Samples, sources: dict[str, str]) -> dict[HistogramName
     return found
 
 
+def exact_usage(samples: Samples) -> tuple[float, float] | None:
+    """(mean, max) KV usage over the DP ranks as ``num_used_tokens / max_total_num_tokens``, at
+    full precision; ``None`` unless every rank has both and they agree with ``token_usage``.
+
+    ``token_usage`` is rounded to two decimals (SGLang's ``log_stats``), a step of 1 % of the pool:
+    4,483 tokens on an 8B model's 448k-token H100 pool, more than a handful of running requests
+    hold, so the KV a step reads would come out as 0 or 4,483. The token count it is computed
+    from is exact. A rank whose ratio does not round to its ``token_usage`` (a hybrid model's
+    usage is the fullest of several pools) keeps the gauge.
+    """
+    ranks: dict[str, list[float | None]] = {}
+    for position, name in enumerate((USED_TOKENS, CAPACITY, KV_USAGE)):
+        for labels, value in samples.select(name, one_rank(samples, name)):
+            ranks.setdefault(labels.get("dp_rank", ""), [None, None, None])[position] = value
+    usages: list[float] = []
+    for used, capacity, rounded in ranks.values():
+        if used is None or capacity is None or rounded is None or capacity <= 0 or used < 0:
+            return None
+        usage = used / capacity
+        if abs(usage - rounded) > _ROUNDING_SLACK:
+            return None
+        usages.append(usage)
+    if not usages:
+        return None
+    return sum(usages) / len(usages), max(usages)
+
+
 def _gauge(samples: Samples, name: str, sources: dict[str, str], key: str) -> float | None:
     value = samples.total(name, one_rank(samples, name))
     if value is not None:
@@ -162,6 +198,11 @@ def _gauges(samples: Samples, sources: dict[str, str]) -> Gauges:
         if used is not None and usage_mean is not None and usage_mean >= _MIN_USAGE_FOR_ESTIMATE:
             capacity = used / usage_mean
             sources["kv_capacity_tokens"] = f"{USED_TOKENS} / {KV_USAGE} (estimate)"
+    else:
+        exact = exact_usage(samples)
+        if exact is not None:
+            usage_mean, usage_max = exact
+            sources["kv_cache_usage"] = f"{USED_TOKENS} / {CAPACITY}"
     page = samples.max(PAGE_SIZE, one_rank(samples, PAGE_SIZE))
     if page is not None:
         sources["block_size"] = PAGE_SIZE

@@ -25,7 +25,7 @@ from gateway.replicas.dialects import (
     get_dialect,
 )
 from gateway.replicas.scrape import SnapshotBuilder, histogram_moments, parse_exposition
-from predictor import observation_from_window
+from predictor import ObservationSource, observation_from_window
 from tests.unit.scrape.scrapes import REAL_032, REAL_V0_010, ScrapeText, fixture_text
 from tests.unit.scrape.tgi_text import Observed, TgiState, tgi_exposition
 
@@ -223,6 +223,41 @@ def test_sglang_real_sample_window_estimates_decode_steps() -> None:
     assert "estimate" in dict(snap.sources)["steps_per_s"]
     assert snap.engine_decode_tokens_per_s == pytest.approx(86.50814177726902)
     assert snap.step_time_mean_s is None
+    assert snap.steps_estimated
+
+
+def test_sglang_estimated_decode_steps_give_no_step_period() -> None:
+    """``gen_throughput`` is the decode tokens of the last 40 decode steps over the wall time
+    since the previous log, prefill batches and idle time included: its rate per running request
+    counts decode steps alone, and the time it spans holds the others too. In the real scrape it
+    says 162 / 86.5 = 1.87 s per decode step, where the TPOT histogram's mean is 0.117 s (a queue of
+    2826 kept it prefilling). The calibration takes the ITL as the step time, busy or not."""
+    first = ScrapeText.fixture(SGLANG_SAMPLE)
+    second = (
+        first.add("sglang:generation_tokens_total", 4000)
+        .add("sglang:prompt_tokens_total", 9000)
+        .observe("sglang:time_per_output_token_seconds", 0.07, n=3000)
+    )
+    builder = SnapshotBuilder("sg-1", SGLANG)
+    builder.observe_text(first.render(), 10.0)
+    snap = builder.observe_text(second.render(), 12.0)
+    gauges = GaugeMeans(running=162.0, waiting=2826.0, kv_tokens=123_859.0, busy=True)
+
+    stats = window_stats(snap, gauges)
+
+    assert stats is not None
+    assert not stats.steps_counted
+    observation = observation_from_window(stats, knee_tokens=2048.0)
+    assert observation.valid
+    assert observation.source == ObservationSource.WINDOW_ITL
+    assert observation.step_s == pytest.approx(0.07)
+    # Counted steps (recent SGLang, vLLM's iteration histogram) give the period when busy (and
+    # the period is within 1.5x the ITL); estimated ones never do.
+    slower = dataclasses.replace(stats, mean_itl_s=1.5)
+    assert observation_from_window(slower, knee_tokens=2048.0).step_s == pytest.approx(1.5)
+    counted = observation_from_window(dataclasses.replace(slower, steps_counted=True), knee_tokens=2048.0)
+    assert counted.source == ObservationSource.WINDOW_PERIOD
+    assert counted.step_s == pytest.approx(162 / 86.50814177726902)
 
 
 def _recent_sglang(dispatches: float, busy_s: float, decode_tokens: float) -> str:
@@ -263,6 +298,47 @@ def test_sglang_recent_labels_never_add_up_tp_ranks() -> None:
     assert reading.gauges.kv_cache_usage_max == pytest.approx(0.5)
     assert reading.gauges.block_size == 16
     assert reading.counters[CounterName.STEPS] == 200
+
+
+def _sglang_kv(used: float, usage: float, capacity: float = 448_304, dp_rank: str | None = None) -> list[str]:
+    """KV gauges of one SGLang scheduler as ``log_stats`` sets them (``token_usage`` rounded)."""
+    labels = 'model_name="m"' + ("" if dp_rank is None else f',dp_rank="{dp_rank}"')
+    return [
+        f"sglang:num_used_tokens{{{labels}}} {used}",
+        f"sglang:token_usage{{{labels}}} {usage}",
+        f"sglang:max_total_num_tokens{{{labels}}} {capacity}",
+    ]
+
+
+def _kv_text(*lines: str) -> str:
+    types = ["# TYPE sglang:num_used_tokens gauge", "# TYPE sglang:token_usage gauge"]
+    return "\n".join([*types, "# TYPE sglang:max_total_num_tokens gauge", *lines]) + "\n"
+
+
+def test_sglang_kv_usage_from_the_exact_token_count() -> None:
+    """``token_usage`` has two decimals: 1 % of a 448k-token pool is 4,483 tokens, more than a few
+    running requests hold (they read 0 % here). ``num_used_tokens`` over the pool is exact."""
+    reading = SGLANG.read(parse_exposition(_kv_text(*_sglang_kv(1_500, 0.0))))
+
+    assert reading.gauges.kv_cache_usage == pytest.approx(1_500 / 448_304)
+    assert reading.gauges.kv_cache_usage_max == pytest.approx(1_500 / 448_304)
+    assert reading.sources["kv_cache_usage"] == "sglang:num_used_tokens / sglang:max_total_num_tokens"
+    assert reading.gauges.kv_capacity_tokens == 448_304
+
+
+def test_sglang_kv_usage_per_dp_rank_and_when_the_ratio_is_not_the_gauge() -> None:
+    two_ranks = _kv_text(*_sglang_kv(30_000, 0.3, 100_000, "0"), *_sglang_kv(12_345, 0.12, 100_000, "1"))
+    g = SGLANG.read(parse_exposition(two_ranks)).gauges
+    assert g.kv_cache_usage == pytest.approx((0.3 + 0.12345) / 2)
+    assert g.kv_cache_usage_max == pytest.approx(0.3)
+
+    # A hybrid model's usage is the fullest of its pools, not this ratio: the gauge is kept.
+    hybrid = SGLANG.read(parse_exposition(_kv_text(*_sglang_kv(10_000, 0.4, 100_000))))
+    assert hybrid.gauges.kv_cache_usage == pytest.approx(0.4)
+    assert hybrid.sources["kv_cache_usage"] == "sglang:token_usage"
+    # Without the pool's size (~v0.4's real scrape) nothing changes: usage is the gauge.
+    real = SGLANG.read(parse_exposition(fixture_text(SGLANG_SAMPLE)))
+    assert real.gauges.kv_cache_usage == pytest.approx(0.28)
 
 
 def test_sglang_recent_step_counters_give_steps_and_step_time() -> None:

@@ -53,6 +53,30 @@ def test_sglang_counts_tokens_only_when_a_request_finishes() -> None:
     assert generated == 30
 
 
+def test_sglang_tpot_is_each_requests_mean_so_far_and_its_e2e_per_token() -> None:
+    """~v0.4's ``time_per_output_token_seconds``: on every token after a request's first, the time
+    since its first token over the tokens since; at its end, its e2e over its output tokens."""
+    engine = _engine()
+    metrics = SglangMetrics(engine=engine, model_name="m", kv_capacity_tokens=10_000)
+    engine.add_request("a", 50, 5, 5, 0.0)
+    engine.add_request("b", 80, 3, 3, 0.0)
+    now = 0.0
+    token_times: dict[str, list[float]] = {"a": [], "b": []}
+    while (stepped := _step(engine, now)) is not None:
+        plan, result, now = stepped
+        metrics.record_step(result, plan)
+        for event in result.events:
+            token_times[event.request_id].append(now)
+    expected = []
+    for times in token_times.values():
+        expected += [(t - times[0]) / k for k, t in enumerate(times[1:], start=1)]
+        expected.append(times[-1] / len(times))  # e2e (arrival at 0) over its output tokens
+    values = _values(metrics.exposition().decode())
+    key = (("model_name", "m"),)
+    assert values[("sglang:time_per_output_token_seconds_count", key)] == len(expected) == 4 + 2 + 2
+    assert values[("sglang:time_per_output_token_seconds_sum", key)] == pytest.approx(sum(expected))
+
+
 def test_sglang_gauges_move_on_prefill_and_every_40th_decode_step() -> None:
     engine = _engine()
     metrics = SglangMetrics(engine=engine, model_name="m", kv_capacity_tokens=10_000, decode_log_interval=40)
