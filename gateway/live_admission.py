@@ -57,6 +57,7 @@ from aiohttp import web
 from gateway.admission import (
     AdmissionController,
     AdmissionRequest,
+    AdmissionSettings,
     AdmissionStats,
     Admit,
     Decision,
@@ -368,9 +369,7 @@ class LiveAdmission:
         try:
             replicas = self._candidates(route)
         except ReplicasSaturated:
-            # On top of the forecast of an earlier placement the replica refused, if any.
-            refused = refusal_headers(choice.name, SATURATED_REASON, settings)
-            request[PREDICTION_HEADERS] = {**request.get(PREDICTION_HEADERS, {}), **refused}
+            mark_saturated(request, choice.name, settings)
             raise
         now = self._clock()
         decision = controller.submit(areq, self._views_for(route, replicas, now), now)
@@ -801,6 +800,14 @@ _ROUTE_SEP = "\x00"
 
 #: ``x-sluice-admission-reason`` of the 429 for a fleet whose replicas all refused as overloaded.
 SATURATED_REASON = "replicas_saturated"
+
+
+def mark_saturated(request: web.Request, request_class: str, settings: AdmissionSettings) -> None:
+    """The response to ``request`` says admission refused it because every replica refused it
+    as overloaded (``SATURATED_REASON``), on top of the forecast of an earlier placement the
+    replica refused, if any."""
+    refused = refusal_headers(request_class, SATURATED_REASON, settings)
+    request[PREDICTION_HEADERS] = {**request.get(PREDICTION_HEADERS, {}), **refused}
 
 
 def route_of(model: str, engine: str | None) -> str:

@@ -41,7 +41,6 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway.admission import refusal_headers
 from gateway.errors import (
     GatewayError,
     ModelNotFound,
@@ -59,7 +58,7 @@ from gateway.forecasts import (
     LivePredictions,
     ttft_header_value,
 )
-from gateway.live_admission import SATURATED_REASON, LiveAdmission, Ticket
+from gateway.live_admission import LiveAdmission, Ticket, mark_saturated
 from gateway.observability.logs import OUTCOME, REQUEST_ID, REQUEST_ID_HEADER, RequestOutcome
 from gateway.openai_api import (
     Endpoint,
@@ -311,10 +310,7 @@ class Proxy:
                         retry_after_s=over.back_off_s,
                     )
                     if ticket is not None:  # admitted, then refused by every replica it tried
-                        refused = refusal_headers(
-                            outcome.request_class or "", SATURATED_REASON, settings.admission
-                        )
-                        request[PREDICTION_HEADERS] = {**request.get(PREDICTION_HEADERS, {}), **refused}
+                        mark_saturated(request, outcome.request_class or "", settings.admission)
                     outcome.status, outcome.error = saturated.status, saturated.code
                     raise saturated from None
                 if ticket is not None and self._admission is not None:

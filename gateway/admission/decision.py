@@ -336,9 +336,11 @@ class _Forecasts:
 
 
 def _overhead_s(d: float, f: ForecastValues, model: StepModel) -> float:
-    """What a dispatch overhead of ``d`` seconds (> 0) adds to the TTFT of forecast ``f``
+    """What a dispatch overhead of ``d`` seconds adds to the TTFT of forecast ``f``
     (``predictor.overhead.added_overhead_s``: all of it on an idle engine, the steps it misses on
-    a busy one)."""
+    a busy one); 0 when none is learned (``d`` 0), without touching the step model."""
+    if d <= 0.0:
+        return 0.0
     batch = f[11]
     decodes, kv = (batch[1], batch[2]) if batch is not None else (0.0, 0.0)
     return added_overhead_s(d, f[10], decodes, kv, model)
@@ -561,7 +563,7 @@ class SloAdmitter:
         # makes it, or the share of it a busy engine's steps leave (learned, not scaled by the
         # margins; ``predictor.overhead``, as the response's forecast gets it).
         d = view.dispatch_overhead_s
-        overhead = _overhead_s(d, f, view.model) if d > 0.0 else 0.0
+        overhead = _overhead_s(d, f, view.model)
         ttft, tpot, infl = f[0] * scale + overhead, f[1] * scale, f[2] * scale
         stall = f[7] * scale
         output = f[5]
@@ -618,8 +620,8 @@ class SloAdmitter:
             keep = 1.0 - self._settings.yield_margin
             for protected, probe in plan:
                 pf = forecast_values(probe, after, view.model, self._fc)
-                p_over = _overhead_s(d, pf, view.model) if d > 0.0 else 0.0
-                p_ttft, p_tpot = (pf[0] - elapsed) * scale + p_over, pf[1] * scale
+                p_ttft = (pf[0] - elapsed) * scale + _overhead_s(d, pf, view.model)
+                p_tpot = pf[1] * scale
                 probes.append((protected, p_ttft, p_tpot))
                 t, p = protected.ttft_target_s, protected.tpot_target_s
                 yttft = min(yttft, (keep * t - p_ttft) / t)
