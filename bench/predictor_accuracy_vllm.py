@@ -50,6 +50,7 @@ from bench.live_accuracy import (
     serve_gateway,
     wait_until_ready,
 )
+from gateway.admission.config import AdmissionSettings
 from gateway.settings import (
     HardwareSettings,
     HealthSettings,
@@ -92,6 +93,9 @@ def gateway_settings(vllm_url: str) -> Settings:
         replicas=[ReplicaSettings(name="vllm-cpu", url=vllm_url, hardware=HARDWARE)],
         health=HealthSettings(interval_s=1.0, timeout_s=1.0),
         logging=LoggingSettings(access_log=False),
+        # No forecast margin: the headers then carry the predictor's own forecast (admission's
+        # default 0.15 is a safety factor on its decisions and would add 15 % to every error).
+        admission=AdmissionSettings(forecast_margin=0.0),
     )
 
 

@@ -36,6 +36,7 @@ from bench.live_accuracy import (
     serve_gateway,
     wait_until_ready,
 )
+from gateway.admission.config import AdmissionSettings
 from gateway.settings import (
     HardwareSettings,
     HealthSettings,
@@ -74,6 +75,9 @@ def samples(vllm_base_url: str) -> list[Sample]:
             replicas=[ReplicaSettings(name="vllm-cpu", url=vllm_base_url, hardware=hardware)],
             health=HealthSettings(interval_s=1.0, timeout_s=1.0),
             logging=LoggingSettings(access_log=False),
+            # No forecast margin: the headers then carry the predictor's own forecast (admission's
+            # default 0.15 is a safety factor on its decisions and would add 15 % to every error).
+            admission=AdmissionSettings(forecast_margin=0.0),
         )
         workload = Workload(SERVED_MODEL, prompt_chars=(50, 900), max_tokens=(16, 64))
         async with serve_gateway(settings) as gateway:
