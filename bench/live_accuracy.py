@@ -369,3 +369,55 @@ def observed_summary(samples: Sequence[Sample]) -> str:
         f"TPOT observed {med([s.client_tpot_s for s in samples]):.2f} ms, "
         f"predicted {med([s.predicted_tpot_s for s in samples]):.2f} ms"
     )
+
+
+def _end_s(sample: Sample) -> float | None:
+    """When ``sample``'s stream ended, as its client saw it (monotonic seconds), or ``None``."""
+    if sample.client_ttft_s is None:
+        return None
+    decoded = max(0, (sample.completion_tokens or 1) - 1) * (sample.client_tpot_s or 0.0)
+    return sample.sent_at + sample.client_ttft_s + decoded
+
+
+def ttft_by_load(samples: Sequence[Sample], kept: Sequence[Sample]) -> str:
+    """The gateway-measured TTFT of ``kept`` by how many of the run's other requests (``samples``)
+    were in flight when each was sent: per count, the requests, the measured p10 / median / p90
+    and the forecast's median (ms); then the error of the best forecast that knows only that
+    count (each count's own measured median, fitted in-sample: no forecast keyed on the load
+    the gateway sees can do better). A diagnostic of what a replica's TTFT depends on."""
+    ends = {s.request_id: _end_s(s) for s in samples}
+    rows: dict[int, list[tuple[float, float]]] = {}
+    for sample in kept:
+        if sample.gateway_ttft_s is None or sample.predicted_ttft_s is None:
+            continue
+        at = sample.sent_at
+        busy = sum(
+            1
+            for other in samples
+            if other.request_id != sample.request_id
+            and other.sent_at < at
+            and (end := ends[other.request_id]) is not None
+            and end > at
+        )
+        rows.setdefault(busy, []).append((sample.gateway_ttft_s, sample.predicted_ttft_s))
+    if not rows:
+        return "TTFT by requests in flight: no samples"
+    lines = [
+        "TTFT by other requests in flight at dispatch (ms): n, measured p10 / median / p90, forecast median"
+    ]
+    pairs: list[tuple[float, float]] = []
+    for busy in sorted(rows):
+        measured_s = np.array([m for m, _ in rows[busy]])
+        forecast_s = np.array([f for _, f in rows[busy]])
+        p10, p50, p90 = np.percentile(measured_s * 1e3, [10, 50, 90])
+        lines.append(
+            f"  {busy:2d} in flight: n={len(measured_s):4d}  {p10:7.1f} / {p50:7.1f} / {p90:7.1f}"
+            f"  forecast {float(np.median(forecast_s)) * 1e3:7.1f}"
+        )
+        pairs.extend((float(np.median(measured_s)), float(m)) for m in measured_s)
+    best = error_stats(pairs)
+    lines.append(
+        f"  best forecast from the count alone (in-sample medians): median {best.median_ape * 100:.1f} %, "
+        f"p90 {best.p90_ape * 100:.1f} %"
+    )
+    return "\n".join(lines)

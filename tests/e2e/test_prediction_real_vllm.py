@@ -34,6 +34,7 @@ from bench.live_accuracy import (
     measured,
     observed_summary,
     serve_gateway,
+    ttft_by_load,
     wait_until_ready,
 )
 from gateway.admission.config import AdmissionSettings
@@ -93,6 +94,7 @@ def samples(vllm_base_url: str) -> list[Sample]:
     print(f"\n{len(got)} requests, {len(kept)} measured after {WARMUP_S:g} s of warm-up")
     print(describe(accuracy(kept)))
     print(observed_summary(kept))
+    print(ttft_by_load(got, kept))
     return got
 
 

@@ -37,6 +37,7 @@ from bench.live_accuracy import (
     measured,
     observed_summary,
     serve_gateway,
+    ttft_by_load,
     wait_until_ready,
 )
 from gateway.admission.config import AdmissionSettings
@@ -109,6 +110,7 @@ def run() -> Run:
     print(f"\n{len(samples)} requests, {len(kept)} measured after {WARMUP_S:g} s of warm-up")
     print(describe(errors))
     print(observed_summary(kept))
+    print(ttft_by_load(samples, kept))
     return Run(samples, kept, errors)
 
 
