@@ -66,7 +66,7 @@ TOLERANCE = 0.10
 #: 5-second scrape windows, whose mix of prompt and output tokens barely moves: the fit cannot
 #: tell the per-token cost of a decode from the step's fixed part and keeps its roofline prior's
 #: (nothing below the compute knee), where the virtual-time fit, seeing every step, finds about
-#: 8 us a token. An output token is then priced 25-30 % under what it costs the replica.
+#: 8 us a token. An output token is then priced about 40 % under what it costs the replica.
 #: Measured (docs/tenants.md, "Live runs"): 1 : 1 within 15 % in every run on record; 2 : 1
 #: within 17 % on the Intel VMs of 2026-11-30, but 21-25.4 % off (the chats over their third)
 #: in 8 of 11 runs on an AMD EPYC VM on 2026-12-01, and a CI failure at 25.2 % against the 25 %
