@@ -878,7 +878,15 @@ class SloAdmitter:
         )
         own = view.loads.get(name)
         if slot == _TPOT:
-            return decode_drain_s(state, model, tpot - cls.tpot_target_s, tpot)
+            drain = decode_drain_s(state, model, tpot - cls.tpot_target_s, tpot)
+            if math.isinf(drain) and self._idle_forecast(request, c)[1] <= cls.tpot_target_s:
+                # No number of running decodes leaving brings the TPOT under target, yet an idle
+                # copy meets it: the excess is the replica's load as a whole (the steady state
+                # its recent arrivals settle at, which a burst inflates), not its batch. That
+                # passes as the running requests are replaced: wait a typical one's duration,
+                # not forever (which would refuse the request as hopeless, without Retry-After).
+                return self._or_typical(0.0, state, tpot)
+            return drain
         if slot == _STREAMS:
             infl, extra = c.inflicted_tpot_s, view.extra_tpot_s
             waits = []
@@ -928,6 +936,14 @@ class SloAdmitter:
 
     def _hopeless(self, request: AdmissionRequest, cls: ClassSettings, c: _Candidate) -> bool:
         """Whether even an idle copy of the replica would miss the TTFT budget or TPOT target."""
+        ttft, tpot = self._idle_forecast(request, c)
+        if math.isnan(ttft):
+            return False
+        return ttft > request.fresh_ttft_budget_s(cls) or tpot > cls.tpot_target_s
+
+    def _idle_forecast(self, request: AdmissionRequest, c: _Candidate) -> tuple[float, float]:
+        """(TTFT, TPOT) of ``request`` on an idle copy of ``c``'s replica, seconds, with the
+        view's margins and dispatch overhead applied as on the replica itself (NaN: no model)."""
         view = c.view
         state = view.state
         candidate = request.candidate(state.max_model_len)
@@ -949,10 +965,7 @@ class SloAdmitter:
                 self._idle_forecasts.clear()
             self._idle_forecasts[key] = (model, ttft, tpot)
         scale = self._scale(view)
-        ttft = ttft * scale + view.dispatch_overhead_s
-        if math.isnan(ttft):
-            return False
-        return ttft > request.fresh_ttft_budget_s(cls) or tpot * scale > cls.tpot_target_s
+        return ttft * scale + view.dispatch_overhead_s, tpot * scale
 
     def _idle(self, state: ReplicaState, key: tuple[int, int, int, int]) -> ReplicaState:
         """``_idle(state)``, kept per set of limits (``key``; a replica's limits rarely change)."""

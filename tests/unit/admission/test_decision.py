@@ -204,6 +204,30 @@ def test_tpot_target_below_an_empty_step_is_not_retryable() -> None:
     assert "idle replica" in decision.message
 
 
+def test_tpot_over_target_from_the_replicas_steady_state_waits_it_out() -> None:
+    """A replica whose recent arrivals settle it at long steps (its steady state: 120 ms, a
+    burst's) forecasts a TPOT over a 50 ms target that no number of its 8 running decodes leaving
+    would cure, while an idle copy serves it at ~7 ms a step. Not hopeless: the load passes as
+    its requests are replaced. Before, the infinite drain refused it at once, "not attainable
+    even on an idle replica", with no Retry-After."""
+    config = with_class("interactive", tpot_target_s=0.05, ttft_target_s=30.0, max_queue_wait_s=30.0)
+    busy = replace(state(8, mean_remaining=100.0), steady_step_s=0.12)
+    f = forecast_request(request(500).candidate(busy.max_model_len), busy, MODEL)
+    assert f.tpot_s > 0.05  # the steady state's step, blended in, breaks the target
+    assert math.isinf(decode_drain_s(busy, MODEL, f.tpot_s - 0.05, f.tpot_s))
+    decision = decide([view("a", busy)], config=config)
+    assert isinstance(decision, Queue)
+    assert decision.blocker == Blocker.TPOT
+    # A typical running request's remaining duration at the forecast TPOT.
+    assert decision.earliest_retry_s == pytest.approx(100.0 * f.tpot_s)
+    # With a first-token target the wait cannot fit: refused, with a Retry-After, not as hopeless.
+    tight = with_class("interactive", tpot_target_s=0.05, ttft_target_s=1.0, max_queue_wait_s=1.0)
+    refused = decide([view("a", busy)], config=tight)
+    assert isinstance(refused, Reject)
+    assert refused.retry_after is not None
+    assert "idle replica" not in refused.message
+
+
 def test_prompt_too_long_for_the_ttft_target_even_when_idle_is_not_retryable() -> None:
     decision = decide([view("a", state())], prompt=100_000)
     assert isinstance(decision, Reject)
