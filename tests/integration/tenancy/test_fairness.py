@@ -63,14 +63,14 @@ LOAD_S = 20.0
 TOLERANCE = 0.10
 #: Largest relative distance of a tenant's share of the live replica's time from its target. The
 #: queue charges within ``TOLERANCE``; what is left is the prices, fitted live to the replica's
-#: 5-second scrape windows, whose mix of prompt and output tokens barely moves: the fit cannot
-#: tell the per-token cost of a decode from the step's fixed part and keeps its roofline prior's
-#: (nothing below the compute knee), where the virtual-time fit, seeing every step, finds about
-#: 8 us a token. An output token is then priced about 40 % under what it costs the replica.
-#: Measured (docs/tenants.md, "Live runs"): 1 : 1 within 15 % in every run on record; 2 : 1
-#: within 17 % on the Intel VMs of 2026-11-30, but 21-25.4 % off (the chats over their third)
-#: in 8 of 11 runs on an AMD EPYC VM on 2026-12-01, and a CI failure at 25.2 % against the 25 %
-#: this was. Request fairness is about 70 % off on the same workload.
+#: 5-second scrape windows, whose mix of prompt and output tokens barely moves, so the split of a
+#: step between its fixed part and its prompt tokens' slope stays near the roofline prior's.
+#: With the prior at 50 % of peak FLOP/s (until 2026-12-01) the prompt slope came out ~30 %
+#: high, the output token ~40 % under its cost, and at 2 : 1 the chats got 21-25.4 % over their
+#: third in 8 of 11 runs on an AMD EPYC VM (and a CI failure at 25.2 % against the 25 % this
+#: was). At 70 % (measured GEMMs, ``predictor.step_model.Efficiency``), 4 runs of the test and 2
+#: of the 2 : 1 scenario alone: 2 : 1 chats 8-16 % under, 1 : 1 documents 9-12 % over
+#: (docs/tenants.md). Request fairness is about 70 % off on the same workload.
 GPU_TOLERANCE = 0.35
 
 

@@ -1,4 +1,4 @@
-"""Hand-built replicas for admission tests: Llama-3-8B on H100 (roofline prior), a fake clock."""
+"""Hand-built replicas for admission tests: Llama-3-8B on H100 (a roofline step model), a fake clock."""
 
 from __future__ import annotations
 
@@ -13,9 +13,12 @@ from gateway.admission import (
     ReplicaView,
     StreamingRequest,
 )
-from predictor import GPUS, MODELS, ReplicaState, StepModel, roofline_prior, unknown_step_model
+from predictor import GPUS, MODELS, Efficiency, ReplicaState, StepModel, roofline_prior, unknown_step_model
 
-MODEL = roofline_prior(MODELS["Llama-3-8B"], GPUS["H100-SXM"])
+#: The step model every replica here runs: the roofline at 50 % of peak FLOP/s (the prior's
+#: guess until 2026-12-01), pinned so that the scenarios' loads, worked out on it, stay put
+#: whatever the prior's defaults become: these tests judge admission given a model.
+MODEL = roofline_prior(MODELS["Llama-3-8B"], GPUS["H100-SXM"], efficiency=Efficiency(compute=0.5))
 UNKNOWN = unknown_step_model("not calibrated yet")
 #: The defaults, with forecasts taken as they are (the arithmetic below is checked exactly), and
 #: the interactive class's stall budget off: these tests check the mean-TPOT rule for running

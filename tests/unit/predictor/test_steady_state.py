@@ -96,8 +96,8 @@ def test_steady_step_grows_with_the_arrival_rate() -> None:
         steps.append(steady.step_s)
     assert steps == sorted(steps)
     assert steps[0] < steps[-1]
-    # 15/s: prefill and decodes would need more than all the time (overload: no steady state).
-    assert steady_state(TrafficMix(15.0, prompts, 250.0, 1500.0), model, **LIMITS) is None  # type: ignore[arg-type]
+    # 20/s: prefill and decodes would need more than all the time (overload: no steady state).
+    assert steady_state(TrafficMix(20.0, prompts, 250.0, 1500.0), model, **LIMITS) is None  # type: ignore[arg-type]
 
 
 def test_mix_from_requests_by_hand() -> None:
