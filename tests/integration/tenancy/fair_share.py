@@ -564,32 +564,12 @@ def _json(url: str) -> Any:
         return json.loads(resp.read())
 
 
-async def _drive_polling_fit(gateway_url: str, replica_url: str, load_s: float) -> tuple[LoadRun, list[Any]]:
-    """``drive``, and the gateway's ``GET /sluice/v1/replicas`` step-model fit every second."""
-    fits: list[Any] = []
-    stop = asyncio.Event()
-
-    async def poll() -> None:
-        while not stop.is_set():
-            view = await asyncio.to_thread(_json, gateway_url + "/sluice/v1/replicas")
-            fits.append(view["prediction"]["replicas"]["emu"]["fit"])
-            await asyncio.sleep(1.0)
-
-    poller = asyncio.create_task(poll())
-    try:
-        run = await drive(gateway_url, replica_url, load_s)
-    finally:
-        stop.set()
-        await poller
-    return run, fits
-
-
 def prices(docs_weight: float, runs: int, load_s: float = 20.0, warmup_s: float = 8.0) -> None:
     """Token fairness at ``docs_weight`` : 1, ``runs`` times, each with a fresh gateway in front
     of one replica: the documents' share of the replica's time; what one document costs against
     one chat, on the replica (its realised seconds per request) and as the gateway charged them
-    (its weighted tokens per request); the replica's realised seconds per token of each kind;
-    and the gateway's fitted step model at the end."""
+    (its weighted tokens per request); the replica's realised seconds per token of each kind
+    (over the whole run, warm-up included); and the gateway's fitted step model at the end."""
     import tempfile
 
     directory = Path(tempfile.mkdtemp(prefix="sluice-prices-"))
@@ -598,7 +578,8 @@ def prices(docs_weight: float, runs: int, load_s: float = 20.0, warmup_s: float 
         for index in range(runs):
             before = _json(replica.url + "/gpu_seconds")
             with gateway(directory, gateway_config(replica.url, weights)) as gw:
-                run, fits = asyncio.run(_drive_polling_fit(gw.url, replica.url, load_s))
+                run = asyncio.run(drive(gw.url, replica.url, load_s))
+                view = _json(gw.url + "/sluice/v1/replicas")
             after = _json(replica.url + "/gpu_seconds")
             counts, gpu, charged = (
                 run.counts(warmup_s, load_s),
@@ -612,7 +593,8 @@ def prices(docs_weight: float, runs: int, load_s: float = 20.0, warmup_s: float 
                 for kind in after["kind_s"]
                 if (tokens := after["kind_tokens"][kind] - before["kind_tokens"].get(kind, 0)) > 0
             }
-            fit = {k: float(v) for k, v in fits[-1]["params"].items()} if fits else {}
+            params = view["prediction"]["replicas"]["emu"]["fit"]["params"]
+            fit = {k: float(v) for k, v in params.items()}
             print(
                 f"run {index + 1}: docs share of replica time {run.shares(warmup_s, load_s)['docs']:.3f} "
                 f"(target {docs_weight / (docs_weight + 1.0):.3f}) | a document costs {realised:.2f} chats "
@@ -621,17 +603,12 @@ def prices(docs_weight: float, runs: int, load_s: float = 20.0, warmup_s: float 
             print(
                 "  replica us per token: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(per_token.items()))
             )
-            if fit:
-                base, below, past = (
-                    fit["base"] * 1e3,
-                    fit["tokens_to_knee"] * 1e6,
-                    fit["tokens_past_knee"] * 1e6,
-                )
-                seq, kv, knee = fit["decode_seqs"] * 1e6, fit["kv_tokens"] * 1e9, fit["knee_tokens"]
-                print(
-                    f"  fit: base {base:.2f} ms, per token {below:.1f} us, past the knee ({knee:.0f} tokens)"
-                    f" {past:.1f} us, per decode {seq:.1f} us, per KV token {kv:.1f} ns"
-                )
+            base, below, past = fit["base"] * 1e3, fit["tokens_to_knee"] * 1e6, fit["tokens_past_knee"] * 1e6
+            seq, kv, knee = fit["decode_seqs"] * 1e6, fit["kv_tokens"] * 1e9, fit["knee_tokens"]
+            print(
+                f"  fit: base {base:.2f} ms, per token {below:.1f} us, past the knee ({knee:.0f} tokens)"
+                f" {past:.1f} us, per decode {seq:.1f} us, per KV token {kv:.1f} ns"
+            )
 
 
 if __name__ == "__main__":
