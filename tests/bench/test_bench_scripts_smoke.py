@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.forecast_bound import ORACLES
 from bench.goodput.ablation import BASELINE_KV, VARIANTS
 from bench.predictor_accuracy import FACTS
 from simulator.profile import list_profiles
@@ -272,6 +273,18 @@ def check_predictor_accuracy(out: str) -> None:
             assert int(r[3]) > 0, r
 
 
+def check_forecast_bound(out: str) -> None:
+    rows = md_rows(out, "| load | latency | n | forecast |")
+    forecasts = ["shipped", *ORACLES.values()]
+    assert [(r[1], r[3]) for r in rows] == [(m, f) for m in ("TTFT", "TPOT") for f in forecasts], rows
+    for r in rows:
+        assert r[0] == "60 %", r
+        assert int(r[2]) > 0, r
+        assert re.fullmatch(r"(yes\*?|\*\*no\*\*) / (yes\*?|\*\*no\*\*)", r[7]), r
+        for cell in r[4:7]:  # "12.1 % (8.0 %-20.3 %)" or "18.1 %"
+            assert re.fullmatch(r"[\d.]+ %( \([\d.]+ %-[\d.]+ %\))?", cell), r
+
+
 def check_soak(out: str) -> None:
     has_line(out, r"\s+t \(s\)\s+RSS \(MiB\)\s+fds$")
     for name in ("before load", "after warm-up", "end of load", "after idle"):
@@ -344,6 +357,7 @@ CASES = [
         check_ablation,
     ),
     case("bench.predictor_accuracy", ["--quick", "--no-write"], 90, check_predictor_accuracy),
+    case("bench.forecast_bound", ["--quick"], 60, check_forecast_bound),
     # The fake backend, a redis-server, the stamped bare proxy and both sluice configurations.
     case("bench.overhead.timeline", ["--rounds", "1", "--duration", "0.5"], 120, check_timeline),
     # Two emulators, a redis-server and sluice serve under mixed load for 6 s.

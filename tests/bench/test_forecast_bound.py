@@ -1,0 +1,67 @@
+"""``bench.forecast_bound``: the engine copied at a dispatch replays the request's real TTFT and
+TPOT under the real future, and an oracle's forecast minimises the mean APE of its futures."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.forecast_bound import _Recording, _run_future, best_ape_forecast
+from bench.predictor_accuracy import FACTS, Schedule
+from gateway.prediction import PredictionService
+from gateway.replay import ReplayConfig, at_rate, fit_to_model_len, load_azure_trace, measure_capacity
+from simulator.profile import load_profile
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        pytest.param([0.010], 0.010, id="one"),
+        # weights 100, 50, 25: the first already holds more than half of them
+        pytest.param([0.010, 0.020, 0.040], 0.010, id="short-ones-weigh-more"),
+        # weights 50, 50, 50, 50: the lower weighted median
+        pytest.param([0.020, 0.020, 0.020, 0.020], 0.020, id="equal"),
+        pytest.param([0.040, 0.010, 0.010, 0.040, 0.040], 0.010, id="unsorted"),
+    ],
+)
+def test_best_ape_forecast_is_the_inverse_weighted_median(values: list[float], expected: float) -> None:
+    assert best_ape_forecast(values) == expected
+
+
+def test_best_ape_forecast_beats_every_other_value_on_its_sample() -> None:
+    values = [0.012, 0.015, 0.021, 0.030, 0.055, 0.060]
+    best = best_ape_forecast(values)
+
+    def mean_ape(f: float) -> float:
+        return sum(abs(f - y) / y for y in values) / len(values)
+
+    for other in [0.010 + 0.001 * k for k in range(60)]:
+        assert mean_ape(best) <= mean_ape(other) + 1e-12, other
+
+
+@pytest.mark.slow
+def test_the_copied_engine_replays_each_requests_real_latencies_under_the_real_future() -> None:
+    name = "llama3-8b-h100"
+    profile = load_profile(name)
+    trace, _ = fit_to_model_len(load_azure_trace(start=0, count=300), profile.engine.max_model_len)
+    rate = measure_capacity(profile, trace, min_requests=600)  # 100 % load: a busy batch
+    schedule = Schedule(warmup_s=4.0, measure_s=6.0, cooldown_s=10.0, max_requests=300)
+    first, last = schedule.measured_span(rate)
+    requests = at_rate(trace[: min(len(trace), math.ceil(rate * (last + schedule.cooldown_s)))], rate)
+    finish = sum(1 for r in requests if r.arrival_s < last)
+    chosen = {i for i, r in enumerate(requests) if first <= r.arrival_s < last}
+    config = ReplayConfig(profile=profile, facts=FACTS[name], replicas=1, seed=0)
+    replay = _Recording(config, PredictionService(output_quantile=0.5), chosen)
+    replay.finish_count = finish
+    outcome = {r.index: r for r in replay.run(requests, finish).records}
+    checked = 0
+    for snap in replay.snapshots:
+        record = outcome.get(snap.index)
+        if record is None or record.tpot_s is None:
+            continue
+        stats = _run_future(snap, requests[snap.index + 1 :], profile, config.max_tokens, None, None)
+        assert stats is not None, snap.index
+        assert (stats.ttft_s, stats.tpot_s) == (record.ttft_s, record.tpot_s), snap.index
+        checked += 1
+    assert checked >= 20
