@@ -606,8 +606,8 @@ Capacities measured:
 {check}
 ## Reading the results
 
-**TTFT** holds its median target in every cell, overload included, and its p90 target up to
-80 % of capacity; from 100 % some cells sit at or just over the 35 % line. What makes it work:
+**TTFT** holds both its targets in every cell of both slices, overload included. What makes it
+work:
 
 - the step in progress is followed from the last time a token landed (every running request
   gets its token at the end of a step), so a newcomer's wait for the current step and which
@@ -619,13 +619,22 @@ Capacities measured:
 - a newcomer on a full replica waits for the requests ahead of it to be admitted, one per
   finished request at the replica's measured finish rate, or for the queue ahead to be
   prefilled, whichever takes longer (a replica whose queue outgrows its prefill throughput is
-  bound by the second).
+  bound by the second);
+- a long prompt the gateway has seen no token of is taken to have started its chunks no earlier
+  than the first token of the request dispatched before it (the engine is FCFS: that request's
+  prefill held the budget until then), so a queue of long prompts on a small budget (the A100's
+  2,048 tokens) is not taken as further along than it is;
+- prompts that arrive while a newcomer waits for its last prefill step come after it in the
+  queue but ride in that step's unused budget and lengthen it: half the prompt tokens expected
+  at the replica's recent rate (the mean overstates lumpy arrivals) are priced into that step.
+  On a 70B replica whose prefill steps take half a second this is most of the p90 error at
+  100-120 % load.
 
-The p90 rises with load because of what no forecast made at dispatch can know: a long prompt
-that arrives a few milliseconds *after* a request but before the next step starts shares that
-step and delays its first token. At saturation the engine also preempts running requests when
-its KV cache runs out; they go back to the front of the queue to be recomputed, which the
-gateway cannot see (they already streamed tokens), so waits are then underestimated.
+The p90 still rises with load because of what no forecast made at dispatch can know exactly:
+how many prompts will arrive before the next step starts, and how long they are. At saturation
+the engine also preempts running requests when its KV cache runs out; they go back to the front
+of the queue to be recomputed, which the gateway cannot see (they already streamed tokens), so
+waits are then underestimated.
 
 **TPOT** meets its targets at light and moderate load and misses them as load grows. A request's
 TPOT is the mean step time over its whole decode, seconds long, and the steps are slowed by the

@@ -294,6 +294,7 @@ class _Open:
     in_flight_at_arrival: int
     streamed: int = 0
     last_token_at: float | None = None
+    first_token_at: float | None = None
 
     def view(self) -> InFlight:
         return InFlight(
@@ -303,6 +304,7 @@ class _Open:
             self.request.arrival_s,
             self.max_tokens,
             self.last_token_at,
+            self.first_token_at,
         )
 
 
@@ -431,6 +433,8 @@ class _Replay:
         for event in result.events:
             o = replica.open[event.request_id]
             o.streamed, o.last_token_at = event.num_output_tokens, self.now
+            if o.first_token_at is None:
+                o.first_token_at = self.now
         for stats in result.finished:
             self.finish(replica, stats)
         self.start_step(self.replicas.index(replica))

@@ -203,7 +203,13 @@ class _Open:
     def view(self) -> InFlight:
         r = self.request
         return InFlight(
-            str(r.index), r.prompt_tokens, self.streamed, self.dispatched_s, r.max_tokens, self.last_token_s
+            str(r.index),
+            r.prompt_tokens,
+            self.streamed,
+            self.dispatched_s,
+            r.max_tokens,
+            self.last_token_s,
+            self.first_token_s,
         )
 
 

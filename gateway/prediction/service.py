@@ -269,7 +269,11 @@ class PredictionService:
             if seen.valid:
                 share = self._prefill_share(r, window, gauges)
                 r.load = Load(
-                    seen.batch.prefill_tokens, share, snapshot.requests_finished_per_s, r.load.steady_step_s
+                    seen.batch.prefill_tokens,
+                    share,
+                    snapshot.requests_finished_per_s,
+                    r.load.steady_step_s,
+                    window.prompt_tokens_per_s,
                 )
         # The fit learns from the newest scrape interval alone: consecutive windows overlap
         # almost entirely, intervals do not, and their differing mixes identify the coefficients.

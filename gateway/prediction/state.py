@@ -162,12 +162,15 @@ class Load:
     ``finish_rate_per_s``: requests finished per second over the window (``None``: unknown).
     ``steady_step_s``: mean step time at the steady state of the recent traffic
     (``predictor.forecast.steady_state``; ``None``: unknown or overloaded).
+    ``arriving_prompt_tokens_per_s``: prompt tokens the replica took per second over the window
+    (computed ones when it says: prefix-cache hits cost no step time), all clients' (0: unknown).
     """
 
     prefill_tokens_per_step: float = 0.0
     prefill_share: float | None = None
     finish_rate_per_s: float | None = None
     steady_step_s: float | None = None
+    arriving_prompt_tokens_per_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,8 +245,16 @@ def step_in_progress(
     queue = [_Prefill(r) for r in pending]
     if queue and queue[0].request.started_at < last_boundary and queue[0].rest > budget - n:
         # A prompt that needs several steps may be part-way through them. (One that fits a
-        # step and is still without a token was blocked, by a full engine: no progress.)
-        _catch_up(queue[:1], n, kv, last_boundary, model, budget, max_num_seqs)
+        # step and is still without a token was blocked, by a full engine: no progress.) It
+        # started no earlier than the step that finished the prefill of the last request
+        # dispatched before it (FCFS): only that step's leftover, not counted, was its before.
+        head = queue[0].request
+        since = head.started_at
+        for r in decoding:
+            first = r.first_token_at
+            if first is not None and first > since and r.started_at <= head.started_at:
+                since = first
+        _catch_up(queue[:1], n, kv, since, last_boundary, model, budget, max_num_seqs)
     if n or (queue and queue[0].request.started_at <= last_boundary):
         start = last_boundary
     else:
@@ -289,15 +300,17 @@ def _catch_up(
     queue: list[_Prefill],
     n: int,
     kv: float,
+    since: float,
     boundary: float,
     model: StepModel,
     budget: int,
     max_num_seqs: int,
 ) -> None:
     """Prefill done before ``boundary`` on prompts that arrived before it (steps the gateway saw no
-    token of), replayed with the step model from the first arrival; only steps that end before
-    the boundary count, and no prompt is taken as finished (its token would have been seen)."""
-    t = queue[0].request.started_at
+    token of), replayed with the step model from ``since`` (the first arrival, or later when the
+    engine was busy with earlier prompts until then); only steps that end before the boundary
+    count, and no prompt is taken as finished (its token would have been seen)."""
+    t = since
     for _ in range(_MAX_STEPS_FOLLOWED):
         batch, chunks = _plan(queue, t, n, kv, budget, max_num_seqs)
         if not chunks:
@@ -376,6 +389,7 @@ def replica_state(
         prefill_share=load.prefill_share,
         finish_rate_per_s=load.finish_rate_per_s,
         steady_step_s=load.steady_step_s,
+        arriving_prompt_tokens_per_s=load.arriving_prompt_tokens_per_s,
     )
 
 

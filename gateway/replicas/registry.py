@@ -105,6 +105,7 @@ class LiveRequest:
             self.started_at,
             self.max_tokens,
             last_token_at=self.last_token_at,
+            first_token_at=self.first_token_at,
         )
 
 

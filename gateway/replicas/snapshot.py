@@ -27,6 +27,9 @@ class InFlight:
     ``last_token_at``: monotonic seconds when its latest output token was relayed; ``None`` before
     the first token or when not tracked. Tokens of all running requests land at the end of each
     engine step, so the newest of these tells the prediction where the engine's step cycle is.
+    ``first_token_at``: monotonic seconds when its first output token was relayed (``None``: not
+    yet, or not tracked): the end of the step that finished its prefill, so a prompt queued
+    behind it got at most that step's leftover budget before then.
     """
 
     request_id: str
@@ -35,6 +38,7 @@ class InFlight:
     started_at: float
     max_tokens: int | None = None
     last_token_at: float | None = None
+    first_token_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

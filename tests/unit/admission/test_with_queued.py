@@ -40,6 +40,7 @@ def _busy() -> ReplicaState:
         prefill_share=0.2,
         finish_rate_per_s=3.5,
         steady_step_s=0.011,
+        arriving_prompt_tokens_per_s=9000.0,
     )
 
 

@@ -138,6 +138,34 @@ def test_step_in_progress(
     assert tuple(r.request_id for r in got.later) == later
 
 
+@pytest.mark.parametrize(
+    ("first_token_at", "done"),
+    [(None, 2026), (0.96, 2026), (0.99, 1013)],
+    ids=["unknown", "before-it-arrived", "after-it-arrived"],
+)
+def test_a_long_prompt_starts_after_the_prompts_dispatched_before_it(
+    first_token_at: float | None, done: int
+) -> None:
+    # As "chunks-before-the-last-token" above (3000 tokens at 1024 per step behind 10 decodes,
+    # arrived at 0.97), with one more request "q" dispatched just before it (0.965). When q's
+    # first token came at 0.99, q's prefill held the engine until then: the step that ended at
+    # 0.99 gave "p" at most its leftover, which is not counted, and no whole 1013-token chunk
+    # (20.2 ms) fits between 0.99 and the last token at 1.0; the step in progress takes one.
+    q = InFlight("q", 100, 2, 0.965, 1000, 1.0, first_token_at)
+    got = step_in_progress(
+        [*DECODES, q],
+        [flight("p", 3000, 0, 0.97)],
+        last_boundary=1.0,
+        now=1.004,
+        model=MODEL,
+        budget=1024,
+        max_num_seqs=256,
+    )
+    ((request, progress),) = got.partial
+    assert request.request_id == "p"
+    assert progress == done  # 11 decodes leave 1013 tokens a step
+
+
 LIMITS = Limits(kv_capacity_tokens=1000, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096)
 
 

@@ -440,6 +440,35 @@ def test_joined_batch_never_exceeds_the_kv_cache() -> None:
     assert f.tpot_s < biggest
 
 
+def _gemm(tokens: float) -> float:
+    """The step model's GEMM time of ``tokens`` batched tokens (no KV read, no attention)."""
+    return MODEL.step_time(StepBatch(prefill_tokens=tokens)) - MODEL.step_time(StepBatch())
+
+
+@pytest.mark.parametrize(
+    ("rate", "remaining", "riders"),
+    [
+        (0.0, 0.050, 0.0),
+        # half the 20,000 tokens/s expected over the 50 ms wait share the 500-token step
+        (20_000.0, 0.050, 500.0),
+        # at most the budget left in that step: 8192 - 500
+        (1e7, 0.050, 7692.0),
+        (20_000.0, 0.0, 0.0),
+    ],
+    ids=["no-arrivals", "half-the-expected", "at-most-the-room-left", "no-wait"],
+)
+def test_prompts_arriving_before_its_prefill_step_ride_in_it(
+    rate: float, remaining: float, riders: float
+) -> None:
+    quiet = state_of([], [], step_remaining_s=remaining)
+    busy = dataclasses.replace(quiet, arriving_prompt_tokens_per_s=rate)
+    f0, f1 = forecast_request(request(500), quiet, MODEL), forecast_request(request(500), busy, MODEL)
+    assert f1.ttft_s - f0.ttft_s == pytest.approx(_gemm(500 + riders) - _gemm(500), abs=1e-12)
+    assert f1.tpot_s == f0.tpot_s
+    assert f1.prefill_batch is not None
+    assert f1.prefill_batch.prefill_tokens == pytest.approx(500 + riders)
+
+
 @pytest.mark.parametrize(
     ("contexts", "queue", "prompt"),
     [([], [], 500), ([1000] * 32, [], 2000), ([1000] * 32, [3000, 800], 700), ([500] * 8, [], 20_000)],
