@@ -652,7 +652,10 @@ property of per-request point forecasts on bursty traffic, not something to tune
 trace slice. A term for the load expected over the decode (Little's law on the recent arrivals)
 was tried and did not help: see "An expected-future-load term for TPOT" below; nor did residual
 corrections learned online from finished requests, a measured lifetime batch or a
-conditional-median correction: see "Online TPOT corrections" below.
+conditional-median correction: see "Online TPOT corrections" below. A forecast that knew the
+engine's exact state, and even every request's output length, but not the arrivals after
+dispatch, does no better than the shipped one and misses the same targets: see "How much of the
+error is the future's" below.
 
 ## How to read the implementation
 
