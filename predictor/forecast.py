@@ -505,7 +505,8 @@ _MIX_POINTS: Final = 16
 #: median, not the mean. Measured on the Azure trace (``bench.predictor_accuracy``, both slices,
 #: 2026-12-01), against no riders: with the whole mean the TTFT medians rose by up to 2.5 points
 #: and the A100's p90 at 100 % load by 1.7 (to 36.7 %, over the target); with half of it every
-#: p90 from 60 % load up fell (by up to 11 points) and no median rose by more than 1.2 points.
+#: p90 from 60 % load up but one fell (by up to 11 points; the H100's at 100 % on rows 9000+ rose
+#: by 1.0) and no median rose by more than 1.4 points.
 _RIDER_SHARE: Final = 0.5
 #: Bisection steps of ``steady_state`` (the step time to ~1e-5 of its bracket).
 _STEADY_ITERATIONS: Final = 40
