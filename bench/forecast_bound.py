@@ -79,7 +79,6 @@ from gateway.replay import (
     ReplayConfig,
     TraceRequest,
     _Replay,
-    at_rate,
     fit_to_model_len,
     load_azure_trace,
     measure_capacity,
@@ -245,10 +244,7 @@ def bound_cell(
     TTFT and TPOT: a ``Bound`` per sampled request and latency it measured."""
     profile = load_profile(profile_name)
     rate = load * capacity_per_s
-    first, last = schedule.measured_span(rate)
-    count = min(len(trace), schedule.max_requests, math.ceil(rate * (last + schedule.cooldown_s)) + 1)
-    requests = at_rate(trace[:count], rate)
-    finish = sum(1 for r in requests if r.arrival_s < last)
+    requests, first, last, finish = schedule.cell(trace, rate)
     scored = [i for i, r in enumerate(requests) if first <= r.arrival_s < last]
     step = max(1, len(scored) // samples)
     chosen = set(scored[::step][:samples])

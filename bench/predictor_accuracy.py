@@ -166,6 +166,17 @@ class Schedule:
         """(first, last) arrival time scored at ``rate`` requests/s."""
         return self.warmup_s, self.warmup_s + max(self.measure_s, self.min_measured / rate)
 
+    def cell(
+        self, trace: Sequence[TraceRequest], rate: float
+    ) -> tuple[list[TraceRequest], float, float, int]:
+        """One cell's requests: the head of ``trace`` that covers the schedule at ``rate`` requests/s
+        (its gaps scaled, ``at_rate``), the scored span ``(first, last)`` (``measured_span``), and
+        how many of them arrive before ``last`` (the replay's ``finish``)."""
+        first, last = self.measured_span(rate)
+        count = min(len(trace), self.max_requests, math.ceil(rate * (last + self.cooldown_s)) + 1)
+        requests = at_rate(trace[:count], rate)
+        return requests, first, last, sum(1 for r in requests if r.arrival_s < last)
+
 
 def run_cell(
     profile_name: str,
@@ -181,10 +192,7 @@ def run_cell(
     started = time.perf_counter()
     profile = load_profile(profile_name)
     rate = load * capacity_per_s * replicas
-    first, last = schedule.measured_span(rate)
-    count = min(len(trace), schedule.max_requests, math.ceil(rate * (last + schedule.cooldown_s)) + 1)
-    requests = at_rate(trace[:count], rate)
-    finish = sum(1 for r in requests if r.arrival_s < last)
+    requests, first, last, finish = schedule.cell(trace, rate)
     config = ReplayConfig(profile=profile, facts=FACTS[profile_name], replicas=replicas, seed=seed)
     result = run_replay(requests, config, finish=finish)
     records = [r for r in result.records if first <= r.arrival_s < last]
@@ -292,10 +300,7 @@ def tpot_ideas(
     """
     profile = load_profile(profile_name)
     rate = load * capacity_per_s
-    first, last = schedule.measured_span(rate)
-    count = min(len(trace), schedule.max_requests, math.ceil(rate * (last + schedule.cooldown_s)) + 1)
-    requests = at_rate(trace[:count], rate)
-    finish = sum(1 for r in requests if r.arrival_s < last)
+    requests, first, last, finish = schedule.cell(trace, rate)
     config = ReplayConfig(profile=profile, facts=FACTS[profile_name], replicas=1, seed=seed)
     service = _DispatchRecorder(output_quantile=config.output_quantile)
     result = run_replay(requests, config, finish=finish, service=service)

@@ -3,14 +3,12 @@ TPOT under the real future, and an oracle's forecast minimises the mean APE of i
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from bench.forecast_bound import _Recording, _run_future, best_ape_forecast
 from bench.predictor_accuracy import FACTS, Schedule
 from gateway.prediction import PredictionService
-from gateway.replay import ReplayConfig, at_rate, fit_to_model_len, load_azure_trace, measure_capacity
+from gateway.replay import ReplayConfig, fit_to_model_len, load_azure_trace, measure_capacity
 from simulator.profile import load_profile
 
 
@@ -47,9 +45,7 @@ def test_the_copied_engine_replays_each_requests_real_latencies_under_the_real_f
     trace, _ = fit_to_model_len(load_azure_trace(start=0, count=300), profile.engine.max_model_len)
     rate = measure_capacity(profile, trace, min_requests=600)  # 100 % load: a busy batch
     schedule = Schedule(warmup_s=4.0, measure_s=6.0, cooldown_s=10.0, max_requests=300)
-    first, last = schedule.measured_span(rate)
-    requests = at_rate(trace[: min(len(trace), math.ceil(rate * (last + schedule.cooldown_s)))], rate)
-    finish = sum(1 for r in requests if r.arrival_s < last)
+    requests, first, last, finish = schedule.cell(trace, rate)
     chosen = {i for i, r in enumerate(requests) if first <= r.arrival_s < last}
     config = ReplayConfig(profile=profile, facts=FACTS[name], replicas=1, seed=0)
     replay = _Recording(config, PredictionService(output_quantile=0.5), chosen)
