@@ -366,6 +366,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="one tiny cell (seconds; for CI)")
     args = parser.parse_args(argv)
+    for name in ("samples", "futures", "trace_rows"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.quick:
         args.loads, args.samples, args.futures = [0.6], 4, 3
         args.trace_rows, args.warmup, args.measure = 1500, 5.0, 60.0

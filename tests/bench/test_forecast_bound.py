@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.forecast_bound import _Recording, _run_future, best_ape_forecast
+from bench.forecast_bound import _Recording, _run_future, best_ape_forecast, main
 from bench.predictor_accuracy import FACTS, Schedule
 from gateway.prediction import PredictionService
 from gateway.replay import ReplayConfig, fit_to_model_len, load_azure_trace, measure_capacity
@@ -61,3 +61,12 @@ def test_the_copied_engine_replays_each_requests_real_latencies_under_the_real_f
         assert (stats.ttft_s, stats.tpot_s) == (record.ttft_s, record.tpot_s), snap.index
         checked += 1
     assert checked >= 20
+
+
+@pytest.mark.parametrize("option", ["--samples", "--futures", "--trace-rows"])
+def test_counts_below_one_are_refused(option: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run that would score nothing says so, instead of printing an empty table."""
+    with pytest.raises(SystemExit) as exited:
+        main([option, "0"])
+    assert exited.value.code == 2
+    assert f"{option} must be at least 1" in capsys.readouterr().err
