@@ -424,7 +424,7 @@ class PredictionService:
             # theirs to absorb. The mean overhead instead averages out over the step phases at
             # dispatch, but the fit is robust: it followed the majority, the requests that caught
             # their step, whose prefill then looked shorter by the whole overhead (TGI's TTFT
-            # median 12-15 % in the mixed fleet, 5 % with this).
+            # median 12-15 % in the mixed fleet, 5 % with this, when its TTFTs still fed its fit).
             self._observe_prefill(r, forecast, max(ttft_s - forecast.overhead_s, 1e-6), finished_at)
         if completion_tokens is not None and completion_tokens >= 0:
             self._outputs.observe(model, tenant, completion_tokens)
@@ -507,6 +507,14 @@ class PredictionService:
         """
         batch = forecast.prefill_batch
         if batch is None or forecast.prefill_steps < 1 or forecast.admission_wait_s > 0.0:
+            return
+        if r.snapshot is not None and r.snapshot.prefill_step_time_mean_s is not None:
+            # The engine times its prefill steps itself (TGI: ``measured_steps`` has them). A TTFT
+            # is a blurrier view of them, priced as a step that carries the running decodes as
+            # vLLM's does; TGI prefills apart from them, so those decodes took the blame for the
+            # TTFT's queueing: the mixed fleet's TGI fit learned 0.10 ms per sequence, 20 times
+            # its prior, and missed its own forward passes at batch 8 by 20-28 %
+            # (docs/engines.md, "On a busy host").
             return
         if forecast.step_wait_s > 0.5 * ttft_s:
             return  # mostly a guess about the step it waited for, hardly a measurement

@@ -35,7 +35,7 @@ predictor's forecast, not admission's 15 % safety margin on it, against issue 3'
 (``bench.live_accuracy.TARGETS``), on every engine, in the default run (docs/engines.md, "On a
 busy host", has the runs: TTFT p90 at most 26.1 % against 35 % in 6 quiet runs on a 2-core box,
 at most 34.0 % with two to four busy loops beside it; one run in 11 missed on TGI's fit at batch
-8). The same run checks that
+8, before TGI's fit stopped learning from TTFTs, and none of 10 since). The same run checks that
 TGI's fitted step model (from its measured forward durations alone) matches the emulator's
 cost model, and that TGI's context length came from its ``/info``.
 """
@@ -116,7 +116,8 @@ MIN_SERVED = 3
 #: tokens) a first token took ~18 ms, two or three steps of 7 ms, and a few milliseconds of the
 #: host's scheduling on a busy box were a third of it: the TTFT p90 went from ~22 % on a quiet box
 #: to 31-35 % with three CPU hogs beside it, and over 35 % twice in CI. Longer still (1000-8000
-#: characters) held better under load but TGI's fit drifted (docs/engines.md, "On a busy host").
+#: characters) held better under load, but drove TGI's fit astray until TTFTs stopped feeding it
+#: (docs/engines.md, "On a busy host").
 WORKLOAD = Workload(MODEL, prompt_chars=(600, 5000))
 #: The clients' class. Its targets are loose enough that nothing is refused however slow the box
 #: (a starved gateway loop once put a forecast first token 0.6 s after arrival); the engines'

@@ -164,12 +164,25 @@ def test_on_finished_learns_output_lengths_and_characters_per_token() -> None:
 
 
 @pytest.mark.parametrize(
-    ("ttft_s", "counted"),
-    [(None, False), ("priced", True), ("tiny", False)],
-    ids=["no-ttft", "plausible-ttft", "implausible-ttft"],
+    ("ttft_s", "timed", "counted"),
+    [(None, False, False), ("priced", False, True), ("tiny", False, False), ("priced", True, False)],
+    ids=["no-ttft", "plausible-ttft", "implausible-ttft", "engine-times-its-prefills"],
 )
-def test_a_measured_ttft_becomes_a_prefill_step_observation(ttft_s: str | None, counted: bool) -> None:
+def test_a_measured_ttft_becomes_a_prefill_step_observation(
+    ttft_s: str | None, timed: bool, counted: bool
+) -> None:
+    """Unless the engine times its prefill steps itself (TGI): then those are the observations."""
     svc = service_with(H100)
+    if timed:
+        snapshot = ReplicaSnapshot(
+            name="r0",
+            taken_at=1.0,
+            metrics_at=1.0,
+            num_running=0,
+            num_waiting=0,
+            prefill_step_time_mean_s=0.02,
+        )
+        svc.on_snapshot(snapshot)
     f = forecast(svc, [])
     measured = {None: None, "priced": 0.9 * f.ttft_s, "tiny": 0.05 * f.ttft_s}[ttft_s]
     before = svc.refit("r0", 1.0)
