@@ -188,6 +188,9 @@ class _Replica:
     first_seen_at: float | None = None
     #: The steady state under the recent traffic (``None``: unknown or overloaded).
     steady: SteadyState | None = None
+    #: It timed its own prefill steps in some window (TGI): a property of the engine, kept when a
+    #: later window had no prefill step to time.
+    times_prefills: bool = False
 
     @property
     def overhead_s(self) -> float:
@@ -255,6 +258,8 @@ class PredictionService:
             return
         r.snapshot = snapshot
         r.snapshots += 1
+        if snapshot.prefill_step_time_mean_s is not None:
+            r.times_prefills = True
         if r.first_seen_at is None:
             r.first_seen_at = snapshot.taken_at
         if snapshot.stale:
@@ -508,7 +513,7 @@ class PredictionService:
         batch = forecast.prefill_batch
         if batch is None or forecast.prefill_steps < 1 or forecast.admission_wait_s > 0.0:
             return
-        if r.snapshot is not None and r.snapshot.prefill_step_time_mean_s is not None:
+        if r.times_prefills:
             # The engine times its prefill steps itself (TGI: ``measured_steps`` has them). A TTFT
             # is a blurrier view of them, priced as a step that carries the running decodes as
             # vLLM's does; TGI prefills apart from them, so those decodes took the blame for the
