@@ -225,8 +225,14 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
         limit=0, limit_per_host=CONNECTIONS_PER_REPLICA, keepalive_timeout=KEEPALIVE_S
     )
     # Per-request timeouts come from the settings at request time; none at session level.
+    # No cookie jar: the session is shared by every client's requests, so a replica's Set-Cookie
+    # (relayed to the client it answered) must never be stored and sent for anyone else; the
+    # client's own Cookie header is forwarded as it came.
     async with aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=None), trust_env=False
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None),
+        trust_env=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
     ) as session:
         app[SESSION] = session
         yield

@@ -197,3 +197,37 @@ async def test_connections_to_a_replica_are_reused_after_complete_answers(
         await resp.read()
 
     assert len(set(ports)) == 1
+
+
+async def test_a_replicas_cookies_reach_the_client_and_are_never_sent_for_anyone_else(
+    start_replica: StartReplica, start_gateway: StartGateway
+) -> None:
+    """A replica's ``Set-Cookie`` (a sticky-session load balancer's, say) is the client's to keep:
+    it is relayed to that client, and the gateway's shared upstream session must not store it and
+    send it on every later request, other tenants' included. The replica is addressed by host name
+    (``localhost``): aiohttp's default cookie jar ignores cookies of IP addresses, not of names."""
+    replica = FakeReplica()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = await replica.default_completion(request)
+        response.set_cookie("affinity", f"session-{len(replica.seen)}")
+        return response
+
+    replica.handler = handler
+    _, url = await start_replica(replica)
+    gw = await start_gateway({"r1": url.replace("127.0.0.1", "localhost")})
+
+    first = await gw.client.post("/v1/chat/completions", json={**CHAT, "stream": False})
+    assert first.status == 200, await first.text()
+    assert "affinity=session-1" in first.headers.getall("Set-Cookie", [])[0]
+    # The test client keeps cookies as a browser would; these requests stand for other clients.
+    gw.client.session.cookie_jar.clear()
+    second = await gw.client.post(
+        "/v1/chat/completions", json={**CHAT, "stream": False}, headers={"Cookie": "mine=1"}
+    )
+    assert second.status == 200, await second.text()
+    gw.client.session.cookie_jar.clear()
+    third = await gw.client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    await third.read()
+
+    assert [seen.headers.get("cookie") for seen in replica.seen] == [None, "mine=1", None]
