@@ -114,6 +114,8 @@ _NOT_FORWARDED_UP = HOP_BY_HOP | {
     "accept-encoding",
     REQUEST_ID_HEADER,
 }
+#: Headers naming the client to the replica (``_forwarded``), lower-case.
+_FORWARDED_FOR, _FORWARDED_PROTO = "x-forwarded-for", "x-forwarded-proto"
 #: The header a tenant's API key came in (never forwarded once the tenancy middleware used it).
 _TENANT_KEY = frozenset({"authorization"})
 #: Replica headers not relayed to the client: recomputed by aiohttp or set by Sluice itself.
@@ -795,6 +797,11 @@ def _forwarded(request: web.Request) -> CIMultiDict[str]:
 
     A tenant's API key authenticates it to Sluice, never to the replicas: once the tenancy
     middleware has authenticated a tenant, the client's ``Authorization`` stays here.
+
+    As nginx's ``$proxy_add_x_forwarded_for`` and Envoy do, the client's address is appended to
+    ``X-Forwarded-For`` (after the chain the client sent, its headers joined in order), so a
+    replica's logs (vLLM behind ``--forwarded-allow-ips``) name the client, not Sluice; and
+    ``X-Forwarded-Proto`` says the client's scheme unless a proxy in front already said it.
     """
     client = request.headers
     skipped = _NOT_FORWARDED_UP
@@ -807,9 +814,20 @@ def _forwarded(request: web.Request) -> CIMultiDict[str]:
         skipped = skipped | _TENANT_KEY
     # One add per header: about half the cost of CIMultiDict(generator) (issue 7's profile).
     headers: CIMultiDict[str] = CIMultiDict()
+    chain: list[str] = []
     for key, value in client.items():
-        if key.lower() not in skipped:
+        lower = key.lower()
+        if lower == _FORWARDED_FOR:
+            chain.append(value)
+        elif lower not in skipped:
             headers.add(key, value)
+    peer = request.remote
+    if peer:
+        chain.append(peer)
+    if chain:
+        headers["X-Forwarded-For"] = ", ".join(chain)
+    if _FORWARDED_PROTO not in headers:
+        headers["X-Forwarded-Proto"] = request.scheme
     headers["Content-Type"] = "application/json"
     headers["Accept-Encoding"] = "identity"
     headers[REQUEST_ID_HEADER] = request[REQUEST_ID]

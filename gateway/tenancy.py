@@ -45,11 +45,11 @@ Trade-offs
     a non-streamed response is not delayed by a Redis round trip. The lifecycle awaits
     outstanding settles before it closes the limiter, and closing it gives every settle whose
     Redis call failed (re-run in the background until Redis answers) one last attempt. The
-    request body is parsed here and again by the proxy (one ``json.loads`` more per limited
-    request; ``bench/tenancy_cost.py`` measures the whole cost). Each reservation has its own
-    fresh id (``new_request_id``: unique per process, a random per-process prefix), never the
-    request's: a client-chosen ``x-request-id`` repeated on concurrent requests must not make the
-    limiter treat them as one retried call.
+    request body is read and parsed here, once: the proxy gets the same ``ParsedRequest``
+    (``read_request`` keeps it on the request; ``bench/tenancy_cost.py`` measures the whole
+    cost). Each reservation has its own fresh id (``new_request_id``: unique per process, a
+    random per-process prefix), never the request's: a client-chosen ``x-request-id`` repeated
+    on concurrent requests must not make the limiter treat them as one retried call.
 
 Secrets
     Nothing here logs a key, a hash or an ``Authorization`` value; 401 bodies never echo them.

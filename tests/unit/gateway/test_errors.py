@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 
 from gateway.app import REGISTRY
 from gateway.errors import (
@@ -442,3 +443,28 @@ async def test_hop_by_hop_headers_are_not_forwarded_but_authorization_is(
     assert "x-private" not in seen
     assert "te" not in seen
     assert seen["content-type"] == "application/json"
+
+
+async def test_the_client_is_named_to_the_replica_in_x_forwarded_headers(
+    start_replica: StartReplica, start_gateway: StartGateway
+) -> None:
+    """As nginx and Envoy do: the client's address is appended to the X-Forwarded-For chain it
+    sent (several headers joined in order), and X-Forwarded-Proto is the client's scheme unless a
+    proxy in front set it. Fake replica records the headers it received."""
+    replica = FakeReplica()
+    _, url = await start_replica(replica)
+    gw = await start_gateway({"r1": url})
+
+    await gw.client.post("/v1/chat/completions", json=CHAT)
+    chained = [
+        ("X-Forwarded-For", "203.0.113.7"),
+        ("X-Forwarded-For", "10.0.0.2"),
+        ("X-Forwarded-Proto", "https"),
+    ]
+    await gw.client.post("/v1/chat/completions", json=CHAT, headers=CIMultiDict(chained))
+
+    first, second = (seen.headers for seen in replica.seen)
+    assert first["x-forwarded-for"] == "127.0.0.1"
+    assert first["x-forwarded-proto"] == "http"
+    assert second["x-forwarded-for"] == "203.0.113.7, 10.0.0.2, 127.0.0.1"
+    assert second["x-forwarded-proto"] == "https"
