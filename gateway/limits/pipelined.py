@@ -3,13 +3,15 @@
 What it does
     ``PipelinedScripts.evalsha(script, keys, args)`` writes one ``EVALSHA`` on a shared TCP
     connection and awaits its reply. Redis answers a connection's commands in the order it read
-    them, so replies are matched to callers first-in, first-out, and calls made in the same
-    event-loop iteration leave in one write. Per call that is a few bytes packed, one write and
-    one future, where redis-py's generic path adds a connection pool check-out and release, its
-    retry wrapper, a command packer and a reply parser per call: a reserve and its settle through
-    ``RedisLimiter`` cost 92 us of CPU this way against 247 us through redis-py (32 at a time, one
-    pinned core, 2026-11-30, load 9), and the limiter's share of the gateway's CPU under
-    ``bench/overhead`` fell from 21 % to 7 % (its py-spy profile).
+    them, so replies are matched to callers first-in, first-out. Per call that is a few bytes
+    packed, one write and one future, where redis-py's generic path adds a connection pool
+    check-out and release, its retry wrapper, a command packer and a reply parser per call: a
+    reserve and its settle through ``RedisLimiter`` cost 92 us of CPU this way against 247 us
+    through redis-py (32 at a time, one pinned core, 2026-11-30, load 9), and the limiter's share
+    of the gateway's CPU under ``bench/overhead`` fell from 21 % to 7 % (its py-spy profile).
+    uvloop sends each write at once (one system call); gathering the calls of one event-loop
+    iteration into one write was tried (2026-12-01, ``bench/limiter_cost.py``, 64 concurrent
+    admissions) and gained nothing beyond the run-to-run noise, so it is not done.
 
 Inputs consumed
     ``for_client(client)`` reads the host, port, database and credentials of a
