@@ -106,11 +106,14 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-#: Client headers not forwarded upstream: recomputed by aiohttp or set by Sluice itself.
+#: Client headers not forwarded upstream: recomputed by aiohttp or set by Sluice itself. The
+#: body Sluice sends is its own, uncompressed (aiohttp's server inflates a gzip or deflate body on
+#: reading), so the client's ``Content-Encoding`` does not describe it.
 _NOT_FORWARDED_UP = HOP_BY_HOP | {
     "host",
     "content-length",
     "content-type",
+    "content-encoding",
     "accept-encoding",
     REQUEST_ID_HEADER,
 }

@@ -6,8 +6,11 @@ Where a fake replica is used, it is because the fault (refused connection, a bod
 
 from __future__ import annotations
 
+import gzip
+import json
 import logging
 import math
+import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -468,3 +471,28 @@ async def test_the_client_is_named_to_the_replica_in_x_forwarded_headers(
     assert first["x-forwarded-proto"] == "http"
     assert second["x-forwarded-for"] == "203.0.113.7, 10.0.0.2, 127.0.0.1"
     assert second["x-forwarded-proto"] == "https"
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_a_compressed_request_body_reaches_the_replica_as_plain_json(
+    start_replica: StartReplica, start_gateway: StartGateway, encoding: str
+) -> None:
+    """aiohttp's server inflates the client's body; the replica gets Sluice's plain JSON, so it
+    must not also get the client's ``Content-Encoding`` (it answered 500 trying to inflate plain
+    JSON, and the client got a 502 for a valid request). Fake replica records what it received."""
+    replica = FakeReplica()
+    _, url = await start_replica(replica)
+    gw = await start_gateway({"r1": url})
+    plain = json.dumps({**CHAT, "max_tokens": 7}).encode()
+    body = gzip.compress(plain) if encoding == "gzip" else zlib.compress(plain)
+
+    resp = await gw.client.post(
+        "/v1/chat/completions",
+        data=body,
+        headers={"Content-Encoding": encoding, "Content-Type": "application/json"},
+    )
+
+    assert resp.status == 200, await resp.text()
+    (seen,) = replica.seen
+    assert "content-encoding" not in seen.headers
+    assert seen.body["max_tokens"] == 7
