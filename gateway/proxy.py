@@ -108,12 +108,15 @@ HOP_BY_HOP = frozenset(
 )
 #: Client headers not forwarded upstream: recomputed by aiohttp or set by Sluice itself. The
 #: body Sluice sends is its own, uncompressed (aiohttp's server inflates a gzip or deflate body on
-#: reading), so the client's ``Content-Encoding`` does not describe it.
+#: reading), so the client's ``Content-Encoding`` does not describe it; and it is sent whole, so
+#: an ``Expect: 100-continue`` (curl's, for bodies over 1 KiB) was answered here and is not passed
+#: on (as Envoy does).
 _NOT_FORWARDED_UP = HOP_BY_HOP | {
     "host",
     "content-length",
     "content-type",
     "content-encoding",
+    "expect",
     "accept-encoding",
     REQUEST_ID_HEADER,
 }
