@@ -200,6 +200,21 @@ class PipelinedScripts:
         self._heads: dict[str, bytes] = {}
         #: Connections opened (the first one included), for tests and curiosity.
         self.connects = 0
+        #: Scripts loaded on every new connection before any call goes on it (``preload``).
+        self._preloaded: dict[str, bytes] = {}
+
+    def preload(self, *scripts: AsyncScript) -> None:
+        """``SCRIPT LOAD`` ``scripts`` on every connection this opens, before any ``EVALSHA`` on it.
+
+        Without it the first call of a script on a fresh server (the gateway's start, a restarted
+        Redis) takes a ``NOSCRIPT``, a load and a second ``EVALSHA``: a round trip later than it
+        was sent, behind calls sent after it. A settle that arrives behind the same tenant's next
+        reserve leaves that reserve counting the finished request's concurrency slot: a client
+        allowed one request at a time, sending the next as soon as an answer ends, got a 429.
+        """
+        for script in scripts:
+            text = script.script
+            self._preloaded[script.sha] = bytes(text) if isinstance(text, memoryview) else _encode(text)
 
     async def evalsha(
         self, script: AsyncScript, keys: Sequence[str], args: Sequence[str | bytes | float | int]
@@ -272,6 +287,11 @@ class PipelinedScripts:
                 reply = await protocol.send(command)
                 if isinstance(reply, hiredis.ReplyError):
                     raise _response_error(str(reply))
+            # Sent together, answered before any call can use the connection. A refused load (an
+            # ACL without SCRIPT) is left to EVALSHA, which reports what is wrong when called.
+            loads = [protocol.send(pack("SCRIPT", "LOAD", text)) for text in self._preloaded.values()]
+            for load in loads:
+                await load
         except BaseException:
             protocol.close(redis.exceptions.ConnectionError("connection set-up failed"))
             raise

@@ -172,6 +172,8 @@ class RedisLimiter:
         #: Script calls to a single plain server go on one pipelined connection
         #: (``gateway.limits.pipelined``); a cluster, TLS or a Unix socket keep redis-py's path.
         self._fast = for_client(client, stale_after_s=timeout_s)
+        if self._fast is not None:
+            self._fast.preload(self._reserve, self._settle, self._in_flight)
         self._repairs: set[asyncio.Task[None]] = set()
         #: ``keys(tenant)`` remembered (strings built once per tenant, not per call).
         self._keys: dict[str, TenantKeys] = {}

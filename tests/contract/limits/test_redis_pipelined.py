@@ -79,6 +79,44 @@ async def test_a_server_restart_costs_no_call(limiter: RedisLimiter, own_redis: 
     assert fast_path(limiter).connects == 2
 
 
+def noscript_errors(server: RedisServer) -> int:
+    """How many NOSCRIPT error replies ``server`` has sent (``INFO errorstats``)."""
+    admin = redis.Redis.from_url(server.url)
+    try:
+        stats = admin.info("errorstats")
+    finally:
+        admin.close()
+    return int(stats.get("errorstat_NOSCRIPT", {}).get("count", 0))
+
+
+async def test_every_connection_loads_the_scripts_before_its_first_call(
+    limiter: RedisLimiter, own_redis: RedisServer
+) -> None:
+    """A call that met NOSCRIPT would be answered a load and a round trip later, behind calls
+    sent after it (a settle behind the same tenant's next reserve: a spurious concurrency 429).
+    On a fresh server and on a restarted one, no call meets it."""
+    one_at_a_time = TenantLimits(tokens_per_minute=6_000_000, max_concurrent=1)
+    for restart in (False, True):
+        if restart:
+            own_redis.kill()
+            own_redis.start()
+        for n in range(3):
+            first = await limiter.reserve(
+                "acme", cost_tokens=1.0, limits=one_at_a_time, request_id=f"{restart}{n}"
+            )
+            assert first.allowed
+            # The settle and the next reserve leave in the same event-loop iteration, in order.
+            settle = asyncio.ensure_future(limiter.settle(first, actual_cost_tokens=1.0))
+            after = asyncio.ensure_future(
+                limiter.reserve("acme", cost_tokens=1.0, limits=one_at_a_time, request_id=f"{restart}{n}b")
+            )
+            await settle
+            assert (await after).allowed, (restart, n)
+            await limiter.settle(await after, actual_cost_tokens=1.0)
+        assert noscript_errors(own_redis) == 0
+    assert fast_path(limiter).connects == 2
+
+
 def no_password(server: RedisServer) -> None:
     """Undo ``requirepass s3cret``."""
     admin = redis.Redis.from_url(f"redis://:s3cret@127.0.0.1:{server.port}/0")
