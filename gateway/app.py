@@ -64,6 +64,7 @@ from gateway.openapi import install_openapi
 from gateway.parse_errors import install as install_parse_errors
 from gateway.prediction.service import PredictionConfig, PredictionService
 from gateway.proxy import DisconnectMonitor, OutcomeListener, Proxy
+from gateway.replicas.auth import replica_auth
 from gateway.replicas.emulators import EmulatorProcess, start_emulators, stop_emulators
 from gateway.replicas.health import HealthChecker
 from gateway.replicas.registry import ReplicaRegistry
@@ -221,6 +222,9 @@ async def _flush_logs(_app: web.Application) -> None:
 
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
+    """The one upstream session: proxied requests, health checks, model lists, scrapes. Its
+    middleware adds a replica's own API key (``replicas[].api_key_env``) to the requests that are
+    not proxied; the proxy sets it itself and skips the middleware (``gateway.proxy._send``)."""
     connector = aiohttp.TCPConnector(
         limit=0, limit_per_host=CONNECTIONS_PER_REPLICA, keepalive_timeout=KEEPALIVE_S
     )
@@ -233,6 +237,7 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
         timeout=aiohttp.ClientTimeout(total=None),
         trust_env=False,
         cookie_jar=aiohttp.DummyCookieJar(),
+        middlewares=(replica_auth(app[STORE]),),
     ) as session:
         app[SESSION] = session
         yield

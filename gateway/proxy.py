@@ -521,9 +521,11 @@ class Proxy:
             return await self._session.post(
                 url,
                 data=upstream_body(ex.parsed),
-                headers=_forwarded(ex.request),
+                headers=_forwarded(ex.request, ex.replica.settings.authorization()),
                 timeout=timeout,
                 allow_redirects=False,
+                # The replica's key is in the headers already: no session middleware on this path.
+                middlewares=(),
             )
         except TimeoutError as exc:
             self._replica_timed_out(ex.replica, exc)
@@ -798,11 +800,13 @@ def _upstream_timeout(connect_s: float, read_s: float) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(total=None, sock_connect=connect_s, sock_read=read_s)
 
 
-def _forwarded(request: web.Request) -> CIMultiDict[str]:
+def _forwarded(request: web.Request, authorization: str | None = None) -> CIMultiDict[str]:
     """Headers for the replica: the client's minus hop-by-hop ones, plus ours.
 
     A tenant's API key authenticates it to Sluice, never to the replicas: once the tenancy
     middleware has authenticated a tenant, the client's ``Authorization`` stays here.
+    ``authorization``: the replica's own key (``replicas[].api_key_env``), which replaces the
+    client's ``Authorization`` whatever it was.
 
     As nginx's ``$proxy_add_x_forwarded_for`` and Envoy do, the client's address is appended to
     ``X-Forwarded-For`` (after the chain the client sent, its headers joined in order), so a
@@ -816,7 +820,7 @@ def _forwarded(request: web.Request) -> CIMultiDict[str]:
         named = {token.strip().lower() for token in connection.split(",")}
         if not named <= skipped:  # usually just "keep-alive": nothing new
             skipped = skipped | named
-    if "authorization" not in skipped and request.get(TENANT) is not None:
+    if "authorization" not in skipped and (authorization is not None or request.get(TENANT) is not None):
         skipped = skipped | _TENANT_KEY
     # One add per header: about half the cost of CIMultiDict(generator) (issue 7's profile).
     headers: CIMultiDict[str] = CIMultiDict()
@@ -834,6 +838,8 @@ def _forwarded(request: web.Request) -> CIMultiDict[str]:
         headers["X-Forwarded-For"] = ", ".join(chain)
     if _FORWARDED_PROTO not in headers:
         headers["X-Forwarded-Proto"] = request.scheme
+    if authorization is not None:
+        headers["Authorization"] = authorization
     headers["Content-Type"] = "application/json"
     headers["Accept-Encoding"] = "identity"
     headers[REQUEST_ID_HEADER] = request[REQUEST_ID]

@@ -13,6 +13,7 @@ broken rule with a path relative to the model that raised it, so ``gateway.confi
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Annotated, Any, Final, Literal
 
@@ -209,6 +210,41 @@ class ReplicaSettings(Section):
         HardwareSettings,
         Field(description="GPU, model and engine limits of the replica, for the latency predictor."),
     ] = HardwareSettings()
+    api_key_env: Annotated[
+        str | None,
+        Field(
+            pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+            description="Name of the environment variable holding the API key the replica was started "
+            "with (vLLM's and SGLang's --api-key): every request Sluice sends it (proxied, health, "
+            "models, metrics) carries `Authorization: Bearer <key>`; null sends none of Sluice's own.",
+        ),
+    ] = None
+
+    @model_validator(mode="after")
+    def _api_key_is_set(self) -> ReplicaSettings:
+        # Read when the configuration is loaded (and on every reload), so a missing key refuses
+        # the configuration with this message instead of marking the replica unhealthy later.
+        if self.api_key_env is not None and not os.environ.get(self.api_key_env):
+            raise SettingsViolations(
+                [
+                    Violation(
+                        ("api_key_env",),
+                        "names an environment variable that is unset or empty",
+                        self.api_key_env,
+                    )
+                ]
+            )
+        return self
+
+    def authorization(self) -> str | None:
+        """The ``Authorization`` value for requests to this replica (``None``: no key configured).
+
+        Read from the environment when called; the settings never hold the key itself, so the
+        admin API, logs and errors cannot show it."""
+        if self.api_key_env is None:
+            return None
+        key = os.environ.get(self.api_key_env)
+        return f"Bearer {key}" if key else None
 
 
 class EmulatorSettings(Section):
