@@ -1,9 +1,11 @@
 """The replicas' own API keys on every request Sluice sends them (``replicas[].api_key_env``).
 
-vLLM and SGLang started with ``--api-key`` refuse ``/v1/*`` without ``Authorization: Bearer
-<key>``: without it a replica's ``/v1/models`` answers 401 and the health checker never lets it
-serve. ``replica_auth(store)`` is a client middleware of the gateway's one upstream session: a
-request to a replica whose settings name a key (health, models, info, ``/metrics``) gets its
+vLLM and SGLang started with ``--api-key`` refuse their API routes without ``Authorization:
+Bearer <key>``: without it every completion answers 401, and where ``/v1/models`` is guarded too
+(vLLM guards every ``/v1`` route) the health checker never lets the replica serve.
+
+``replica_auth(store)`` is a client middleware of the gateway's one upstream session: a request
+to a replica whose settings name a key (health, models, info, ``/metrics``) gets its
 ``Authorization``, read from the environment at each request. The proxy sets the header itself
 (``gateway.proxy``: the client's own is replaced) and opts out of the middleware on its hot path.
 """

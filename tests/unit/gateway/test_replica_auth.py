@@ -37,7 +37,8 @@ class KeyedReplica(FakeReplica):
             self.authorizations.append((request.path, sent))
             if request.path != "/health" and sent != f"Bearer {KEY}":
                 return web.json_response({"error": "Unauthorized"}, status=401)
-            return await handler(request)
+            response: web.StreamResponse = await handler(request)
+            return response
 
         app = super().app()
         app.middlewares.append(require_key)
@@ -54,7 +55,9 @@ async def test_the_replicas_own_key_goes_with_every_request(
     keyed = ReplicaSettings(name="r1", url=url, api_key_env="SLUICE_TEST_REPLICA_KEY")
     gw = await start_gateway(settings=settings.model_copy(update={"replicas": [keyed]}))
 
-    assert gw.app[REGISTRY].get("r1").state is ReplicaState.HEALTHY  # its /v1/models answered
+    served = gw.app[REGISTRY].get("r1")
+    assert served is not None
+    assert served.state is ReplicaState.HEALTHY  # its /v1/models answered
     resp = await gw.client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer client"})
     assert resp.status == 200, await resp.text()
     streamed = await gw.client.post("/v1/chat/completions", json={**CHAT, "stream": True})
@@ -80,6 +83,7 @@ async def test_without_its_key_a_keyed_replica_never_serves(
     gw = await start_gateway({"r1": url})
 
     described = gw.app[REGISTRY].get("r1")
+    assert described is not None
     assert described.state is not ReplicaState.HEALTHY
     assert "401" in (described.last_error or "")
 
