@@ -118,10 +118,9 @@ _NOT_FORWARDED_UP = HOP_BY_HOP | {
     "content-encoding",
     "expect",
     "accept-encoding",
+    "x-forwarded-for",  # sent again with the client's address appended (``_forwarded``)
     REQUEST_ID_HEADER,
 }
-#: Headers naming the client to the replica (``_forwarded``), lower-case.
-_FORWARDED_FOR, _FORWARDED_PROTO = "x-forwarded-for", "x-forwarded-proto"
 #: The header a tenant's API key came in (never forwarded once the tenancy middleware used it).
 _TENANT_KEY = frozenset({"authorization"})
 #: Replica headers not relayed to the client: recomputed by aiohttp or set by Sluice itself.
@@ -824,19 +823,17 @@ def _forwarded(request: web.Request, authorization: str | None = None) -> CIMult
         skipped = skipped | _TENANT_KEY
     # One add per header: about half the cost of CIMultiDict(generator) (issue 7's profile).
     headers: CIMultiDict[str] = CIMultiDict()
-    chain: list[str] = []
     for key, value in client.items():
-        lower = key.lower()
-        if lower == _FORWARDED_FOR:
-            chain.append(value)
-        elif lower not in skipped:
+        if key.lower() not in skipped:
             headers.add(key, value)
+    chain = client.getall("X-Forwarded-For", None)  # usually none: the client is the first hop
     peer = request.remote
-    if peer:
-        chain.append(peer)
-    if chain:
-        headers["X-Forwarded-For"] = ", ".join(chain)
-    if _FORWARDED_PROTO not in headers:
+    if chain is None:
+        if peer:
+            headers["X-Forwarded-For"] = peer
+    else:
+        headers["X-Forwarded-For"] = ", ".join([*chain, peer] if peer else chain)
+    if "X-Forwarded-Proto" not in headers:
         headers["X-Forwarded-Proto"] = request.scheme
     if authorization is not None:
         headers["Authorization"] = authorization

@@ -200,7 +200,7 @@ class PipelinedScripts:
         self._heads: dict[str, bytes] = {}
         #: Connections opened (the first one included), for tests and curiosity.
         self.connects = 0
-        #: Scripts loaded on every new connection before any call goes on it (``preload``).
+        #: ``SCRIPT LOAD`` commands sent on every new connection before any call (``preload``).
         self._preloaded: dict[str, bytes] = {}
 
     def preload(self, *scripts: AsyncScript) -> None:
@@ -213,8 +213,7 @@ class PipelinedScripts:
         allowed one request at a time, sending the next as soon as an answer ends, got a 429.
         """
         for script in scripts:
-            text = script.script
-            self._preloaded[script.sha] = bytes(text) if isinstance(text, memoryview) else _encode(text)
+            self._preloaded[script.sha] = _load_command(script)
 
     async def evalsha(
         self, script: AsyncScript, keys: Sequence[str], args: Sequence[str | bytes | float | int]
@@ -230,8 +229,7 @@ class PipelinedScripts:
         try:
             return await self._call(command)
         except redis.exceptions.NoScriptError:
-            text = script.script
-            await self._call(pack("SCRIPT", "LOAD", bytes(text) if isinstance(text, memoryview) else text))
+            await self._call(_load_command(script))
             return await self._call(command)
 
     async def _call(self, command: bytes) -> Any:
@@ -289,7 +287,7 @@ class PipelinedScripts:
                     raise _response_error(str(reply))
             # Sent together, answered before any call can use the connection. A refused load (an
             # ACL without SCRIPT) is left to EVALSHA, which reports what is wrong when called.
-            loads = [protocol.send(pack("SCRIPT", "LOAD", text)) for text in self._preloaded.values()]
+            loads = [protocol.send(command) for command in self._preloaded.values()]
             for load in loads:
                 await load
         except BaseException:
@@ -307,6 +305,13 @@ class PipelinedScripts:
         if self._protocol is not None:
             self._protocol.close(redis.exceptions.ConnectionError("closed"))
             self._protocol = None
+
+
+def _load_command(script: AsyncScript) -> bytes:
+    """The ``SCRIPT LOAD`` command of ``script`` (its text as redis-py keeps it: str, bytes or a
+    memoryview)."""
+    text = script.script
+    return pack("SCRIPT", "LOAD", bytes(text) if isinstance(text, memoryview) else text)
 
 
 def _retrieve(task: asyncio.Task[_Protocol]) -> None:
