@@ -182,6 +182,12 @@ def check_limiter_cost(out: str) -> None:
     has_line(out, r"event loop: \w+$")
 
 
+def check_scrape_parse(out: str) -> None:
+    has_line(out, r"scrape parse cost: 1 parses per scrape and parser")
+    for name in ("vLLM 0.32 (CPU, real)", "vLLM 0.10 (CPU, real)", "SGLang 0.4 (docs)", "TGI emulator"):
+        assert len(row(out, name, 5)) == 5
+
+
 def check_tenancy_cost(out: str) -> None:
     has_line(out, r"tenancy cost through the gateway: 10 sequential requests per row")
     has_line(out, r"tenancy\s+p50 ms\s+p99 ms\s+added p50 us\s+requests/s$")
@@ -349,6 +355,8 @@ CASES = [
         check_rejection_replay,
     ),
     case("bench.slowloris", ["--quick"], 60, check_slowloris),
+    # The TGI emulator, two generate calls, then every scrape parsed once per parser.
+    case("bench.scrape_parse", ["--rounds", "1", "--requests", "2"], 60, check_scrape_parse),
     # Virtual time, in process (one worker).
     case(
         "bench.goodput.ablation",

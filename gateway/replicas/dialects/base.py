@@ -140,6 +140,13 @@ class Samples:
             by_name[name].append((labels, value))
         self._by_name: dict[str, list[Series]] = dict(by_name)
 
+    @classmethod
+    def grouped(cls, by_name: dict[str, list[Series]]) -> Samples:
+        """Samples already grouped by name (each list non-empty; taken, not copied)."""
+        samples = cls.__new__(cls)
+        samples._by_name = by_name
+        return samples
+
     def __contains__(self, name: object) -> bool:
         return name in self._by_name
 

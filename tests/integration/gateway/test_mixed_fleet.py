@@ -100,7 +100,12 @@ HARDWARE = HardwareSettings(
 ENGINES = ("vllm", "tgi", "sglang")
 OPENAI_CLIENTS = 9
 TGI_CLIENTS = 3
-WARMUP_S = 8.0
+#: Requests sent before this are left out. The fits need a few scrapes, and the dispatch overhead
+#: (an EWMA over 10 s scrape windows) about 20 s to forget the start: with two busy loops beside
+#: the run it peaked at 9-10 ms on TGI 8-10 s in (start-up stalls, the first scrapes' full parses)
+#: and settled near 4 ms by 25 s; measured from 8 s, TGI's first 10 s were over-forecast by a
+#: median 26-40 % and its TTFT p90 missed 35 % (docs/engines.md, "On a busy host").
+WARMUP_S = 16.0
 #: Seconds of measured load at least; then until every engine answered ``MIN_SAMPLES`` requests
 #: after the warm-up (the gateway routes by slack: an engine whose forecasts are a little slower
 #: gets a smaller share), but never longer than ``MAX_LOAD_S``.
