@@ -23,8 +23,13 @@ Configuration
     the same number as ``max_connections``.
 
 Trade-offs
-    redis-py's ``Script`` objects send EVALSHA and, on NOSCRIPT (a restarted or flushed server),
-    load the script and retry once, so a restart costs one extra round trip, not an error.
+    Scripts go as EVALSHA. The pipelined connection (a plain ``redis://`` server) loads all of
+    them whenever it opens; on redis-py's path (a cluster, TLS), a call that meets NOSCRIPT (a
+    fresh, restarted or flushed server) loads all three, not only its own, and is sent once more:
+    a server costs one extra round trip, once, not an error. Loading only the script that was
+    missing (what redis-py's ``Script`` does) left the settle to meet NOSCRIPT after the first
+    reserve, and answered it a load and a round trip late: behind the same client's next reserve,
+    which still counted the finished request's concurrency slot (a spurious 429).
     Every script is idempotent per request id (a repeated reserve takes nothing more; a repeated
     settle does nothing), so redis-py may retry a call on a fresh connection safely. A call that
     timed out may still have run on the server: a reserve would then hold a concurrency slot for
@@ -201,10 +206,14 @@ class RedisLimiter:
         """
         try:
             async with asyncio.timeout(timeout_s):
-                for script in (self._reserve, self._settle, self._in_flight):
-                    await self._client.script_load(script.script)
+                await self._load_all()
         except Exception as exc:  # see _call
             raise LimiterUnavailable(f"{self.name}: cannot load scripts: {exc!r}") from exc
+
+    async def _load_all(self) -> None:
+        """SCRIPT LOAD every script (a cluster client sends it to every primary)."""
+        for script in (self._reserve, self._settle, self._in_flight):
+            await self._client.script_load(script.script)
 
     async def reserve(
         self, tenant: str, *, cost_tokens: float, limits: TenantLimits, request_id: str
@@ -344,7 +353,11 @@ class RedisLimiter:
                     return await self._fast.evalsha(script, keys, args)
                 if self._needs_init:
                     await self._initialize_cluster()
-                return await script(keys=keys, args=args)
+                try:
+                    return await self._client.evalsha(script.sha, len(keys), *keys, *args)
+                except redis.exceptions.NoScriptError:
+                    await self._load_all()
+                    return await self._client.evalsha(script.sha, len(keys), *keys, *args)
         except Exception as exc:
             # Beyond RedisError, OSError and the timeout, redis-py's cluster client has been seen
             # to raise AttributeError from a connection torn down under a command: every failure

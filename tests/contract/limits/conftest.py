@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from gateway.limits.base import Limiter, LimiterStats
+from gateway.limits.base import Limiter, LimiterStats, TenantLimits
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis import RedisLimiter, connect
 from tests.support.redis import RedisClusterNodes, RedisNotInstalled, RedisServer, redis_cluster, redis_server
@@ -173,3 +173,24 @@ async def wait_until(condition: Callable[[], bool], what: str, timeout_s: float 
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+#: A tenant allowed one request at a time (and tokens enough for any test).
+ONE_AT_A_TIME = TenantLimits(tokens_per_minute=6_000_000, max_concurrent=1)
+
+
+async def one_at_a_time_rounds(limiter: Limiter, label: str, rounds: int = 3) -> None:
+    """``rounds`` times: a reserve of an ``ONE_AT_A_TIME`` tenant, then its settle and the next
+    reserve sent in the same event-loop iteration, in that order (a client whose next request
+    follows its answer at once). The next reserve must be allowed: the settle reached storage
+    first, not a load and a round trip later."""
+    for n in range(rounds):
+        first = await limiter.reserve("acme", cost_tokens=1.0, limits=ONE_AT_A_TIME, request_id=f"{label}{n}")
+        assert first.allowed
+        settle = asyncio.ensure_future(limiter.settle(first, actual_cost_tokens=1.0))
+        after = asyncio.ensure_future(
+            limiter.reserve("acme", cost_tokens=1.0, limits=ONE_AT_A_TIME, request_id=f"{label}{n}b")
+        )
+        await settle
+        assert (await after).allowed, (label, n)
+        await limiter.settle(await after, actual_cost_tokens=1.0)

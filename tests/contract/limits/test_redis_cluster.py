@@ -12,7 +12,7 @@ import pytest
 
 from gateway.limits.base import TenantLimits
 from gateway.limits.redis import RedisLimiter, connect
-from tests.contract.limits.conftest import CONTRACT_TIMEOUT_S, flush
+from tests.contract.limits.conftest import CONTRACT_TIMEOUT_S, flush, one_at_a_time_rounds
 from tests.support.redis import RedisClusterNodes
 
 LIMITS = TenantLimits(tokens_per_minute=600, requests_per_minute=60, max_concurrent=10)
@@ -76,3 +76,34 @@ async def test_load_scripts_reaches_every_primary(
     for node in redis_cluster_procs.nodes:
         with node.client() as client:
             assert client.script_exists(*shas) == [True, True, True]
+
+
+def noscript_errors(cluster: RedisClusterNodes) -> int:
+    """NOSCRIPT error replies sent by every node of ``cluster`` (``INFO errorstats``)."""
+    total = 0
+    for node in cluster.nodes:
+        with node.client() as client:
+            stats = client.info("errorstats")
+        total += int(stats.get("errorstat_NOSCRIPT", {}).get("count", 0))
+    return total
+
+
+async def test_a_settle_never_meets_noscript_behind_the_next_reserve(
+    limiter: RedisLimiter, redis_cluster_procs: RedisClusterNodes
+) -> None:
+    """redis-py's path (a cluster): the first call to meet NOSCRIPT loads every script, so the
+    settle of a one-at-a-time tenant's request is never answered a load and a round trip late,
+    behind the same tenant's next reserve (which would still count the slot: a spurious 429). On
+    fresh nodes and after every node's scripts were flushed."""
+    for node in redis_cluster_procs.nodes:
+        with node.client() as client:
+            client.script_flush()
+            client.config_resetstat()
+    for flushed in (False, True):
+        if flushed:
+            for node in redis_cluster_procs.nodes:
+                with node.client() as client:
+                    client.script_flush()
+        before = noscript_errors(redis_cluster_procs)
+        await one_at_a_time_rounds(limiter, f"flushed={flushed}")
+        assert noscript_errors(redis_cluster_procs) - before == 1, "only the first reserve met NOSCRIPT"

@@ -20,6 +20,7 @@ import uvloop
 from gateway.limits.base import TenantLimits
 from gateway.limits.pipelined import PipelinedScripts, for_client, pack
 from gateway.limits.redis import RedisLimiter, connect
+from tests.contract.limits.conftest import one_at_a_time_rounds
 from tests.support.redis import RedisServer
 
 LIMITS = TenantLimits(tokens_per_minute=6_000_000, requests_per_minute=600_000, max_concurrent=10_000)
@@ -95,24 +96,11 @@ async def test_every_connection_loads_the_scripts_before_its_first_call(
     """A call that met NOSCRIPT would be answered a load and a round trip later, behind calls
     sent after it (a settle behind the same tenant's next reserve: a spurious concurrency 429).
     On a fresh server and on a restarted one, no call meets it."""
-    one_at_a_time = TenantLimits(tokens_per_minute=6_000_000, max_concurrent=1)
     for restart in (False, True):
         if restart:
             own_redis.kill()
             own_redis.start()
-        for n in range(3):
-            first = await limiter.reserve(
-                "acme", cost_tokens=1.0, limits=one_at_a_time, request_id=f"{restart}{n}"
-            )
-            assert first.allowed
-            # The settle and the next reserve leave in the same event-loop iteration, in order.
-            settle = asyncio.ensure_future(limiter.settle(first, actual_cost_tokens=1.0))
-            after = asyncio.ensure_future(
-                limiter.reserve("acme", cost_tokens=1.0, limits=one_at_a_time, request_id=f"{restart}{n}b")
-            )
-            await settle
-            assert (await after).allowed, (restart, n)
-            await limiter.settle(await after, actual_cost_tokens=1.0)
+        await one_at_a_time_rounds(limiter, f"restart={restart}")
         assert noscript_errors(own_redis) == 0
     assert fast_path(limiter).connects == 2
 
