@@ -20,9 +20,6 @@ import argparse
 import json
 import random
 import re
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -32,6 +29,7 @@ import numpy as np
 
 from gateway.replicas.dialects import Samples
 from gateway.replicas.scrape import ExpositionParser, parse_exposition
+from tests.support.procs import free_port, python_module, running
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "metrics"
@@ -53,46 +51,17 @@ def revalued(text: str, rng: random.Random) -> str:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def tgi_scrape(requests: int) -> str:
     """The TGI emulator's ``/metrics`` after ``requests`` ``/generate`` calls."""
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
-    args = [
-        sys.executable,
-        "-m",
-        "simulator",
-        "--profile",
-        "llama3-8b-h100",
-        "--engine",
-        "tgi",
-        "--port",
-        str(port),
-    ]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(base + "/health", timeout=1).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("the TGI emulator did not start") from None
-                time.sleep(0.1)
+    args = python_module("simulator", "--profile", "llama3-8b-h100", "--engine", "tgi", "--port", str(port))
+    with running(args, base + "/health", name="emulator-tgi"):
         body = json.dumps({"inputs": "a b c " * 40, "parameters": {"max_new_tokens": 8}}).encode()
         for _ in range(requests):
             request = urllib.request.Request(base + "/generate", body, {"Content-Type": "application/json"})
             urllib.request.urlopen(request, timeout=30).read()
         return str(urllib.request.urlopen(base + "/metrics", timeout=10).read().decode())
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def _read(samples: Samples) -> dict[str, object]:
