@@ -312,14 +312,9 @@ class Proxy:
                 if not exchange.may_retry:
                     # Out of placements: Sluice's own 429, never the replica's raw refusal.
                     exchange.overloaded = False
-                    saturated = ReplicasSaturated(
-                        f"the replicas serving `{parsed.model}` are overloaded right now",
-                        retry_after_s=over.back_off_s,
-                    )
                     if ticket is not None:  # admitted, then refused by every replica it tried
                         mark_saturated(request, outcome.request_class or "", settings.admission)
-                    outcome.status, outcome.error = saturated.status, saturated.code
-                    raise saturated from None
+                    raise _saturated(outcome, parsed.model, over.back_off_s) from None
                 if ticket is not None and self._admission is not None:
                     self._admission.finished(ticket, outcome)
                 ticket = None
@@ -442,6 +437,11 @@ class Proxy:
         finally:
             self._active.pop(handler, None)
             unwatch()
+            # ``end`` closes over ``ex`` (and the handler task): left in place, the pair would be
+            # a reference cycle holding the whole request (task, coroutine, aiohttp request,
+            # outcome, reservation) until the cycle collector found it, instead of freeing it
+            # when the handler returns.
+            ex.end = _nothing
         # Sluice's own cancellation, taken back: nothing can cancel it again from here on.
         if ex.stopping:
             return await self._stopped(ex)
@@ -462,13 +462,11 @@ class Proxy:
 
     async def _stopped(self, ex: _Exchange) -> web.StreamResponse:
         """The answer to an exchange ``stop_all`` ended (its upstream response is closed)."""
-        err = ServerShuttingDown("Sluice is shutting down and ended this request; retry it")
-        ex.outcome.error = err.code
         if ex.response is not None and ex.response.prepared:
             ex.outcome.status = ex.response.status
-            await self._end_with_error(ex, ex.response, err)
+            await self._end_with_error(ex, ex.response, _stopped_error(ex.outcome))
             return ex.response
-        raise err
+        raise _stopped_error(ex.outcome)
 
     async def _exchange(self, ex: _Exchange) -> web.StreamResponse:
         """Send the request and relay the answer; always closes the upstream response."""
@@ -793,6 +791,28 @@ async def _write(ex: _Exchange, response: web.StreamResponse, data: bytes) -> No
 
 
 @functools.lru_cache(maxsize=16)
+# The errors below are built by a function and raised where they are made: an error kept in a
+# local of the raising frame makes a reference cycle with its own traceback (error -> traceback ->
+# frame -> error), and the whole request would then wait for the cycle collector instead of being
+# freed when its handler returns (``tests/integration/gateway/test_no_request_cycles.py``).
+
+
+def _saturated(outcome: RequestOutcome, model: str, back_off_s: float) -> ReplicasSaturated:
+    """Every placement refused as overloaded: Sluice's 429, recorded on ``outcome``."""
+    err = ReplicasSaturated(
+        f"the replicas serving `{model}` are overloaded right now", retry_after_s=back_off_s
+    )
+    outcome.status, outcome.error = err.status, err.code
+    return err
+
+
+def _stopped_error(outcome: RequestOutcome) -> ServerShuttingDown:
+    """An exchange ``stop_all`` ended: its 503 (or a stream's error event), recorded on ``outcome``."""
+    err = ServerShuttingDown("Sluice is shutting down and ended this request; retry it")
+    outcome.error = err.code
+    return err
+
+
 def _upstream_timeout(connect_s: float, read_s: float) -> aiohttp.ClientTimeout:
     """The upstream timeouts (seconds; no total: a stream may last long), one immutable object per
     setting instead of one per request."""

@@ -714,10 +714,18 @@ class Tenancy:
         if self.metrics is not None:
             self.metrics.observe_reservation(reservation)
         if not reservation.allowed:
-            outcome.reason, refusal = rejection_reason(reservation), rejection_error(reservation)
-            outcome.retry_after_s = refusal.retry_after_s  # what the 429 says (concurrency: 1 s)
-            raise self._refused(outcome, refusal)
+            # Built and raised in one expression: an error held in a local of this frame would make
+            # a reference cycle with its own traceback (error -> traceback -> this frame -> error),
+            # and the whole request would wait for the cycle collector instead of being freed.
+            raise self._rate_limited(outcome, reservation)
         return Held(reservation, weights, prompt, output, parsed.choices)
+
+    def _rate_limited(self, outcome: RequestOutcome, reservation: Reservation) -> GatewayError:
+        """The 429 for a reservation its limiter refused, recorded on the outcome (``_refused``)."""
+        refusal = rejection_error(reservation)
+        outcome.reason = rejection_reason(reservation)
+        outcome.retry_after_s = refusal.retry_after_s  # what the 429 says (concurrency: 1 s)
+        return self._refused(outcome, refusal)
 
     def _refused(self, outcome: RequestOutcome, err: GatewayError) -> GatewayError:
         """Record a refusal answered here on the outcome and tell the outcome listeners (the proxy

@@ -98,6 +98,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
     PlatformCollector,
     ProcessCollector,
@@ -603,6 +604,9 @@ class SluiceMetrics:
         r.register(self._state)
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
+        # python_gc_collections_total and python_gc_objects_collected_total, by generation: the
+        # cycle collector's work (its pauses stop the event loop; see gateway.app._quiet_gc).
+        GCCollector(registry=r)
 
     # -- label limits ------------------------------------------------------------------------------
     def set_known_labels(self, *, classes: Iterable[str] = (), tenants: Iterable[str] = ()) -> None:

@@ -188,6 +188,15 @@ def check_scrape_parse(out: str) -> None:
         assert len(row(out, name, 5)) == 5
 
 
+def check_gc_pauses(out: str) -> None:
+    rows = md_rows(out, "| scenario | configuration |")
+    assert [(r[0], r[1]) for r in rows] == [("json c=32", "this"), ("stream c=32", "this")], rows
+    for cells in rows:
+        assert float(cells[2]) > 0, cells  # requests/s
+        assert all(float(cells[i]) >= 0 for i in (3, 4, 5, 7, 8)), cells
+        assert len([float(n) for n in cells[6].split(" / ")]) == 3, cells
+
+
 def check_tenancy_cost(out: str) -> None:
     has_line(out, r"tenancy cost through the gateway: 10 sequential requests per row")
     has_line(out, r"tenancy\s+p50 ms\s+p99 ms\s+added p50 us\s+requests/s$")
@@ -357,6 +366,8 @@ CASES = [
     case("bench.slowloris", ["--quick"], 60, check_slowloris),
     # The TGI emulator, two generate calls, then every scrape parsed once per parser.
     case("bench.scrape_parse", ["--rounds", "1", "--requests", "2"], 60, check_scrape_parse),
+    # The fake backend, a redis-server and sluice serve under the collector-recording shim, 2 x 1 s.
+    case("bench.gc_pauses", ["--quick"], 90, check_gc_pauses),
     # Virtual time, in process (one worker).
     case(
         "bench.goodput.ablation",

@@ -7,12 +7,13 @@ which the emulator cannot be told to do.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from typing import Any
 
 from aiohttp import web
 
-from gateway.app import HEALTH, REGISTRY
+from gateway.app import GC_THRESHOLD, HEALTH, REGISTRY, _quiet_gc
 from gateway.replicas.registry import ReplicaState
 from gateway.settings import ReplicaSettings
 from tests.unit.gateway.conftest import StartGateway, StartReplica
@@ -231,3 +232,17 @@ async def test_a_replicas_cookies_reach_the_client_and_are_never_sent_for_anyone
     await third.read()
 
     assert [seen.headers.get("cookie") for seen in replica.seen] == [None, "mine=1", None]
+
+
+async def test_quiet_gc_freezes_what_lives_and_raises_the_young_threshold() -> None:
+    """``sluice serve``'s last start-up step (its effect on a served process: the stack test
+    ``test_serving_leaves_the_cycle_collector_idle``)."""
+    threshold = gc.get_threshold()
+    gc.unfreeze()
+    try:
+        await _quiet_gc(web.Application())
+        assert gc.get_freeze_count() > 10_000  # modules, classes, functions: all of them
+        assert gc.get_threshold() == GC_THRESHOLD
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
