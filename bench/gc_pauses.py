@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--tree takes LABEL=DIR with DIR a Sluice checkout (got {item!r})")
         trees[label] = Path(path).resolve()
     proxy_cpus, load_cpus, pinning = core.cpu_layout(None)
+    pinning = pinning.replace(", the load generator and py-spy", " and the load generator")  # no py-spy
     cells = {(name, label): Cell() for name in trees for label, _ in SCENARIOS}
     started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     own_affinity = os.sched_getaffinity(0)
