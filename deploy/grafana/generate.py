@@ -427,6 +427,21 @@ REPLICAS = Dashboard(
             red_above=0.3,
         ),
         Panel(
+            "Scrape parse CPU",
+            "Share of a core Sluice spends parsing each replica's /metrics, by parser: kept_layout (the "
+            "values only, the scrape laid out as the last one) or library (prometheus_client's full "
+            "parse). Amber above 2 % for one replica.",
+            (
+                Target(
+                    "sum by (replica, parser) "
+                    f"(rate(sluice_replica_scrape_parse_seconds_total{{{REP}}}[{RATE}]))",
+                    "{{replica}} {{parser}}",
+                ),
+            ),
+            unit="percentunit",
+            amber=0.02,
+        ),
+        Panel(
             "Step-model coefficients",
             "The coefficients in use per replica and term, in seconds per unit (base: per step; "
             "tokens_to_knee, tokens_past_knee: per token; decode_seqs: per sequence; kv_tokens: per KV "

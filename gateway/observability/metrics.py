@@ -542,6 +542,21 @@ class SluiceMetrics:
             registry=r,
         )
 
+        self.replica_scrape_parse_seconds = Counter(
+            "sluice_replica_scrape_parse_seconds_total",
+            "CPU seconds Sluice spent parsing the replica's /metrics (in a worker thread that holds "
+            "the GIL meanwhile), by parser: kept_layout (the values only, the scrape laid out as the "
+            "last one) or library (prometheus_client's: a first scrape, or one whose lines changed).",
+            ["replica", "parser"],
+            registry=r,
+        )
+        self.replica_scrape_parses = Counter(
+            "sluice_replica_scrape_parses_total",
+            "Replica /metrics scrapes parsed by Sluice, by parser (kept_layout, library).",
+            ["replica", "parser"],
+            registry=r,
+        )
+
         # Tenants (as of their last reservation through this gateway).
         self.tenant_tokens_reserved = Counter(
             "sluice_tenant_tokens_reserved_total",
@@ -743,6 +758,12 @@ class SluiceMetrics:
         """Keep the newest snapshot of its replica for the collector and count the scrape."""
         self._state.snapshots[snapshot.name] = snapshot
         self.replica_scrapes.labels(snapshot.name, "stale" if snapshot.stale else "ok").inc()
+
+    def observe_parse(self, replica: str, cpu_s: float, kept_layout: bool) -> None:
+        """One scrape of ``replica`` parsed in ``cpu_s`` CPU seconds (``MetricsScraper.on_parse``)."""
+        parser = "kept_layout" if kept_layout else "library"
+        self.replica_scrape_parse_seconds.labels(replica, parser).inc(cpu_s)
+        self.replica_scrape_parses.labels(replica, parser).inc()
 
     def track_replicas(self, source: ReplicaSource) -> None:
         """Read health, state and in-flight counts from ``source`` at every scrape of /metrics."""
@@ -1091,8 +1112,9 @@ def install(
     already has: ``app[STORE]`` (label limits follow every reload), ``app[OUTCOME_LISTENERS]``
     (``observe_outcome``) and, at startup, ``app[REGISTRY]`` (``track_replicas``),
     ``app[PREDICTION_SERVICE].report`` (``track_step_models``) and ``app[SCRAPER]``
-    (``observe_snapshot`` on every scrape). Returns the metrics (also at ``app[METRICS]``) for the
-    producers that are not in the app yet (queue, limiter, reloader: see the module docstring).
+    (``observe_snapshot`` on every scrape, ``observe_parse`` on every parse). Returns the metrics
+    (also at ``app[METRICS]``) for the producers that are not in the app yet (queue, limiter,
+    reloader: see the module docstring).
     """
     # Imported here: gateway.app imports this module to call install().
     from gateway.app import OUTCOME_LISTENERS, PREDICTION_SERVICE, REGISTRY, SCRAPER, STORE
@@ -1109,6 +1131,7 @@ def install(
         chosen.track_replicas(app[REGISTRY])
         chosen.track_step_models(app[PREDICTION_SERVICE].report)
         app[SCRAPER].subscribe(chosen.observe_snapshot)
+        app[SCRAPER].on_parse(chosen.observe_parse)
 
     async def metrics_handler(request: web.Request) -> web.Response:
         body, content_type = chosen.exposition(request.headers.get("Accept"))

@@ -43,6 +43,10 @@ log = logging.getLogger("sluice.scraper")
 InFlightSource = Callable[[], Sequence[InFlight]]
 SnapshotCallback = Callable[[ReplicaSnapshot], None]
 EngineCallback = Callable[[str], None]
+#: ``(replica, cpu_s, kept_layout)`` for every scrape parsed: the parse's CPU seconds (its worker
+#: thread's, ``time.thread_time``) and whether it read the values only, with the replica's kept
+#: layout (``ExpositionParser``), or went to prometheus_client's parser.
+ParseCallback = Callable[[str, float, bool], None]
 
 
 @dataclass(eq=False)
@@ -93,6 +97,7 @@ class MetricsScraper:
         self._targets: dict[str, _Target] = {}
         self._latest: dict[str, ReplicaSnapshot] = {}
         self._subscribers: list[SnapshotCallback] = []
+        self._parse_listeners: list[ParseCallback] = []
         self._retiring: set[asyncio.Task[None]] = set()
         self._running = False
 
@@ -172,6 +177,11 @@ class MetricsScraper:
 
         return unsubscribe
 
+    def on_parse(self, callback: ParseCallback) -> None:
+        """Call ``callback(replica, cpu_s, kept_layout)`` after every scrape parsed without error
+        (``ParseCallback``), in the event loop; an exception it raises is logged and ignored."""
+        self._parse_listeners.append(callback)
+
     # -- lifecycle --------------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -240,9 +250,11 @@ class MetricsScraper:
             failure = body.reason
         else:
             try:
-                samples = await asyncio.to_thread(target.parser.parse, body)
+                samples, cpu_s, kept = await asyncio.to_thread(_timed_parse, target.parser, body)
             except ExpositionError as exc:
                 failure = str(exc)
+            else:
+                self._parsed(target.name, cpu_s, kept)
         builder = target.builder
         if builder is None:
             # SGLang without --enable-metrics has no /metrics: its info endpoint still tells.
@@ -253,6 +265,13 @@ class MetricsScraper:
         if samples is None:
             return builder.fail(failure, now, in_flight)
         return builder.observe(samples, now, in_flight)
+
+    def _parsed(self, name: str, cpu_s: float, kept: bool) -> None:
+        for callback in self._parse_listeners:
+            try:
+                callback(name, cpu_s, kept)
+            except Exception:
+                log.exception("parse listener %r failed", callback)
 
     async def _detect(self, target: _Target, samples: Samples | None) -> tuple[SnapshotBuilder | None, str]:
         """Detect an ``auto`` replica's engine and give the target its builder; ``(None, why)``
@@ -340,6 +359,13 @@ class MetricsScraper:
         else:
             log.info("metrics of replica %s are fresh again", target.name)
         target.stale = snapshot.stale
+
+
+def _timed_parse(parser: ExpositionParser, text: str) -> tuple[Samples, float, bool]:
+    """``parser.parse(text)``, its CPU seconds (this thread's) and whether the kept layout read it."""
+    started, hits = time.thread_time(), parser.hits
+    samples = parser.parse(text)
+    return samples, time.thread_time() - started, parser.hits > hits
 
 
 @dataclass(frozen=True, slots=True)

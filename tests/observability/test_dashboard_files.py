@@ -90,6 +90,7 @@ def _exported_sample_names() -> set[str]:
     metrics.observe_reservation(reservation)
     metrics.observe_settle(reservation, 9.0)
     metrics.observe_reload(True)
+    metrics.observe_parse("emu-0", 0.001, True)
     metrics.observe_outcome(outcome(predicted_ttft_s=0.4, predicted_tpot_s=0.1, queue_wait_s=0.1))
     metrics.observe_outcome(
         outcome(replica=None, decision="rejected", reason="overloaded", retry_after_s=1.0)

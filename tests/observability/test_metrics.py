@@ -305,6 +305,20 @@ def _registry() -> ReplicaRegistry:
     return ReplicaRegistry(SettingsStore(settings))
 
 
+def test_scrape_parses_count_by_parser_with_their_cpu_seconds() -> None:
+    metrics = SluiceMetrics()
+    metrics.observe_parse("emu-0", 0.012, False)
+    metrics.observe_parse("emu-0", 0.0005, True)
+    metrics.observe_parse("emu-0", 0.0007, True)
+
+    assert value(metrics, "sluice_replica_scrape_parses_total", replica="emu-0", parser="library") == 1
+    assert value(metrics, "sluice_replica_scrape_parses_total", replica="emu-0", parser="kept_layout") == 2
+    library = value(metrics, "sluice_replica_scrape_parse_seconds_total", replica="emu-0", parser="library")
+    kept = value(metrics, "sluice_replica_scrape_parse_seconds_total", replica="emu-0", parser="kept_layout")
+    assert library == pytest.approx(0.012)
+    assert kept == pytest.approx(0.0012)
+
+
 def test_replica_state_snapshot_and_fit_are_read_at_scrape_time() -> None:
     now = [1000.0]
     metrics = SluiceMetrics(clock=lambda: now[0])

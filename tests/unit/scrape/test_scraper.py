@@ -107,6 +107,8 @@ async def test_loop_publishes_windowed_snapshots_with_in_flight(aiohttp_server, 
     scraper = MetricsScraper(session, interval_s=INTERVAL_S, timeout_s=5.0, clock=fake_clock())
     scraper.add_replica("r1", url, in_flight=lambda: in_flight)
     collector = Collector(scraper)
+    parses: list[tuple[str, float, bool]] = []
+    scraper.on_parse(lambda *parse: parses.append(parse))
 
     await scraper.start()
     try:
@@ -132,6 +134,10 @@ async def test_loop_publishes_windowed_snapshots_with_in_flight(aiohttp_server, 
     parser = scraper._targets["r1"].parser
     assert parser.misses == 1
     assert parser.hits >= 1
+    # Every parse reported, with its CPU time: the first by the library, the later ones with the
+    # kept layout.
+    assert [(name, kept) for name, _, kept in parses] == [("r1", False)] + [("r1", True)] * parser.hits
+    assert all(cpu_s > 0.0 for _, cpu_s, _ in parses), parses
 
 
 ONLY_PROCESS = "# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 12.5\n"
