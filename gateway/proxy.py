@@ -790,7 +790,6 @@ async def _write(ex: _Exchange, response: web.StreamResponse, data: bytes) -> No
         raise ConnectionResetError("the client took no data for server.client_write_timeout_s") from None
 
 
-@functools.lru_cache(maxsize=16)
 # The errors below are built by a function and raised where they are made: an error kept in a
 # local of the raising frame makes a reference cycle with its own traceback (error -> traceback ->
 # frame -> error), and the whole request would then wait for the cycle collector instead of being
@@ -813,6 +812,7 @@ def _stopped_error(outcome: RequestOutcome) -> ServerShuttingDown:
     return err
 
 
+@functools.lru_cache(maxsize=16)
 def _upstream_timeout(connect_s: float, read_s: float) -> aiohttp.ClientTimeout:
     """The upstream timeouts (seconds; no total: a stream may last long), one immutable object per
     setting instead of one per request."""

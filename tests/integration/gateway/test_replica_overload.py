@@ -14,6 +14,7 @@ import asyncio
 import json
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -21,6 +22,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from gateway.admission.config import AdmissionSettings
 from gateway.app import OUTCOME_LISTENERS, REGISTRY, build_app
 from gateway.observability.logs import RequestOutcome
+from gateway.proxy import MAX_PLACEMENTS
 from gateway.settings import HealthSettings, ReplicaSettings, ServerSettings, Settings
 from gateway.store import SettingsStore
 from simulator.profile import load_profile
@@ -104,6 +106,39 @@ async def test_when_every_replica_refuses_the_client_gets_sluices_429(
         assert int(headers["Retry-After"]) >= 1
         assert int(headers["retry-after-ms"]) > 0
     assert sorted(o.status or 0 for o in outcomes if o.path == path) == statuses
+
+
+async def test_a_request_every_replica_refuses_in_turn_gets_sluices_429(
+    aiohttp_server: Any, aiohttp_client: Any
+) -> None:
+    """As many replicas as a request may be placed on, each taking one request at a time and held
+    busy by a long stream of its own (sent to it directly, not through Sluice): one request tries
+    each in turn, then gets Sluice's own 429 (the out-of-placements path, not the "every replica
+    saturated" answer of a later placement), and its outcome names the last replica it tried."""
+    names = [f"r{i}" for i in range(MAX_PLACEMENTS)]
+    replicas = {name: await tgi_replica(aiohttp_server, limit=1, seed=i) for i, name in enumerate(names)}
+    client, outcomes, _ = await gateway(aiohttp_client, replicas)
+    hold = {"inputs": "Hold the only permit", "parameters": {"max_new_tokens": 4000}}
+    async with aiohttp.ClientSession() as direct:
+        holders = [await direct.post(url + "/generate_stream", json=hold) for url in replicas.values()]
+        try:
+            for holder in holders:
+                assert holder.status == 200
+                assert b"data:" in await holder.content.readline()  # streaming: the permit is held
+
+            resp = await client.post("/generate", json=BODY)
+            error = (await resp.json())["error"]
+        finally:
+            for holder in holders:
+                holder.close()
+
+    assert resp.status == 429
+    assert (error["type"], error["code"]) == ("overloaded", "overloaded")
+    assert "are overloaded right now" in error["message"], error
+    assert int(resp.headers["Retry-After"]) >= 1
+    (outcome,) = [o for o in outcomes if o.path == "/generate"]
+    assert (outcome.status, outcome.error) == (429, "overloaded")
+    assert outcome.replica in names
 
 
 async def test_an_auto_replica_found_to_run_tgi_serves_the_native_routes(
