@@ -423,7 +423,7 @@ def _graceful_exit() -> None:
 #: 700). A request in flight holds a few dozen containers, so at 32 concurrent requests the default
 #: ran a young collection every few requests, each visiting every object of every request in
 #: flight and finding nothing: the request path frees its objects by reference counting (no
-#: reference cycles, ``tests/unit/test_gc_quiet.py``).
+#: reference cycles: ``tests/integration/gateway/test_no_request_cycles.py``).
 GC_THRESHOLD = (10_000, 10, 10)
 
 
@@ -434,7 +434,7 @@ async def _quiet_gc(app: web.Application) -> None:
 
     Without it a full collection visited all of them, some 80,000 objects: 45-60 ms with the
     event loop stopped, every few seconds under load, the p99 of every request served meanwhile
-    (``docs/benchmarks.md``, "Garbage collection"). Objects made later (a reload's settings) are
+    (``docs/benchmarks.md``, "The cycle collector"). Objects made later (a reload's settings) are
     collected as usual; a frozen object that became garbage later is never freed by the cycle
     collector (by reference counting it still is), which for what lives from start-up on is
     nothing.
