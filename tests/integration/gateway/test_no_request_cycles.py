@@ -13,10 +13,10 @@ The real gateway (``build_app``, in this process) with everything on: an API key
 token buckets, SLO admission with prediction headers, the access log; in front of an emulated
 vLLM replica (``simulator.server.build_app``, in this process, on a real socket). With the
 collector off and ``gc.DEBUG_SAVEALL`` on, it serves plain and streamed chat completions,
-concurrently, plus the answers refused before dispatch (a tenant over its request budget, a
-missing key, a malformed body); then one collection: nothing it finds may be an object of
-Sluice's own (``gateway.*``). Objects of aiohttp's, the emulator's and the test client's own are
-not judged here.
+concurrently, the answers refused before dispatch (a tenant over its request budget, a missing
+key, a malformed body) and a stream its client drops after the first chunk; then one
+collection: nothing it finds may be an object of Sluice's own (``gateway.*``). Objects of
+aiohttp's, the emulator's and the test client's own are not judged here.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.app import build_app
+from gateway.app import OUTCOME_LISTENERS, build_app
+from gateway.observability.logs import RequestOutcome
 from gateway.settings import Settings
 from gateway.store import SettingsStore
 from gateway.tenants import hash_api_key
@@ -119,7 +120,9 @@ def _sluice_objects(objects: list[object]) -> list[str]:
     return sorted(n for n in names if n.startswith("gateway."))
 
 
-async def _traffic(client: TestClient[web.Request, web.Application]) -> list[int]:
+async def _traffic(
+    client: TestClient[web.Request, web.Application], outcomes: list[RequestOutcome]
+) -> list[int]:
     headers = {"Authorization": f"Bearer {KEY}"}
 
     async def chat(stream: bool, key_headers: dict[str, str] = headers) -> int:
@@ -138,11 +141,26 @@ async def _traffic(client: TestClient[web.Request, web.Application]) -> list[int
             await resp.read()
             return resp.status
 
+    async def dropped() -> int:
+        """A long stream the client closes after its first chunk; returns once the gateway has
+        ended it (its outcome reported), so that its objects are garbage or freed by then."""
+        before = len(outcomes)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 2000}
+        resp = await client.post("/v1/chat/completions", json={**body, "stream": True}, headers=headers)
+        await resp.content.readline()
+        resp.close()
+        for _ in range(300):  # the disconnect monitor looks every 0.1 s
+            if any(o.error == "client_disconnected" for o in outcomes[before:]):
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # the handler unwinds after its outcome is reported, the settle runs
+        return resp.status
+
     served = await asyncio.gather(*(chat(stream=i % 2 == 1) for i in range(16)))
     throttled = {"Authorization": f"Bearer {THROTTLED_KEY}"}
     refused = [await chat(False, throttled), await chat(False, throttled)]
     refused += [await chat(False, {}), await malformed()]
-    return [*served, *refused]
+    return [*served, *refused, await dropped()]
 
 
 async def test_requests_leave_no_cyclic_garbage(
@@ -150,12 +168,15 @@ async def test_requests_leave_no_cyclic_garbage(
 ) -> None:
     replica: TestServer = await aiohttp_server(build_emulator(load_profile(PROFILE), seed=1))
     app = build_app(SettingsStore(_settings(str(replica.make_url("")).rstrip("/"))))
+    outcomes: list[RequestOutcome] = []
+    app[OUTCOME_LISTENERS].append(outcomes.append)
     client: TestClient[web.Request, web.Application] = await aiohttp_client(app)
     # Warm-up: the first scrape, the first request of each kind (the throttled tenant's first
     # request is still within its budget).
-    assert await _traffic(client) == [200] * 16 + [200, 429, 401, 400]
+    assert await _traffic(client, outcomes) == [200] * 16 + [200, 429, 401, 400, 200]
 
-    statuses, garbage = await _garbage_made_by(lambda: _traffic(client))()
+    statuses, garbage = await _garbage_made_by(lambda: _traffic(client, outcomes))()
 
-    assert statuses == [200] * 16 + [429, 429, 401, 400]
+    assert statuses == [200] * 16 + [429, 429, 401, 400, 200]
+    assert [o.error for o in outcomes].count("client_disconnected") == 2
     assert _sluice_objects(garbage) == []
