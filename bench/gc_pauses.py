@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from bench.overhead import core, peers
 from bench.overhead.load import closed_loop
@@ -83,26 +82,6 @@ class Cell:
     pauses: list[tuple[int, float]] = field(default_factory=list)
 
 
-def _start(layout: peers.Layout, name: str, tree: Path, gc_log: Path) -> peers.Target:
-    port = free_port()
-    config = layout.work / f"{name}.yaml"
-    config.write_text(yaml.safe_dump(peers.sluice_config(layout, port)))
-    log = layout.work / f"{name}.log"
-    args = [sys.executable, "-c", SHIM, "serve", "--config", str(config)]
-    proc = peers.start(
-        peers.pinned(layout.proxy_cpus, args), log, env={"SLUICE_GC_LOG": str(gc_log)}, cwd=tree
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        peers.wait_ready(url + "/readyz", proc, log)
-    except peers.Unavailable:
-        peers.stop(proc)
-        raise
-    return peers.Target(
-        name, url, proc.pid, str(tree), headers={"Authorization": f"Bearer {peers.API_KEY}"}, proc=proc
-    )
-
-
 def _one_round(
     trees: dict[str, Path],
     layout: peers.Layout,
@@ -112,7 +91,13 @@ def _one_round(
 ) -> None:
     for name in order:
         gc_log = layout.work / f"{name}.gc.json"
-        target = _start(layout, name, trees[name], gc_log)
+        target = peers.start_sluice(
+            layout,
+            tree=trees[name],
+            name=name,
+            launcher=[sys.executable, "-c", SHIM],
+            env={"SLUICE_GC_LOG": str(gc_log)},
+        )
         windows: list[tuple[str, float, float]] = []
         try:
             for label, stream in SCENARIOS:

@@ -300,18 +300,22 @@ def start_sluice(
     tree: Path | None = None,
     name: str | None = None,
     patch: Mapping[str, Any] | None = None,
+    launcher: Sequence[str] = (sys.executable, "-m", "gateway.cli"),
+    env: Mapping[str, str] | None = None,
 ) -> Target:
     """``sluice serve`` from this checkout, or (``tree``) from another one, e.g. an exported
     commit for a before/after comparison inside one run (``--baseline-tree``); ``patch``: see
-    ``sluice_config`` (``--variant``)."""
+    ``sluice_config`` (``--variant``). ``launcher``: the command ``serve --config FILE`` follows
+    (``bench.gc_pauses`` runs ``gateway.cli`` under a shim); ``env``: added to the environment."""
     name = name or ("sluice-lean" if lean else "sluice")
     port = free_port()
     config = layout.work / f"{name}.yaml"
     config.write_text(yaml.safe_dump(sluice_config(layout, port, lean=lean, patch=patch)))
     log = layout.work / f"{name}.log"
     proc = start(
-        pinned(layout.proxy_cpus, [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)]),
+        pinned(layout.proxy_cpus, [*launcher, "serve", "--config", str(config)]),
         log,
+        env=env,
         cwd=tree or ROOT,
     )
     url = f"http://127.0.0.1:{port}"

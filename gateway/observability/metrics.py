@@ -762,8 +762,8 @@ class SluiceMetrics:
     def observe_parse(self, replica: str, cpu_s: float, kept_layout: bool) -> None:
         """One scrape of ``replica`` parsed in ``cpu_s`` CPU seconds (``MetricsScraper.on_parse``)."""
         parser = "kept_layout" if kept_layout else "library"
-        self.replica_scrape_parse_seconds.labels(replica, parser).inc(cpu_s)
-        self.replica_scrape_parses.labels(replica, parser).inc()
+        self.child(self.replica_scrape_parse_seconds, replica, parser).inc(cpu_s)
+        self.child(self.replica_scrape_parses, replica, parser).inc()
 
     def track_replicas(self, source: ReplicaSource) -> None:
         """Read health, state and in-flight counts from ``source`` at every scrape of /metrics."""

@@ -97,22 +97,18 @@ def collector_off() -> Iterator[None]:
             gc.enable()
 
 
-def _garbage_made_by(work: Callable[[], Awaitable[T]]) -> Callable[[], Awaitable[tuple[T, list[object]]]]:
-    """``work`` wrapped: what it returns, and every object the cycle collector then finds (kept
-    alive by ``DEBUG_SAVEALL`` rather than freed). Garbage made before is freed first."""
-
-    async def run() -> tuple[T, list[object]]:
-        gc.collect()  # earlier garbage (the app's start-up, the warm-up) really freed
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        try:
-            result = await work()
-            gc.collect()
-            return result, list(gc.garbage)
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-
-    return run
+async def _garbage_made_by(work: Callable[[], Awaitable[T]]) -> tuple[T, list[object]]:
+    """What ``work()`` returns, and every object the cycle collector then finds (kept alive by
+    ``DEBUG_SAVEALL`` rather than freed). Garbage made before is freed first."""
+    gc.collect()  # earlier garbage (the app's start-up, the warm-up) really freed
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        result = await work()
+        gc.collect()
+        return result, list(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
 
 
 def _sluice_objects(objects: list[object]) -> list[str]:
@@ -175,7 +171,7 @@ async def test_requests_leave_no_cyclic_garbage(
     # request is still within its budget).
     assert await _traffic(client, outcomes) == [200] * 16 + [200, 429, 401, 400, 200]
 
-    statuses, garbage = await _garbage_made_by(lambda: _traffic(client, outcomes))()
+    statuses, garbage = await _garbage_made_by(lambda: _traffic(client, outcomes))
 
     assert statuses == [200] * 16 + [429, 429, 401, 400, 200]
     assert [o.error for o in outcomes].count("client_disconnected") == 2
