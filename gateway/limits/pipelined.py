@@ -24,21 +24,32 @@ Contract (what the limiter relies on; the same as redis-py's ``Script`` call)
       more; a script is never sent whole by ``EVAL``;
     * a connection lost under a call (a server restart leaves a stale socket) is retried once on
       a fresh connection (the scripts are idempotent per request id);
-    * a call cancelled while waiting (the limiter's ``asyncio.timeout``) leaves its reply to be
-      read and dropped, so no later call ever reads a stale reply; when the connection has
+    * a call cancelled while waiting, or past its deadline, leaves its reply to be read and
+      dropped, so no later call ever reads a stale reply; when the connection has
       answered nothing for ``stale_after_s`` by then (a hung server), it is closed, as redis-py
       closes a connection whose command was cancelled, and the next call opens a fresh one;
     * error replies raise ``redis.exceptions.ResponseError`` (``NoScriptError`` /
       ``NoPermissionError`` where redis-py has them), connection failures ``ConnectionError``.
 
-    No timeout of its own: every call runs inside the limiter's ``asyncio.timeout`` (connecting,
-    authenticating and selecting the database included).
+    **Deadlines.** ``evalsha(..., deadline=t)`` (the event loop's clock) bounds the call, its
+    connect and any retry included: past ``t`` it raises ``TimeoutError``, its reply is read and
+    dropped, and a connection that has answered nothing for ``stale_after_s`` by then is closed
+    (as above). The wait for replies is bounded by one timer per connection, armed for the
+    earliest deadline outstanding, not by an ``asyncio.timeout`` per call: that cost two timer
+    operations and two context-manager calls per call, about 2 % of the gateway's CPU under
+    ``bench/overhead``'s JSON load (issue 7's profile, 2026-12-02). Without a deadline a call is
+    bounded only by its caller.
+
+    **Pre-encoded arguments.** ``Packed(*values)`` encodes a run of arguments once (a tenant's
+    keys, its bucket rates and capacities) for calls that repeat them: a call then encodes only
+    what changes (the request id, the cost).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import time
 from collections.abc import Sequence
 from typing import Any, cast
@@ -49,7 +60,7 @@ import redis.exceptions
 from redis.asyncio.connection import Connection
 from redis.commands.core import AsyncScript
 
-__all__ = ["PipelinedScripts", "for_client", "pack"]
+__all__ = ["Packed", "PipelinedScripts", "for_client", "pack"]
 
 #: Connection keyword arguments ``for_client`` understands; any other one set to something other
 #: than its default means a client this module does not speak for.
@@ -122,16 +133,45 @@ def pack(*parts: str | bytes | float | int) -> bytes:
     return b"*%d\r\n" % len(parts) + b"".join(_bulk(_encode(p)) for p in parts)
 
 
+class Packed:
+    """A run of command arguments encoded once (RESP bulk strings), written as they are by
+    ``PipelinedScripts.evalsha``: ``count`` arguments, ``data`` their bytes. Immutable."""
+
+    __slots__ = ("count", "data")
+
+    def __init__(self, *values: str | bytes | float | int) -> None:
+        self.count = len(values)
+        self.data = b"".join(_bulk(_encode(v)) for v in values)
+
+    @classmethod
+    def keys(cls, keys: Sequence[str]) -> Packed:
+        """A script's keys as ``EVALSHA`` takes them: their number, then each key."""
+        return cls(len(keys), *keys)
+
+    def __repr__(self) -> str:
+        return f"Packed({self.count} arguments, {self.data!r})"
+
+
+_Arg = str | bytes | float | int | Packed
+
+
 class _Protocol(asyncio.Protocol):
     """One connection: writes commands, hands replies to the waiting futures in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, stale_after_s: float = math.inf) -> None:
         self.transport: asyncio.Transport | None = None
-        self.waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
+        #: The calls written and not answered yet, in order: (future, deadline on the loop's
+        #: clock; ``inf``: none).
+        self.waiting: collections.deque[tuple[asyncio.Future[Any], float]] = collections.deque()
         self.reader = hiredis.Reader()
         self.closed = False
         #: ``time.monotonic()`` of the last bytes received (or of the connection).
         self.heard_at = time.monotonic()
+        #: A connection silent this long when a call's deadline passes is closed (hung).
+        self.stale_after_s = stale_after_s
+        #: The one timer that ends overdue calls (``_sweep``), and the instant it is armed for.
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # asyncio's and uvloop's TCP transports set TCP_NODELAY themselves. (uvloop's transports
@@ -146,8 +186,8 @@ class _Protocol(asyncio.Protocol):
             while (reply := reader.gets()) is not False:
                 if not self.waiting:
                     raise redis.exceptions.ConnectionError("a reply nobody asked for")
-                future = self.waiting.popleft()
-                if not future.done():  # a cancelled caller's reply is read and dropped
+                future = self.waiting.popleft()[0]
+                if not future.done():  # a cancelled or overdue caller's reply is read and dropped
                     future.set_result(reply)
         except Exception as exc:  # a protocol error: nothing more on this connection is trusted
             self.close(redis.exceptions.ConnectionError(f"Redis protocol error: {exc!r}"))
@@ -163,19 +203,53 @@ class _Protocol(asyncio.Protocol):
         self._fail(exc)
 
     def _fail(self, exc: Exception) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._timer_at = None, math.inf
         while self.waiting:
-            future = self.waiting.popleft()
+            future = self.waiting.popleft()[0]
             if not future.done():
                 future.set_exception(exc)
 
-    def send(self, command: bytes) -> asyncio.Future[Any]:
-        """Write ``command``; the future gets its reply (an error reply as an exception instance)."""
+    def send(self, command: bytes, deadline: float = math.inf) -> asyncio.Future[Any]:
+        """Write ``command``; the future gets its reply (an error reply as an exception instance),
+        or ``TimeoutError`` once ``deadline`` (the loop's clock) has passed without it."""
         if self.closed or self.transport is None or self.transport.is_closing():
             raise redis.exceptions.ConnectionError("connection closed")
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.waiting.append(future)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self.waiting.append((future, deadline))
         self.transport.write(command)
+        if deadline < self._timer_at:
+            self._arm(loop, deadline)
         return future
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = loop.call_at(at, self._sweep), at
+
+    def _sweep(self) -> None:
+        """The timer: end the calls whose deadline has passed (their replies, when they come, are
+        dropped), close the connection if it is hung, re-arm for the earliest deadline left."""
+        self._timer, self._timer_at = None, math.inf
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        overdue = False
+        earliest = math.inf
+        for future, deadline in self.waiting:
+            if future.done():
+                continue
+            if deadline <= now:
+                future.set_exception(TimeoutError("no reply from Redis within the call's deadline"))
+                overdue = True
+            elif deadline < earliest:
+                earliest = deadline
+        if overdue and time.monotonic() - self.heard_at >= self.stale_after_s:
+            self.close(redis.exceptions.TimeoutError("the server stopped answering"))
+            return
+        if earliest < math.inf:
+            self._arm(loop, earliest)
 
 
 class PipelinedScripts:
@@ -216,30 +290,56 @@ class PipelinedScripts:
             self._preloaded[script.sha] = _load_command(script)
 
     async def evalsha(
-        self, script: AsyncScript, keys: Sequence[str], args: Sequence[str | bytes | float | int]
+        self,
+        script: AsyncScript,
+        keys: Sequence[str] | Packed,
+        args: Sequence[_Arg],
+        *,
+        deadline: float = math.inf,
     ) -> Any:
         """Run ``script`` (loaded on NOSCRIPT) and return its reply as redis-py would (bytes for
-        strings, ints, lists); raises as the module docstring says."""
+        strings, ints, lists); raises as the module docstring says. ``keys``: the keys, or
+        ``Packed.keys(keys)``; ``args``: values or ``Packed`` runs of them. ``deadline``: the
+        loop's clock (``loop.time()``) past which the call raises ``TimeoutError``."""
         sha = script.sha
         head = self._heads.get(sha)
         if head is None:
             head = self._heads[sha] = _bulk(b"EVALSHA") + _bulk(sha.encode())
-        tail = [_bulk(_encode(v)) for v in (len(keys), *keys, *args)]
-        command = b"*%d\r\n" % (2 + len(tail)) + head + b"".join(tail)
+        if isinstance(keys, Packed):
+            parts = [head, keys.data]
+            count = 2 + keys.count
+        else:
+            parts = [head, _bulk(b"%d" % len(keys)), *[_bulk(key.encode()) for key in keys]]
+            count = 3 + len(keys)
+        for arg in args:
+            if isinstance(arg, Packed):
+                parts.append(arg.data)
+                count += arg.count
+            else:
+                parts.append(_bulk(_encode(arg)))
+                count += 1
+        command = b"*%d\r\n" % count + b"".join(parts)
         try:
-            return await self._call(command)
+            return await self._call(command, deadline)
         except redis.exceptions.NoScriptError:
-            await self._call(_load_command(script))
-            return await self._call(command)
+            await self._call(_load_command(script), deadline)
+            return await self._call(command, deadline)
 
-    async def _call(self, command: bytes) -> Any:
-        """One command and its reply; a connection lost under it is retried once, on a new one."""
+    async def _call(self, command: bytes, deadline: float = math.inf) -> Any:
+        """One command and its reply; a connection lost under it is retried once, on a new one
+        (within the same ``deadline``)."""
         for attempt in (0, 1):
             protocol = self._protocol
             if protocol is None or protocol.closed:
-                protocol = await self._connect()
+                if deadline < math.inf:
+                    async with asyncio.timeout_at(deadline):
+                        protocol = await self._connect()
+                else:
+                    protocol = await self._connect()
+            elif deadline <= asyncio.get_running_loop().time():
+                raise TimeoutError("no reply from Redis within the call's deadline")
             try:
-                reply = await self._wait(protocol, protocol.send(command))
+                reply = await self._wait(protocol, protocol.send(command, deadline))
             except redis.exceptions.ConnectionError:
                 if attempt == 1:
                     raise
@@ -271,7 +371,8 @@ class PipelinedScripts:
 
     async def _open(self) -> _Protocol:
         loop = asyncio.get_running_loop()
-        _, protocol = await loop.create_connection(_Protocol, self.host, self.port)
+        stale = self.stale_after_s
+        _, protocol = await loop.create_connection(lambda: _Protocol(stale), self.host, self.port)
         self.connects += 1
         try:
             hello: list[bytes] = []

@@ -5,9 +5,10 @@ What it does
     package data (``token_bucket.lua``, ``settle.lua``, ``in_flight.lua``), so each is one round
     trip and atomic on the server. The scripts take the time from Redis ``TIME``, so gateways with
     skewed clocks still share one bucket. To a single plain ``redis://`` server the calls go on one
-    pipelined connection (``gateway.limits.pipelined``: replies matched in order, calls made in the
-    same loop iteration share one write, a fraction of redis-py's CPU per call); a cluster, TLS or
-    a Unix socket keep redis-py's client. Both paths honour the contract below alike.
+    pipelined connection (``gateway.limits.pipelined``: replies matched in order, a tenant's keys
+    and bucket parameters encoded once, each call bounded by a deadline that one timer per
+    connection enforces: a fraction of redis-py's CPU per call); a cluster, TLS or a Unix socket
+    keep redis-py's client. Both paths honour the contract below alike.
 
 Inputs consumed
     A ``redis.asyncio.Redis`` or ``redis.asyncio.cluster.RedisCluster`` client (``connect``
@@ -52,7 +53,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio
 import redis.exceptions
@@ -70,7 +71,7 @@ from gateway.limits.base import (
     build_reservation,
 )
 from gateway.limits.memory import DEFAULT_LEASE_TTL_S
-from gateway.limits.pipelined import for_client
+from gateway.limits.pipelined import Packed, for_client
 
 RedisClient = redis.asyncio.Redis | RedisCluster
 
@@ -132,6 +133,18 @@ class TenantKeys:
     leases: str
 
 
+@dataclass(frozen=True, slots=True)
+class _Packs:
+    """One tenant's keys and one ``TenantLimits``' constant script arguments, pre-encoded for the
+    pipelined path: a reserve's keys and its arguments after the request id and cost, a settle's
+    keys and its arguments after the request id and delta."""
+
+    reserve_keys: Packed
+    reserve_args: Packed
+    settle_keys: Packed
+    settle_args: Packed
+
+
 class RedisLimiter:
     """A ``Limiter`` on Redis or Redis Cluster; see the module docstring."""
 
@@ -182,6 +195,9 @@ class RedisLimiter:
         self._repairs: set[asyncio.Task[None]] = set()
         #: ``keys(tenant)`` remembered (strings built once per tenant, not per call).
         self._keys: dict[str, TenantKeys] = {}
+        #: The pipelined path's pre-encoded constant arguments per tenant and limits
+        #: (``_packed``): a call encodes only its request id and cost.
+        self._packs: dict[tuple[str, TenantLimits], _Packs] = {}
         #: Set by ``close``: every pending repair stops waiting and tries once more, now.
         self._closing = asyncio.Event()
 
@@ -230,7 +246,13 @@ class RedisLimiter:
             self.lease_ttl_s,
         )
         try:
-            raw = await self._call(self._reserve, (keys.tokens, keys.requests, keys.leases), args)
+            if self._fast is not None:
+                packs = self._packed(tenant, keys, limits)
+                raw = await self._call(
+                    self._reserve, packs.reserve_keys, (request_id, cost_tokens, packs.reserve_args)
+                )
+            else:
+                raw = await self._call(self._reserve, (keys.tokens, keys.requests, keys.leases), args)
         except LimiterUnavailable:
             # The script may have run and only its reply been lost: give back whatever it took.
             self._repair_later(keys, (request_id, -cost_tokens, *args[2:4]))
@@ -263,7 +285,11 @@ class RedisLimiter:
             *_rate_and_capacity(limits.tokens_per_minute, limits.token_capacity),
         )
         try:
-            applied = await self._call(self._settle, (keys.tokens, keys.leases), args)
+            if self._fast is not None:
+                packs = self._packed(reservation.tenant, keys, limits)
+                applied = await self._call(self._settle, packs.settle_keys, (*args[:2], packs.settle_args))
+            else:
+                applied = await self._call(self._settle, (keys.tokens, keys.leases), args)
         except LimiterUnavailable:
             self._repair_later(keys, args)  # settling is idempotent: trying again is safe
             raise
@@ -345,19 +371,59 @@ class RedisLimiter:
                 self.stats.repairs_applied_total += 1
             return
 
-    async def _call(self, script: AsyncScript, keys: Sequence[str], args: Sequence[str | float | int]) -> Any:
-        """Run ``script`` within ``timeout_s`` (queueing for a call slot included)."""
+    def _packed(self, tenant: str, keys: TenantKeys, limits: TenantLimits) -> _Packs:
+        """``tenant``'s keys and ``limits``' script arguments, encoded once (pipelined path)."""
+        packs = self._packs.get((tenant, limits))
+        if packs is None:
+            if len(self._packs) >= _KEYS_CACHED:
+                self._packs.clear()
+            tokens = _rate_and_capacity(limits.tokens_per_minute, limits.token_capacity)
+            requests = _rate_and_capacity(limits.requests_per_minute, limits.request_capacity)
+            concurrent = -1 if limits.max_concurrent is None else limits.max_concurrent
+            packs = self._packs[(tenant, limits)] = _Packs(
+                reserve_keys=Packed.keys((keys.tokens, keys.requests, keys.leases)),
+                reserve_args=Packed(*tokens, *requests, concurrent, self.lease_ttl_s),
+                settle_keys=Packed.keys((keys.tokens, keys.leases)),
+                settle_args=Packed(*tokens),
+            )
+        return packs
+
+    async def _call(
+        self, script: AsyncScript, keys: Sequence[str] | Packed, args: Sequence[str | float | int | Packed]
+    ) -> Any:
+        """Run ``script`` within ``timeout_s`` (queueing for a call slot included).
+
+        On the pipelined path the deadline goes with the call (one timer per connection bounds
+        every reply's wait; ``gateway.limits.pipelined``); ``asyncio.timeout`` bounds only a wait
+        for a call slot, and everything on redis-py's path."""
+        fast = self._fast
+        if fast is not None:
+            calls = self._calls
+            deadline = asyncio.get_running_loop().time() + self.timeout_s
+            try:
+                if calls.locked():
+                    async with asyncio.timeout_at(deadline):
+                        await calls.acquire()
+                else:
+                    await calls.acquire()
+                try:
+                    return await fast.evalsha(script, keys, args, deadline=deadline)
+                finally:
+                    calls.release()
+            except Exception as exc:  # see below
+                raise LimiterUnavailable(f"{self.name}: {type(exc).__name__}: {exc}") from exc
+        # Only the pipelined path is given pre-encoded arguments (``_packed``).
+        plain = cast(Sequence[str | float | int], args)
+        assert not isinstance(keys, Packed)
         try:
             async with asyncio.timeout(self.timeout_s), self._calls:
-                if self._fast is not None:
-                    return await self._fast.evalsha(script, keys, args)
                 if self._needs_init:
                     await self._initialize_cluster()
                 try:
-                    return await self._client.evalsha(script.sha, len(keys), *keys, *args)
+                    return await self._client.evalsha(script.sha, len(keys), *keys, *plain)
                 except redis.exceptions.NoScriptError:
                     await self._load_all()
-                    return await self._client.evalsha(script.sha, len(keys), *keys, *args)
+                    return await self._client.evalsha(script.sha, len(keys), *keys, *plain)
         except Exception as exc:
             # Beyond RedisError, OSError and the timeout, redis-py's cluster client has been seen
             # to raise AttributeError from a connection torn down under a command: every failure

@@ -18,7 +18,7 @@ import redis.asyncio
 import uvloop
 
 from gateway.limits.base import TenantLimits
-from gateway.limits.pipelined import PipelinedScripts, for_client, pack
+from gateway.limits.pipelined import Packed, PipelinedScripts, for_client, pack
 from gateway.limits.redis import RedisLimiter, connect
 from tests.contract.limits.conftest import one_at_a_time_rounds
 from tests.support.redis import RedisServer
@@ -166,6 +166,65 @@ def test_pack_encodes_as_redis_py_does() -> None:
     assert pack("EVALSHA", b"ab", 2, 0.5, "é") == (
         b"*5\r\n$7\r\nEVALSHA\r\n$2\r\nab\r\n$1\r\n2\r\n$3\r\n0.5\r\n$2\r\n\xc3\xa9\r\n"
     )
+
+
+def test_packed_arguments_are_the_packed_commands_parts() -> None:
+    whole = pack("EVALSHA", "sha", 2, "k1", "k2", "id", 0.5, -1, 60.0)
+    head = b"*9\r\n" + pack("EVALSHA", "sha")[len(b"*2\r\n") :]
+    keys, rest = Packed.keys(("k1", "k2")), Packed(-1, 60.0)
+    assert (keys.count, rest.count) == (3, 2)
+    assert whole == head + keys.data + pack("id", 0.5)[len(b"*2\r\n") :] + rest.data
+
+
+async def test_pre_encoded_and_plain_arguments_make_the_same_call(
+    limiter: RedisLimiter, own_redis: RedisServer
+) -> None:
+    """The limiter's pipelined calls pass a tenant's keys and bucket parameters pre-encoded: the
+    server sees the command redis-py's path sends (the same reservation, the same counts)."""
+    fast = fast_path(limiter)
+    keys = limiter.keys("acme")
+    args = ("p1", 3.0, 1000.0, 60_000.0, 10.0, 600.0, 5, 60.0)
+    plain = await fast.evalsha(limiter._reserve, (keys.tokens, keys.requests, keys.leases), args)
+    packed = await fast.evalsha(
+        limiter._reserve,
+        Packed.keys((keys.tokens, keys.requests, keys.leases)),
+        ("p2", 3.0, Packed(*args[2:])),
+    )
+    assert plain[0] == packed[0] == 1  # both allowed
+    assert (int(plain[4]), int(packed[4])) == (1, 2)  # the second saw the first's lease
+    assert await limiter.in_flight("acme") == 2
+
+
+async def test_a_call_past_its_deadline_raises_and_its_reply_goes_to_nobody(
+    own_redis: RedisServer,
+) -> None:
+    """A deadline ends the wait for a reply (``TimeoutError``); the reply, when it comes, is
+    dropped, and the connection (heard from recently) stays: the next call gets its own reply."""
+    limiter = RedisLimiter(connect(own_redis.url, timeout_s=TIMEOUT_S), timeout_s=TIMEOUT_S)
+    try:
+        fast = fast_path(limiter)
+        keys = (limiter.keys("acme").leases,)
+        assert await fast.evalsha(limiter._in_flight, keys, ()) == 0
+        loop = asyncio.get_running_loop()
+        os.kill(own_redis.pid, signal.SIGSTOP)
+        try:
+            started = loop.time()
+            with pytest.raises(TimeoutError):
+                await fast.evalsha(
+                    limiter._reserve,
+                    Packed.keys((limiter.keys("acme").tokens, limiter.keys("acme").requests, keys[0])),
+                    ("late", 1.0, Packed(-1.0, 0.0, -1.0, 0.0, -1, 60.0)),
+                    deadline=started + 0.1,
+                )
+            assert loop.time() - started >= 0.1
+            with pytest.raises(TimeoutError):  # already past: not even written
+                await fast.evalsha(limiter._in_flight, keys, (), deadline=loop.time() - 1.0)
+        finally:
+            os.kill(own_redis.pid, signal.SIGCONT)
+        assert await fast.evalsha(limiter._in_flight, keys, (), deadline=loop.time() + TIMEOUT_S) in (0, 1)
+        assert fast.connects == 1
+    finally:
+        await limiter.close()
 
 
 async def test_a_reply_after_a_cancelled_call_goes_to_nobody(
