@@ -89,11 +89,14 @@ class _Ring:
     def count(self) -> int:
         return self._count
 
-    def add(self, value: float) -> None:
+    def add(self, value: float, resort_every: int) -> bool:
+        """Keep ``value``; True when the sorted copy is due for a refresh, so the next query may
+        answer differently (``quantile`` and the means read only the sorted copy)."""
         self._buf[self._next] = value
         self._next = (self._next + 1) % len(self._buf)
         self._count = min(self._count + 1, len(self._buf))
         self._stale += 1
+        return self._stale >= resort_every or len(self._sorted) == 0
 
     def _refresh(self, resort_every: int) -> None:
         if self._stale >= resort_every or len(self._sorted) == 0:
@@ -135,13 +138,23 @@ class OutputLengthPredictor:
         self._models: dict[str, _Ring] = {}
         self._tenants: dict[tuple[str, str], _Ring] = {}
 
-    def observe(self, model: str, tenant: str | None, output_tokens: int) -> None:
-        """Record a finished request's output length in tokens (from its ``usage``; >= 0)."""
+    def observe(self, model: str, tenant: str | None, output_tokens: int) -> bool:
+        """Record a finished request's output length in tokens (from its ``usage``; >= 0).
+
+        Returns whether any answer (``predict``, ``expected_remaining``) may differ from now on;
+        False while both populations' sorted copies stay as they are (``resort_every``), so a
+        caller may keep what it remembered of the answers (``PredictionService``'s memos). A
+        population that was never queried has no sorted copy yet, so every sample it takes says
+        True: a new one (and an old one dropped for it), one still short of the samples it needs
+        to be trusted, one reaching them.
+        """
         if output_tokens < 0:
             raise ValueError(f"output_tokens must be >= 0, got {output_tokens}")
-        self._ring(self._models, model).add(float(output_tokens))
-        if tenant is not None:
-            self._ring(self._tenants, (model, tenant)).add(float(output_tokens))
+        every = self._config.resort_every
+        changed = self._ring(self._models, model).add(float(output_tokens), every)
+        if tenant is not None and self._ring(self._tenants, (model, tenant)).add(float(output_tokens), every):
+            changed = True
+        return changed
 
     def samples(self, model: str, tenant: str | None = None) -> int:
         """Samples held for the model, or for the tenant on that model."""

@@ -210,14 +210,16 @@ class PredictionService:
         self._outputs = OutputLengthPredictor(self._config.output_length)
         self._prompts = PromptTokenEstimator(self._config.prompt_tokens)
         #: Per-request estimates (``expected_output``, ``estimate_prompt_tokens``) depend only on
-        #: what ``on_finished`` taught: kept until it teaches something new (every request asks,
-        #: most ask alike; a lookup costs a tenth of the estimate).
+        #: what ``on_finished`` taught: kept until it teaches something that changes an answer
+        #: (``OutputLengthPredictor.observe`` says when: about one finish in ``resort_every``;
+        #: every request asks, most ask alike; a lookup costs a tenth of the estimate).
         self._outputs_memo: dict[tuple[str, str | None, int], tuple[float, float]] = {}
         self._prompts_memo: dict[tuple[str, int], int] = {}
         #: ``replica_inputs``' expected remaining output per (model, tenant), by (tokens generated,
-        #: output cap): the same numbers as ``expected_remaining`` until ``on_finished`` teaches a
-        #: new length (a view rebuild asks for every stream in flight, most of which have not
-        #: moved since the last rebuild, once per engine step).
+        #: output cap): the same numbers as ``expected_remaining`` until ``on_finished`` teaches
+        #: something that changes them (a view rebuild asks for every stream in flight, most of
+        #: which have not moved since the last rebuild; cleared on every finish, the memo missed
+        #: for all of them after each one: issue 7's profile).
         self._remaining_memo: dict[tuple[str, str | None], dict[tuple[int, int | None], float]] = {}
 
     # ------------------------------------------------------------------ replicas
@@ -432,9 +434,9 @@ class PredictionService:
             # median 12-15 % in the mixed fleet, 5 % with this, when its TTFTs still fed its fit).
             self._observe_prefill(r, forecast, max(ttft_s - forecast.overhead_s, 1e-6), finished_at)
         if completion_tokens is not None and completion_tokens >= 0:
-            self._outputs.observe(model, tenant, completion_tokens)
-            self._outputs_memo.clear()
-            self._remaining_memo.clear()
+            if self._outputs.observe(model, tenant, completion_tokens):
+                self._outputs_memo.clear()
+                self._remaining_memo.clear()
         if prompt_chars is not None and prompt_tokens is not None:
             self._prompts.observe(model, prompt_chars, prompt_tokens)
             self._prompts_memo.clear()

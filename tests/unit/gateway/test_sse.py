@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import itertools
 
-from gateway.sse import Event, EventSplitter, encode_data, event_data
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.sse import Event, EventSplitter, encode_data, event_data, event_data_fields
 
 VLLM_STREAM = (
     b'data: {"choices": [{"delta": {"content": "Hel"}}]}\n\n'
@@ -81,3 +85,67 @@ def test_event_data(raw: bytes, data: str | None) -> None:
 def test_encode_data_round_trips() -> None:
     (event,), _ = feed_all([encode_data('{"a": 1}')])
     assert event.data == '{"a": 1}'
+
+
+_LINES = st.sampled_from(
+    [
+        b'data: {"a": 1}',
+        b"data:x",
+        b"data",
+        b": ping",
+        b"event: e",
+        b"id: 7",
+        b"data:  two",
+        b"data: \xff\xfe",
+    ]
+)
+_ENDINGS = st.sampled_from([b"\n", b"\r\n", b"\r"])
+
+
+@st.composite
+def _streams(draw: st.DrawFn) -> tuple[bytes, list[int]]:
+    """An SSE stream (events of random fields, line endings, stray blank lines) and cut points,
+    many of them at event boundaries (where a chunk is exactly one event: ``feed``'s fast path)."""
+    stream = b""
+    boundaries = []
+    for _ in range(draw(st.integers(1, 6))):
+        lines = draw(st.lists(_LINES, min_size=1, max_size=3))
+        ending = draw(_ENDINGS)
+        stream += draw(st.sampled_from([b"", b"\n"])) + ending.join(lines) + ending + ending
+        boundaries.append(len(stream))
+    cuts = draw(st.lists(st.sampled_from([*boundaries, *range(len(stream) + 1)]), max_size=8))
+    return stream, sorted(set(cuts))
+
+
+@settings(max_examples=300, deadline=None)
+@given(_streams())
+def test_any_chunking_gives_the_events_of_one_byte_at_a_time(case: tuple[bytes, list[int]]) -> None:
+    """Whole-event chunks take ``feed``'s and ``event_data``'s fast paths; one byte at a time
+    takes neither: both give the same events (raw bytes and data) and the same pending tail."""
+    stream, cuts = case
+    bounds = [0, *cuts, len(stream)]
+    chunked = feed_all([stream[a:b] for a, b in itertools.pairwise(bounds)])
+    bytewise = feed_all([stream[i : i + 1] for i in range(len(stream))])
+    assert chunked == bytewise
+
+
+def test_a_chunk_of_one_whole_event_is_that_event() -> None:
+    assert feed_all([b"data: x\n\n", b"data: y\n\n"]) == (
+        [Event(b"data: x\n\n", "x"), Event(b"data: y\n\n", "y")],
+        b"",
+    )
+    # Not the fast path: a held-back tail, a leading blank line, two events in one chunk.
+    assert feed_all([b"data: a", b"\n\ndata: b\n\n"])[0] == [
+        Event(b"data: a\n\n", "a"),
+        Event(b"data: b\n\n", "b"),
+    ]
+    assert feed_all([b"\ndata: a\n\n"])[0] == [Event(b"data: a\n\n", "a")]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_LINES, min_size=1, max_size=3), st.binary(max_size=8))
+def test_event_data_is_the_field_by_field_reading(lines: list[bytes], extra: bytes) -> None:
+    """A one-line ``data: `` event takes ``event_data``'s fast path: the same value as reading
+    it field by field (any bytes after ``data: ``, invalid UTF-8 included)."""
+    for raw in (b"\n".join(lines) + b"\n\n", b"data: " + extra.replace(b"\n", b"") + b"\n\n"):
+        assert event_data(raw) == event_data_fields(raw)

@@ -6,6 +6,8 @@ import math
 from statistics import NormalDist
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from predictor.output_length import OutputLengthConfig, OutputLengthPredictor, Population
 
@@ -159,3 +161,57 @@ def test_expected_remaining_many_matches_one_by_one(samples: int) -> None:
     many = p.expected_remaining_many("m", None, generated, caps)
     one = [p.expected_remaining("m", None, g, c) for g, c in zip(generated, caps, strict=True)]
     assert many == pytest.approx(one)
+
+
+def _answers(p: OutputLengthPredictor) -> list[object]:
+    """Every answer a caller could have remembered: predictions and expected remainders for
+    each population, cap and progress in a small grid."""
+    out: list[object] = []
+    for model in ("m0", "m1"):
+        for tenant in (None, "t0", "t1"):
+            for cap in (1, 7, 400):
+                out.append(p.predict(model, tenant, cap, 0.5).tokens)
+            out.append(
+                p.expected_remaining_many(model, tenant, [0, 3, 9, 40, 300], [None, 5, None, 64, None])
+            )
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(1, 5),
+    st.integers(1, 6),
+    st.integers(1, 4),
+    st.integers(2, 3),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["m0", "m1", "m2"]), st.sampled_from([None, "t0", "t1"]), st.integers(0, 500)
+        ),
+        max_size=80,
+    ),
+)
+def test_observe_says_when_an_answer_may_change(
+    resort_every: int,
+    min_tenant: int,
+    min_model: int,
+    max_populations: int,
+    seen: list[tuple[str, str | None, int]],
+) -> None:
+    """``observe`` returning False promises that every answer stays as it was (what lets
+    ``PredictionService`` keep its memos): checked against the whole grid after each one, with
+    small windows, thresholds and population bounds so that every case occurs."""
+    config = OutputLengthConfig(
+        window=8,
+        min_tenant_samples=min_tenant,
+        min_model_samples=min_model,
+        resort_every=resort_every,
+        max_populations=max_populations,
+    )
+    p = OutputLengthPredictor(config)
+    before = _answers(p)
+    for model, tenant, tokens in seen:
+        changed = p.observe(model, tenant, tokens)
+        after = _answers(p)
+        if not changed:
+            assert after == before
+        before = after
