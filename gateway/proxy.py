@@ -526,10 +526,12 @@ class Proxy:
             )
         except TimeoutError as exc:
             self._replica_timed_out(ex.replica, exc)
-            raise UpstreamError(f"replica {ex.replica.name} timed out: {_describe(exc)}") from exc
+            message = f"replica {ex.replica.name} timed out: {_describe(exc)}"
+            raise UpstreamError(message) from _detached(exc)
         except aiohttp.ClientError as exc:
             self._replica_failed(ex.replica, exc)
-            raise UpstreamError(f"replica {ex.replica.name} is unreachable: {_describe(exc)}") from exc
+            message = f"replica {ex.replica.name} is unreachable: {_describe(exc)}"
+            raise UpstreamError(message) from _detached(exc)
 
     def _replica_failed(self, replica: Replica, exc: BaseException) -> None:
         """A connection-level failure counts as a failed health check and triggers a recheck."""
@@ -558,10 +560,12 @@ class Proxy:
             return bytes(body)
         except TimeoutError as exc:
             self._replica_timed_out(ex.replica, exc)
-            raise UpstreamError(f"replica {ex.replica.name} timed out: {_describe(exc)}") from exc
+            message = f"replica {ex.replica.name} timed out: {_describe(exc)}"
+            raise UpstreamError(message) from _detached(exc)
         except aiohttp.ClientError as exc:
             self._replica_failed(ex.replica, exc)
-            raise UpstreamError(f"replica {ex.replica.name} failed mid-response: {_describe(exc)}") from exc
+            message = f"replica {ex.replica.name} failed mid-response: {_describe(exc)}"
+            raise UpstreamError(message) from _detached(exc)
 
     async def _overloaded(self, ex: _Exchange, upstream: aiohttp.ClientResponse) -> _ReplicaOverloaded:
         """The replica's own overload refusal, read and turned into a signal to place again."""
@@ -674,10 +678,12 @@ class Proxy:
             return await upstream.content.readany()
         except TimeoutError as exc:
             self._replica_timed_out(ex.replica, exc)
-            raise UpstreamError(f"replica {ex.replica.name} timed out mid-stream: {_describe(exc)}") from exc
+            message = f"replica {ex.replica.name} timed out mid-stream: {_describe(exc)}"
+            raise UpstreamError(message) from _detached(exc)
         except aiohttp.ClientError as exc:
             self._replica_failed(ex.replica, exc)
-            raise UpstreamError(f"replica {ex.replica.name} failed mid-stream: {_describe(exc)}") from exc
+            message = f"replica {ex.replica.name} failed mid-stream: {_describe(exc)}"
+            raise UpstreamError(message) from _detached(exc)
 
     def _inspect(self, ex: _Exchange, event: Event) -> bool:
         """Record what ``event`` tells (first token, tokens streamed, usage); return whether to
@@ -758,6 +764,16 @@ class Proxy:
         )
         with contextlib.suppress(ConnectionResetError):
             await _write(ex, response, event)
+
+
+def _detached(exc: BaseException) -> BaseException:
+    """``exc`` without its traceback, to chain as a cause. aiohttp keeps the exception it raised
+    on the response's payload stream (``StreamReader.set_exception``), and the traceback it then
+    gathers holds the reader's frames here, whose locals hold the response and the exchange: a
+    reference cycle that left every object of a failed stream to the cycle collector
+    (``tests/integration/gateway/test_no_request_cycles.py``). The message is what the error
+    reports (``_describe``); the frames were aiohttp's and this module's own."""
+    return exc.with_traceback(None)
 
 
 #: Bytes HTTP/1.1 chunked encoding adds to one write, at most (size line and CRLFs).

@@ -433,10 +433,13 @@ class PredictionService:
             # their step, whose prefill then looked shorter by the whole overhead (TGI's TTFT
             # median 12-15 % in the mixed fleet, 5 % with this, when its TTFTs still fed its fit).
             self._observe_prefill(r, forecast, max(ttft_s - forecast.overhead_s, 1e-6), finished_at)
-        if completion_tokens is not None and completion_tokens >= 0:
-            if self._outputs.observe(model, tenant, completion_tokens):
-                self._outputs_memo.clear()
-                self._remaining_memo.clear()
+        if (
+            completion_tokens is not None
+            and completion_tokens >= 0
+            and self._outputs.observe(model, tenant, completion_tokens)  # True: answers may change
+        ):
+            self._outputs_memo.clear()
+            self._remaining_memo.clear()
         if prompt_chars is not None and prompt_tokens is not None:
             self._prompts.observe(model, prompt_chars, prompt_tokens)
             self._prompts_memo.clear()

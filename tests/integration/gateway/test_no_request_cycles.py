@@ -17,6 +17,12 @@ concurrently, the answers refused before dispatch (a tenant over its request bud
 key, a malformed body) and a stream its client drops after the first chunk; then one
 collection: nothing it finds may be an object of Sluice's own (``gateway.*``). Objects of
 aiohttp's, the emulator's and the test client's own are not judged here.
+
+The failed exchanges too: a replica that answers 500 (Sluice's 502), one that cuts a stream
+after its first event (an SSE error event), one that refuses with its own 429 (Sluice's 429 once
+no replica is left to try) and one that says nothing past the upstream read timeout (502). The
+faults are the emulator's answers to a test header (a middleware added to it here): a replica
+cannot be made to fail one request on cue any other way.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ import gc
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.typedefs import Handler
 
 from gateway.app import OUTCOME_LISTENERS, build_app
 from gateway.observability.logs import RequestOutcome
@@ -46,11 +54,17 @@ KEY, THROTTLED_KEY = "sk-cycles-1", "sk-cycles-2"
 T = TypeVar("T")
 
 
+#: The test header the faulty emulator answers to (``_faulty``), and its faults.
+FAULT = "x-cycle-fault"
+#: The gateway's upstream read timeout in this test (seconds): the emulator's hang outlasts it.
+READ_TIMEOUT_S = 0.5
+
+
 def _settings(replica_url: str) -> Settings:
     roomy = {"tokens_per_minute": 1.0e9, "requests_per_minute": 1.0e6, "max_concurrent": 10_000}
     return Settings.model_validate(
         {
-            "server": {"port": 0},
+            "server": {"port": 0, "upstream_read_timeout_s": READ_TIMEOUT_S},
             "replicas": [
                 {
                     "name": "emulated",
@@ -175,4 +189,74 @@ async def test_requests_leave_no_cyclic_garbage(
 
     assert statuses == [200] * 16 + [429, 429, 401, 400, 200]
     assert [o.error for o in outcomes].count("client_disconnected") == 2
+    assert _sluice_objects(garbage) == []
+
+
+@web.middleware
+async def _faulty(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The emulator's answer to ``FAULT``: ``500``, ``429`` (vLLM-style overload refusal), ``cut``
+    (one SSE event, then the connection reset) or ``hang`` (silence past the gateway's read
+    timeout); no header: the emulator itself."""
+    fault = request.headers.get(FAULT)
+    if fault == "500":
+        return web.json_response({"error": {"message": "boom", "type": "InternalError"}}, status=500)
+    if fault == "429":
+        body = {"error": {"message": "too many requests", "type": "TooManyRequests"}}
+        return web.json_response(body, status=429, headers={"Retry-After": "1"})
+    if fault == "cut":
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n')
+        assert request.transport is not None
+        request.transport.abort()
+        return response
+    if fault == "hang":
+        await asyncio.sleep(READ_TIMEOUT_S * 6)
+    return await handler(request)
+
+
+async def _failed_exchanges(client: TestClient[web.Request, web.Application]) -> list[tuple[int, bool]]:
+    """(status, whether the body names an error) of each faulty exchange, in order."""
+
+    async def chat(fault: str, stream: bool) -> tuple[int, bool]:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi."}],
+            "max_tokens": 8,
+            "stream": stream,
+        }
+        # A connection per exchange: a cut stream ends with the connection (a reused one would fail).
+        headers = {"Authorization": f"Bearer {KEY}", FAULT: fault, "Connection": "close"}
+        async with client.post("/v1/chat/completions", json=body, headers=headers) as resp:
+            text = b""
+            try:  # a cut stream ends with an error event, then the connection (no last chunk)
+                async for line in resp.content:
+                    text += line
+            except aiohttp.ClientPayloadError:
+                pass
+            return resp.status, b'"error"' in text
+
+    results = [await chat("500", stream=False), await chat("cut", stream=True)]
+    results.append(await chat("429", stream=False))
+    await asyncio.sleep(1.2)  # Sluice routed around the replica for its Retry-After (1 s)
+    # Last: a second read timeout ejects the replica (after its own request has failed).
+    results.append(await chat("hang", stream=False))
+    await asyncio.sleep(0.2)  # the settles run
+    return results
+
+
+async def test_failed_exchanges_leave_no_cyclic_garbage(
+    aiohttp_server: Any, aiohttp_client: Any, collector_off: None
+) -> None:
+    emulator = build_emulator(load_profile(PROFILE), seed=1)
+    emulator.middlewares.append(_faulty)
+    replica: TestServer = await aiohttp_server(emulator)
+    app = build_app(SettingsStore(_settings(str(replica.make_url("")).rstrip("/"))))
+    client: TestClient[web.Request, web.Application] = await aiohttp_client(app)
+    expected = [(502, True), (200, True), (429, True), (502, True)]
+    assert await _failed_exchanges(client) == expected  # warm-up: every path once
+
+    results, garbage = await _garbage_made_by(lambda: _failed_exchanges(client))
+
+    assert results == expected
     assert _sluice_objects(garbage) == []
