@@ -39,15 +39,14 @@ class EventSplitter:
         if (
             not self._buffer
             and not self._skip_lf
+            and chunk.find(b"\n") == len(chunk) - 2 > 0
             and chunk.endswith(b"\n\n")
-            and chunk.find(b"\n\n") == len(chunk) - 2
-            and not chunk.startswith(b"\n")
             and b"\r" not in chunk
         ):
-            # The common case, a chunk that is exactly one whole event (an engine step's token
-            # per read): what the loop below returns for it, without copying it through the
-            # buffer (issue 7's stream profile).
-            return [Event(chunk, event_data(chunk))]
+            # The common case, a chunk that is exactly one whole one-line event (an engine step's
+            # token per read): what the loop below returns for it, without copying it through
+            # the buffer (issue 7's stream profile).
+            return [Event(chunk, _one_line_data(chunk))]
         if self._skip_lf and chunk.startswith(b"\n"):
             chunk = chunk[1:]
         if chunk:
@@ -78,8 +77,15 @@ class EventSplitter:
 
 def event_data(raw: bytes) -> str | None:
     """The ``data`` field of one event (see ``Event.data``); invalid UTF-8 is replaced."""
-    if raw.startswith(b"data: ") and raw.find(b"\n") == len(raw) - 2:
-        # One ``data: `` line and the blank line (an OpenAI stream's every event): its value.
+    if raw.find(b"\n") == len(raw) - 2:
+        return _one_line_data(raw)
+    return event_data_fields(raw)
+
+
+def _one_line_data(raw: bytes) -> str | None:
+    """``event_data`` of an event that is one line and the blank line: a ``data: `` line's value
+    (an OpenAI stream's every event) read directly, any other field by field."""
+    if raw.startswith(b"data: "):
         return raw[6:-2].decode("utf-8", errors="replace")
     return event_data_fields(raw)
 

@@ -134,15 +134,20 @@ class TenantKeys:
 
 
 @dataclass(frozen=True, slots=True)
-class _Packs:
-    """One tenant's keys and one ``TenantLimits``' constant script arguments, pre-encoded for the
-    pipelined path: a reserve's keys and its arguments after the request id and cost, a settle's
-    keys and its arguments after the request id and delta."""
+class _TenantArgs:
+    """What a tenant's script calls repeat under one ``TenantLimits``, built once
+    (``RedisLimiter._args``): its keys; a reserve's keys and its arguments after the request id
+    and cost; a settle's keys and its arguments after the request id and delta; the token
+    bucket's (rate, capacity) for a repair. The call arguments are pre-encoded (``Packed``) for
+    the pipelined path, values for redis-py's; either way a call splats ``*reserve_args`` after
+    its own two."""
 
-    reserve_keys: Packed
-    reserve_args: Packed
-    settle_keys: Packed
-    settle_args: Packed
+    keys: TenantKeys
+    reserve_keys: Sequence[str] | Packed
+    reserve_args: tuple[float | int | Packed, ...]
+    settle_keys: Sequence[str] | Packed
+    settle_args: tuple[float | Packed, ...]
+    token_bucket: tuple[float, float]
 
 
 class RedisLimiter:
@@ -195,9 +200,9 @@ class RedisLimiter:
         self._repairs: set[asyncio.Task[None]] = set()
         #: ``keys(tenant)`` remembered (strings built once per tenant, not per call).
         self._keys: dict[str, TenantKeys] = {}
-        #: The pipelined path's pre-encoded constant arguments per tenant and limits
-        #: (``_packed``): a call encodes only its request id and cost.
-        self._packs: dict[tuple[str, TenantLimits], _Packs] = {}
+        #: Each tenant's constant call arguments per limits (``_args``): a call builds (and on the
+        #: pipelined path encodes) only its request id and cost.
+        self._tenant_args: dict[tuple[str, TenantLimits], _TenantArgs] = {}
         #: Set by ``close``: every pending repair stops waiting and tries once more, now.
         self._closing = asyncio.Event()
 
@@ -236,26 +241,12 @@ class RedisLimiter:
     ) -> Reservation:
         if cost_tokens < 0 or not math.isfinite(cost_tokens):
             raise ValueError(f"cost_tokens must be a finite number >= 0, got {cost_tokens!r}")
-        keys = self.keys(tenant)
-        args = (
-            request_id,
-            cost_tokens,
-            *_rate_and_capacity(limits.tokens_per_minute, limits.token_capacity),
-            *_rate_and_capacity(limits.requests_per_minute, limits.request_capacity),
-            -1 if limits.max_concurrent is None else limits.max_concurrent,
-            self.lease_ttl_s,
-        )
+        a = self._args(tenant, limits)
         try:
-            if self._fast is not None:
-                packs = self._packed(tenant, keys, limits)
-                raw = await self._call(
-                    self._reserve, packs.reserve_keys, (request_id, cost_tokens, packs.reserve_args)
-                )
-            else:
-                raw = await self._call(self._reserve, (keys.tokens, keys.requests, keys.leases), args)
+            raw = await self._call(self._reserve, a.reserve_keys, (request_id, cost_tokens, *a.reserve_args))
         except LimiterUnavailable:
             # The script may have run and only its reply been lost: give back whatever it took.
-            self._repair_later(keys, (request_id, -cost_tokens, *args[2:4]))
+            self._repair_later(a.keys, (request_id, -cost_tokens, *a.token_bucket))
             raise
         reservation = _reservation(
             tenant=tenant,
@@ -277,21 +268,15 @@ class RedisLimiter:
         if not reservation.allowed:
             self.stats.count_settle(False)
             return
-        keys = self.keys(reservation.tenant)
-        limits = reservation.limits
-        args = (
-            reservation.request_id,
-            actual_cost_tokens - reservation.cost_tokens,
-            *_rate_and_capacity(limits.tokens_per_minute, limits.token_capacity),
-        )
+        a = self._args(reservation.tenant, reservation.limits)
+        delta = actual_cost_tokens - reservation.cost_tokens
         try:
-            if self._fast is not None:
-                packs = self._packed(reservation.tenant, keys, limits)
-                applied = await self._call(self._settle, packs.settle_keys, (*args[:2], packs.settle_args))
-            else:
-                applied = await self._call(self._settle, (keys.tokens, keys.leases), args)
+            applied = await self._call(
+                self._settle, a.settle_keys, (reservation.request_id, delta, *a.settle_args)
+            )
         except LimiterUnavailable:
-            self._repair_later(keys, args)  # settling is idempotent: trying again is safe
+            # Settling is idempotent: trying again is safe.
+            self._repair_later(a.keys, (reservation.request_id, delta, *a.token_bucket))
             raise
         self.stats.count_settle(int(applied) == 1)
 
@@ -371,22 +356,33 @@ class RedisLimiter:
                 self.stats.repairs_applied_total += 1
             return
 
-    def _packed(self, tenant: str, keys: TenantKeys, limits: TenantLimits) -> _Packs:
-        """``tenant``'s keys and ``limits``' script arguments, encoded once (pipelined path)."""
-        packs = self._packs.get((tenant, limits))
-        if packs is None:
-            if len(self._packs) >= _KEYS_CACHED:
-                self._packs.clear()
-            tokens = _rate_and_capacity(limits.tokens_per_minute, limits.token_capacity)
-            requests = _rate_and_capacity(limits.requests_per_minute, limits.request_capacity)
-            concurrent = -1 if limits.max_concurrent is None else limits.max_concurrent
-            packs = self._packs[(tenant, limits)] = _Packs(
-                reserve_keys=Packed.keys((keys.tokens, keys.requests, keys.leases)),
-                reserve_args=Packed(*tokens, *requests, concurrent, self.lease_ttl_s),
-                settle_keys=Packed.keys((keys.tokens, keys.leases)),
-                settle_args=Packed(*tokens),
+    def _args(self, tenant: str, limits: TenantLimits) -> _TenantArgs:
+        """``tenant``'s keys and ``limits``' script arguments (``_TenantArgs``), built once."""
+        found = self._tenant_args.get((tenant, limits))
+        if found is not None:
+            return found
+        keys = self.keys(tenant)
+        tokens = _rate_and_capacity(limits.tokens_per_minute, limits.token_capacity)
+        requests = _rate_and_capacity(limits.requests_per_minute, limits.request_capacity)
+        concurrent = -1 if limits.max_concurrent is None else limits.max_concurrent
+        reserve_keys = (keys.tokens, keys.requests, keys.leases)
+        settle_keys = (keys.tokens, keys.leases)
+        reserve_args = (*tokens, *requests, concurrent, self.lease_ttl_s)
+        if self._fast is not None:
+            found = _TenantArgs(
+                keys,
+                Packed.keys(reserve_keys),
+                (Packed(*reserve_args),),
+                Packed.keys(settle_keys),
+                (Packed(*tokens),),
+                tokens,
             )
-        return packs
+        else:
+            found = _TenantArgs(keys, reserve_keys, reserve_args, settle_keys, tokens, tokens)
+        if len(self._tenant_args) >= _KEYS_CACHED:
+            self._tenant_args.clear()
+        self._tenant_args[(tenant, limits)] = found
+        return found
 
     async def _call(
         self, script: AsyncScript, keys: Sequence[str] | Packed, args: Sequence[str | float | int | Packed]
