@@ -102,8 +102,8 @@ ENGINES = ("vllm", "tgi", "sglang")
 #: host's cores, and with twelve a starved host (everything on one core beside a busy loop) had
 #: vLLM's and SGLang's first tokens come a median 4 ms (15-21 %) later than forecast, TTFT p90 up
 #: to 38.8 % (one run in four failed; the landing CI of 133d848 failed at 36.7 and 41.5 %). With
-#: eight, four such runs were unbiased (median error within 0.2 ms), TTFT p90 at most 29.9 %
-#: (docs/engines.md, "A starved host").
+#: eight, such runs were unbiased (median error within 0.2 ms in the one traced), TTFT p90 at most
+#: 29.9 % in 7 runs, 29.1 % with two busy loops (docs/engines.md, "A starved host").
 OPENAI_CLIENTS = 6
 TGI_CLIENTS = 2
 #: Requests sent before this are left out. The fits need a few scrapes, and the dispatch overhead
