@@ -333,6 +333,27 @@ class Forecast:
     overhead_s: float = 0.0
     made_at: float | None = None
 
+    def with_overhead(self, ttft_s: float, overhead_s: float, made_at: float) -> Forecast:
+        """This forecast with ``ttft_s``, ``overhead_s`` and ``made_at`` replaced: what
+        ``dataclasses.replace`` gives, by the constructor (``replace`` walks the fields on every
+        call; a caller adding its dispatch overhead does this once a request)."""
+        return Forecast(
+            ttft_s,
+            self.tpot_s,
+            self.inflicted_tpot_s,
+            self.valid,
+            self.reason,
+            self.output_tokens_used,
+            self.output_quantile,
+            self.inflicted_stall_s,
+            self.admission_wait_s,
+            self.prefill_steps,
+            self.step_wait_s,
+            self.prefill_batch,
+            overhead_s,
+            made_at,
+        )
+
 
 #: ``Forecast``'s first twelve fields as a plain tuple, with ``prefill_batch`` as the tuple of
 #: ``StepBatch``'s four fields (or ``None``): what ``forecast_values`` returns.

@@ -734,12 +734,12 @@ class PredictionService:
         r = self._replicas.get(replica)
         overhead = 0.0 if r is None else r.overhead_s
         if r is None or overhead <= 0.0 or not math.isfinite(engine.ttft_s):
-            return _moved(engine, engine.ttft_s, engine.overhead_s, now)
+            return engine.with_overhead(engine.ttft_s, engine.overhead_s, now)
         batch = engine.prefill_batch
         decodes = batch.decode_seqs if batch is not None else 0.0
         kv = batch.kv_tokens_read if batch is not None else 0.0
         added = added_overhead_s(overhead, engine.step_wait_s, decodes, kv, r.model)
-        return _moved(engine, engine.ttft_s + added, added, now)
+        return engine.with_overhead(engine.ttft_s + added, added, now)
 
     def _limits(self, r: _Replica | None) -> Limits:
         if r is None:
@@ -819,27 +819,6 @@ class PredictionService:
                 },
             }
         return {"output_quantile": self._quantile, "replicas": replicas}
-
-
-def _moved(f: Forecast, ttft_s: float, overhead_s: float, made_at: float) -> Forecast:
-    """``dataclasses.replace(f, ttft_s=ttft_s, overhead_s=overhead_s, made_at=made_at)``, by the
-    constructor (``replace`` walks the class's fields on every call; this runs once a request)."""
-    return Forecast(
-        ttft_s,
-        f.tpot_s,
-        f.inflicted_tpot_s,
-        f.valid,
-        f.reason,
-        f.output_tokens_used,
-        f.output_quantile,
-        f.inflicted_stall_s,
-        f.admission_wait_s,
-        f.prefill_steps,
-        f.step_wait_s,
-        f.prefill_batch,
-        overhead_s,
-        made_at,
-    )
 
 
 def _no_model(request: CandidateRequest) -> Forecast:

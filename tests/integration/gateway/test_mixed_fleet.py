@@ -13,8 +13,8 @@ most):
   serves it; its output ends at the emulator's sampled length, up to ``max_new_tokens``).
 
 The load is moderate and steady: eight closed-loop clients, two or three streams per replica, so
-each engine's batch holds a few sequences (the emulated H100 takes up to 1024; its step
-time at batch 4 is within a few percent of batch 1). The gateway routes them by slack, and
+each engine's batch holds a few sequences (the emulated H100 takes up to 1024; its step time at
+batch 4 is within a few percent of batch 1). The gateway routes them by slack, and
 replicas whose slacks are within 1 % of the target of the most go by the fewest of the gateway's
 requests (``gateway.admission.decision._SLACK_TIE``): under the clients' loose targets
 (``ADMISSION``) the engines' forecasts differ by milliseconds, far less, so the load spreads by
@@ -24,8 +24,8 @@ at 2 observations, since only traffic corrects a fit.) The host, not the engines
 run fills: on a quiet 2-core box twelve clients made it relay about 1500 SSE events a second; on
 the shared one, with other suites running, requests take several times their nominal time. The
 clients run in their own process (``drive``) so that the SDK's per-chunk work does not slow the
-gateway's loop they measure. Requests sent in the first ``WARMUP_S`` seconds
-are left out: the fits need a few scrapes.
+gateway's loop they measure. Requests sent in the first ``WARMUP_S`` seconds are left out: the
+fits need a few scrapes.
 
 Each request's ``x-sluice-predicted-ttft-ms`` / ``-tpot-ms`` headers are compared, per engine,
 with what it measured: TTFT as the gateway measured it (dispatch to first token back: the engine

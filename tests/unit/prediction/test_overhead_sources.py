@@ -7,14 +7,11 @@ virtual-time replay, which has no transport, does not.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
 from gateway.app import LIVE_PREDICTION, PREDICTION_SERVICE, build_app
 from gateway.prediction import PredictionConfig, PredictionService, ReplicaFacts
-from gateway.prediction.service import _moved
 from gateway.replay import ReplayConfig
 from gateway.replicas.snapshot import ReplicaSnapshot
 from gateway.settings import ReplicaSettings, Settings
@@ -264,24 +261,3 @@ def test_no_api_residual_without_a_difference_to_measure(
     assert svc.api_residual_s("r0", "chat") == pytest.approx(expected_s, abs=1e-9)
     assert svc.api_residual_s("r0", None) == 0.0
     assert svc.api_residual_s("elsewhere", "chat") == 0.0
-
-
-def test_moved_forecast_keeps_every_other_field() -> None:
-    """``with_overhead``'s copy (``_moved``, the constructor instead of ``dataclasses.replace``)
-    changes the TTFT, the overhead and the time made and keeps every other field: each field set
-    to a value of its own, so a field added to ``Forecast`` and not copied fails this."""
-    values: dict[str, object] = {}
-    for i, field in enumerate(dataclasses.fields(Forecast)):
-        if field.name == "valid":
-            values[field.name] = True
-        elif field.name == "reason":
-            values[field.name] = "stale_state"
-        elif field.name == "prefill_steps":
-            values[field.name] = 7
-        elif field.name == "prefill_batch":
-            values[field.name] = StepBatch(11.0, 12.0, 13.0, 14.0)
-        else:
-            values[field.name] = 0.5 + i
-    original = Forecast(**values)  # type: ignore[arg-type]
-    moved = _moved(original, 0.25, 0.125, 99.0)
-    assert moved == dataclasses.replace(original, ttft_s=0.25, overhead_s=0.125, made_at=99.0)

@@ -10,6 +10,7 @@ import pytest
 
 from predictor.forecast import (
     CandidateRequest,
+    Forecast,
     ForecastConfig,
     ForecastReason,
     ReplicaState,
@@ -504,3 +505,19 @@ def test_a_queue_longer_than_the_running_set_waits_for_later_waves(waiting: int,
     need = min(4, waiting + 1)
     expected_steps = state.release_steps[need - 1] + waves * 200.0
     assert f.admission_wait_s == pytest.approx(expected_steps * _decode_step(state), rel=1e-9)
+
+
+def test_with_overhead_replaces_three_fields_and_keeps_every_other() -> None:
+    """``Forecast.with_overhead`` (the constructor, not ``dataclasses.replace``) changes the TTFT,
+    the overhead and the time made and keeps every other field: each field set to a value of its
+    own, so a field added to ``Forecast`` and not copied fails this."""
+    special: dict[str, object] = {
+        "valid": True,
+        "reason": "stale_state",
+        "prefill_steps": 7,
+        "prefill_batch": StepBatch(11.0, 12.0, 13.0, 14.0),
+    }
+    values = {f.name: special.get(f.name, 0.5 + i) for i, f in enumerate(dataclasses.fields(Forecast))}
+    original = Forecast(**values)  # type: ignore[arg-type]
+    moved = original.with_overhead(0.25, 0.125, 99.0)
+    assert moved == dataclasses.replace(original, ttft_s=0.25, overhead_s=0.125, made_at=99.0)
