@@ -333,6 +333,29 @@ def targets_of(cells: Sequence[Cell]) -> list[dict[str, Any]]:
     return out
 
 
+def floor_lines(cells: Sequence[Cell]) -> list[str]:
+    """The ``floor`` configuration's figures beside the bare-proxy and c=1 targets (empty when it was
+    not measured): how far those targets are from what the work costs when done as cheaply as it
+    can be, with the libraries Sluice uses."""
+    get = {(c.config, c.scenario): c for c in cells}
+    out: list[str] = []
+    floor, bare = get.get(("floor", "json c=32")), get.get(("bare", "json c=32"))
+    if floor and bare and bare.requests_per_s > 0:
+        per_cpu = ""
+        if floor.requests_per_cpu_s and bare.requests_per_cpu_s:
+            per_cpu = f"; per CPU-second {floor.requests_per_cpu_s / bare.requests_per_cpu_s:.0%}"
+        out.append(
+            f"- the floor keeps {floor.requests_per_s / bare.requests_per_s:.0%} of the bare proxy's "
+            f"throughput (json c=32: {floor.requests_per_s:.0f} vs {bare.requests_per_s:.0f} req/s{per_cpu})"
+        )
+    quiet_floor, quiet_bare = get.get(("floor", "json c=1")), get.get(("bare", "json c=1"))
+    if quiet_floor:
+        bare_part = f"; the bare proxy +{quiet_bare.added_p50_ms:.2f} ms" if quiet_bare else ""
+        added = quiet_floor.added_p50_ms
+        out.append(f"- the floor adds +{added:.2f} ms p50 at concurrency 1 (json){bare_part}")
+    return out
+
+
 # -- the run ------------------------------------------------------------------------------------------
 def cpu_layout(proxy_core: int | None) -> tuple[str | None, str | None, str]:
     """(proxy CPUs, load CPUs, a sentence saying so) for ``taskset``."""
@@ -582,6 +605,10 @@ def markdown(report: Report) -> str:
         out.append(f"- {'met' if t['met'] else '**not met**'}: {t['target']}: {t['value']}")
     if not report.targets:
         out.append("- (not all configurations the targets compare were measured)")
+    floor = floor_lines(report.cells)
+    if floor:
+        out += ["", "What the stack itself allows (`floor`: the bare proxy plus the least of that work):", ""]
+        out += floor
     for label, profile in report.profiles.items():
         out += ["", *profile_text(label, profile)]
     if report.profile_error:

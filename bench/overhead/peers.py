@@ -10,6 +10,12 @@ Each configuration is a real process (or none, for ``direct``) in front of the s
   ``custom_auth`` module (virtual keys need Postgres), the limiter's counters in Redis
   (``cache: true`` with ``supported_call_types: []``: nothing cached, counters shared);
 * ``bare``: ``bench/overhead/bare.py``, a pass-through aiohttp proxy (the "bare" baseline);
+* ``floor``: ``bench/overhead/floor.py``, the bare proxy plus the least of the work Sluice's
+  everything-on list asks for (an API key, one Redis token bucket reserved and settled, a counter
+  and a histogram, an access line; no predictions): what that work costs with these libraries
+  when done as cheaply as it can be (its Redis calls on Sluice's pipelined connection), a floor
+  under Sluice's cost; ``floor-redis-py``: the same with redis-py's ``Script`` call, as a gateway
+  written on redis-py alone would make it;
 * ``sluice``: ``sluice serve`` with everything on: API keys, Redis token buckets, the SLO
   admission with predictions (a hardware prior and the backend's scraped ``/metrics``),
   prediction headers, ``/metrics`` and the access log;
@@ -55,7 +61,17 @@ ROOMY_SLUICE = {"tokens_per_minute": 1.0e12, "requests_per_minute": 1.0e9, "max_
 ROOMY_RPM, ROOMY_TPM = 1_000_000_000, 1_000_000_000_000
 
 #: Every configuration, in the order of the tables.
-ALL = ("direct", "nginx", "vllm-router", "litellm", "bare", "sluice-lean", "sluice")
+ALL = (
+    "direct",
+    "nginx",
+    "vllm-router",
+    "litellm",
+    "bare",
+    "floor",
+    "floor-redis-py",
+    "sluice-lean",
+    "sluice",
+)
 
 
 class Unavailable(RuntimeError):
@@ -240,6 +256,35 @@ def start_bare(layout: Layout) -> Target:
     import aiohttp
 
     return Target("bare", url, proc.pid, f"aiohttp {aiohttp.__version__} + uvloop", proc=proc, log=log)
+
+
+def start_floor(layout: Layout, *, redis_client: str = "pipelined") -> Target:
+    """``bench/overhead/floor.py`` with the bench's API key and its Redis; ``redis_client``:
+    ``pipelined`` (``floor``) or ``redis-py`` (``floor-redis-py``)."""
+    name = "floor" if redis_client == "pipelined" else f"floor-{redis_client}"
+    port = free_port()
+    log = layout.work / f"{name}.log"
+    digest = hash_api_key(API_KEY).removeprefix("sha256:")
+    args = [
+        *(sys.executable, "-m", "bench.overhead.floor", "--port", str(port)),
+        *("--upstream", layout.backend_url, "--redis-url", layout.redis_url, "--key-sha256", digest),
+        *("--redis-client", redis_client),
+    ]
+    proc = start(pinned(layout.proxy_cpus, args), log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url + "/health", proc, log)
+    except Unavailable:
+        stop(proc)
+        raise
+    import redis
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    via = (
+        "Sluice's pipelined script calls" if redis_client == "pipelined" else f"redis-py {redis.__version__}"
+    )
+    version = f"bench/overhead/floor.py: bare + {via}"
+    return Target(name, url, proc.pid, version, headers=headers, proc=proc, log=log)
 
 
 def sluice_config(
@@ -507,6 +552,8 @@ STARTERS: dict[str, Callable[[Layout], Target]] = {
     "vllm-router": start_router,
     "litellm": start_litellm,
     "bare": start_bare,
+    "floor": start_floor,
+    "floor-redis-py": functools.partial(start_floor, redis_client="redis-py"),
     "sluice-lean": functools.partial(start_sluice, lean=True),
     "sluice": start_sluice,
 }

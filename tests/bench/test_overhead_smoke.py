@@ -1,8 +1,8 @@
 """The proxy-overhead bench in its tiny configuration, on the parts that need no download.
 
-``python -m bench.overhead --quick --only direct,bare,sluice`` starts the real fake backend, a
-real redis-server, the bare aiohttp proxy and ``sluice serve`` with everything on, and drives
-each with the bench's load tool (about 20 s on the 2-core machine). The test checks that the
+``python -m bench.overhead --quick --only direct,bare,floor,sluice`` starts the real fake backend,
+a real redis-server, the bare aiohttp proxy, the floor and ``sluice serve`` with everything on,
+and drives each with the bench's load tool (about 30 s on the 2-core machine). The test checks that the
 table is complete and sane; it asserts no speed (the peers, which need downloads, and the
 numbers themselves belong to the full run: ``docs/benchmarks.md``). The doc-writing and the
 profile summary are checked on hand-built inputs.
@@ -23,7 +23,7 @@ from bench.overhead.peers import Layout, merge_settings, sluice_config
 from bench.overhead.profile import summarise
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = ("direct", "bare", "sluice")
+CONFIGS = ("direct", "bare", "floor", "sluice")
 
 
 @pytest.mark.slow
@@ -78,13 +78,17 @@ def test_quick_overhead_bench_reports_every_configuration_and_scenario_sanely(tm
     for s in scenarios:
         assert cells[("sluice", s)]["redis_scripts_per_request"] >= 1.0, cells[("sluice", s)]
         assert cells[("sluice", s)]["redis_per_request"] > cells[("sluice", s)]["redis_scripts_per_request"]
+        # So does the floor: one reserve and one settle per request.
+        assert cells[("floor", s)]["redis_scripts_per_request"] >= 1.0, cells[("floor", s)]
     # Targets that compare configurations measured here are reported (LiteLLM's is not: not run).
     assert [t["target"].split(" ")[1] for t in report["targets"]] == ["adds", "keeps"]
 
     text = doc.read_text(encoding="utf-8")
     assert text.startswith("# Benchmarks\n\n## Goodput\n\nsomeone else's text\n")
     assert text.index(HEADING) < text.index(BEGIN) < text.index(END)
-    assert "--quick --only direct,bare,sluice" in text
+    assert "--quick --only direct,bare,floor,sluice" in text
+    assert "- the floor keeps " in text
+    assert "- the floor adds +" in text
     for config in CONFIGS:
         assert text.count(f"| {config} |") == len(scenarios)
 
