@@ -72,16 +72,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True, help="base URL, e.g. http://127.0.0.1:8000")
     args = parser.parse_args(argv)
+    serve(build_app(args.upstream.rstrip("/")), args.host, args.port)
+
+
+def serve(app: web.Application, host: str, port: int) -> None:
+    """Run ``app`` on uvloop until interrupted, without aiohttp's access log or banner."""
     import uvloop
 
-    web.run_app(
-        build_app(args.upstream.rstrip("/")),
-        host=args.host,
-        port=args.port,
-        access_log=None,
-        print=None,
-        loop=uvloop.new_event_loop(),
-    )
+    web.run_app(app, host=host, port=port, access_log=None, print=None, loop=uvloop.new_event_loop())
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ import redis.asyncio as redis
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
-from bench.overhead.bare import HOP
+from bench.overhead.bare import HOP, serve
 from gateway.limits.pipelined import for_client
 
 #: Tokens per minute of each key's bucket by default: the bench's load never runs it dry.
@@ -246,22 +246,14 @@ def main(argv: list[str] | None = None) -> None:
         help="Sluice's pipelined script calls (default) or redis-py's Script call",
     )
     args = parser.parse_args(argv)
-    import uvloop
-
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
-    web.run_app(
-        build_app(
-            args.upstream.rstrip("/"),
-            args.redis_url,
-            frozenset(args.key_sha256),
-            pipelined=args.redis_client == "pipelined",
-        ),
-        host=args.host,
-        port=args.port,
-        access_log=None,
-        print=None,
-        loop=uvloop.new_event_loop(),
+    app = build_app(
+        args.upstream.rstrip("/"),
+        args.redis_url,
+        frozenset(args.key_sha256),
+        pipelined=args.redis_client == "pipelined",
     )
+    serve(app, args.host, args.port)
 
 
 if __name__ == "__main__":

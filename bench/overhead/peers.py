@@ -158,6 +158,30 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: fl
     raise Unavailable(f"{url} not ready after {timeout_s:g} s: {tail(log)}")
 
 
+def start_ready(
+    layout: Layout,
+    args: Sequence[str],
+    log: Path,
+    port: int,
+    ready_path: str,
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: Path = ROOT,
+    timeout_s: float = 90.0,
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``args`` pinned to the proxy's CPUs and wait until ``ready_path`` answers 200 on
+    ``port``; (the process, its base URL). Stopped again, and ``Unavailable`` raised, if it never
+    does."""
+    proc = start(pinned(layout.proxy_cpus, args), log, env=env, cwd=cwd)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url + ready_path, proc, log, timeout_s=timeout_s)
+    except Unavailable:
+        stop(proc)
+        raise
+    return proc, url
+
+
 def tail(log: Path, lines: int = 15) -> str:
     text = log.read_text(errors="replace") if log.exists() else ""
     return " | ".join(text.strip().splitlines()[-lines:])
@@ -246,13 +270,7 @@ def start_bare(layout: Layout) -> Target:
         "--upstream",
         layout.backend_url,
     ]
-    proc = start(pinned(layout.proxy_cpus, args), log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url + "/health", proc, log)
-    except Unavailable:
-        stop(proc)
-        raise
+    proc, url = start_ready(layout, args, log, port, "/health")
     import aiohttp
 
     return Target("bare", url, proc.pid, f"aiohttp {aiohttp.__version__} + uvloop", proc=proc, log=log)
@@ -270,13 +288,7 @@ def start_floor(layout: Layout, *, redis_client: str = "pipelined") -> Target:
         *("--upstream", layout.backend_url, "--redis-url", layout.redis_url, "--key-sha256", digest),
         *("--redis-client", redis_client),
     ]
-    proc = start(pinned(layout.proxy_cpus, args), log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url + "/health", proc, log)
-    except Unavailable:
-        stop(proc)
-        raise
+    proc, url = start_ready(layout, args, log, port, "/health")
     import redis
 
     headers = {"Authorization": f"Bearer {API_KEY}"}
@@ -357,18 +369,8 @@ def start_sluice(
     config = layout.work / f"{name}.yaml"
     config.write_text(yaml.safe_dump(sluice_config(layout, port, lean=lean, patch=patch)))
     log = layout.work / f"{name}.log"
-    proc = start(
-        pinned(layout.proxy_cpus, [*launcher, "serve", "--config", str(config)]),
-        log,
-        env=env,
-        cwd=tree or ROOT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url + "/readyz", proc, log)
-    except Unavailable:
-        stop(proc)
-        raise
+    args = [*launcher, "serve", "--config", str(config)]
+    proc, url = start_ready(layout, args, log, port, "/readyz", env=env, cwd=tree or ROOT)
     headers = {"Authorization": f"Bearer {API_KEY}"}
     version = _sluice_version() if tree is None else f"tree {tree}"
     return Target(name, url, proc.pid, version, headers=headers, proc=proc, log=log)
@@ -423,15 +425,8 @@ def start_nginx(layout: Layout) -> Target:
     backend = layout.backend_url.removeprefix("http://")
     conf.write_text(NGINX_CONF.format(user=user, work=layout.work, backend=backend, port=port))
     log = layout.work / "nginx.log"
-    proc = start(
-        pinned(layout.proxy_cpus, [binary, "-c", str(conf), "-e", str(layout.work / "nginx-error.log")]), log
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url + "/health", proc, log)
-    except Unavailable:
-        stop(proc)
-        raise
+    args = [binary, "-c", str(conf), "-e", str(layout.work / "nginx-error.log")]
+    proc, url = start_ready(layout, args, log, port, "/health")
     version = version_line([binary, "-v"]).removeprefix("nginx version: ")
     return Target("nginx", url, proc.pid, f"{version} ({how})", proc=proc, log=log)
 
@@ -457,15 +452,8 @@ def start_router(layout: Layout) -> Target:
         "--log-level",
         "warning",
     ]
-    proc = start(
-        pinned(layout.proxy_cpus, args), log, env={"PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url + "/health", proc, log)
-    except Unavailable:
-        stop(proc)
-        raise
+    path_env = {"PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
+    proc, url = start_ready(layout, args, log, port, "/health", env=path_env)
     return Target(
         "vllm-router", url, proc.pid, f"vllm-router {ROUTER_VERSION} (PyPI wheel)", proc=proc, log=log
     )
@@ -534,13 +522,8 @@ def start_litellm(layout: Layout) -> Target:
         "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
         "PYTHONPATH": str(folder),
     }
-    proc = start(pinned(layout.proxy_cpus, args), log, env=env, cwd=folder)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url + "/health/liveliness", proc, log, timeout_s=180.0)
-    except Unavailable:
-        stop(proc)
-        raise
+    ready = "/health/liveliness"
+    proc, url = start_ready(layout, args, log, port, ready, env=env, cwd=folder, timeout_s=180.0)
     headers = {"Authorization": f"Bearer {API_KEY}"}
     return Target(
         "litellm", url, proc.pid, f"litellm[proxy] {LITELLM_VERSION}", headers=headers, proc=proc, log=log
