@@ -13,6 +13,10 @@ of each feature the overhead bench turns on in Sluice, written with the librarie
   over Sluice's pipelined connection (``gateway.limits.pipelined``: one write and one future
   per call), the cheapest way to Redis here; ``--redis-client redis-py`` makes them through
   redis-py's ``Script`` call instead, as a gateway written on redis-py alone would;
+* **bad input**: a body that is not a JSON object or a ``max_tokens`` that is not a positive
+  integer gets an OpenAI-style 400 before the bucket is touched; an upstream that cannot be
+  reached a 502, with everything reserved given back (an answer that never told its ``usage``
+  is charged the whole reservation);
 * **metrics**: one labelled counter and one histogram per request, ``/metrics`` served;
 * **access log**: one JSON line per request on stdout.
 
@@ -72,14 +76,42 @@ return 1
 """
 
 
-def _error(status: int, message: str, kind: str) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+#: Output tokens a request without ``max_tokens`` reserves up front.
+DEFAULT_MAX_TOKENS = 256
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+    """An OpenAI-style error answer."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
     return web.json_response(body, status=status)
+
+
+def _is_count(value: Any) -> bool:
+    """A whole number of tokens (an ``int``, not a ``bool``), zero or more."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def request_cost(body: bytes) -> int | web.Response:
+    """Tokens a request reserves up front (its body's bytes / 4 plus its ``max_tokens``,
+    ``DEFAULT_MAX_TOKENS`` without one), or the 400 for a body that is not a JSON object or a
+    ``max_tokens`` that is not a positive integer (a negative one would fill the bucket)."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return _error(400, "The body is not JSON.", "invalid_request_error")
+    if not isinstance(parsed, dict):
+        return _error(400, "The body must be a JSON object.", "invalid_request_error")
+    cap = parsed.get("max_tokens")
+    if cap is None:
+        return len(body) // 4 + DEFAULT_MAX_TOKENS
+    if not _is_count(cap) or cap < 1:
+        return _error(400, "`max_tokens` must be a positive integer.", "invalid_request_error", "max_tokens")
+    return len(body) // 4 + int(cap)
 
 
 def _usage_tokens(payload: Any) -> int | None:
     usage = payload.get("usage") if isinstance(payload, dict) else None
-    if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
+    if isinstance(usage, dict) and _is_count(usage.get("total_tokens")):
         return int(usage["total_tokens"])
     return None
 
@@ -179,35 +211,50 @@ def build_app(
         tenant = hashlib.sha256(token.encode()).hexdigest()
         if tenant not in key_digests:
             return _error(401, "Invalid API key.", "invalid_request_error"), 401, None, "-"
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            return _error(400, "The body is not JSON.", "invalid_request_error"), 400, None, tenant
-        cap = parsed.get("max_tokens") if isinstance(parsed, dict) else None
-        cost = len(body) // 4 + (cap if isinstance(cap, int) else 256)
+        cost = request_cost(body)
+        if isinstance(cost, web.Response):
+            return cost, cost.status, None, tenant
         bucket = "floor:" + tenant
         taken = await reserve(keys=[bucket], args=[time.time() * 1000.0, rate, capacity, cost])
         if not taken:
             return _error(429, "Rate limit reached.", "rate_limit_error"), 429, None, tenant
         used: list[int] = []
+        reached: list[bool] = []
         try:
-            response = await _relay(request, body, headers, used)
+            response = await _relay(request, body, headers, used, reached)
         finally:
-            back = cost - (used[0] if used else cost)
+            # Charged the answer's usage; everything back when no replica answered; the whole
+            # cost when one did but its usage never came (a client gone mid-stream).
+            back = cost - (used[0] if used else cost) if reached else cost
             task = asyncio.get_running_loop().create_task(settle(keys=[bucket], args=[back]))
             pending.add(task)
             task.add_done_callback(pending.discard)
         return response, response.status, used[0] if used else None, tenant
 
     async def _relay(
-        request: web.Request, body: bytes, headers: dict[str, str], used: list[int] | None
+        request: web.Request,
+        body: bytes,
+        headers: dict[str, str],
+        used: list[int] | None,
+        reached: list[bool] | None = None,
     ) -> web.StreamResponse:
-        async with request.app[session_key].request(
-            request.method, upstream + request.path_qs, data=body, headers=headers
-        ) as up:
+        """The upstream's answer, relayed; ``used`` gets its ``usage.total_tokens`` (when it has
+        one), ``reached`` a mark once the upstream answered. A 502 when it could not be reached."""
+        try:
+            up = await request.app[session_key].request(
+                request.method, upstream + request.path_qs, data=body, headers=headers
+            )
+        except (aiohttp.ClientError, TimeoutError):
+            return _error(502, "The upstream could not be reached.", "upstream_error")
+        if reached is not None:
+            reached.append(True)
+        async with up:
             out_headers = {k: v for k, v in up.headers.items() if k.lower() not in HOP}
             if up.content_length is not None:
-                answer = await up.read()
+                try:
+                    answer = await up.read()
+                except (aiohttp.ClientError, TimeoutError):
+                    return _error(502, "The upstream's answer broke off.", "upstream_error")
                 if used is not None:
                     try:
                         found = _usage_tokens(json.loads(answer))

@@ -108,3 +108,70 @@ async def test_floor_checks_keys_charges_the_bucket_and_refuses_when_it_is_empty
             exposition = await r.text()
         assert f'floor_requests_total{{status="200",tenant="{DIGEST}"}} 2.0' in exposition
         assert f'floor_requests_total{{status="429",tenant="{DIGEST}"}} 1.0' in exposition
+
+
+async def _bucket_level(url: str) -> float | None:
+    client = redis.Redis.from_url(url)
+    try:
+        raw = await client.hget(BUCKET, "level")
+        return None if raw is None else float(raw)
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (json.dumps({"model": backend.MODEL, "max_tokens": -1_000_000}).encode(), "max_tokens"),
+        (json.dumps({"model": backend.MODEL, "max_tokens": 0}).encode(), "max_tokens"),
+        (json.dumps({"model": backend.MODEL, "max_tokens": True}).encode(), "max_tokens"),
+        (json.dumps({"model": backend.MODEL, "max_tokens": "16"}).encode(), "max_tokens"),
+        (json.dumps({"model": backend.MODEL, "max_tokens": 1.5}).encode(), "max_tokens"),
+    ],
+)
+async def test_floor_answers_bad_bodies_400_without_touching_the_bucket(
+    floor_url: str, redis_proc: RedisServer, body: bytes, param: str | None
+) -> None:
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    async with ClientSession() as http:
+        async with http.post(floor_url + "/v1/chat/completions", data=body, headers=headers) as r:
+            assert r.status == 400
+            error = (await r.json())["error"]
+        assert error["type"] == "invalid_request_error"
+        assert error["param"] == param
+        # A negative max_tokens once made a negative cost, which raised the level past capacity.
+        assert await _bucket_level(redis_proc.url) is None
+        async with http.get(floor_url + "/metrics") as r:
+            assert f'floor_requests_total{{status="400",tenant="{DIGEST}"}} 1.0' in await r.text()
+
+
+async def test_floor_answers_502_and_gives_everything_back_when_the_upstream_is_down(
+    redis_proc: RedisServer,
+) -> None:
+    client = redis.Redis.from_url(redis_proc.url)
+    await client.delete(BUCKET)
+    await client.aclose()
+    gone = TestServer(backend.build_app(token_delay_s=0.001))
+    await gone.start_server()
+    dead_url = str(gone.make_url("")).rstrip("/")
+    await gone.close()  # nothing listens there any more: a refused connection, not a fake
+    proxy = TestServer(
+        floor.build_app(
+            dead_url, redis_proc.url, frozenset({DIGEST}), tokens_per_minute=0.0, capacity=CAPACITY
+        )
+    )
+    await proxy.start_server()
+    chat = {"model": backend.MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
+    try:
+        async with ClientSession() as http:
+            url = str(proxy.make_url("/v1/chat/completions"))
+            async with http.post(url, json=chat, headers={"Authorization": f"Bearer {KEY}"}) as r:
+                assert r.status == 502
+                assert r.content_type == "application/json"
+                assert (await r.json())["error"]["type"] == "upstream_error"
+        # The reservation was taken (the bucket exists) and all of it given back.
+        assert await _level(redis_proc.url, CAPACITY) == CAPACITY
+    finally:
+        await proxy.close()
