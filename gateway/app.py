@@ -1,7 +1,8 @@
 """The aiohttp application: routes, middlewares, and the lifecycle of everything it owns.
 
 ``build_app(store)`` wires the pieces; each long-lived resource is a ``cleanup_ctx`` generator
-(set up, ``yield``, tear down in reverse order) and is reached through a typed ``AppKey``:
+(set up, ``yield``, tear down in reverse order) and is reached through a typed ``AppKey``
+(``gateway.keys``, or the plugin's own module: no module imports this one):
 
 1. one shared ``aiohttp.ClientSession`` (keep-alive connection pool) for all replicas;
 2. the emulator child processes, when ``emulators:`` is set (started and awaited, stopped last);
@@ -50,7 +51,19 @@ from aiohttp.typedefs import Handler, Middleware
 from gateway.admin import ADMIN_LISTENER, AdminGate, install_admin
 from gateway.errors import response_for_exception
 from gateway.forecasts import LivePredictions, add_prediction_headers
-from gateway.live_admission import LiveAdmission
+from gateway.keys import (
+    EMULATORS,
+    HEALTH,
+    OUTCOME_LISTENERS,
+    PREDICTION_SERVICE,
+    PREDICTIONS,
+    REGISTRY,
+    SCRAPER,
+    SESSION,
+    SHUTDOWN_GRACE,
+    STORE,
+)
+from gateway.live_admission import ADMISSION, LiveAdmission
 from gateway.observability.logs import (
     add_request_id_header,
     configure_logging,
@@ -64,9 +77,9 @@ from gateway.openai_api import ENGINE_MODELS, models_list
 from gateway.openapi import install_openapi
 from gateway.parse_errors import install as install_parse_errors
 from gateway.prediction.service import PredictionConfig, PredictionService
-from gateway.proxy import DisconnectMonitor, OutcomeListener, Proxy
+from gateway.proxy import DISCONNECTS, PROXY, DisconnectMonitor, Proxy
 from gateway.replicas.auth import replica_auth
-from gateway.replicas.emulators import EmulatorProcess, start_emulators, stop_emulators
+from gateway.replicas.emulators import start_emulators, stop_emulators
 from gateway.replicas.health import HealthChecker
 from gateway.replicas.registry import ReplicaRegistry
 from gateway.replicas.scraper import MetricsScraper
@@ -86,22 +99,6 @@ KEEPALIVE_S = 60.0
 #: virtual-time replay (``gateway.replay*``) keeps ``PredictionConfig``'s default (off): it has
 #: no transport. See docs/predictor-accuracy.md, "Live".
 LIVE_PREDICTION = PredictionConfig(learn_dispatch_overhead=True)
-
-STORE = web.AppKey("store", SettingsStore)
-SESSION = web.AppKey("session", aiohttp.ClientSession)
-REGISTRY = web.AppKey("registry", ReplicaRegistry)
-HEALTH = web.AppKey("health", HealthChecker)
-DISCONNECTS = web.AppKey("disconnects", DisconnectMonitor)
-PROXY = web.AppKey("proxy", Proxy)
-EMULATORS: web.AppKey[list[EmulatorProcess]] = web.AppKey("emulators")
-PREDICTION_SERVICE = web.AppKey("prediction_service", PredictionService)
-SCRAPER = web.AppKey("scraper", MetricsScraper)
-PREDICTIONS = web.AppKey("predictions", LivePredictions)
-ADMISSION = web.AppKey("admission", LiveAdmission)
-#: The shutdown grace ``run_gateway`` gave aiohttp (seconds); absent: the setting's current value.
-SHUTDOWN_GRACE: web.AppKey[float] = web.AppKey("shutdown_grace")
-#: Called with each proxied request's ``RequestOutcome`` when it is over; append before startup.
-OUTCOME_LISTENERS: web.AppKey[list[OutcomeListener]] = web.AppKey("outcome_listeners")
 
 
 class Reloader(Protocol):

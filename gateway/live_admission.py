@@ -103,7 +103,7 @@ from gateway.tenancy import TENANT
 from gateway.tenants import Tenant
 from predictor import Forecast, ForecastReason, ReplicaState, StepModel, unknown_step_model
 
-__all__ = ["LiveAdmission", "Ticket", "expected_output", "replica_inputs"]
+__all__ = ["ADMISSION", "LiveAdmission", "Ticket", "expected_output", "replica_inputs"]
 
 log = logging.getLogger("sluice.admission")
 
@@ -792,6 +792,9 @@ class LiveAdmission:
     def _tenant_of(self, request: web.Request) -> Tenant | None:
         """The tenant ``gateway.tenancy`` authenticated (``None``: anonymous, no tenants)."""
         return request.get(TENANT)
+
+
+ADMISSION = web.AppKey("admission", LiveAdmission)
 
 
 #: Joins a model and an engine into one route key (a model id never contains a NUL).

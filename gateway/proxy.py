@@ -58,6 +58,7 @@ from gateway.forecasts import (
     LivePredictions,
     ttft_header_value,
 )
+from gateway.keys import OutcomeListener
 from gateway.live_admission import LiveAdmission, Ticket, mark_saturated
 from gateway.observability.logs import OUTCOME, REQUEST_ID, REQUEST_ID_HEADER, RequestOutcome
 from gateway.openai_api import (
@@ -84,12 +85,9 @@ from gateway.tgi_api import (
     without_details,
 )
 
-__all__ = ["DisconnectMonitor", "OutcomeListener", "Proxy", "RequestOutcome"]
+__all__ = ["DISCONNECTS", "PROXY", "DisconnectMonitor", "Proxy", "RequestOutcome"]
 
 log = logging.getLogger("sluice.proxy")
-
-#: Called once per proxied request when it is over; must not raise (errors are logged).
-OutcomeListener = Callable[[RequestOutcome], None]
 
 #: RFC 9110 section 7.6.1 hop-by-hop headers, never forwarded in either direction.
 HOP_BY_HOP = frozenset(
@@ -764,6 +762,10 @@ class Proxy:
         )
         with contextlib.suppress(ConnectionResetError):
             await _write(ex, response, event)
+
+
+DISCONNECTS = web.AppKey("disconnects", DisconnectMonitor)
+PROXY = web.AppKey("proxy", Proxy)
 
 
 def _detached(exc: BaseException) -> BaseException:

@@ -64,7 +64,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -76,6 +76,7 @@ from gateway.errors import (
     TenantRateLimited,
     Unauthenticated,
 )
+from gateway.keys import OUTCOME_LISTENERS, PREDICTION_SERVICE, STORE, OutcomeListener
 from gateway.limits.base import (
     BucketState,
     Limiter,
@@ -88,6 +89,7 @@ from gateway.limits.base import (
 from gateway.limits.config import LimitsSettings
 from gateway.limits.factory import build_limiter
 from gateway.observability.logs import OUTCOME, RequestOutcome, new_request_id
+from gateway.observability.metrics import METRICS, SluiceMetrics
 from gateway.openai_api import COMPLETION_ROUTES, Endpoint, ParsedRequest, read_request
 from gateway.prediction.service import PredictionService
 from gateway.settings import ReplicaSettings, Settings
@@ -95,10 +97,6 @@ from gateway.store import SettingsStore
 from gateway.tenants import Authenticator, AuthError, Tenant
 from predictor import StepModel
 from predictor.step_model import StepBatch
-
-if TYPE_CHECKING:
-    from gateway.observability.metrics import SluiceMetrics
-    from gateway.proxy import OutcomeListener
 
 __all__ = [
     "HELD",
@@ -795,17 +793,12 @@ def install_tenancy(
 
     ``limiter``/``stats``/``clock``: see ``Tenancy``. Call before the app starts.
     """
-    # gateway.app imports this module to call install_tenancy(): import it when called.
-    from gateway.app import OUTCOME_LISTENERS, PREDICTION_SERVICE, STORE
-
     tenancy = Tenancy(app[STORE], app[PREDICTION_SERVICE], limiter=limiter, stats=stats, clock=clock)
     app[TENANCY] = tenancy
     app.middlewares.append(tenancy.middleware)
     app.on_response_prepare.append(add_rate_limit_headers)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        from gateway.observability.metrics import METRICS
-
         tenancy.start(app.get(METRICS), app[OUTCOME_LISTENERS])
         try:
             yield

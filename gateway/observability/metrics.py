@@ -108,6 +108,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
+from gateway.keys import OUTCOME_LISTENERS, PREDICTION_SERVICE, REGISTRY, SCRAPER, STORE
 from gateway.observability.logs import RequestOutcome
 from predictor import FEATURE_NAMES, FitReport
 
@@ -1145,9 +1146,6 @@ def install(
     (also at ``app[METRICS]``) for the producers that are not in the app yet (queue, limiter,
     reloader: see the module docstring).
     """
-    # Imported here: gateway.app imports this module to call install().
-    from gateway.app import OUTCOME_LISTENERS, PREDICTION_SERVICE, REGISTRY, SCRAPER, STORE
-
     chosen = metrics if metrics is not None else SluiceMetrics()
     app[METRICS] = chosen
     store = app[STORE]

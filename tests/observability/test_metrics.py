@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.app import OUTCOME_LISTENERS, build_app
+from gateway.app import build_app
 from gateway.config import default_settings
+from gateway.keys import OUTCOME_LISTENERS
 from gateway.limits.base import (
     BucketState,
     ConcurrencyState,

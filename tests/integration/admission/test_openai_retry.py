@@ -25,7 +25,8 @@ import pytest
 from aiohttp import web
 
 from bench.admission_load import Result, chat_body, send
-from gateway.app import OUTCOME_LISTENERS, build_app
+from gateway.app import build_app
+from gateway.keys import OUTCOME_LISTENERS
 from gateway.observability.logs import RequestOutcome
 from gateway.settings import Settings
 from gateway.store import SettingsStore

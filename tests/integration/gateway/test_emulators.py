@@ -23,7 +23,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gateway.app import EMULATORS, OUTCOME_LISTENERS, build_app
+from gateway.app import build_app
+from gateway.keys import EMULATORS, OUTCOME_LISTENERS
 from gateway.observability.logs import RequestOutcome
 from gateway.replicas.emulators import (
     EmulatorStartError,

@@ -38,7 +38,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from aiohttp.typedefs import Handler
 
-from gateway.app import OUTCOME_LISTENERS, build_app
+from gateway.app import build_app
+from gateway.keys import OUTCOME_LISTENERS
 from gateway.observability.logs import RequestOutcome
 from gateway.settings import Settings
 from gateway.store import SettingsStore

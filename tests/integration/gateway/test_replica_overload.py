@@ -20,7 +20,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.admission.config import AdmissionSettings
-from gateway.app import OUTCOME_LISTENERS, REGISTRY, build_app
+from gateway.app import build_app
+from gateway.keys import OUTCOME_LISTENERS, REGISTRY
 from gateway.observability.logs import RequestOutcome
 from gateway.proxy import MAX_PLACEMENTS
 from gateway.settings import HealthSettings, ReplicaSettings, ServerSettings, Settings

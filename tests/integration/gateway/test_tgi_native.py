@@ -16,7 +16,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from gateway.app import OUTCOME_LISTENERS, build_app
+from gateway.app import build_app
+from gateway.keys import OUTCOME_LISTENERS
 from gateway.observability.logs import RequestOutcome
 from gateway.settings import EmulatorSettings, HealthSettings, Settings
 from gateway.store import SettingsStore

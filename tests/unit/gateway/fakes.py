@@ -17,7 +17,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.app import OUTCOME_LISTENERS, build_app
+from gateway.app import build_app
+from gateway.keys import OUTCOME_LISTENERS
 from gateway.observability.logs import RequestOutcome
 from gateway.settings import (
     HardwareSettings,

@@ -33,8 +33,9 @@ from gateway.admission import (
     RetryAfterSettings,
     ShadowSettings,
 )
-from gateway.app import ADMISSION, HEALTH, REGISTRY, SCRAPER
 from gateway.errors import SHOULD_RETRY, AdmissionRejected, PromptTooLarge, admission_error, error_response
+from gateway.keys import HEALTH, REGISTRY, SCRAPER
+from gateway.live_admission import ADMISSION
 from gateway.observability.logs import RequestOutcome
 from gateway.replicas.registry import ReplicaState
 from gateway.settings import HealthSettings, ScrapeSettings, Settings

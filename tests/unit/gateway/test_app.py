@@ -13,7 +13,8 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.app import GC_THRESHOLD, HEALTH, REGISTRY, _quiet_gc
+from gateway.app import GC_THRESHOLD, _quiet_gc
+from gateway.keys import HEALTH, REGISTRY
 from gateway.replicas.registry import ReplicaState
 from gateway.settings import ReplicaSettings
 from tests.unit.gateway.conftest import StartGateway, StartReplica

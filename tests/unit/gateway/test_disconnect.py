@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gateway.app import REGISTRY
+from gateway.keys import REGISTRY
 from tests.unit.gateway.conftest import StartReplica
 from tests.unit.gateway.fakes import MODEL, FakeReplica, chat_chunk, gateway_settings, make_app, sse, wait_for
 

@@ -18,7 +18,6 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway.app import REGISTRY
 from gateway.errors import (
     BodyTooLarge,
     GatewayError,
@@ -28,6 +27,7 @@ from gateway.errors import (
     retry_after_headers,
     sse_error_event,
 )
+from gateway.keys import REGISTRY
 from gateway.replicas.registry import ReplicaState
 from gateway.settings import HealthSettings, ServerSettings
 from tests.unit.gateway.conftest import StartGateway, StartReplica

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.app import REGISTRY, SCRAPER
+from gateway.keys import REGISTRY, SCRAPER
 from gateway.replicas.registry import LiveRequest, Replica
 from tests.unit.gateway.conftest import StartGateway, StartReplica
 from tests.unit.gateway.fakes import MODEL, FakeReplica, chat_chunk, sse, usage_chunk, wait_for

@@ -17,7 +17,6 @@ import pytest
 from aiohttp import web
 from aiohttp.pytest_plugin import AiohttpClient
 
-from gateway.app import PREDICTION_SERVICE, PREDICTIONS, REGISTRY, SCRAPER
 from gateway.forecasts import (
     PREDICTED_TPOT_HEADER,
     PREDICTED_TTFT_HEADER,
@@ -25,6 +24,7 @@ from gateway.forecasts import (
     REPLICA_HEADER,
     forecast_headers,
 )
+from gateway.keys import PREDICTION_SERVICE, PREDICTIONS, REGISTRY, SCRAPER
 from gateway.prediction import PredictionService
 from gateway.settings import HardwareSettings, ReplicaSettings, ScrapeSettings
 from predictor import Forecast, ForecastReason

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from pydantic import ValidationError
 
-from gateway.app import REGISTRY
+from gateway.keys import REGISTRY
 from gateway.replicas.registry import ReplicaState
 from gateway.settings import ReplicaSettings
 from tests.unit.gateway.conftest import StartGateway, StartReplica

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gateway.app import LIVE_PREDICTION, PREDICTION_SERVICE, build_app
+from gateway.app import LIVE_PREDICTION, build_app
+from gateway.keys import PREDICTION_SERVICE
 from gateway.prediction import PredictionConfig, PredictionService, ReplicaFacts
 from gateway.replay import ReplayConfig
 from gateway.replicas.snapshot import ReplicaSnapshot

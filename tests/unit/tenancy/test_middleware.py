@@ -20,8 +20,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gateway.app import STORE
 from gateway.errors import TenantRateLimited, error_response
+from gateway.keys import STORE
 from gateway.limits.config import TenantLimitSettings
 from gateway.limits.failover import FailoverLimiter
 from gateway.limits.memory import MemoryLimiter
