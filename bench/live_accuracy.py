@@ -40,8 +40,9 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
-from gateway.app import OUTCOME_LISTENERS, build_app
+from gateway.app import build_app
 from gateway.forecasts import PREDICTED_TPOT_HEADER, PREDICTED_TTFT_HEADER, PREDICTION_HEADER, REPLICA_HEADER
+from gateway.keys import OUTCOME_LISTENERS
 from gateway.observability.logs import RequestOutcome
 from gateway.openai_api import carries_tokens
 from gateway.settings import Settings

@@ -55,8 +55,8 @@ from bench.live_accuracy import (
     wait_until_ready,
 )
 from gateway.admission.config import AdmissionSettings, ClassSettings
-from gateway.app import PREDICTION_SERVICE, REGISTRY
 from gateway.forecasts import PREDICTED_TPOT_HEADER, PREDICTED_TTFT_HEADER, PREDICTION_HEADER, REPLICA_HEADER
+from gateway.keys import PREDICTION_SERVICE, REGISTRY
 from gateway.prediction import PredictionService
 from gateway.replicas.registry import ReplicaState
 from gateway.settings import (
