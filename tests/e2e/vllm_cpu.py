@@ -7,7 +7,7 @@ nothing when they are up to date. :class:`VllmServer` starts one server, waits f
 and stops it.
 
 Failures that mean "this machine cannot run vLLM" raise :class:`Unavailable`; the fixture turns it
-into a skip, or a failure when ``SLUICE_REQUIRE_E2E=1``.
+into a skip, or a failure when ``SLUICE_REQUIRE_E2E=1`` or ``SLUICE_CI=1`` (``tests.support.skips``).
 """
 
 from __future__ import annotations
@@ -57,16 +57,10 @@ SERVER_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "PYTHONUNBUFFERED": "1",
 }
-REQUIRE_ENV = "SLUICE_REQUIRE_E2E"
 
 
 class Unavailable(Exception):
     """This machine cannot install or start the real vLLM; the message says why."""
-
-
-def e2e_required() -> bool:
-    """True when a missing vLLM must fail the run instead of skipping (CI sets it)."""
-    return os.environ.get(REQUIRE_ENV, "") == "1"
 
 
 def tail(text: str, lines: int = 40) -> str:

@@ -2,35 +2,31 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from tests.support.procs import ROOT
+from tests.support.skips import skip_or_fail
 
 DEPLOY = ROOT / "deploy" / "prometheus"
 CONFIG = DEPLOY / "prometheus.yml"
 RULES = sorted((DEPLOY / "rules").glob("*.yml"))
 RULE_TESTS = sorted((DEPLOY / "tests").glob("*.yml"))
 DASHBOARDS = ROOT / "deploy" / "grafana" / "dashboards"
-INSTALL_HINT = "run `bash deploy/ci/system-deps.sh` (as root) to install Debian's prometheus package"
+INSTALL_HINT = "run `bash deploy/ci/system-deps.sh` (as root): it installs Debian's prometheus package"
 
 
 def tool(name: str) -> str:
     """The path of ``name`` (``prometheus`` or ``promtool``).
 
     Missing: the test skips with the install command, except in CI (``SLUICE_CI=1``, set by
-    ``.ci/run``), where it fails: CI installs them with deploy/ci/system-deps.sh.
+    ``.ci/run``), where it fails (``tests.support.skips``): CI installs them with
+    deploy/ci/system-deps.sh.
     """
     found = shutil.which(name)
     if found is None:
-        message = f"{name} is not installed: {INSTALL_HINT}"
-        if os.environ.get("SLUICE_CI") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+        skip_or_fail(f"{name} is not installed", install=INSTALL_HINT)
     return found
 
 
