@@ -15,6 +15,9 @@ import openai
 import pytest
 from aiohttp import web
 
+from gateway.app import build_app
+from gateway.settings import HealthSettings, ReplicaSettings, ServerSettings, Settings
+from gateway.store import SettingsStore
 from tests.e2e.vllm_cpu import SERVED_MODEL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120, func_only=True)]
@@ -27,16 +30,12 @@ GATEWAY_READY_TIMEOUT_S = 30.0
 @pytest.fixture
 async def gateway_url(vllm_base_url: str) -> AsyncIterator[str]:
     """``http://127.0.0.1:<port>`` of a gateway whose only replica is the real vLLM."""
-    gateway_app = pytest.importorskip("gateway.app", reason="gateway.app (build_app) is not written yet")
-    from gateway.settings import HealthSettings, ReplicaSettings, ServerSettings, Settings
-    from gateway.store import SettingsStore
-
     settings = Settings(
         server=ServerSettings(host="127.0.0.1", port=0),
         replicas=[ReplicaSettings(name="vllm-cpu", url=vllm_base_url)],
         health=HealthSettings(interval_s=0.5, timeout_s=0.5),
     )
-    app: web.Application = gateway_app.build_app(SettingsStore(settings), spawn_emulators=False)
+    app: web.Application = build_app(SettingsStore(settings), spawn_emulators=False)
     runner = web.AppRunner(app)
     await runner.setup()
     try:
