@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import difflib
 import typing
-from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -22,27 +21,16 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
+from gateway.config_source import ConfigError, StrictSafeLoader, read_text
 from gateway.settings import EmulatorSettings, HardwareSettings, Settings, SettingsViolations
 from gateway.tenants import apply_keys_file, demo_tenants
+
+__all__ = ["MAX_VALUE_CHARS", "ConfigError", "default_settings", "load_settings", "parse_settings"]
 
 #: Longest rendering of an offending value, in characters; longer ones are cut with "...".
 MAX_VALUE_CHARS = 80
 
 _MAPPING_TYPES = frozenset({"model_type", "dict_type", "model_attributes_type"})
-
-
-class ConfigError(Exception):
-    """A configuration that cannot be used; ``problems`` holds every violation, one line each."""
-
-    def __init__(self, path: str | Path, problems: list[str]) -> None:
-        self.path = str(path)
-        self.problems = list(problems)
-        super().__init__(self.path, self.problems)
-
-    def __str__(self) -> str:
-        count = len(self.problems)
-        header = f"{self.path}: {count} problem{'' if count == 1 else 's'} in configuration"
-        return header + "".join(f"\n  {problem}" for problem in self.problems)
 
 
 def default_settings() -> Settings:
@@ -78,7 +66,7 @@ def load_settings(path: str | Path) -> Settings:
     hashes are validated and added to their tenants' ``api_keys`` here, so ``serve``,
     ``check-config`` and every reload read it with the rest (``ConfigError`` names the keys file).
     """
-    text = _read_text(path)
+    text = read_text(path)
     settings = parse_settings(_parse_yaml(text, path), str(path))
     return _with_keys_file(settings, Path(path).parent)
 
@@ -131,56 +119,10 @@ def _touches_fleet(loc: tuple[str | int, ...]) -> bool:
     return loc[:1] in {("replicas",), ("emulators",)} or loc in {(), ("server",), ("server", "port")}
 
 
-def _read_text(path: str | Path) -> str:
-    try:
-        raw = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(path, ["file not found"]) from None
-    except IsADirectoryError:
-        raise ConfigError(path, ["is a directory, not a file"]) from None
-    except OSError as exc:
-        raise ConfigError(path, [f"cannot read file: {exc.strerror or exc}"]) from None
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
-        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
-        bad = raw[exc.start : exc.end]
-        raise ConfigError(
-            path, [f"line {line}, column {column}: not valid UTF-8 text (got {bad!r})"]
-        ) from None
-
-
-class _StrictSafeLoader(yaml.SafeLoader):
-    """``yaml.safe_load``'s loader, plus: a key repeated in one mapping is an error.
-
-    Plain YAML keeps the last value silently, so a second ``server:`` block would quietly discard
-    the first; an operator wants to hear about it.
-    """
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
-        first_line: dict[Hashable, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node, deep=True)
-            if not isinstance(key, Hashable):
-                continue  # the base class reports unhashable keys
-            if key in first_line:
-                raise yaml.constructor.ConstructorError(
-                    None,
-                    None,
-                    f"duplicate key {key!r}, first defined at line {first_line[key]}",
-                    key_node.start_mark,
-                )
-            first_line[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
-
-
 def _parse_yaml(text: str, path: str | Path) -> object:
     try:
         # A SafeLoader subclass: as safe as yaml.safe_load, plus duplicate-key errors.
-        return yaml.load(text, Loader=_StrictSafeLoader)
+        return yaml.load(text, Loader=StrictSafeLoader)
     except yaml.MarkedYAMLError as exc:
         raise ConfigError(path, [_describe_yaml_error(exc, text)]) from None
     except yaml.YAMLError as exc:

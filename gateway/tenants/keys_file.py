@@ -22,6 +22,7 @@ from typing import Final
 
 import yaml
 
+from gateway.config_source import ConfigError, StrictSafeLoader, read_text
 from gateway.tenants.config import TenantsSettings
 from gateway.tenants.keys import REDACTED, key_hash_problem, normalise_key_hash
 
@@ -56,12 +57,9 @@ def apply_keys_file(settings: TenantsSettings, base_dir: Path | None = None) -> 
 
 def load_keys_file(path: str | Path, settings: TenantsSettings) -> dict[str, list[str]]:
     """Read and validate the keys file at ``path`` against ``settings``; see ``parse_keys_file``."""
-    # gateway.config imports the settings that mount this package: import it when called.
-    from gateway.config import ConfigError, _read_text, _StrictSafeLoader
-
-    text = _read_text(path)
+    text = read_text(path)
     try:
-        data = yaml.load(text, Loader=_StrictSafeLoader)
+        data = yaml.load(text, Loader=StrictSafeLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(path, [_describe_yaml_error(exc)]) from None
     problems, keys = _check(data, settings)
@@ -77,8 +75,6 @@ def parse_keys_file(data: object, settings: TenantsSettings, source: str) -> dic
     problem: not a mapping, a tenant not configured in ``settings``, a value that is not a list,
     an entry that is not a ``sha256:`` hash (plaintext keys included), a hash used twice.
     """
-    from gateway.config import ConfigError
-
     problems, keys = _check(data, settings)
     if problems:
         raise ConfigError(source, problems)
