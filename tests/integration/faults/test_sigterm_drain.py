@@ -156,7 +156,8 @@ async def test_stream_cut_by_the_end_of_the_grace_gets_an_error_event_in_time(
     for c in cut:
         assert c.exception is None, c.exception
         assert c.error is not None
-    # Today: 2 x grace_s (6 s). Wanted: the grace, plus a generous 2 s for a loaded machine.
+    # The gateway ends streams at grace_s - min(1 s, grace_s / 5) (gateway.app, 2.4 s here), so
+    # they end within the grace; 2 s more is slack for a loaded machine: 5 s in all.
     assert cut_after_s < grace_s + 2.0, cut_after_s
 
 
