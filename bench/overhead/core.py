@@ -68,6 +68,7 @@ from bench.overhead import peers
 from bench.overhead.backend import MODEL
 from bench.overhead.load import LoadResult, closed_loop
 from bench.overhead.profile import Profile, record, summarise
+from bench.verdicts import Verdict, judge, missing
 from tests.support.procs import free_port
 from tests.support.redis import redis_server
 
@@ -171,7 +172,7 @@ class Report:
     pinning: str
     unavailable: dict[str, str]
     cells: list[Cell]
-    targets: list[dict[str, Any]]
+    targets: list[Verdict]
     profiles: dict[str, Profile]
     #: Why the profile was not taken, when it was asked for and failed.
     profile_error: str | None = None
@@ -288,48 +289,67 @@ def cells_of(measurements: Sequence[Measurement], configs: Sequence[str], plan: 
     return cells
 
 
-def targets_of(cells: Sequence[Cell]) -> list[dict[str, Any]]:
-    """The issue's three targets, each with the figures it rests on and whether it holds."""
+def _throughput_verdict(
+    target: str, sluice: Cell | None, peer: Cell | None, peer_name: str, bound: float, *, percent: bool
+) -> Verdict:
+    """Sluice's requests/s / ``peer``'s (json c=32) >= ``bound``, or ``NO_DATA`` when either was
+    not measured or the peer answered nothing (a ratio against nothing proves nothing). The value:
+    the ratio, printed as a percentage when ``percent``, else as ``1.2x``."""
+    if sluice is None or peer is None:
+        absent = " and ".join(name for name, c in (("Sluice", sluice), (peer_name, peer)) if c is None)
+        return missing(target, f"{absent} not measured (json c=32)")
+    if not peer.requests_per_s > 0:
+        return missing(
+            target,
+            f"Sluice {_f(sluice.requests_per_s, 0)} req/s, {peer_name} {_f(peer.requests_per_s, 0)} "
+            "req/s: a ratio against no throughput proves nothing",
+        )
+    ratio = sluice.requests_per_s / peer.requests_per_s
+    shown = f"{ratio:.0%}" if percent else f"{ratio:.1f}x"
+    per_cpu = ""
+    if sluice.requests_per_cpu_s and peer.requests_per_cpu_s:
+        per_cpu = f"; per CPU-second {sluice.requests_per_cpu_s / peer.requests_per_cpu_s:.0%}"
+    detail = f"{shown} ({sluice.requests_per_s:.0f} vs {peer.requests_per_s:.0f} req/s{per_cpu})"
+    return judge(target, ratio, ratio >= bound, detail)
+
+
+def targets_of(cells: Sequence[Cell]) -> list[Verdict]:
+    """The issue's three targets, every one of them, always, each with the figures it rests on.
+
+    A target whose cells were not measured (LiteLLM's, the bare proxy's, Sluice's at json c=1 or
+    c=32, the direct row its added latency is measured from) is ``NO_DATA``.
+    """
     get = {(c.config, c.scenario): c for c in cells}
-    out: list[dict[str, Any]] = []
     sluice = get.get(("sluice", "json c=32"))
-    litellm = get.get(("litellm", "json c=32"))
-    bare = get.get(("bare", "json c=32"))
+    out = [
+        _throughput_verdict(
+            f"Sluice (everything on) sustains >= {TARGET_VS_LITELLM:g}x LiteLLM's requests/s (json c=32)",
+            sluice,
+            get.get(("litellm", "json c=32")),
+            "LiteLLM",
+            TARGET_VS_LITELLM,
+            percent=False,
+        )
+    ]
+    target = f"Sluice adds <= {TARGET_ADDED_P50_MS:g} ms p50 at concurrency 1 (json)"
     quiet = get.get(("sluice", "json c=1"))
-    if sluice and litellm and litellm.requests_per_s > 0:
-        ratio = sluice.requests_per_s / litellm.requests_per_s
-        out.append(
-            {
-                "target": f"Sluice (everything on) sustains >= {TARGET_VS_LITELLM:g}x LiteLLM's "
-                "requests/s (json c=32)",
-                "value": f"{ratio:.1f}x ({sluice.requests_per_s:.0f} vs {litellm.requests_per_s:.0f} req/s)",
-                "ratio": ratio,
-                "met": ratio >= TARGET_VS_LITELLM,
-            }
+    if quiet is None:
+        out.append(missing(target, "Sluice not measured at json c=1"))
+    elif math.isnan(quiet.added_p50_ms):
+        out.append(missing(target, "no direct row at json c=1 to measure the added latency from"))
+    else:
+        added = quiet.added_p50_ms
+        out.append(judge(target, added, added <= TARGET_ADDED_P50_MS, f"+{added:.2f} ms"))
+    out.append(
+        _throughput_verdict(
+            f"Sluice keeps >= {TARGET_VS_BARE:.0%} of the bare proxy's throughput (json c=32)",
+            sluice,
+            get.get(("bare", "json c=32")),
+            "the bare proxy",
+            TARGET_VS_BARE,
+            percent=True,
         )
-    if quiet:
-        out.append(
-            {
-                "target": f"Sluice adds <= {TARGET_ADDED_P50_MS:g} ms p50 at concurrency 1 (json)",
-                "value": f"+{quiet.added_p50_ms:.2f} ms",
-                "ratio": quiet.added_p50_ms,
-                "met": quiet.added_p50_ms <= TARGET_ADDED_P50_MS,
-            }
-        )
-    if sluice and bare and bare.requests_per_s > 0:
-        ratio = sluice.requests_per_s / bare.requests_per_s
-        per_cpu = ""
-        if sluice.requests_per_cpu_s and bare.requests_per_cpu_s:
-            per_cpu = f"; per CPU-second {sluice.requests_per_cpu_s / bare.requests_per_cpu_s:.0%}"
-        out.append(
-            {
-                "target": f"Sluice keeps >= {TARGET_VS_BARE:.0%} of the bare proxy's throughput (json c=32)",
-                "value": f"{ratio:.0%} ({sluice.requests_per_s:.0f} vs {bare.requests_per_s:.0f} "
-                f"req/s{per_cpu})",
-                "ratio": ratio,
-                "met": ratio >= TARGET_VS_BARE,
-            }
-        )
+    )
     return out
 
 
@@ -601,10 +621,7 @@ def markdown(report: Report) -> str:
     for name, why in report.unavailable.items():
         out.append(f"- **{name} not measured**: {why}")
     out += ["", table(report.cells), "", "Targets (issue 7):", ""]
-    for t in report.targets:
-        out.append(f"- {'met' if t['met'] else '**not met**'}: {t['target']}: {t['value']}")
-    if not report.targets:
-        out.append("- (not all configurations the targets compare were measured)")
+    out += [v.line() for v in report.targets]
     floor = floor_lines(report.cells)
     if floor:
         out += ["", "What the stack itself allows (`floor`: the bare proxy plus the least of that work):", ""]

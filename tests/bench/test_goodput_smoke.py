@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.goodput.core import BEGIN, END, LABELS, POLICIES, QUICK, main
+from bench.goodput.core import BEGIN, END, LABELS, POLICIES, QUICK, SLUICES, main
 
 
 @pytest.mark.slow
@@ -28,6 +28,10 @@ def test_quick_goodput_bench_reports_every_policy_and_load_with_sane_numbers(tmp
     assert {(r["policy"], r["load"]) for r in loads} == {(p, x) for p in POLICIES for x in QUICK.loads}
     assert {r["policy"] for r in rows if r["kind"] == "spike"} == set(POLICIES)
     assert {r["policy"] for r in rows if r["kind"] == "tuning"} == {p for p, _ in QUICK.grids}
+    # The grids are replayed at every tuning load (the knob is chosen at 1x, the 2x comparison
+    # takes the best of each grid there).
+    tuning = {(r["policy"], r["knob"], r["load"]) for r in rows if r["kind"] == "tuning"}
+    assert tuning == {(p, k, x) for p, grid in QUICK.grids for k in grid for x in QUICK.tune_loads}
     for r in rows:
         assert r["offered"] > 0, r
         assert 0.0 <= r["goodput_per_s"] <= r["offered_per_s"] + 1e-9, r
@@ -53,6 +57,11 @@ def test_quick_goodput_bench_reports_every_policy_and_load_with_sane_numbers(tmp
     for policy in POLICIES:
         assert LABELS[policy] in text
     assert text.count("| (e) Sluice | - |") == len(QUICK.loads)
+    # Every target of both Sluice rows has a verdict line, with one of the three verdicts.
+    verdicts = [x for x in text.splitlines() if x.startswith("- ") and " -> **" in x]
+    assert len(verdicts) == 5 * len(SLUICES) * len(QUICK.traces), verdicts
+    assert all(x.endswith(("**met**", "**not met**", "**not met (no data)**")) for x in verdicts), verdicts
+    assert sum("knobs tuned at 1x and 2x" in x for x in verdicts) == len(SLUICES) * len(QUICK.traces)
     if importlib.util.find_spec("matplotlib") is not None:
         assert sorted(p.name for p in img.iterdir()) == [
             "goodput-spike-quick.png",
