@@ -32,7 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from simulator import sglang, tgi, tokens
-from simulator.server import REPLICA, GenerationRequest, Replica, _Inflight, _next_events, random_id
+from simulator.replica import REPLICA, GenerationRequest, Inflight, Replica, next_events, random_id
 
 
 def add_routes(app: web.Application, engine: str) -> None:
@@ -122,7 +122,7 @@ def _validate(replica: Replica, body: dict[str, Any], started: float) -> tgi.Gen
     return req
 
 
-def _submit(replica: Replica, req: tgi.GenerateRequest, request: web.Request) -> tuple[str, _Inflight, int]:
+def _submit(replica: Replica, req: tgi.GenerateRequest, request: web.Request) -> tuple[str, Inflight, int]:
     """Add a native request to the engine: (its id, its in-flight entry, its text seed)."""
     request_id = f"tgi-{random_id()}"
     seed = tokens.text_seed(req.inputs)
@@ -181,7 +181,7 @@ async def handle_tgi_generate(request: web.Request) -> web.Response:
             request_id, entry, seed = _submit(replica, req, request)
             try:
                 while True:
-                    last = (await _next_events(entry))[-1]
+                    last = (await next_events(entry))[-1]
                     if last.finished:
                         break
             finally:
@@ -269,7 +269,7 @@ async def _stream_tokens(
     try:
         sent = 0
         while True:
-            events = await _next_events(entry)
+            events = await next_events(entry)
             last = events[-1]
             if last.finish_reason == "abort":
                 if replica.dead is not None:
@@ -357,7 +357,7 @@ async def handle_sglang_health_generate(request: web.Request) -> web.Response:
     )
     entry = replica.submit(request_id, generation, request)
     try:
-        while not (await _next_events(entry))[-1].finished:
+        while not (await next_events(entry))[-1].finished:
             pass
     finally:
         replica.release(request_id)
@@ -427,7 +427,7 @@ async def handle_sglang_generate(request: web.Request) -> web.StreamResponse:
     entry = replica.submit(rid, generation, request)
     try:
         if not generation.stream:
-            while not (last := (await _next_events(entry))[-1]).finished:
+            while not (last := (await next_events(entry))[-1]).finished:
                 pass
             if last.finish_reason == "abort":
                 return web.Response(status=499 if replica.dead is None else 500)
@@ -440,7 +440,7 @@ async def handle_sglang_generate(request: web.Request) -> web.StreamResponse:
         await response.prepare(request)
         try:
             while True:
-                last = (await _next_events(entry))[-1]
+                last = (await next_events(entry))[-1]
                 if last.finish_reason == "abort":
                     return response
                 n = last.num_output_tokens

@@ -20,7 +20,8 @@ from yarl import URL
 
 from simulator import tokens
 from simulator.profile import load_profile
-from simulator.server import REPLICA, VLLM_VERSION, Replica, build_app
+from simulator.replica import REPLICA, VLLM_VERSION, Replica
+from simulator.server import build_app
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -50,6 +50,7 @@ import aiohttp
 import yaml
 from aiohttp import web
 
+import simulator.replica
 import simulator.server
 from gateway.admission import TokenWeights
 from gateway.tenants import hash_api_key
@@ -504,7 +505,7 @@ async def _gpu_seconds(request: web.Request) -> web.Response:
     """``GET /gpu_seconds``: ``GpuTimeEngine``'s totals so far, prompt lengths as strings:
     ``{"busy_s": s, "replica_s": {"4000": s, ...}, "engine_busy_s": s, "engine_s": {...},
     "kind_s": {"4000/prefill": s, "4000/decode": s, ...}, "kind_tokens": {"4000/prefill": n, ...}}``."""
-    engine = request.app[simulator.server.REPLICA].engine
+    engine = request.app[simulator.replica.REPLICA].engine
     assert isinstance(engine, GpuTimeEngine)
     body = {
         "busy_s": engine.busy_s,
@@ -521,7 +522,7 @@ def serve_replica(profile: str, port: int, seed: int) -> None:
     """The real emulated replica (``simulator.server.build_app``, vLLM's API and ``/metrics``)
     with ``GpuTimeEngine`` as its engine and ``GET /gpu_seconds``, on ``127.0.0.1:port`` until
     SIGTERM or SIGINT."""
-    simulator.server.Engine = GpuTimeEngine  # type: ignore[attr-defined]  # its replicas use ours
+    simulator.replica.Engine = GpuTimeEngine  # type: ignore[attr-defined]  # its replicas use ours
     app = simulator.server.build_app(load_profile(profile), seed=seed)
     app.router.add_get("/gpu_seconds", _gpu_seconds)
     web.run_app(app, host="127.0.0.1", port=port, handler_cancellation=True, access_log=None, print=None)

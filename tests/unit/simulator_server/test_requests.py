@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 
 from simulator import tokens
+from simulator.replica import ApiError
 from simulator.server import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
-    ApiError,
     BodyParseError,
     check_content_type,
     error_body,

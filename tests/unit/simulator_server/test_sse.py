@@ -8,9 +8,9 @@ import pytest
 
 from simulator import tokens
 from simulator.engine import TokenEvent
+from simulator.replica import GenerationRequest
 from simulator.server import (
     SSE_DONE,
-    GenerationRequest,
     ResponseIds,
     _step_chunks,
     chat_body,
