@@ -7,7 +7,7 @@ prompt size arriving, a token's time), ``in_flight()`` equals a fresh ``freeze()
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.admission.shares import StreamingRequest, decode_elapsed_s
@@ -31,6 +31,8 @@ def fresh_streaming(live: LiveRequest) -> StreamingRequest:
     return StreamingRequest("standard", live.prompt_tokens, live.tokens_streamed, 120.0, 0.03, elapsed)
 
 
+# No per-example deadline: hypothesis's default 200 ms is a wall-clock bound a shared host can miss.
+@settings(deadline=None)
 @given(CHANGES)
 def test_its_forms_always_equal_a_fresh_build(changes: list[tuple[str, float]]) -> None:
     live = LiveRequest("req-1", 500, 10.0, max_tokens=256)
