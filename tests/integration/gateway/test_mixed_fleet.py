@@ -27,6 +27,7 @@ from bench.live_runs import ENGINES, MAX_MODEL_LEN, PROFILE, FleetLoad, FleetRun
 from predictor import StepBatch
 from simulator.costmodel import CostModel, StepShape
 from simulator.profile import load_profile
+from tests.support import speed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
@@ -41,8 +42,16 @@ WARMUP_S = 16.0
 #: Measured requests per engine the run goes on until (the median ratios need a few dozen; more
 #: spread them over a longer window, so one stall of the host weighs less).
 MIN_SAMPLES = 40
-#: The median of predicted / observed must lie within this: forecasts within 2x of measured.
+#: The median of predicted / observed must lie within this on an idle host: forecasts within 2x
+#: of measured. Both sides carry the host's stalls (the forecast through the dispatch overhead it
+#: learned, the measurement directly), so the bounds widen by the host-speed factor.
 RATIO_BOUNDS = (0.5, 2.0)
+
+
+def ratio_bounds() -> tuple[float, float]:
+    """``RATIO_BOUNDS`` widened by the host-speed factor measured before and after the load run."""
+    slow = speed.factor()
+    return RATIO_BOUNDS[0] / slow, RATIO_BOUNDS[1] * slow
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +60,9 @@ def run() -> FleetRun:
     load = FleetLoad(
         openai_clients=OPENAI_CLIENTS, tgi_clients=TGI_CLIENTS, warmup_s=WARMUP_S, wanted=MIN_SAMPLES
     )
+    speed.factor(fresh=True)  # before and after: the larger one counts
     got = fleet_run(load)
+    print(f"host-speed factor after the run: {speed.factor(fresh=True):.2f}")
     print(f"\n{len(got.samples)} requests, measured after {WARMUP_S:g} s of warm-up:")
     print(Counter((s.replica, got.route[s.request_id], s.prediction, s.status) for s in got.samples))
     for engine in ENGINES:
@@ -114,5 +125,5 @@ def test_tgi_fit_matches_the_emulators_step_times(run: FleetRun, batch: int) -> 
 def test_forecasts_within_2x_of_measured(run: FleetRun, engine: str, metric: str) -> None:
     errors = run.errors[engine][metric]
     assert errors.n >= MIN_SAMPLES, describe({metric: errors})
-    low, high = RATIO_BOUNDS
+    low, high = ratio_bounds()
     assert low <= errors.median_ratio <= high, describe({metric: errors})

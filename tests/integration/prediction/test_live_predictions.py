@@ -18,6 +18,7 @@ import pytest
 
 from bench.live_accuracy import describe, measured, observed_summary
 from bench.live_runs import SINGLE_REPLICA, SingleRun, single_run
+from tests.support import speed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -25,14 +26,24 @@ CONCURRENCY = 4
 WARMUP_S = 6.0
 #: Measured requests the run goes on until (the median ratios need a few dozen).
 MIN_SAMPLES = 40
-#: The median of predicted / observed must lie within this: forecasts within 2x of measured.
+#: The median of predicted / observed must lie within this on an idle host: forecasts within 2x
+#: of measured. Both sides carry the host's stalls (the forecast through the dispatch overhead it
+#: learned, the measurement directly), so the bounds widen by the host-speed factor.
 RATIO_BOUNDS = (0.5, 2.0)
+
+
+def ratio_bounds() -> tuple[float, float]:
+    """``RATIO_BOUNDS`` widened by the host-speed factor measured before and after the load run."""
+    slow = speed.factor()
+    return RATIO_BOUNDS[0] / slow, RATIO_BOUNDS[1] * slow
 
 
 @pytest.fixture(scope="module")
 def run() -> SingleRun:
     """One emulator, one gateway, one load run for every test of this module."""
+    speed.factor(fresh=True)  # before and after: the larger one counts
     got = single_run(concurrency=CONCURRENCY, warmup_s=WARMUP_S, wanted=MIN_SAMPLES)
+    print(f"host-speed factor after the run: {speed.factor(fresh=True):.2f}")
     print(f"\n{len(got.samples)} requests, {len(got.kept)} measured after {WARMUP_S:g} s of warm-up")
     print(describe(got.errors))
     print(observed_summary(got.kept))
@@ -52,5 +63,5 @@ def test_every_request_was_served_and_forecast(run: SingleRun) -> None:
 def test_forecasts_within_2x_of_measured(run: SingleRun, metric: str) -> None:
     errors = run.errors[metric]
     assert errors.n >= MIN_SAMPLES, describe({metric: errors})
-    low, high = RATIO_BOUNDS
+    low, high = ratio_bounds()
     assert low <= errors.median_ratio <= high, describe({metric: errors})
