@@ -1,40 +1,52 @@
-"""The gateway's live forecasts against a real vLLM on CPU, learned from its metrics alone.
+"""The gateway's live forecasts against a real vLLM on CPU: every request forecast, forecasts sane.
 
 The gateway runs in this test's event loop in front of the session's real vLLM (tiny random Llama,
 ``--max-num-seqs 4``). It knows only the engine limits the operator launched vLLM with (4
 sequences, vLLM's CPU default of 2048 batched tokens): GPU and model are unknown, so every step
-time comes from the fit to the replica's own ``/metrics``. Six clients stream chat completions in
-a closed loop (more than ``max-num-seqs``, so requests queue in the engine), prompts of 50-900
-characters and 16-64 output tokens with ``ignore_eos``; requests of the first ``WARMUP_S``
-seconds are left out while the fit learns.
+time comes from the fit to the replica's own ``/metrics``. ``CONCURRENCY`` clients stream chat
+completions in a closed loop (more than ``max-num-seqs``, so requests queue in the engine),
+prompts of 50-900 characters and 16-64 output tokens with ``ignore_eos``, for ``LOAD_S`` seconds
+and until ``MIN_SAMPLES`` requests sent after ``WARMUP_S`` seconds were answered with a forecast (a
+slow host makes the run longer, not a failure).
 
-Each request's ``x-sluice-predicted-*`` headers are compared with its own TTFT (as the gateway
-measured it: dispatch -> first token back) and TPOT (at the client) against issue 3's targets;
-an absolute error under 5 ms counts as met. ``bench/predictor_accuracy_vllm.py`` measures the
-same at several offered loads.
+These are behaviour checks, not issue 3's targets: every request carries a forecast, the
+replica's step-model fit is valid once warmed up (``GET /sluice/v1/replicas``), and the median of
+predicted / observed TTFT (the gateway's dispatch -> first token) lies within 2x, as does the
+median forecast TPOT against the engine's own mean TPOT over the same seconds
+(``vllm:request_time_per_output_token_seconds``). A broken scrape of vLLM's metrics, a fit that
+never converges or a unit error fails them; the spread of a contended 2-core host should not:
+the fit wanders in its first seconds (hence the warm-up), and the client's TPOT is no measure
+there (vLLM's API server, starved of CPU, often sends a stream's tokens in a few bursts).
 
-Marked ``accuracy``: the TTFT targets do not hold against real vLLM on CPU yet (median ~45-70 %,
-docs/predictor-accuracy.md, "Live"); the default run deselects it, ``pytest -m accuracy`` runs it.
+Issue 3's targets are measured by ``python -m bench.predictor_accuracy_vllm`` at several loads
+(docs/predictor-accuracy.md, "Live"): on this CPU setup the TTFT targets do not hold.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import aiohttp
+import numpy as np
 import pytest
 import uvloop
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.live_accuracy import (
-    TARGETS,
+    ErrorStats,
     Sample,
     Workload,
     accuracy,
     closed_loop,
     describe,
+    enough_measured,
     measured,
     observed_summary,
     serve_gateway,
-    ttft_by_load,
     wait_until_ready,
 )
 from gateway.admission.config import AdmissionSettings
@@ -48,70 +60,155 @@ from gateway.settings import (
 )
 from tests.e2e.vllm_cpu import MAX_NUM_SEQS, SERVED_MODEL
 
-pytestmark = [
-    pytest.mark.accuracy,
-    pytest.mark.e2e,
-    pytest.mark.slow,
-    pytest.mark.timeout(300, func_only=True),
-]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300, func_only=True)]
 
+REPLICA = "vllm-cpu"
 #: vLLM's CPU default of --max-num-batched-tokens for the OpenAI server (vllm.engine.arg_utils).
 CPU_DEFAULT_BATCHED_TOKENS = 2048
 CONCURRENCY = 6
-LOAD_S = 50.0
+#: Seconds of load at least, and the first of them left out while the fit learns from the first
+#: scrape windows (its forecasts wander most there).
+LOAD_S = 40.0
 WARMUP_S = 15.0
-MIN_SAMPLES = 80
+#: Measured requests the run goes on until (the median ratios need a few dozen; an idle 2-core
+#: machine measures ~250 in the 25 s after the warm-up, one with two busy loops beside it ~130).
+MIN_SAMPLES = 40
+#: Requests after the warm-up at most, so a run whose forecasts never come still ends.
+MAX_REQUESTS = 10 * MIN_SAMPLES
+#: A ceiling on the load's seconds, should neither count ever be reached.
+MAX_LOAD_S = 240.0
+#: The median of predicted / observed must lie within this: forecasts within 2x of measured.
+RATIO_BOUNDS = (0.5, 2.0)
+#: The engine's per-request TPOT histogram (seconds).
+ENGINE_TPOT = "vllm:request_time_per_output_token_seconds"
+
+
+@dataclass(frozen=True)
+class Run:
+    """Every request of the load (``samples``), those measured after the warm-up with an ``ok``
+    forecast (``kept``), their errors by ``accuracy`` key, ``/sluice/v1/replicas`` at the end, and
+    the engine's mean TPOT in seconds over the requests it finished from the end of the warm-up
+    to the end of the load (NaN when it finished none)."""
+
+    samples: list[Sample]
+    kept: list[Sample]
+    errors: dict[str, ErrorStats]
+    replicas_view: dict[str, Any]
+    engine_tpot_s: float
+
+
+async def engine_tpot_totals(session: aiohttp.ClientSession, vllm_base_url: str) -> tuple[float, float]:
+    """(sum of seconds, count) of vLLM's per-request TPOT histogram now."""
+    async with session.get(vllm_base_url + "/metrics") as resp:
+        text = await resp.text()
+    totals = {"_sum": 0.0, "_count": 0.0}
+    for family in text_string_to_metric_families(text):
+        if family.name == ENGINE_TPOT:
+            for sample in family.samples:
+                for suffix in totals:
+                    if sample.name == ENGINE_TPOT + suffix:
+                        totals[suffix] += sample.value
+    return totals["_sum"], totals["_count"]
+
+
+def gateway_settings(vllm_base_url: str) -> Settings:
+    hardware = HardwareSettings(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=CPU_DEFAULT_BATCHED_TOKENS)
+    return Settings(
+        server=ServerSettings(port=0),
+        replicas=[ReplicaSettings(name=REPLICA, url=vllm_base_url, hardware=hardware)],
+        health=HealthSettings(interval_s=1.0, timeout_s=1.0),
+        logging=LoggingSettings(access_log=False),
+        # No forecast margin: the headers then carry the predictor's own forecast (admission's
+        # default 0.15 is a safety factor on its decisions and would add 15 % to every ratio).
+        admission=AdmissionSettings(forecast_margin=0.0),
+    )
 
 
 @pytest.fixture(scope="module")
-def samples(vllm_base_url: str) -> list[Sample]:
+def run(vllm_base_url: str) -> Run:
     """One load run through the gateway for every test of this module."""
+    enough = enough_measured([REPLICA], warmup_s=WARMUP_S, wanted=MIN_SAMPLES, max_requests=MAX_REQUESTS)
+    started = time.monotonic()
 
-    async def run() -> list[Sample]:
-        hardware = HardwareSettings(
-            max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=CPU_DEFAULT_BATCHED_TOKENS
-        )
-        settings = Settings(
-            server=ServerSettings(port=0),
-            replicas=[ReplicaSettings(name="vllm-cpu", url=vllm_base_url, hardware=hardware)],
-            health=HealthSettings(interval_s=1.0, timeout_s=1.0),
-            logging=LoggingSettings(access_log=False),
-            # No forecast margin: the headers then carry the predictor's own forecast (admission's
-            # default 0.15 is a safety factor on its decisions and would add 15 % to every error).
-            admission=AdmissionSettings(forecast_margin=0.0),
-        )
+    def stop(samples: Sequence[Sample]) -> bool:
+        return time.monotonic() - started >= LOAD_S and enough(samples)
+
+    async def load() -> tuple[list[Sample], dict[str, Any], float]:
         workload = Workload(SERVED_MODEL, prompt_chars=(50, 900), max_tokens=(16, 64))
-        async with serve_gateway(settings) as gateway:
+        async with (
+            serve_gateway(gateway_settings(vllm_base_url)) as gateway,
+            aiohttp.ClientSession() as session,
+        ):
             await wait_until_ready(gateway.url, SERVED_MODEL)
+
+            async def after_warmup() -> tuple[float, float]:
+                await asyncio.sleep(WARMUP_S)
+                return await engine_tpot_totals(session, vllm_base_url)
+
+            nonlocal started
+            started = time.monotonic()
+            warm = asyncio.create_task(after_warmup())
             got = await closed_loop(
-                gateway.url, workload, concurrency=CONCURRENCY, duration_s=LOAD_S, think_s=0.1
+                gateway.url,
+                workload,
+                concurrency=CONCURRENCY,
+                duration_s=MAX_LOAD_S,
+                think_s=0.1,
+                stop=stop,
             )
-            return gateway.with_gateway_ttft(got)
+            (sum_0, count_0), (sum_1, count_1) = await warm, await engine_tpot_totals(session, vllm_base_url)
+            async with session.get(gateway.url + "/sluice/v1/replicas") as resp:
+                assert resp.status == 200, await resp.text()
+                view: dict[str, Any] = await resp.json()
+        engine_tpot_s = (sum_1 - sum_0) / (count_1 - count_0) if count_1 > count_0 else float("nan")
+        return gateway.with_gateway_ttft(got), view, engine_tpot_s
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:  # as `sluice serve` runs
-        got = runner.run(run())
-    kept = measured(got, warmup_s=WARMUP_S)
-    print(f"\n{len(got)} requests, {len(kept)} measured after {WARMUP_S:g} s of warm-up")
-    print(describe(accuracy(kept)))
+        samples, view, engine_tpot_s = runner.run(load())
+    kept = measured(samples, warmup_s=WARMUP_S)
+    errors = accuracy(kept)
+    span_s = max(s.sent_at for s in samples) - min(s.sent_at for s in samples)
+    print(
+        f"\n{len(samples)} requests in {span_s:.0f} s, {len(kept)} measured after {WARMUP_S:g} s of warm-up"
+    )
+    print(describe(errors))
     print(observed_summary(kept))
-    print(ttft_by_load(got, kept))
-    return got
+    print(f"engine TPOT after the warm-up: {engine_tpot_s * 1000:.2f} ms (mean, {ENGINE_TPOT})")
+    return Run(samples, kept, errors, view, engine_tpot_s)
 
 
-def test_every_request_was_forecast(samples: list[Sample]) -> None:
-    assert all(s.status == 200 for s in samples)
-    assert all(s.replica == "vllm-cpu" and s.prediction is not None for s in samples)
-    start = min(s.sent_at for s in samples) + WARMUP_S
-    late = [s for s in samples if s.sent_at >= start]
-    ok = [s for s in late if s.prediction == "ok"]
-    assert len(ok) >= 0.9 * len(late), sorted({s.prediction or "-" for s in late})
-    assert len(ok) >= MIN_SAMPLES
+def test_every_request_was_served_and_forecast(run: Run) -> None:
+    assert all(s.status == 200 for s in run.samples), sorted({s.status for s in run.samples})
+    assert all(s.replica == REPLICA for s in run.samples)
+    # Every answer says what became of its forecast (the header is there even when it is not ok).
+    assert all(s.prediction is not None for s in run.samples)
+    start = min(s.sent_at for s in run.samples) + WARMUP_S
+    late = [s for s in run.samples if s.sent_at >= start]
+    assert len(run.kept) >= 0.9 * len(late), sorted({s.prediction or "-" for s in late})
+    assert all(s.predicted_ttft_s is not None and s.predicted_tpot_s is not None for s in run.kept)
+    assert len(run.kept) >= MIN_SAMPLES
 
 
-@pytest.mark.parametrize(("metric", "target"), [("ttft_gateway", TARGETS["ttft"]), ("tpot", TARGETS["tpot"])])
-def test_forecast_error_within_target(
-    samples: list[Sample], metric: str, target: tuple[float, float]
-) -> None:
-    errors = accuracy(measured(samples, warmup_s=WARMUP_S))[metric]
-    assert errors.n >= MIN_SAMPLES
-    assert errors.met(*target), describe({metric: errors})
+def test_the_replicas_fit_is_valid_after_the_warmup(run: Run) -> None:
+    fit = run.replicas_view["prediction"]["replicas"][REPLICA]["fit"]
+    # Hardware and model unknown: no roofline prior, so a valid model is one fitted to vLLM's metrics.
+    assert (fit["valid"], fit["source"]) == (True, "fitted"), fit
+    assert fit["observations_total"] > 0, fit
+    assert fit["params"], fit
+
+
+def test_ttft_forecasts_within_2x_of_measured(run: Run) -> None:
+    errors = run.errors["ttft_gateway"]
+    assert errors.n >= MIN_SAMPLES, describe({"ttft_gateway": errors})
+    low, high = RATIO_BOUNDS
+    assert low <= errors.median_ratio <= high, describe({"ttft_gateway": errors})
+
+
+def test_tpot_forecasts_within_2x_of_the_engines_own(run: Run) -> None:
+    forecasts = [s.predicted_tpot_s for s in run.kept if s.predicted_tpot_s is not None]
+    assert len(forecasts) >= MIN_SAMPLES
+    ratio = float(np.median(forecasts)) / run.engine_tpot_s  # NaN (no finished request) fails below
+    low, high = RATIO_BOUNDS
+    assert low <= ratio <= high, (
+        f"median forecast {np.median(forecasts) * 1000:.2f} ms, engine {run.engine_tpot_s * 1000:.2f} ms"
+    )
