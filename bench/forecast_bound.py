@@ -75,7 +75,7 @@ from bench.predictor_accuracy import (
     verdict,
 )
 from gateway.prediction import PredictionService
-from gateway.replay import (
+from replay.forecasts import (
     ReplayConfig,
     TraceRequest,
     _Replay,

@@ -1,7 +1,7 @@
 """Predicted vs measured TTFT and TPOT, per request, on emulated replicas fed a real trace.
 
 For each emulator profile and each offered load (a fraction of one replica's capacity for the
-trace's length mix, times the number of replicas), ``gateway.replay`` replays a slice of the Azure
+trace's length mix, times the number of replicas), ``replay.forecasts`` replays a slice of the Azure
 LLM inference trace 2023 (conversation) in virtual time: every arrival is forecast by the same
 ``PredictionService`` the gateway runs (fed by the same scrape parsing and calibration), then the
 engine measures what really happened. Reported per cell: median and p90 absolute percentage error
@@ -29,7 +29,9 @@ from typing import Final
 import numpy as np
 
 from gateway.prediction import PredictionService, ReplicaFacts
-from gateway.replay import (
+from gateway.replicas.snapshot import InFlight
+from predictor import Forecast
+from replay.forecasts import (
     ReplayConfig,
     TraceRequest,
     at_rate,
@@ -38,8 +40,6 @@ from gateway.replay import (
     measure_capacity,
     run_replay,
 )
-from gateway.replicas.snapshot import InFlight
-from predictor import Forecast
 from simulator.profile import load_profile
 
 #: What an operator would write for each profile's deployment (never read from the profile).

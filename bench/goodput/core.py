@@ -1,10 +1,10 @@
 """Goodput of five admission policies on real traces, replayed in virtual time.
 
-``gateway.replay_admission`` replays a trace through a gateway policy in front of a fleet of
+``replay.admission`` replays a trace through a gateway policy in front of a fleet of
 emulated vLLM engines (``simulator.engine``); Sluice's policy is the real ``AdmissionController``
 and ``PredictionService`` driven as the live gateway drives them. For each trace the bench
 
-1. measures one replica's capacity for the trace's length mix (``gateway.replay.measure_capacity``);
+1. measures one replica's capacity for the trace's length mix (``replay.forecasts.measure_capacity``);
 2. tunes each baseline's one knob for its best goodput at 1x load (a small grid, reported), and
    replays the same grids at 2x, where Sluice is compared with the best baseline;
 3. replays every policy at 0.5x, 1x, 1.5x, 2x and 3x the fleet's capacity, and a spike
@@ -48,15 +48,7 @@ from bench.goodput.metrics import (
 from bench.verdicts import Status, Verdict, judge, missing
 from gateway.admission import AdmissionRequest, AdmissionSettings, ClassSettings, Decision, ReplicaView
 from gateway.prediction import ReplicaFacts
-from gateway.replay import (
-    TraceRequest,
-    fit_to_model_len,
-    load_azure_trace,
-    load_mooncake_trace,
-    measure_capacity,
-    piecewise_rate,
-)
-from gateway.replay_admission import (
+from replay.admission import (
     FleetConfig,
     GatewayPolicy,
     GatewayRequest,
@@ -64,7 +56,15 @@ from gateway.replay_admission import (
     Targets,
     run_gateway_replay,
 )
-from gateway.replay_policies import (
+from replay.forecasts import (
+    TraceRequest,
+    fit_to_model_len,
+    load_azure_trace,
+    load_mooncake_trace,
+    measure_capacity,
+    piecewise_rate,
+)
+from replay.policies import (
     ConcurrencyCap,
     NoAdmission,
     SaturationShedding,

@@ -8,7 +8,7 @@ import pytest
 from bench.forecast_bound import _Recording, _run_future, best_ape_forecast, main
 from bench.predictor_accuracy import FACTS, Schedule
 from gateway.prediction import PredictionService
-from gateway.replay import ReplayConfig, fit_to_model_len, load_azure_trace, measure_capacity
+from replay.forecasts import ReplayConfig, fit_to_model_len, load_azure_trace, measure_capacity
 from simulator.profile import load_profile
 
 

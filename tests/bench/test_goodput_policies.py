@@ -1,6 +1,6 @@
 """The baselines' decisions and the virtual-time driver, on hand-built arrivals against real engines.
 
-Every test drives ``gateway.replay_admission.run_gateway_replay`` with the emulator's engine (the
+Every test drives ``replay.admission.run_gateway_replay`` with the emulator's engine (the
 ground truth; nothing faked): requests arriving together at t = 0 make each policy's rule visible.
 """
 
@@ -11,9 +11,9 @@ import itertools
 import pytest
 
 from bench.goodput.core import FACTS, PROFILE, ForecastRecorder, admission_settings
-from gateway.replay import TraceRequest, load_mooncake_trace, piecewise_rate
-from gateway.replay_admission import FleetConfig, GatewayReplayResult, Targets, run_gateway_replay
-from gateway.replay_policies import (
+from replay.admission import FleetConfig, GatewayReplayResult, Targets, run_gateway_replay
+from replay.forecasts import TraceRequest, load_mooncake_trace, piecewise_rate
+from replay.policies import (
     ConcurrencyCap,
     NoAdmission,
     SaturationShedding,

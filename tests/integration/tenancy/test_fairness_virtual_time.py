@@ -34,14 +34,14 @@ from typing import Final
 
 import pytest
 
-import gateway.replay
+import replay.forecasts
 from gateway.admission import AdmissionSettings, TokenWeights
 from gateway.prediction.facts import ReplicaFacts
-from gateway.replay import TraceRequest
-from gateway.replay_admission import FleetConfig, GatewayRequest, Targets, run_gateway_replay
-from gateway.replay_policies import SluicePolicy
 from gateway.settings import HardwareSettings, ReplicaSettings
 from gateway.tenancy import fleet_token_weights
+from replay.admission import FleetConfig, GatewayRequest, Targets, run_gateway_replay
+from replay.forecasts import TraceRequest
+from replay.policies import SluicePolicy
 from simulator.engine import FinishedRequestStats
 from simulator.profile import load_profile
 from tests.integration.tenancy.fair_share import (
@@ -133,7 +133,7 @@ class FairSharePolicy(SluicePolicy):
         self, replica: int, request: GatewayRequest, stats: FinishedRequestStats, now: float
     ) -> None:
         # As ``LiveAdmission.finished``: the output after the prompt's context, then re-evaluate.
-        self._streams[replica].pop(request.index, None)
+        stream = self._streams[replica].pop(request.index, None)
         fairness = self.controller.fairness
         fairness.charge_output(request.tenant, max(0, stats.generation_tokens), stats.prompt_tokens)
         self.service.on_finished(
@@ -144,7 +144,7 @@ class FairSharePolicy(SluicePolicy):
             prompt_tokens=stats.prompt_tokens,
             completion_tokens=stats.generation_tokens,
             finished_at=now,
-            forecast=None,
+            forecast=None if stream is None else stream.forecast,
             ttft_s=stats.ttft_s,
         )
         self.reevaluate(now)
@@ -221,7 +221,7 @@ def simulate(docs_weight: float, chat_weight: float, fairness: str = "tokens") -
     ]
     policy = FairSharePolicy(weights, fairness)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gateway.replay, "Engine", GpuTimeEngine)  # the replica's engine measures
+        patch.setattr(replay.forecasts, "Engine", GpuTimeEngine)  # the replica's engine measures
         # Requests still waiting for a client or the queue at the window's end are then decided
         # (a certain TTFT miss), which ends the replay.
         run_gateway_replay(trace, config, policy, targets=Targets(ttft_s=WINDOW_S[1], tpot_s=1.0))

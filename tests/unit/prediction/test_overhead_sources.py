@@ -13,12 +13,12 @@ import pytest
 from gateway.app import LIVE_PREDICTION, build_app
 from gateway.keys import PREDICTION_SERVICE
 from gateway.prediction import PredictionConfig, PredictionService, ReplicaFacts
-from gateway.replay import ReplayConfig
 from gateway.replicas.snapshot import ReplicaSnapshot
 from gateway.settings import ReplicaSettings, Settings
 from gateway.store import SettingsStore
 from predictor import Forecast, StepBatch
 from predictor.overhead import steps_waited_s
+from replay.forecasts import ReplayConfig
 
 H100 = ReplicaFacts(
     gpu="H100-SXM",

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gateway.prediction import ReplicaFacts
-from gateway.replay import (
+from replay.forecasts import (
     ReplayConfig,
     ReplayResult,
     TraceRequest,

@@ -1,4 +1,4 @@
-"""Gateway policies for ``gateway.replay_admission``: four peers' baselines and Sluice itself.
+"""Gateway policies for ``replay.admission``: four peers' baselines and Sluice itself.
 
 Every class implements ``GatewayPolicy``; each baseline has one knob (the goodput bench tunes it):
 
@@ -42,8 +42,8 @@ from gateway.admission import (
 from gateway.admission.shares import decode_elapsed_s
 from gateway.live_admission import MAX_TICK_S, MIN_TICK_S, expected_output, replica_inputs
 from gateway.prediction import PredictionConfig, PredictionService
-from gateway.replay_admission import Fleet, GatewayRequest
 from predictor import Forecast
+from replay.admission import Fleet, GatewayRequest
 from simulator.engine import FinishedRequestStats
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Virtual-time replay of a gateway policy in front of a fleet of emulated vLLM engines.
 
-``gateway.replay`` replays a trace to score forecasts; this module replays it to score **admission
+``replay.forecasts`` replays a trace to score forecasts; this module replays it to score **admission
 policies**: every request reaches a gateway policy first, which sends it to a replica at once,
 holds it in its own queue, or refuses it. One event loop over a heap of (virtual time, event):
 
@@ -21,7 +21,7 @@ it**: each step's duration is split over the requests scheduled in it in proport
 each had computed in that step (prefill chunk tokens, or 1 for a decode), so the whole busy time
 of every engine is attributed, recomputation after a preemption included.
 
-The policies themselves live in ``gateway.replay_policies``; Sluice's is the real
+The policies themselves live in ``replay.policies``; Sluice's is the real
 ``AdmissionController`` (``gateway.admission``) driven exactly as ``gateway.live_admission``
 drives it, on the virtual clock.
 """
@@ -36,8 +36,8 @@ from enum import IntEnum
 from typing import Protocol
 
 from gateway.prediction import PredictionService, ReplicaFacts
-from gateway.replay import EmulatedReplica, ReplayConfig, TraceRequest, make_replica
 from gateway.replicas.snapshot import InFlight
+from replay.forecasts import EmulatedReplica, ReplayConfig, TraceRequest, make_replica
 from simulator.engine import FinishedRequestStats
 from simulator.profile import Profile
 
