@@ -3,7 +3,8 @@
 Each exchange in ``tests.e2e.shapes.EXCHANGES`` is sent once to the session's real server; the
 tests check the facts the gateway and the emulator rely on, and that the keys and types still match
 ``tests/e2e/data/vllm-0.32.0-shapes.json``. Re-record that file with
-``SLUICE_RECORD_SHAPES=1 .venv/bin/python -m pytest tests/e2e/test_vllm_contract.py``.
+``SLUICE_RECORD_SHAPES=1 .venv/bin/python -m pytest tests/e2e/test_vllm_contract.py``: the run
+fails when the file changed (review the diff, then re-run without the variable).
 """
 
 from __future__ import annotations
@@ -151,12 +152,23 @@ def record(observed: dict[str, Observation], scrape: str) -> dict[str, Any]:
 
 
 def test_shapes_match_recorded_fixture(observed: dict[str, Observation], scrape: str) -> None:
+    """The shapes match the committed file. In record mode (``SLUICE_RECORD_SHAPES=1``) the file is
+    rewritten, and the test still compares with the copy read before the write: it passes only
+    when nothing changed, and otherwise fails, listing what did, until re-run without record mode."""
     current = record(observed, scrape)
+    recorded = load_shapes() if SHAPES_PATH.is_file() else None
     if os.environ.get(RECORD_ENV) == "1":
         SHAPES_PATH.parent.mkdir(parents=True, exist_ok=True)
         SHAPES_PATH.write_text(json.dumps(current, indent=1, sort_keys=True) + "\n")
-    assert SHAPES_PATH.is_file(), f"{SHAPES_PATH} missing: run with {RECORD_ENV}=1 to record it"
-    recorded = load_shapes()
+        if recorded is None:
+            pytest.fail(f"recorded {SHAPES_PATH} (there was none): re-run without {RECORD_ENV}=1")
+        if current != recorded:
+            changed = "\n".join(diff_shapes(recorded, current, null_matches=False))
+            pytest.fail(
+                f"recorded {SHAPES_PATH.name} anew; what changed (review it with git diff, then "
+                f"re-run without {RECORD_ENV}=1):\n{changed}"
+            )
+    assert recorded is not None, f"{SHAPES_PATH} missing: run with {RECORD_ENV}=1 to record it"
     # Same vLLM version, same requests: everything recorded (shapes, statuses, chunk order) must hold.
     differences = "\n".join(diff_shapes(recorded, current, null_matches=False))
     assert current == recorded, f"real vLLM no longer matches {SHAPES_PATH.name}:\n{differences}"
