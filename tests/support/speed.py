@@ -15,7 +15,8 @@ Contract:
 * The first call measures and caches the value for the rest of the process (a pytest session);
   ``factor(fresh=True)`` measures again (at the point of use) and returns the larger of the two,
   so a bound never shrinks within a session.
-* :func:`scaled` is ``seconds * factor()``.
+* :func:`scaled` is ``seconds * factor()``; :func:`widened` stretches a (low, high) band of
+  ratios both ways by it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 
-__all__ = ["REFERENCE_S", "factor", "measure", "scaled", "workload"]
+__all__ = ["REFERENCE_S", "factor", "measure", "scaled", "widened", "workload"]
 
 #: Mean seconds of one :func:`workload` on an idle 2-core development container (CPython 3).
 REFERENCE_S = 0.0052
@@ -68,3 +69,11 @@ def factor(*, fresh: bool = False) -> float:
 def scaled(seconds: float) -> float:
     """``seconds`` stretched by :func:`factor`: a sanity bound that holds on a slow host."""
     return seconds * factor()
+
+
+def widened(low: float, high: float) -> tuple[float, float]:
+    """The band ``[low, high]`` of a ratio of two timings (``0 < low <= 1 <= high``) widened by
+    :func:`factor` both ways: ``(low / factor(), high * factor())``. For ratios whose two sides
+    carry the host's stalls differently (a forecast against a measurement)."""
+    slow = factor()
+    return low / slow, high * slow

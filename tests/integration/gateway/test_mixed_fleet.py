@@ -48,12 +48,6 @@ MIN_SAMPLES = 40
 RATIO_BOUNDS = (0.5, 2.0)
 
 
-def ratio_bounds() -> tuple[float, float]:
-    """``RATIO_BOUNDS`` widened by the host-speed factor measured before and after the load run."""
-    slow = speed.factor()
-    return RATIO_BOUNDS[0] / slow, RATIO_BOUNDS[1] * slow
-
-
 @pytest.fixture(scope="module")
 def run() -> FleetRun:
     """Three emulators, one gateway, one load run for every test of this module."""
@@ -125,5 +119,5 @@ def test_tgi_fit_matches_the_emulators_step_times(run: FleetRun, batch: int) -> 
 def test_forecasts_within_2x_of_measured(run: FleetRun, engine: str, metric: str) -> None:
     errors = run.errors[engine][metric]
     assert errors.n >= MIN_SAMPLES, describe({metric: errors})
-    low, high = ratio_bounds()
+    low, high = speed.widened(*RATIO_BOUNDS)
     assert low <= errors.median_ratio <= high, describe({metric: errors})
