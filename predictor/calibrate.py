@@ -1,32 +1,12 @@
-"""Fit a replica's step model online from what its ``/metrics`` exposes.
+"""Fit a replica's step model online from the observations its ``/metrics`` windows give.
 
-Each scrape window of a vLLM replica gives one observation: the mean step composition (tokens per
-step, decoding sequences, KV tokens in use) and the mean step time. ``StepCalibrator`` keeps a
-bounded ring of observations and fits the six step-model coefficients (``predictor.step_model``)
-by a robust, regularised, non-negative least squares:
-
-* residuals are **relative** ((predicted - observed) / observed), so a 5 ms decode step and a 500 ms
-  prefill step count alike;
-* **Huber** loss by iteratively reweighted least squares, with the scale from the residuals' MAD,
-  so a window spoiled by a preemption storm or a restart does not drag the fit;
-* **ridge toward the roofline prior**: each coefficient is a pseudo-observation of strength
-  ``prior_strength x prior_half_count / (prior_half_count + n_eff)`` (never below ``prior_floor``),
-  measured in "observations with 100% error": the prior rules on minute one and yields as
-  traffic arrives, but keeps coefficients the traffic never exercises (say the compute slope when no
-  step ever crosses the knee) where the roofline put them;
-* **a tie** of the same strength pulls the attention coefficient toward ``alpha x`` the compute
-  coefficient (a model fact, ``predictor.step_model``), so a replica that has never seen a long
-  prompt still prices one sensibly;
-* **forgetting**: an observation's weight halves every ``half_life_s``, so the fit follows a replica
-  that changes (new settings, thermal throttling, a noisy neighbour);
-* coefficients are **non-negative** (a small active-set solver; six coefficients).
-
-A replica on unknown hardware has no prior: the fit starts from "constant step time at the median
-observation" with a very weak pull (and the attention tie at that weak strength), and is reported
-valid after ``min_observations_without_prior``.
-
-Everything here is synchronous arithmetic: time comes in as arguments (``at_s``, ``now_s``) on the
-caller's monotonic clock.
+``StepCalibrator`` keeps a bounded ring of observations (mean step composition and mean step time)
+and fits the six ``predictor.step_model`` coefficients by robust (Huber), relative-error,
+non-negative least squares, regularised toward the roofline prior and forgetting old observations
+with ``half_life_s``. Coefficients are seconds per unit and never negative. A replica on unknown
+hardware has no prior and is reported valid only after ``min_observations_without_prior``.
+Synchronous arithmetic: times (``at_s``, ``now_s``) are the caller's monotonic seconds. The design
+is in docs/predictor.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """TTFT and TPOT for a candidate request on a replica, and what admitting it costs the others.
 
-The engine is modelled as vLLM V1 schedules it (math.md §1.6, §2.2-2.3): every step spends its
-token budget ``max_num_batched_tokens`` on the running decodes first (one token each), then on
-prefill chunks taken FCFS from the prompts ahead. So the prefill path is a FCFS server of prompt
-tokens that moves ``budget - decodes`` tokens per step, and every step also pays for the decodes.
-
-* **TTFT** = (wait for a sequence slot / KV room, if the replica is full) + the steps that drain the
-  prompt tokens queued ahead and then this prompt; the first token is sampled in the step that
-  completes the prompt.
-* **TPOT** = the step time of the decode batch it joins: everyone running now, everyone queued
-  ahead, and itself, with its own context half grown; newcomers replace leavers (stationary).
-  When the state carries the replica's steady state under its recent arrivals (``steady_state``:
-  Little's law closed over the step model), the TPOT moves toward it over the request's decode
-  (``steady_weight``).
-* **Inflicted**: the extra time its prefill chunks add to steps the running streams wait on (the
-  *stall*: a 100K prompt at 8192 tokens/step makes ~13 slow steps), and the mean extra TPOT over a
-  typical window of their remaining output, which also counts its own decode's marginal step cost.
-
-Closed form: sums over steps use the fact that all chunks are full but the last, so a forecast is a
-few dozen float operations (no per-step loop), well under 20 us in CPython.
+The engine is modelled as vLLM V1 schedules it: each step spends ``max_num_batched_tokens`` on the
+running decodes first, then on FCFS prefill chunks. TTFT counts the wait for a slot and the steps
+that drain the prompts ahead and this one; TPOT is the step time of the decode batch it joins;
+"inflicted" is the stall its prefill adds to the running streams. All times are seconds; a
+forecast is closed-form (no per-step loop). The derivation is in docs/predictor.md.
 """
 
 from __future__ import annotations
@@ -523,11 +509,7 @@ _MIX_POINTS: Final = 16
 #: Share of the expected prompt tokens arriving before a newcomer's last prefill step that the
 #: TTFT forecast counts in that step. Arrivals are lumpy (a few requests, bursty): the mean
 #: overstates the usual case, and a forecast scored by its percentage error wants the weighted
-#: median, not the mean. Measured on the Azure trace (``bench.predictor_accuracy``, both slices,
-#: 2026-12-01), against no riders: with the whole mean the TTFT medians rose by up to 2.5 points
-#: and the A100's p90 at 100 % load by 1.7 (to 36.7 %, over the target); with half of it every
-#: p90 from 60 % load up but one fell (by up to 11 points; the H100's at 100 % on rows 9000+ rose
-#: by 1.0) and no median rose by more than 1.4 points.
+#: median, not the mean (measurements in docs/predictor.md, "Riders").
 _RIDER_SHARE: Final = 0.5
 #: Bisection steps of ``steady_state`` (the step time to ~1e-5 of its bracket).
 _STEADY_ITERATIONS: Final = 40
@@ -770,8 +752,8 @@ def forecast_values(
     ``forecast_of`` builds the ``Forecast`` of the one it keeps (objects cost more than the
     arithmetic here).
 
-    Cost: a few dozen float operations and two object constructions, about 10 us in CPython on
-    the development container (``bench/forecast_cost.py``). The step model's GEMM term
+    Cost: a few dozen float operations and two object constructions (``bench/forecast_cost.py``
+    measures it). The step model's GEMM term
     ``c_t min(t, knee) + c_c max(0, t - knee)`` is written out inline (``g(t)`` below): the same
     numbers as ``StepModel.step_time``, without a function call per term.
     """

@@ -1,9 +1,7 @@
 """Accelerator facts the roofline prior needs: peak dense tensor FLOP/s and memory bandwidth.
 
-Numbers are vendor datasheet peaks for ONE device, dense (the "with sparsity" figures halved).
-They are ceilings, never achieved: the step model applies efficiencies on top
-(``predictor.step_model.Efficiency``). The ``cpu`` entry means "unknown hardware": no prior, the
-replica's step model is learned from its own metrics only.
+Datasheet peaks for ONE device, dense: ceilings that ``predictor.step_model.Efficiency`` scales.
+The ``cpu`` entry means "unknown hardware": no prior, the step model is learned from metrics only.
 """
 
 from __future__ import annotations

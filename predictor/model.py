@@ -1,14 +1,8 @@
-"""Model architecture facts and the quantities the roofline prior derives from them.
+"""Model architecture facts and the per-token quantities the roofline prior derives from them.
 
-A ``ModelArch`` is what an operator can read off a model's ``config.json``. Derived, per token:
-
-* weight bytes  = params x dtype bytes (read once per engine step, shared by the whole batch);
-* KV bytes/token = 2 (K and V) x layers x kv_heads x head_dim x kv dtype bytes;
-* FLOPs/token    = 2 x params + 4 x layers x (heads x head_dim) x context  (math.md §1.1: two FLOPs
-  per weight, plus QK^T and AV against ``context`` cached tokens, two FLOPs per multiply-add each).
-
-The catalogue's parameter counts are computed from the architecture (Llama-style decoder: GQA
-attention, SwiGLU MLP, RMSNorm) and match the published counts exactly; the unit tests pin them.
+A ``ModelArch`` is what an operator can read off a model's ``config.json``; it yields weight bytes,
+KV bytes per token and FLOPs per token (formulas in docs/predictor.md). The catalogue's parameter
+counts are computed from the architecture and match the published counts (the unit tests pin them).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Predict a request's output length from the recent output lengths of its model and tenant.
 
-Output length is unknown at admission (math.md §6). What is known: ``max_tokens`` (a hard cap) and
-what recent requests produced. Each population (a model; a tenant on a model) keeps a bounded ring
-of recent output lengths; a prediction is a chosen quantile of the most specific population with
-enough samples (tenant -> model -> prior), capped at ``max_tokens``. A high quantile (0.9) is the
-cautious choice for SLO checks; the median suits throughput estimates.
-
-The ring's sorted copy is refreshed lazily (at most every ``resort_every`` observations), so a
-prediction is an index into a sorted array, not a sort.
+A prediction is a chosen quantile of the most specific population with enough samples
+(tenant -> model -> prior), never above ``max_tokens``. A high quantile (0.9) is the cautious
+choice for SLO checks; the median suits throughput estimates.
 """
 
 from __future__ import annotations

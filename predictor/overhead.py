@@ -1,23 +1,9 @@
 """What a replica's dispatch overhead adds to a forecast's TTFT (pure arithmetic, seconds).
 
-The engine forecast (``predictor.forecast``) says when the engine makes a request's first token,
-counted from the engine's own clock. The caller (a gateway) measures from its dispatch to the
-token's arrival: the way in, the replica server's own work and the way back, ``d`` seconds in
-all (learned per replica by the caller). How much of ``d`` a TTFT holds depends on the engine:
-
-* **idle** (no step in progress, nothing decoding): the request's prefill starts when it gets
-  there, so all of ``d`` comes on top;
-* **busy**: the forecast's step wait runs to the end of the step in progress as the caller sees
-  it, from tokens that took the way back too, and the request's prefill starts at that step's
-  end if it gets there in time: when the wait is at least ``d`` nothing is added. Otherwise it is
-  ``d - wait`` late and waits for the end of the step in progress when it gets there:
-  ``ceil((d - wait) / step)`` decode steps of the batch it joins. Its lateness varies from request
-  to request by about the hop itself: it is taken as uniform over ``(d - wait) +- d / 2`` and the
-  steps averaged over that, so a request near the edge is forecast half a step late rather than a
-  whole step wrong half the time.
-
-``gateway.prediction.PredictionService.with_overhead`` adds this to the forecast a response
-carries; admission adds the same to every TTFT it holds against a deadline.
+``d`` is the caller's measured dispatch-to-token overhead beyond the engine's own clock. An idle
+engine adds all of ``d``; a busy one adds nothing when the step wait is at least ``d``, else the
+decode steps a request ``d - wait`` late waits for (averaged over its lateness). The reasoning is
+in docs/predictor.md.
 """
 
 from __future__ import annotations

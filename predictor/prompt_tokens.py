@@ -1,15 +1,8 @@
 """Estimate prompt tokens from characters, without a tokenizer.
 
-The gateway must size a prompt before forwarding it, and shipping every model's tokenizer is not an
-option. English text runs near 4 characters per token on Llama/Qwen/Mistral tokenizers; code, other
-languages and chat templates move that. So each model learns its own ratio from the ``usage``
-blocks replicas return: ``observe(chars, prompt_tokens)`` after every response.
-
-The ratio is a ratio of two exponentially weighted sums (characters and tokens) rather than an
-average of per-request ratios: a chat template adds a roughly constant number of tokens, which
-would make a 20-character prompt's ratio very low and drag a plain average down; weighting by size
-lets long prompts, where the estimate matters, dominate. The prior enters as ``prior_tokens`` worth
-of text at ``prior_chars_per_token``.
+Each model learns its characters-per-token ratio from the ``usage`` blocks replicas return
+(``observe(chars, prompt_tokens)``), as a ratio of two exponentially weighted sums so that long
+prompts dominate; the prior enters as ``prior_tokens`` worth of text at ``prior_chars_per_token``.
 """
 
 from __future__ import annotations

@@ -1,39 +1,10 @@
-"""Engine step time as a function of the batch's composition.
+"""Engine step time (seconds) as a function of the batch's composition.
 
-One engine step (vLLM V1) runs every decoding sequence for one token plus prefill chunks that fill
-the rest of the token budget. Its time, on a roofline (math.md §1.3-1.4):
-
-    t = overhead + max(W / BW, N x 2P / F) + K x kv_bytes / BW + A x 4 L d_attn / F
-
-with N the tokens in the step, W the weight bytes, K the KV tokens the decodes read and A the
-prefill-attention pairs. The weight GEMMs are flat (weight-read bound) until N reaches the knee
-N* = W F / (2 P BW) tokens, then compute bound. Decode attention is memory bound at every batch.
-
-For a fit that stays linear in its parameters the max() becomes a two-slope line in N with its
-break at a fixed knee:
-
-    t = base + c_t x min(N, knee) + c_c x max(0, N - knee)            (N = prefill_tokens + decode_seqs)
-             + c_d x decode_seqs + c_kv x K + c_a x A
-
-* ``base``  = fixed per-step overhead + weight read time (one constant: a fit cannot tell them apart);
-* ``c_t``   = per-token cost up to the knee (activations; the GEMMs are not perfectly flat); the
-  ideal roofline has it at zero;
-* ``c_c``   = 2P / F_eff seconds per token past the knee, once compute bound;
-* ``c_d``   = per decoding sequence (sampling, detokenising, scheduler bookkeeping);
-* ``c_kv``  = kv_bytes_per_token / BW_eff seconds per KV token read;
-* ``c_a``   = 4 L d_attn / F_eff seconds per prefill attention pair (long prompts: quadratic).
-
-Why this shape: the two token features (``min`` and ``max`` around the knee) are nearly orthogonal,
-so a fit can tell the slopes apart; a plain "per prefill token" slope next to the hinge would be
-collinear with it above the knee, and the split would be decided by the prior instead of data.
-Attention has its own coefficient for the same reason. The model fact
-``alpha = c_a / c_c = 4 L d_attn / 2P`` (attention FLOPs per pair over linear FLOPs per token) is
-kept: calibration ties ``c_a`` to ``c_c`` with it when data cannot tell.
-
-The knee and alpha are fixed (from the hardware and model facts, or defaults when unknown); the six
-coefficients are what ``predictor.calibrate`` fits. The shape reproduces the roofline's max()
-exactly (``base = c_c x knee``, ``c_t = c_d = 0``), and a purely linear machine (a CPU: no knee)
-with ``c_t = c_c``, so a wrong knee costs accuracy near the knee only.
+A linear-in-parameters roofline: a fixed ``base``, two token slopes split at a fixed knee
+(``min(N, knee)`` and ``max(0, N - knee)``), and per decoding sequence, per KV token read and per
+prefill attention pair costs. The knee and ``alpha = c_a / c_c`` come from hardware and model
+facts; the six coefficients (seconds per unit, non-negative) are what ``predictor.calibrate``
+fits. The derivation is in docs/predictor.md.
 """
 
 from __future__ import annotations
@@ -201,13 +172,8 @@ class StepModel:
 class Efficiency:
     """How far below the datasheet a real engine runs; the priors' only tunable guesses.
 
-    ``compute``: fraction of peak FLOP/s reached by large GEMMs (prefill MFU), 0-1. 0.7: the
-    linear layers' time per token past the knee in Vidur's per-layer timings, measured on real
-    GPUs, is 0.73 of peak for Llama-3-8B on an H100, 0.79 on an A100, 0.66 for Llama-2-70B on
-    four H100s (``config/profiles``, slope from 2048 to 8192 tokens). At 0.5 (until
-    2026-12-01) the prior put a prompt token 30-60 % over that, and a fit from a few seconds of
-    steady traffic, whose windows barely vary in composition, kept most of it: the fair-share
-    prices then charged an output token about 40 % under its cost (docs/tenants.md).
+    ``compute``: fraction of peak FLOP/s reached by large GEMMs (prefill MFU), 0-1; the default
+    follows Vidur's per-layer GPU timings in ``config/profiles`` (why: docs/tenants.md).
     ``memory``: fraction of peak bandwidth reached by weight and KV reads, 0-1.
     ``step_overhead_s``: per-step launch, scheduling and sampling time not hidden by the GPU.
     ``per_decode_seq_s``: per-sequence CPU cost in a step (sampling, detokenising, bookkeeping).
