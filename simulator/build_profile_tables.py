@@ -1,19 +1,10 @@
 """Derive the per-layer linear timing tables of ``config/profiles/*.yaml`` from Vidur's CSVs.
 
-Usage (from the repository root)::
-
-    python -m simulator.build_profile_tables tests/data/vidur/h100_Llama-2-7b-hf_mlp.csv --tp 1
-    python -m simulator.build_profile_tables tests/data/vidur/a100_Meta-Llama-3-8B_mlp.csv --tp 1 \
-        --ratio-to tests/data/vidur/a100_Llama-2-7b-hf_mlp.csv
-
-The first prints ``linear_ms_per_layer`` as YAML, ready to paste under ``cost:``; ``--ratio-to``
-prints instead the median ratio of the two tables at the token counts they share (how much slower
-one model's layer is than the other's on the same GPU), which is what ``linear_scale`` records.
-
-One layer's linear time is the sum of the medians of the operators Vidur's execution-time model
-counts once per layer (``LAYER_OPS``). ``emb`` is left out: it runs once per step, not per layer,
-and Vidur's model leaves it out too. Rows repeated for the same (num_tokens, TP) are reduced to
-the median of their sums. Only the standard library, so the script runs anywhere.
+``python -m simulator.build_profile_tables CSV --tp N`` prints ``linear_ms_per_layer`` as YAML;
+``--ratio-to OTHER_CSV`` prints instead the median ratio of the two tables at their shared token
+counts (what ``linear_scale`` records). One layer's time is the sum of the medians of the operators
+in ``LAYER_OPS`` (``emb`` left out: it runs once per step). Standard library only; usage and
+rationale in docs/emulator.md.
 """
 
 from __future__ import annotations

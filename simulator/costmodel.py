@@ -1,20 +1,10 @@
-"""Step time of one engine iteration, from measured per-layer timings plus roofline terms.
+"""Step time (seconds) of one engine iteration, from measured per-layer timings plus roofline terms.
 
-    step = per_step_overhead
-         + num_layers x linear(num_tokens)            measured table (Vidur), interpolated
-         + tensor-parallel all-reduces (2 per layer)  latency + bytes / bus bandwidth
-         + decode attention                           KV bytes read / (HBM bandwidth x efficiency)
-         + prefill attention                          max(FLOPs / achieved FLOP/s, KV bytes / bandwidth)
-         + LM head                                    max(weight bytes / bandwidth, GEMM FLOPs / FLOP/s)
-
-``linear(n)`` is the measured time of one layer's token-parallel operators (QKV, RoPE, O, norms,
-gated MLP, add) at a step carrying ``n`` tokens: flat while the weight read dominates, linear once
-the GEMMs turn compute-bound. That knee is measured, not the textbook ridge point. Attention is the
-part that depends on each sequence's context, so it is modelled from bytes and FLOPs, as Vidur's
-README for these tables advises.
-
-Everything here is a pure function of the profile and the batch composition; jitter is applied by
-the caller with its own seeded generator (:func:`jitter_factor`).
+``step = overhead + layers x linear(tokens) + TP all-reduces + decode attention + prefill
+attention + LM head``: ``linear`` is interpolated in the profile's measured table (Vidur), the
+context-dependent attention terms come from bytes and FLOPs. Pure functions of the profile and the
+batch; the caller applies jitter with its own seeded generator (:func:`jitter_factor`). Details in
+docs/emulator.md.
 """
 
 from __future__ import annotations

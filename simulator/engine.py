@@ -1,47 +1,12 @@
 """A continuous-batching engine in the image of vLLM V1's scheduler, driven by an injected clock.
 
-INTERFACE CONTRACT (the HTTP server in ``simulator/server.py`` and the later virtual-time replay
-depend on exactly these names; bodies are filled in by the engine work):
-
-* ``Engine(profile, *, seed=None, jitter=0.0)``: no I/O, no asyncio, no wall clock. Every method
-  that needs the time takes ``now`` (seconds, any monotonic origin) from the caller.
-* ``add_request(request_id, prompt_tokens, max_tokens, output_tokens, now)``: enqueue in WAITING.
-  ``output_tokens`` is when the emulated model "samples EOS" (``<= max_tokens``); the request
-  finishes with reason ``"stop"`` there, or ``"length"`` when it reaches ``max_tokens``.
-* ``abort_request(request_id, now) -> bool``: remove it wherever it is, free its KV blocks, count
-  it as finished with reason ``"abort"``. False if unknown or already finished.
-* ``schedule(now) -> StepPlan | None``: build the next step (decodes of RUNNING first, then
-  prefill chunks of WAITING, within ``max_num_batched_tokens`` and ``max_num_seqs``; allocate KV
-  blocks, preempting by recompute when they run out) and return it with its duration from the
-  cost model; ``None`` when there is nothing to run. The caller waits ``plan.duration_s`` and then
-  calls ``complete``. Requests added meanwhile join the next step, as in vLLM.
-* ``complete(plan, now) -> StepResult``: apply the step: advance computed tokens, emit one token
-  to every sequence that decoded or finished its prefill this step, finish requests; return the
-  token events and the statistics the metrics layer needs.
-* Introspection for ``/metrics``: ``num_running``, ``num_waiting``, ``kv_cache_usage`` (0–1),
-  ``stats`` (cumulative ``EngineCounters``), ``profile``.
-
-ADDITIONS (beyond the contract, same rules):
-
-* ``sample_output_tokens(max_tokens) -> int``: a seeded draw from the profile's output-length
-  distribution in ``[1, max_tokens]`` (for requests without ``ignore_eos``). Its generator is
-  separate from the jitter's, so draws never shift step times.
-* ``validate_request(prompt_tokens, max_tokens, output_tokens=None)``: the ``ValueError`` that
-  ``add_request`` raises for a request that can never run (over ``max_model_len``, more KV blocks
-  than the cache has, empty prompt, ``output_tokens`` outside ``[1, max_tokens]``).
-* ``abort_request_stats(request_id, now) -> FinishedRequestStats | None``: ``abort_request``
-  that also returns the aborted request's stats (intervals that never ended are cut at ``now``).
-* ``has_unfinished_requests``, ``in_flight`` (the plan awaiting ``complete``), ``num_free_blocks``,
-  ``cost_model`` (the :class:`~simulator.costmodel.CostModel` that prices each step).
-
-Scheduling follows ``vllm/v1/core/sched/scheduler.py``: RUNNING requests in order, each given
-``min(num_tokens - num_computed_tokens, token_budget)``; KV blocks allocated for the tokens
-computed so far plus this step's; if they run out, the LAST running request is preempted (blocks
-freed, ``num_computed_tokens = 0``, front of WAITING) until the allocation succeeds or the request
-itself was the victim; a step that preempted admits nobody from WAITING; otherwise WAITING is
-admitted FCFS while budget > 0 and ``len(running) < max_num_seqs``, stopping at the first request
-whose blocks do not fit. A request emits one token in the step where its computed tokens catch up
-with prompt + output so far; ``length`` is checked before ``stop``, as vLLM's ``check_stop``.
+No I/O, no asyncio, no wall clock: every method that needs the time takes ``now`` (seconds, any
+monotonic origin). The driver loop is ``plan = schedule(now)`` (``None``: nothing to run), wait
+``plan.duration_s``, then ``complete(plan, now)``; requests added meanwhile join the next step.
+``add_request`` raises ``ValueError`` for a request that can never run (``validate_request``).
+Scheduling follows ``vllm/v1/core/sched/scheduler.py``: decodes first, then FCFS prefill chunks
+within ``max_num_batched_tokens`` and ``max_num_seqs``; when KV blocks run out the last running
+request is preempted by recompute. The rules in full are in docs/emulator.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """``/metrics`` of the emulated replica, with vLLM V1's exact metric names, types and labels.
 
-What a scraper sees must be indistinguishable from a real vLLM 0.32 scrape for everything the
-emulated engine knows (checked against a real scrape by ``tests/contract/``):
-
-* every ``vllm:`` series carries ``engine="0"`` and ``model_name=<served name>``, label names in
-  alphabetical order as in real output;
-* counters are ``prometheus_client`` Counters, so each comes out as ``<name>_total`` plus a
-  ``<name>_created`` gauge family, as in vLLM V1; they are synced from the engine's cumulative
-  :class:`~simulator.engine.EngineCounters` (so an abort counts even though it never reaches a
-  step result);
-* gauges (running, waiting, KV usage, sleep state, cache config) are read from the engine at
-  scrape time by a custom collector;
-* histograms use vLLM's default buckets; the token-count ones use vLLM's 1-2-5 series up to
-  ``max_model_len``.
-
-Families a real vLLM exposes but the emulator deliberately does not (no MFU estimates, no
-speculative decoding, no KV connector, no multimodal cache, no admission queue limits) are listed
-with their reasons in ``tests/contract/test_vllm_metrics_contract.py``.
-
-Each replica owns its own :class:`~prometheus_client.CollectorRegistry`, so several emulators can
-live in one process (tests, trace replay) without clashing.
+A scrape must be indistinguishable from real vLLM 0.32 for everything the emulated engine knows
+(checked by ``tests/contract/``): ``engine="0"`` and ``model_name`` labels, counters synced from
+the engine's cumulative :class:`~simulator.engine.EngineCounters`, gauges read at scrape time,
+vLLM's buckets. Families deliberately left out are listed in
+``tests/contract/test_vllm_metrics_contract.py``. Each replica owns its own
+:class:`~prometheus_client.CollectorRegistry`, so several can live in one process.
 """
 
 from __future__ import annotations

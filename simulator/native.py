@@ -1,25 +1,10 @@
-"""The engine-specific routes of the emulator: TGI's and SGLang's info endpoints and TGI's native API.
+"""The engine-specific routes of the emulator: TGI's and SGLang's info endpoints and native APIs.
 
-TGI (``--engine tgi``), from TGI's ``router/src/server.rs`` (recent, v3):
-
-* ``GET /info``: the ``Info`` struct (:func:`simulator.tgi.info_body`);
-* ``POST /``: the compat route, ``/generate`` or ``/generate_stream`` by the body's ``stream``;
-* ``POST /generate``: ``{"inputs", "parameters"}`` -> ``{"generated_text", "details"?}`` with the
-  ``x-compute-*``, ``x-*-time``, ``x-prompt-tokens``, ``x-generated-tokens`` headers;
-* ``POST /generate_stream``: SSE, one ``data: {"index","token","generated_text":null,"details":null}``
-  event per token, the last with ``generated_text`` (and ``details`` when asked for);
-* every generation route takes one of ``max_concurrent_requests`` permits first, with
-  ``try_acquire``: none free -> 429 ``{"error":"Model is overloaded","error_type":"overloaded"}``
-  (a stream, already answered 200, gets that body as its one event); validation errors are 422
-  ``{"error", "error_type":"validation"}``.
-
-SGLang (``--engine sglang``), from its ``entrypoints/http_server.py``: ``GET /get_server_info``
-(and its newer alias ``/server_info``), ``GET /get_model_info``, ``GET /health_generate``, and the
-native ``POST /generate``: ``{"text", "sampling_params": {"max_new_tokens", "ignore_eos"},
-"stream"}`` -> ``{"text", "meta_info": {"id", "finish_reason", "prompt_tokens",
-"completion_tokens", "cached_tokens"}}``; streamed, one ``data: {...}`` per engine step with the
-text so far (SGLang's default, non-incremental), then ``data: [DONE]``. ``finish_reason`` is
-``null`` until the end, then ``{"type": "length", "length": n}`` or ``{"type": "stop", ...}``.
+TGI (``--engine tgi``): ``GET /info``, ``POST /`` (compat), ``/generate`` and ``/generate_stream``,
+each behind ``max_concurrent_requests`` permits (none free: 429 ``overloaded``; validation: 422).
+SGLang (``--engine sglang``): ``/get_server_info`` (and ``/server_info``), ``/get_model_info``,
+``/health_generate`` and ``POST /generate``. Body shapes, sources and what was verified:
+docs/emulator.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Replica profiles: one GPU x model x engine configuration, loaded from ``config/profiles/*.yaml``.
 
-A profile holds everything the emulator needs to behave like one vLLM replica: the facts of the GPU
-and of the model (for the roofline terms of the cost model), the engine limits (vLLM's
-``SchedulerConfig`` / ``CacheConfig`` values), the measured per-layer timing table of the linear
-operators (from Vidur's profiling data, see ``tests/data/vidur/README.md``), and the distribution
-of output lengths used when a client does not fix them.
-
-Every model is frozen and rejects unknown keys, so a typo in a YAML file is an error, not a silent
-default. Units are in the field names (``_s`` seconds, ``_bytes`` bytes, ``_Bps`` bytes per second,
-``_flops`` FLOP per second, ``_ms`` milliseconds).
+A profile holds the GPU and model facts, the engine limits (vLLM's ``SchedulerConfig`` /
+``CacheConfig``), the measured per-layer linear timing table (Vidur) and the output-length
+distribution. Every model is frozen and rejects unknown keys. Units are in the field names
+(``_s`` seconds, ``_bytes`` bytes, ``_Bps`` bytes per second, ``_flops`` FLOP/s, ``_ms`` ms).
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """The HTTP face of an emulated replica: vLLM's OpenAI-compatible API over the emulated engine.
 
-``--engine tgi|sglang`` swaps what is engine-specific: ``/metrics`` (:mod:`simulator.tgi`,
-:mod:`simulator.sglang`), the info endpoints, TGI's native ``/generate`` routes and its overload
-refusal (:mod:`simulator.native`). The OpenAI routes below stay vLLM's for every engine.
-
-A client (the Sluice gateway, the ``openai`` SDK, a benchmark) should not be able to tell this
-server from ``vllm serve`` (0.32) by its API: same endpoints, same JSON and SSE shapes, same error
-bodies, same ``/metrics`` names. Only the model is fake: prompts are counted by a regex
-(:mod:`simulator.tokens`), the output is deterministic filler words, one per token, and each
-engine step takes the time the cost model says.
-
-Moving parts, all on one asyncio loop:
-
-* one engine task per replica (``simulator.replica.Replica``) steps the engine:
-  ``plan = engine.schedule(now)``; none -> wait for ``add_request``; else sleep
-  ``plan.duration_s``, ``engine.complete(plan, now)``, dispatch the token events to per-request
-  queues and observe the step into ``/metrics``;
-* each HTTP handler validates, adds its request to the engine and turns the token events it
-  receives into one JSON response or into SSE chunks (one chunk per engine step);
-* a client that goes away aborts its request in the engine within about one poll interval
-  (``simulator.replica.DISCONNECT_POLL_S``): a failed SSE write, the handler's cancellation
-  (``main`` runs aiohttp with ``handler_cancellation=True``) or, whatever the runner, a watcher
-  that polls each in-flight request's transport. Aborted requests finish with
-  ``finished_reason="abort"``, as in vLLM.
-
-Public entry points: :func:`build_app` (in-process tests, the replay) and :func:`main` (the
-``python -m simulator`` and ``sluice sim`` command line).
+A client should not be able to tell this server from ``vllm serve`` (0.32) by its API: same
+endpoints, JSON and SSE shapes, error bodies and ``/metrics`` names; only the model is fake.
+``--engine tgi|sglang`` swaps ``/metrics``, the info endpoints and the native routes
+(:mod:`simulator.native`); the OpenAI routes stay vLLM's. A client that goes away aborts its
+request within about ``simulator.replica.DISCONNECT_POLL_S``. Entry points: :func:`build_app`
+(in-process) and :func:`main` (``python -m simulator``, ``sluice sim``).
 """
 
 from __future__ import annotations

@@ -1,35 +1,11 @@
 """SGLang as the emulator shows it: ``/metrics`` and ``/get_server_info`` / ``/get_model_info``.
 
-The metric set, types, labels and buckets are those of the one real SGLang scrape in public, the
-docs example of ~v0.4 (``tests/data/metrics/sglang-v0.4-docs-production_metrics.txt``; checked by
-``tests/contract/test_engine_metrics_contract.py``): ``model_name`` is the only label; counters
-``prompt_tokens_total`` and ``generation_tokens_total``; gauges ``token_usage``,
-``cache_hit_rate``, ``num_running_reqs``, ``num_used_tokens``, ``gen_throughput``,
-``num_queue_reqs``; histograms ``time_to_first_token_seconds``, ``e2e_request_latency_seconds``
-and ``time_per_output_token_seconds`` (what became the ITL histogram, with another meaning:
-below). One family is added: ``max_total_num_tokens``, the KV pool's capacity, a startup constant
-SGLang has exported since 2024 (reference §3.2). ``func_latency_seconds`` (timings of decorated
-Python functions) is left out: the emulator has no such functions.
-
-Behaviour that matters to a scraper, as SGLang (reference §4):
-
-* token counters grow **when a request finishes**, by its whole prompt and output;
-* ``time_per_output_token_seconds`` is not an inter-token latency: ~v0.4's tokenizer manager
-  observes, on every output chunk after a request's first, the request's mean time per output
-  token so far (``(now - first_token_time) / (completion_tokens - 1)``), and when the request
-  finishes its end-to-end latency over its output tokens (``(now - created_time) /
-  completion_tokens``), in its ``handle_loop`` of the v0.3-v0.4 era. One chunk per token here
-  (``stream_interval`` 1, SGLang's default). Intervals per chunk came later, with
-  ``inter_token_latency_seconds``;
-* the scheduler gauges are set only in its ``log_stats``: on every step that prefills, and every
-  ``decode_log_interval`` (40) decode steps, so between those they hold old values;
-  ``gen_throughput`` is the decode tokens of the last interval over its duration, and
-  ``token_usage`` is rounded to two decimals as SGLang's ``log_stats`` does (``num_used_tokens`` is
-  exact);
-* no prefix cache is modelled: ``cache_hit_rate`` is 0.
-
-Overload: SGLang queues without limit by default (``--max-queued-requests`` is off, and its status
-code was not verified), so the emulator never refuses a request.
+Metric families, types, labels and buckets are those of the public ~v0.4 docs scrape
+(``tests/data/metrics/sglang-v0.4-docs-production_metrics.txt``, checked by
+``tests/contract/test_engine_metrics_contract.py``), plus ``max_total_num_tokens``. As in SGLang:
+token counters grow when a request finishes, ``time_per_output_token_seconds`` is a running mean
+per request (not an inter-token latency), scheduler gauges update only on prefill steps and every
+``decode_log_interval`` decode steps, and requests are never refused. Details: docs/emulator.md.
 """
 
 from __future__ import annotations

@@ -1,39 +1,9 @@
 """TGI (text-generation-inference) as the emulator shows it: ``/metrics``, ``/info``, native bodies.
 
-Facts from ``shared/reference/backend-metrics.md`` §2 (TGI's router source at ``db931fc``,
-v3.3.x) and TGI's own ``router/src/server.rs`` / ``lib.rs`` / ``validation.rs`` / ``docs/openapi.json``
-(read through the project's code search). Pure: no I/O; ``simulator.native`` serves it.
-
-``/metrics`` (``TgiMetrics``). TGI exports through the Rust ``metrics-exporter-prometheus`` crate,
-which prometheus_client cannot imitate (its counters always gain ``_total``), so the text is
-written here:
-
-* counters have no ``_total`` (``tgi_request_count 5``) and no model label;
-* a series exists only once recorded (the Rust ``metrics`` macros create it on first use), so
-  ``tgi_request_failure{err="overloaded"}`` appears with the first 429;
-* durations use 35 buckets ``0.0001 x 1.5^k``; token counts ``max / 100 x (1..100)``; batch sizes
-  1..1024;
-* only ``# TYPE`` lines (no ``# HELP``: TGI describes none of its metrics), families grouped
-  counters, gauges, histograms, each sorted by name; numbers as Rust prints them (``12``,
-  ``0.00015000000000000001``). Neither the grouping nor the formatting was checked against a real
-  scrape: none exists in public.
-
-What the emulator records and when, as TGI does: ``tgi_request_count`` for every generation
-request (the refused ones too), ``tgi_request_input_length`` / ``_max_new_tokens`` /
-``_validation_duration`` once validated, ``tgi_request_failure{err}`` for ``overloaded`` (429),
-``validation`` (422) and ``dropped`` (client gone), the request durations and
-``tgi_request_generated_tokens`` when a request succeeds, and per engine step
-``tgi_batch_inference_count{method}``, ``_success{method}``, ``tgi_batch_forward_duration{method}``
-and ``tgi_batch_inference_duration{method}`` (``method="prefill"`` when the step prefills,
-``"decode"`` otherwise) and ``tgi_batch_next_size`` (requests a prefill step starts). Gauges are
-read at scrape time: queue, batch size, the batch's token reservation and the KV capacity.
-
-Not emitted (nothing in the emulator to measure): ``tgi_batch_decode_duration``,
-``tgi_batch_filter_duration``, ``tgi_batch_concat_duration``, ``tgi_batch_concat``,
-``tgi_request_skipped_tokens`` (no speculation). ``forward`` durations are the cost model's step
-times; ``inference`` durations the whole step cycle as the emulator ran it (scheduled to its tokens
-dispatched: the forward plus the event loop's lateness and dispatch work, the counterpart of
-TGI's router overhead).
+Pure (no I/O; ``simulator.native`` serves it). ``TgiMetrics`` writes the exposition text itself,
+as TGI's Rust exporter does: counters without ``_total`` and without a model label, a series only
+once recorded, ``# TYPE`` lines only, TGI's buckets. Sources (``shared/reference/backend-metrics.md``
+§2, TGI's router v3), what is recorded when, and what is not emitted: docs/emulator.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""Deterministic token counting and fake generated text, with no tokenizer model.
+r"""Deterministic token counting and fake generated text, with no tokenizer model.
 
-The emulator must agree with itself, not with any real tokenizer: the same prompt always counts
-the same number of tokens, and every generated token is one fake word. Counts are chosen to be
-close to a BPE tokenizer's order of magnitude for English (one token per word or punctuation mark).
-
-Conventions (all counts in tokens):
-
-* A text is split by the regex ``\\w+|[^\\w\\s]``: each word and each punctuation mark is one
-  token. A completion prompt gets ``BOS_TOKENS`` more, as a Llama tokenizer adds ``<s>``.
-* A chat prompt is rendered through a notional template: ``BOS_TOKENS``, then per message
-  ``CHAT_TOKENS_PER_MESSAGE`` (role marker and separators) plus its text, then
-  ``CHAT_GENERATION_PROMPT_TOKENS`` for the assistant turn that the model continues.
-* A prompt given as token ids counts its ids exactly (no BOS added, as vLLM does for ids).
+The emulator must agree with itself, not with a real tokenizer. Each word and each punctuation
+mark (regex ``\w+|[^\w\s]``) is one token; a completion prompt adds ``BOS_TOKENS``; a chat prompt
+adds ``BOS_TOKENS``, ``CHAT_TOKENS_PER_MESSAGE`` per message and
+``CHAT_GENERATION_PROMPT_TOKENS``; token-id prompts count their ids exactly. Every generated token
+is one fake word.
 """
 
 from __future__ import annotations
