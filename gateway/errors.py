@@ -10,6 +10,13 @@ too, so every error a client sees has the body::
 
 No traceback ever reaches a client: anything unexpected becomes a generic 500 and is logged with
 its traceback. Every error is logged exactly once, with the request id (``log_error``).
+
+Refusals (a tenant's budget, admission, no replica, replicas that refused as overloaded, a
+shutdown) are ONE type, ``Refused``, carrying a ``RefusalReason`` and the ``RetryAfter`` that
+``gateway.admission.retry_after.retry_after`` computed. This module alone maps it to status, type,
+code (``_ANSWERS``), headers (``Retry-After``, ``retry-after-ms`` or ``x-should-retry: false``,
+OpenAI's ``x-ratelimit-*``, the ``x-sluice-*`` reason headers of a refusal no admission decision
+described) and body. ``docs/architecture.md`` tabulates reason -> status -> Retry-After rule.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any, ClassVar, Final
 
@@ -24,8 +32,11 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler, Middleware
 
-from gateway.admission.decision import Reject, RejectReason
-from gateway.admission.retry_after import RetryAfter
+from gateway.admission.config import AdmissionSettings
+from gateway.admission.decision import Reject
+from gateway.admission.headers import ADMISSION, CLASS, REASON
+from gateway.admission.retry_after import RefusalReason, RetryAfter
+from gateway.limits.base import BucketState, Reservation
 from gateway.observability.logs import REQUEST_ID
 
 log = logging.getLogger("sluice.errors")
@@ -45,7 +56,7 @@ class GatewayError(Exception):
     error_type: ClassVar[str] = "server_error"
     default_code: ClassVar[str | None] = None
     #: Level ``log_error`` logs it at; ``None``: INFO for 4xx, WARNING for 5xx.
-    log_level: ClassVar[int | None] = None
+    log_level: int | None = None
 
     def __init__(
         self,
@@ -149,110 +160,6 @@ class UpstreamError(GatewayError):
     default_code = "upstream_error"
 
 
-class NoHealthyReplica(GatewayError):
-    """503: no healthy replica serves the model right now; retry after ``retry_after_s`` seconds."""
-
-    status = 503
-    error_type = "service_unavailable_error"
-    default_code = "no_healthy_replica"
-
-    def __init__(self, message: str, *, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-    def headers(self) -> dict[str, str]:
-        return retry_after_headers(self.retry_after_s)
-
-
-class ReplicasSaturated(GatewayError):
-    """429: every replica that could serve the request answered its own overload refusal (TGI's
-    429 ``Model is overloaded``, a 503) moments ago. ``retry_after_s``: when the first of them is
-    expected to take requests again (seconds, jittered by the caller). Type and code
-    ``overloaded``, as admission's own load refusals."""
-
-    status = 429
-    error_type = "overloaded"
-    default_code = "overloaded"
-    log_level = logging.DEBUG
-
-    def __init__(self, message: str, *, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-    def headers(self) -> dict[str, str]:
-        return retry_after_headers(self.retry_after_s)
-
-
-class ServerShuttingDown(GatewayError):
-    """503: the gateway is stopping (draining after SIGTERM, or its grace ran out); retry, on
-    another gateway replica, after ``retry_after_s`` seconds."""
-
-    status = 503
-    error_type = "service_unavailable_error"
-    default_code = "server_shutting_down"
-
-    def __init__(
-        self, message: str = "Sluice is shutting down; retry shortly", *, retry_after_s: float = 1.0
-    ) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-    def headers(self) -> dict[str, str]:
-        return retry_after_headers(self.retry_after_s)
-
-
-class AdmissionRejected(GatewayError):
-    """429: admission refused the request because of load (``gateway.admission.Reject``).
-
-    ``type`` and ``code`` are the reason (``overloaded``, ``slo_unattainable``,
-    ``deadline_exceeded``). ``retry_after``: the forecast's jittered delay (``Retry-After`` in
-    integer seconds, RFC 9110, plus ``retry-after-ms``, at most 60 s); ``None`` means retrying
-    cannot help (the targets are out of reach even on an idle replica), said with
-    ``x-should-retry: false``, which the ``openai`` SDKs obey.
-    """
-
-    status = 429
-    error_type = "overloaded"
-    # Counted in metrics and in the access line; one log line per refusal would flood the log
-    # exactly when the gateway is busiest.
-    log_level = logging.DEBUG
-
-    def __init__(self, message: str, *, reason: str, retry_after: RetryAfter | None) -> None:
-        super().__init__(message, code=reason)
-        self.reason = reason
-        self.retry_after = retry_after
-
-    def body(self) -> dict[str, Any]:
-        body = super().body()
-        body["error"]["type"] = self.reason
-        return body
-
-    def body_bytes(self) -> bytes:
-        return error_json(self.message, self.reason, self.param, self.code)
-
-    @property
-    def retry_after_s(self) -> float | None:
-        """The delay sent, seconds; ``None`` when not retryable."""
-        return None if self.retry_after is None else self.retry_after.delay_s
-
-    def headers(self) -> dict[str, str]:
-        if self.retry_after is None:
-            return {SHOULD_RETRY: "false"}
-        return self.retry_after.headers()
-
-
-class PromptTooLarge(GatewayError):
-    """400: the prompt exceeds its class's ``max_prompt_tokens`` or every replica's context or KV
-    cache. Never retryable: no ``Retry-After``, and ``x-should-retry: false``."""
-
-    status = 400
-    error_type = "invalid_request_error"
-    default_code = "prompt_too_large"
-
-    def headers(self) -> dict[str, str]:
-        return {SHOULD_RETRY: "false"}
-
-
 class ClientClosedRequest(GatewayError):
     """499 (nginx's code): the client went away before its request was answered; nobody reads it."""
 
@@ -269,32 +176,161 @@ class InternalError(GatewayError):
     default_code = "internal_error"
 
 
-def admission_error(reject: Reject) -> GatewayError:
-    """The HTTP error for an enforced admission ``Reject``: 429 for load (``overloaded``,
+# -- refusals: the one map from a refusal to its answer ----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """How a refusal reason is answered: HTTP status, OpenAI ``type`` and ``code``."""
+
+    status: int
+    error_type: str
+    code: str
+
+
+_UNAVAILABLE: Final = "service_unavailable_error"
+#: Reason -> status, type, code. Load and budget refusals are 429 (the ``openai`` SDKs retry them
+#: after ``Retry-After``), a missing backend or a stopping gateway 503, an oversized prompt 400.
+_ANSWERS: Final[dict[RefusalReason, _Answer]] = {
+    RefusalReason.RATE_LIMITED: _Answer(429, "rate_limit_exceeded", "rate_limit_exceeded"),
+    RefusalReason.LIMITER_UNAVAILABLE: _Answer(503, _UNAVAILABLE, "rate_limit_unavailable"),
+    RefusalReason.OVERLOADED: _Answer(429, "overloaded", "overloaded"),
+    RefusalReason.SLO_UNATTAINABLE: _Answer(429, "slo_unattainable", "slo_unattainable"),
+    RefusalReason.DEADLINE_EXCEEDED: _Answer(429, "deadline_exceeded", "deadline_exceeded"),
+    RefusalReason.PROMPT_TOO_LARGE: _Answer(400, "invalid_request_error", "prompt_too_large"),
+    RefusalReason.NO_HEALTHY_REPLICA: _Answer(503, _UNAVAILABLE, "no_healthy_replica"),
+    RefusalReason.REPLICAS_SATURATED: _Answer(429, "overloaded", "overloaded"),
+    RefusalReason.SHUTTING_DOWN: _Answer(503, _UNAVAILABLE, "server_shutting_down"),
+}
+
+
+class Refused(GatewayError):
+    """Sluice refused the request; everything a client sees follows from ``reason``.
+
+    ``retry_after``: when to come back (``gateway.admission.retry_after.retry_after``); ``None``
+    means retrying cannot help, said with ``x-should-retry: false``, which the ``openai`` SDKs
+    obey. ``reservation``: a tenant's refused reservation, whose buckets give OpenAI's
+    ``x-ratelimit-*`` headers. Refusals answered 429 are logged at DEBUG: they are counted in
+    metrics and in the access line, and a line per refusal would flood the log exactly when the
+    gateway is busiest.
+    """
+
+    def __init__(
+        self,
+        reason: RefusalReason,
+        message: str,
+        *,
+        retry_after: RetryAfter | None,
+        param: str | None = None,
+        reservation: Reservation | None = None,
+    ) -> None:
+        answer = _ANSWERS[reason]
+        super().__init__(message, param=param, code=answer.code, status=answer.status)
+        self.reason = reason
+        self.retry_after = retry_after
+        self.reservation = reservation
+        self._error_type = answer.error_type
+        if answer.status == 429:
+            self.log_level = logging.DEBUG
+
+    @property
+    def retry_after_s(self) -> float | None:
+        """The delay sent, seconds; ``None`` when not retryable."""
+        return None if self.retry_after is None else self.retry_after.delay_s
+
+    def headers(self) -> dict[str, str]:
+        return refusal_headers(self.retry_after, self.reservation)
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        body["error"]["type"] = self._error_type
+        return body
+
+    def body_bytes(self) -> bytes:
+        return error_json(self.message, self._error_type, self.param, self.code)
+
+
+class AdmissionRejected(Refused):
+    """429: admission refused the request because of load (``reason``: ``overloaded``,
+    ``slo_unattainable``, ``deadline_exceeded``); type and code are the reason."""
+
+    def __init__(self, message: str, *, reason: str, retry_after: RetryAfter | None) -> None:
+        super().__init__(RefusalReason(reason), message, retry_after=retry_after)
+
+
+def admission_error(reject: Reject) -> Refused:
+    """The refusal for an enforced admission ``Reject``: 429 for load (``overloaded``,
     ``slo_unattainable``, ``deadline_exceeded``), 503 when no replica is healthy, 400 for
-    ``prompt_too_large``."""
-    reason = reject.reason
-    if reason == RejectReason.PROMPT_TOO_LARGE:
-        return PromptTooLarge(reject.message, param="messages")
-    if reason == RejectReason.NO_HEALTHY_REPLICA:
-        delay = reject.retry_after.delay_s if reject.retry_after is not None else 1.0
-        return NoHealthyReplica(reject.message, retry_after_s=delay)
+    ``prompt_too_large``; the reject's own ``retry_after`` (``None``: not retryable)."""
+    reason = RefusalReason(reject.reason.value)
+    if reason == RefusalReason.PROMPT_TOO_LARGE:
+        return Refused(reason, reject.message, retry_after=None, param="messages")
+    if reason == RefusalReason.NO_HEALTHY_REPLICA:
+        return Refused(reason, reject.message, retry_after=reject.retry_after)
     return AdmissionRejected(reject.message, reason=reason.value, retry_after=reject.retry_after)
 
 
-#: The longest ``Retry-After`` Sluice sends, seconds: the ``openai`` SDKs ignore a longer one (and
-#: fall back to their own short backoff, so the client would come back sooner, not later).
-MAX_RETRY_AFTER_S = 60.0
+def refusal_headers(retry: RetryAfter | None, reservation: Reservation | None = None) -> dict[str, str]:
+    """A refusal's headers: ``Retry-After`` (RFC 9110 delay-seconds, 1..60) and ``retry-after-ms``
+    (1..60,000) when it may be retried, else ``x-should-retry: false``; plus the tenant's
+    ``x-ratelimit-*`` when ``reservation`` is given (a bucket refilling later than 60 s keeps its
+    exact time there; a client told 60 s asks again then)."""
+    if retry is None:
+        headers = {SHOULD_RETRY: "false"}
+    else:
+        headers = {"Retry-After": str(retry.seconds), "retry-after-ms": str(retry.milliseconds)}
+    if reservation is not None:
+        headers.update(rate_limit_headers(reservation))
+    return headers
 
 
-def retry_after_headers(retry_after_s: float) -> dict[str, str]:
-    """``Retry-After`` (RFC 9110 delay-seconds: integer, rounded up, at least 1) and ``retry-after-ms``,
-    both at most ``MAX_RETRY_AFTER_S`` (a tenant's bucket may refill later than that: its
-    ``x-ratelimit-reset-*`` headers keep the exact time; a client told 60 s asks again then)."""
-    retry_after_s = min(retry_after_s, MAX_RETRY_AFTER_S)
-    seconds = max(1, math.ceil(retry_after_s))
-    millis = max(1, math.ceil(retry_after_s * 1000))
-    return {"Retry-After": str(seconds), "retry-after-ms": str(millis)}
+def refusal_reason_headers(
+    request_class: str, reason: RefusalReason, settings: AdmissionSettings
+) -> dict[str, str]:
+    """The ``x-sluice-*`` headers of a refusal no admission decision described (``reason``, e.g.
+    ``replicas_saturated``: every replica answered its own overload refusal): class, ``rejected``
+    and the reason, no prediction. Empty when ``admission.expose_prediction_headers`` is off."""
+    if not settings.expose_prediction_headers:
+        return {}
+    return {CLASS: request_class, ADMISSION: "rejected", REASON: reason.value}
+
+
+def go_duration(seconds: float) -> str:
+    """``seconds`` as OpenAI's ``x-ratelimit-reset-*`` values (Go's duration syntax), rounded up
+    to the millisecond: ``0s``, ``20ms``, ``1s``, ``1.5s``, ``6m0s``, ``1h2m3.5s``."""
+    millis = max(0, math.ceil(seconds * 1000.0 - 1e-6)) if math.isfinite(seconds) else 0
+    if millis == 0:
+        return "0s"
+    if millis < 1000:
+        return f"{millis}ms"
+    hours, rest = divmod(millis, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    secs = f"{rest // 1000}.{rest % 1000:03d}".rstrip("0").rstrip(".")
+    head = (f"{hours}h" if hours else "") + (f"{minutes}m" if hours or minutes else "")
+    return f"{head}{secs}s"
+
+
+def _bucket_headers(kind: str, state: BucketState) -> dict[str, str]:
+    return {
+        f"x-ratelimit-limit-{kind}": str(round(state.limit_per_minute)),
+        f"x-ratelimit-remaining-{kind}": str(max(0, math.floor(state.remaining))),
+        f"x-ratelimit-reset-{kind}": go_duration(state.reset_after_s),
+    }
+
+
+def rate_limit_headers(reservation: Reservation) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` for ``reservation``
+    (a refusal's, and an admitted response's: ``gateway.tenancy.add_rate_limit_headers``).
+
+    Limit: the budget per minute; remaining: whole units left (never negative); reset: time until
+    the bucket is full again. A budget that is unlimited has no headers.
+    """
+    headers: dict[str, str] = {}
+    if reservation.requests is not None:
+        headers.update(_bucket_headers("requests", reservation.requests))
+    if reservation.tokens is not None:
+        headers.update(_bucket_headers("tokens", reservation.tokens))
+    return headers
 
 
 def _json_string(value: str | None) -> str:
@@ -450,52 +486,6 @@ class Unauthenticated(GatewayError):
 
     def headers(self) -> dict[str, str]:
         return {"WWW-Authenticate": self.www_authenticate}
-
-
-class TenantRateLimited(GatewayError):
-    """429: the tenant's token, request or concurrency budget is spent (``type`` and ``code``
-    ``rate_limit_exceeded``).
-
-    ``retry_after_s``: seconds until the budgets hold this request again (``Retry-After`` in whole
-    seconds rounded up, ``retry-after-ms``); ``None`` sends neither but ``x-should-retry: false``
-    (the request can never fit). ``rate_limit_headers``: OpenAI's ``x-ratelimit-limit-*``,
-    ``-remaining-*``, ``-reset-*``.
-    """
-
-    status = 429
-    error_type = "rate_limit_exceeded"
-    default_code = "rate_limit_exceeded"
-    # Counted in metrics and in the access line, as admission's 429s: a tenant over its budget
-    # would otherwise write an extra INFO line per refusal exactly when it floods.
-    log_level = logging.DEBUG
-
-    def __init__(
-        self, message: str, *, retry_after_s: float | None, rate_limit_headers: dict[str, str]
-    ) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-        self.rate_limit_headers = dict(rate_limit_headers)
-
-    def headers(self) -> dict[str, str]:
-        if self.retry_after_s is None:
-            return {SHOULD_RETRY: "false", **self.rate_limit_headers}
-        return {**retry_after_headers(self.retry_after_s), **self.rate_limit_headers}
-
-
-class RateLimitStorageUnavailable(GatewayError):
-    """503: the shared budget store (Redis) is down and ``limits.on_storage_error`` is
-    ``fail_closed``; retry after ``retry_after_s`` seconds (the limiter's next probe)."""
-
-    status = 503
-    error_type = "service_unavailable_error"
-    default_code = "rate_limit_unavailable"
-
-    def __init__(self, message: str, *, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-    def headers(self) -> dict[str, str]:
-        return retry_after_headers(self.retry_after_s)
 
 
 #: The RFC 6750 challenge of a 401 from an admin route (``realm`` tells it from a tenant's 401).

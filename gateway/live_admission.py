@@ -66,23 +66,25 @@ from gateway.admission import (
     Reject,
     RejectReason,
     ReplicaView,
+    RetryAfter,
     RetryAfterPolicy,
     UniformSource,
     VirtualTokenCounter,
     choose_class,
     client_deadline_s,
     decision_headers,
-    refusal_headers,
 )
 from gateway.admission.fairness import TokenWeights
+from gateway.admission.retry_after import RefusalReason, retry_after
 from gateway.admission.views import TrackedStream
 from gateway.errors import (
     ClientClosedRequest,
     GatewayError,
     InvalidRequest,
     ModelNotFound,
-    ReplicasSaturated,
+    Refused,
     admission_error,
+    refusal_reason_headers,
 )
 from gateway.forecasts import (
     PREDICTION_HEADER,
@@ -368,8 +370,9 @@ class LiveAdmission:
         controller = self._controller(route)
         try:
             replicas = self._candidates(route)
-        except ReplicasSaturated:
-            mark_saturated(request, choice.name, settings)
+        except Refused as refused:
+            if refused.reason == RefusalReason.REPLICAS_SATURATED:
+                mark_saturated(request, choice.name, settings)
             raise
         now = self._clock()
         decision = controller.submit(areq, self._views_for(route, replicas, now), now)
@@ -624,16 +627,26 @@ class LiveAdmission:
             if rested:
                 return rested
             # All of them refused a request as overloaded moments ago (their own 429/503): come
-            # back when the first is expected to take requests again, jittered and within 60 s
-            # like every Retry-After admission sends (``RetryAfterPolicy``).
-            wait = min(r.saturated_until for r in healthy) - now
-            retry = RetryAfterPolicy(self._settings.retry_after, self._rng).after(wait)
-            raise ReplicasSaturated(
-                f"every replica serving `{model}` is overloaded right now", retry_after_s=retry.delay_s
-            )
+            # back when the first is expected to take requests again.
+            raise self.saturated(model, min(r.saturated_until for r in healthy) - now)
         if any(r.serves(model, engine) or r.models is None for r in replicas):
             return []  # admission answers 503 (no healthy replica)
         raise ModelNotFound(f"the model `{model}` does not exist", param="model")
+
+    def saturated(self, model: str, wait_s: float, *, placed: bool = False) -> Refused:
+        """The refusal for a request on ``model`` whose replicas refused as overloaded, the first
+        expected to take requests again in ``wait_s`` seconds (jittered: load-driven).
+
+        ``placed``: this request itself was refused by every replica it was placed on (the proxy
+        ran out of placements); otherwise every replica serving the model refused others moments
+        ago and it was not sent."""
+        reason = RefusalReason.REPLICAS_SATURATED
+        retry = retry_after(reason, wait_s, self._settings.retry_after, self._rng)
+        if placed:
+            message = f"the replicas serving `{model}` are overloaded right now"
+        else:
+            message = f"every replica serving `{model}` is overloaded right now"
+        return Refused(reason, message, retry_after=retry)
 
     def _candidates_or_none(self, model: str) -> list[Replica]:
         try:
@@ -786,7 +799,8 @@ class LiveAdmission:
         # A shadow decision that names no replica: the least-outstanding healthy one.
         candidates = self._candidates(model)
         if not candidates:
-            raise admission_error(_no_replica(decision))
+            retry = RetryAfterPolicy(self._settings.retry_after, self._rng).no_replica()
+            raise admission_error(_no_replica(decision, retry))
         return min(candidates, key=lambda r: r.outstanding)
 
     def _tenant_of(self, request: web.Request) -> Tenant | None:
@@ -801,15 +815,11 @@ ADMISSION = web.AppKey("admission", LiveAdmission)
 _ROUTE_SEP = "\x00"
 
 
-#: ``x-sluice-admission-reason`` of the 429 for a fleet whose replicas all refused as overloaded.
-SATURATED_REASON = "replicas_saturated"
-
-
 def mark_saturated(request: web.Request, request_class: str, settings: AdmissionSettings) -> None:
     """The response to ``request`` says admission refused it because every replica refused it
-    as overloaded (``SATURATED_REASON``), on top of the forecast of an earlier placement the
+    as overloaded (``replicas_saturated``), on top of the forecast of an earlier placement the
     replica refused, if any."""
-    refused = refusal_headers(request_class, SATURATED_REASON, settings)
+    refused = refusal_reason_headers(request_class, RefusalReason.REPLICAS_SATURATED, settings)
     request[PREDICTION_HEADERS] = {**request.get(PREDICTION_HEADERS, {}), **refused}
 
 
@@ -856,8 +866,8 @@ def _gone(request: web.BaseRequest) -> bool:
     return transport is None or transport.is_closing()
 
 
-def _no_replica(decision: Decision) -> Reject:
-    return Reject(RejectReason.NO_HEALTHY_REPLICA, None, decision.forecast, "no healthy replica")
+def _no_replica(decision: Decision, retry: RetryAfter) -> Reject:
+    return Reject(RejectReason.NO_HEALTHY_REPLICA, retry, decision.forecast, "no healthy replica")
 
 
 def _fallback_state(in_flight: Sequence[InFlight]) -> ReplicaState:

@@ -4,9 +4,8 @@ What it does:
 
 * asks admission (``gateway.live_admission``) where the request goes: the replica with the
   most slack that meets its targets, after a wait in Sluice's queue if need be, or a typed
-  rejection (429 / 503 / 400 from ``gateway.errors``); without admission, the least-outstanding
-  healthy replica (``ReplicaRegistry.pick``). It holds a lease on that replica until the response
-  or stream has fully ended;
+  refusal (``gateway.errors.Refused``: 429 / 503 / 400). It holds a lease on that replica until
+  the response or stream has fully ended;
 * streams SSE events to the client as they arrive, one write per event, never buffering the body;
   a streaming request always asks the replica for usage, and the extra usage chunk is removed
   again when the client did not ask for it;
@@ -41,12 +40,10 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from gateway.admission.retry_after import UNMEASURED_WAIT_S, RefusalReason, retry_after
 from gateway.errors import (
     GatewayError,
-    ModelNotFound,
-    NoHealthyReplica,
-    ReplicasSaturated,
-    ServerShuttingDown,
+    Refused,
     UpstreamError,
     log_error,
     sse_error_event,
@@ -71,7 +68,7 @@ from gateway.openai_api import (
     upstream_path,
     usage_of,
 )
-from gateway.replicas.registry import LiveRequest, NoReplica, Replica, ReplicaRegistry
+from gateway.replicas.registry import LiveRequest, Replica, ReplicaRegistry
 from gateway.settings import Settings
 from gateway.sse import DONE, Event, EventSplitter
 from gateway.store import SettingsStore
@@ -135,8 +132,6 @@ CLIENT_CLOSED_REQUEST = 499
 _MAX_ERROR_BODY = 1024 * 1024
 #: Replicas one request may be placed on when they refuse it as overloaded (the first included).
 MAX_PLACEMENTS = 3
-#: Seconds an overloaded replica is left alone when it sent no Retry-After.
-OVERLOAD_BACK_OFF_S = 1.0
 #: Replica statuses that mean "overloaded, try elsewhere" (TGI: 429 past max_concurrent_requests).
 _OVERLOAD_STATUSES = frozenset({429, 503})
 
@@ -224,7 +219,8 @@ class _Exchange:
 class _ReplicaOverloaded(Exception):
     """A replica refused the request as overloaded before the client saw anything: place it again.
 
-    ``back_off_s``: how long to leave the replica alone (its Retry-After, else a default).
+    ``back_off_s``: how long to leave the replica alone (its Retry-After, else
+    ``UNMEASURED_WAIT_S``); Sluice's own refusal, when no placement is left, is computed from it.
     """
 
     def __init__(self, back_off_s: float, why: str) -> None:
@@ -245,8 +241,8 @@ class Proxy:
         disconnects: DisconnectMonitor,
         listeners: list[OutcomeListener] | None = None,
         on_replica_failure: Callable[[], None] | None = None,
+        admission: LiveAdmission,
         predictions: LivePredictions | None = None,
-        admission: LiveAdmission | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
@@ -274,7 +270,7 @@ class Proxy:
         ticket: Ticket | None = None
         try:
             if self.draining:
-                raise ServerShuttingDown()
+                raise _shutting_down("Sluice is shutting down; retry shortly")
             parsed = await read_request(request, endpoint, settings.server.max_body_bytes)
             outcome.model, outcome.stream = parsed.model, parsed.stream
         except GatewayError as err:
@@ -285,15 +281,9 @@ class Proxy:
         # placed again: on another replica, or refused with Sluice's own 429 and Retry-After.
         for attempt in itertools.count():
             try:
-                if self._admission is not None:
-                    ticket = await self._admission.admit(
-                        request, parsed, outcome, watch=self._disconnects.watch
-                    )
-                    replica = ticket.replica
-                    admitted = self._with_overhead(request, replica, outcome, ticket)
-                else:
-                    replica = self._pick(parsed.model, settings, parsed.engine)
-                    admitted = self._admit(request, replica, parsed)
+                ticket = await self._admission.admit(request, parsed, outcome, watch=self._disconnects.watch)
+                replica = ticket.replica
+                admitted = self._with_overhead(request, replica, outcome, ticket)
             except GatewayError as err:
                 # Refused before dispatch (unknown model, admission): still an outcome.
                 self._refused(outcome, err)
@@ -310,10 +300,12 @@ class Proxy:
                 if not exchange.may_retry:
                     # Out of placements: Sluice's own 429, never the replica's raw refusal.
                     exchange.overloaded = False
-                    if ticket is not None:  # admitted, then refused by every replica it tried
-                        mark_saturated(request, outcome.request_class or "", settings.admission)
-                    raise _saturated(outcome, parsed.model, over.back_off_s) from None
-                if ticket is not None and self._admission is not None:
+                    # Admitted, then refused by every replica it tried.
+                    mark_saturated(request, outcome.request_class or "", settings.admission)
+                    raise _saturated(
+                        outcome, self._admission.saturated(parsed.model, over.back_off_s, placed=True)
+                    ) from None
+                if ticket is not None:
                     self._admission.finished(ticket, outcome)
                 ticket = None
                 outcome.replica = outcome.dispatched_at = None
@@ -327,7 +319,7 @@ class Proxy:
                         self._registry.report_success(replica)
                     outcome.finished_at = self._clock()
                     outcome.tokens_streamed = live.tokens_streamed
-                    if ticket is not None and self._admission is not None:
+                    if ticket is not None:
                         self._admission.finished(ticket, outcome)
                     if self._predictions is not None:
                         self._predictions.finished(parsed, outcome, admitted)
@@ -338,16 +330,6 @@ class Proxy:
         outcome.status, outcome.error = err.status, err.code
         outcome.finished_at = self._clock()
         self._notify(outcome)
-
-    def _admit(self, request: web.Request, replica: Replica, parsed: ParsedRequest) -> Admitted:
-        """The request's in-flight entry; with predictions, also its forecast and headers."""
-        request_id = request[REQUEST_ID]
-        if self._predictions is None:
-            prompt = parsed.prompt_token_ids or max(parsed.prompt_chars // 4, 1)
-            return Admitted(LiveRequest(request_id, prompt, self._clock(), parsed.max_tokens), None, {})
-        admitted = self._predictions.admit(replica, parsed, request_id)
-        request[PREDICTION_HEADERS] = admitted.headers
-        return admitted
 
     def _with_overhead(
         self, request: web.Request, replica: Replica, outcome: RequestOutcome, ticket: Ticket
@@ -369,22 +351,6 @@ class Proxy:
                 headers = {**headers, PREDICTED_TTFT_HEADER: ttft_header_value(forecast.ttft_s)}
                 request[PREDICTION_HEADERS] = headers
         return Admitted(ticket.live, forecast, headers)
-
-    def _pick(self, model: str, settings: Settings, engine: str | None) -> Replica:
-        picked = self._registry.pick(model, engine=engine, now=self._clock())
-        if picked is NoReplica.UNKNOWN_MODEL:
-            raise ModelNotFound(f"the model `{model}` does not exist", param="model")
-        if picked is NoReplica.SATURATED:
-            raise ReplicasSaturated(
-                f"every replica serving `{model}` is overloaded right now", retry_after_s=OVERLOAD_BACK_OFF_S
-            )
-        if picked is NoReplica.NONE_HEALTHY:
-            raise NoHealthyReplica(
-                f"no healthy replica serves the model `{model}` right now",
-                retry_after_s=settings.health.interval_s,
-            )
-        assert isinstance(picked, Replica)
-        return picked
 
     def _notify(self, outcome: RequestOutcome) -> None:
         for listener in self.listeners:
@@ -484,7 +450,7 @@ class Proxy:
                     first = await self._first_events(ex, upstream, splitter)
                     if first and _is_overload_event(first[0]):
                         ex.overloaded = True
-                        raise _ReplicaOverloaded(OVERLOAD_BACK_OFF_S, "refused a stream: Model is overloaded")
+                        raise _ReplicaOverloaded(UNMEASURED_WAIT_S, "refused a stream: Model is overloaded")
                 ex.response = web.StreamResponse(status=upstream.status, headers=_relayed(upstream.headers))
                 return await self._relay_stream(ex, upstream, ex.response, splitter, first)
             return await self._relay_body(ex, upstream)
@@ -569,7 +535,7 @@ class Proxy:
         """The replica's own overload refusal, read and turned into a signal to place again."""
         body = await self._read_upstream(ex, upstream, _MAX_ERROR_BODY)
         ex.overloaded = True
-        back_off = _retry_after_s(upstream.headers.get("Retry-After")) or OVERLOAD_BACK_OFF_S
+        back_off = _retry_after_s(upstream.headers.get("Retry-After")) or UNMEASURED_WAIT_S
         detail = _error_message(body) or upstream.reason or ""
         return _ReplicaOverloaded(back_off, f"answered {upstream.status}: {detail}".strip())
 
@@ -814,18 +780,21 @@ async def _write(ex: _Exchange, response: web.StreamResponse, data: bytes) -> No
 # freed when its handler returns (``tests/integration/gateway/test_no_request_cycles.py``).
 
 
-def _saturated(outcome: RequestOutcome, model: str, back_off_s: float) -> ReplicasSaturated:
-    """Every placement refused as overloaded: Sluice's 429, recorded on ``outcome``."""
-    err = ReplicasSaturated(
-        f"the replicas serving `{model}` are overloaded right now", retry_after_s=back_off_s
-    )
-    outcome.status, outcome.error = err.status, err.code
+def _saturated(outcome: RequestOutcome, err: Refused) -> Refused:
+    """Every placement refused as overloaded: Sluice's 429 (``err``), recorded on ``outcome``."""
+    outcome.status, outcome.error, outcome.retry_after_s = err.status, err.code, err.retry_after_s
     return err
 
 
-def _stopped_error(outcome: RequestOutcome) -> ServerShuttingDown:
+def _shutting_down(message: str) -> Refused:
+    """The 503 of a gateway that is stopping: retry, on another gateway replica, after a second."""
+    reason = RefusalReason.SHUTTING_DOWN
+    return Refused(reason, message, retry_after=retry_after(reason, UNMEASURED_WAIT_S))
+
+
+def _stopped_error(outcome: RequestOutcome) -> Refused:
     """An exchange ``stop_all`` ended: its 503 (or a stream's error event), recorded on ``outcome``."""
-    err = ServerShuttingDown("Sluice is shutting down and ended this request; retry it")
+    err = _shutting_down("Sluice is shutting down and ended this request; retry it")
     outcome.error = err.code
     return err
 
@@ -926,7 +895,8 @@ def _is_overload_event(event: Event) -> bool:
 
 
 def _retry_after_s(value: str | None) -> float | None:
-    """A replica's ``Retry-After`` in seconds (delay-seconds form only, capped at 60 s), or ``None``."""
+    """A replica's own ``Retry-After`` in seconds (delay-seconds form only, capped at 60 s), or
+    ``None``: how long the registry leaves it alone, and the wait Sluice's refusal starts from."""
     if value is None:
         return None
     try:

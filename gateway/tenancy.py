@@ -15,7 +15,7 @@ What it does
        tokens, one request and one concurrency slot. Prompt tokens are estimated from the prompt's
        characters (``PredictionService.estimate_prompt_tokens``; exact for token-id prompts), the
        output is the prediction service's output-length estimate capped by ``max_tokens``. A
-       rejection is a 429 (``TenantRateLimited``: exact ``Retry-After``, OpenAI's
+       rejection is a 429 (``Refused``, ``rate_limit_exceeded``: exact ``Retry-After``, OpenAI's
        ``x-ratelimit-*`` headers); a tenant known to be over its limit is answered from the
        limiter's in-process over-limit cache. Storage down under ``fail_closed`` is a 503;
     3. runs the handler, and in its ``finally`` starts the settle, EXACTLY ONCE, with the real
@@ -70,15 +70,16 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from gateway.admission.fairness import TokenWeights
+from gateway.admission.retry_after import UNMEASURED_WAIT_S, RefusalReason, retry_after
 from gateway.errors import (
     GatewayError,
-    RateLimitStorageUnavailable,
-    TenantRateLimited,
+    Refused,
     Unauthenticated,
+    go_duration,
+    rate_limit_headers,
 )
 from gateway.keys import OUTCOME_LISTENERS, PREDICTION_SERVICE, STORE, OutcomeListener
 from gateway.limits.base import (
-    BucketState,
     Limiter,
     LimiterStats,
     LimiterUnavailable,
@@ -437,43 +438,6 @@ def is_unlimited(limits: TenantLimits) -> bool:
 # -- headers and messages ----------------------------------------------------------------------------
 
 
-def go_duration(seconds: float) -> str:
-    """``seconds`` as OpenAI's ``x-ratelimit-reset-*`` values (Go's duration syntax), rounded up
-    to the millisecond: ``0s``, ``20ms``, ``1s``, ``1.5s``, ``6m0s``, ``1h2m3.5s``."""
-    millis = max(0, math.ceil(seconds * 1000.0 - 1e-6)) if math.isfinite(seconds) else 0
-    if millis == 0:
-        return "0s"
-    if millis < 1000:
-        return f"{millis}ms"
-    hours, rest = divmod(millis, 3_600_000)
-    minutes, rest = divmod(rest, 60_000)
-    secs = f"{rest // 1000}.{rest % 1000:03d}".rstrip("0").rstrip(".")
-    head = (f"{hours}h" if hours else "") + (f"{minutes}m" if hours or minutes else "")
-    return f"{head}{secs}s"
-
-
-def _bucket_headers(kind: str, state: BucketState) -> dict[str, str]:
-    return {
-        f"x-ratelimit-limit-{kind}": str(round(state.limit_per_minute)),
-        f"x-ratelimit-remaining-{kind}": str(max(0, math.floor(state.remaining))),
-        f"x-ratelimit-reset-{kind}": go_duration(state.reset_after_s),
-    }
-
-
-def rate_limit_headers(reservation: Reservation) -> dict[str, str]:
-    """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` for ``reservation``.
-
-    Limit: the budget per minute; remaining: whole units left (never negative); reset: time until
-    the bucket is full again. A budget that is unlimited has no headers.
-    """
-    headers: dict[str, str] = {}
-    if reservation.requests is not None:
-        headers.update(_bucket_headers("requests", reservation.requests))
-    if reservation.tokens is not None:
-        headers.update(_bucket_headers("tokens", reservation.tokens))
-    return headers
-
-
 def rejection_message(reservation: Reservation) -> str:
     """The 429 message: which budget, what the request needs, when to retry (never a key)."""
     name = reservation.tenant
@@ -499,24 +463,17 @@ def rejection_message(reservation: Reservation) -> str:
     return f"Rate limit reached for tenant {name} on {what}.{when}"
 
 
-#: Retry-After when only a concurrency slot is missing: one frees when a request ends, time unknown.
-CONCURRENCY_RETRY_AFTER_S: Final = 1.0
-
-
-def rejection_error(reservation: Reservation) -> TenantRateLimited:
-    """The 429 for a rejected reservation (no ``Retry-After`` when it can never fit)."""
-    retry: float | None
+def rejection_error(reservation: Reservation) -> Refused:
+    """The 429 for a rejected reservation: the limiter's exact wait (``retry_after``, no jitter);
+    the unmeasured wait when only a concurrency slot is missing (one frees when a request ends,
+    time unknown); not retryable when the request can never fit."""
+    reason = RefusalReason.RATE_LIMITED
     if reservation.oversize:
         retry = None
-    elif reservation.retry_after_s is None:
-        retry = CONCURRENCY_RETRY_AFTER_S
     else:
-        retry = reservation.retry_after_s
-    return TenantRateLimited(
-        rejection_message(reservation),
-        retry_after_s=retry,
-        rate_limit_headers=rate_limit_headers(reservation),
-    )
+        wait = reservation.retry_after_s
+        retry = retry_after(reason, UNMEASURED_WAIT_S if wait is None else wait)
+    return Refused(reason, rejection_message(reservation), retry_after=retry, reservation=reservation)
 
 
 def auth_error(err: AuthError) -> Unauthenticated:
@@ -705,9 +662,10 @@ class Tenancy:
             )
         except LimiterUnavailable as exc:
             outcome.reason = "limiter_unavailable"
-            retry = outcome.retry_after_s = settings.limits.retry_backoff_s
+            retry = retry_after(RefusalReason.LIMITER_UNAVAILABLE, settings.limits.retry_backoff_s)
+            outcome.retry_after_s = retry.delay_s
             raise self._refused(
-                outcome, RateLimitStorageUnavailable(f"{exc}; retry later", retry_after_s=retry)
+                outcome, Refused(RefusalReason.LIMITER_UNAVAILABLE, f"{exc}; retry later", retry_after=retry)
             ) from None
         if self.metrics is not None:
             self.metrics.observe_reservation(reservation)

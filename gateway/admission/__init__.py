@@ -30,10 +30,16 @@ from gateway.admission.decision import (
     make_admitter,
 )
 from gateway.admission.fairness import TenantKey, TokenWeights, VirtualTokenCounter
-from gateway.admission.headers import decision_headers, refusal_headers
+from gateway.admission.headers import decision_headers
 from gateway.admission.queue import AdmissionQueue, QueueEntry, Reevaluation
 from gateway.admission.request import AdmissionRequest
-from gateway.admission.retry_after import RetryAfter, RetryAfterPolicy, UniformSource
+from gateway.admission.retry_after import (
+    RefusalReason,
+    RetryAfter,
+    RetryAfterPolicy,
+    UniformSource,
+    retry_after,
+)
 from gateway.admission.shares import ClassLoad, StreamingRequest
 from gateway.admission.stats import AdmissionStats, Outcome
 from gateway.admission.views import ReplicaView
@@ -60,6 +66,7 @@ __all__ = [
     "QueueEntry",
     "QueueSettings",
     "Reevaluation",
+    "RefusalReason",
     "Reject",
     "RejectReason",
     "ReplicaView",
@@ -78,5 +85,5 @@ __all__ = [
     "client_deadline_s",
     "decision_headers",
     "make_admitter",
-    "refusal_headers",
+    "retry_after",
 ]

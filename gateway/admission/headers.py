@@ -1,7 +1,7 @@
 """The prediction headers every response carries (``admission.expose_prediction_headers``).
 
-Plain ``dict[str, str]`` so the HTTP layer can merge them into any response; Retry-After headers
-come from ``Reject.retry_after.headers()`` (only the error module sets them).
+Plain ``dict[str, str]`` so the HTTP layer can merge them into any response. A refusal's own
+headers (Retry-After, the reason of a refusal no decision described) are ``gateway.errors``'s.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ __all__ = [
     "PREDICTED_TTFT_MS",
     "REASON",
     "decision_headers",
-    "refusal_headers",
 ]
 
 CLASS: Final = "x-sluice-class"
@@ -53,12 +52,3 @@ def decision_headers(decision: Decision, request_class: str, settings: Admission
         headers[PREDICTED_TTFT_MS] = f"{f.ttft_s * 1e3:.1f}"
         headers[PREDICTED_TPOT_MS] = f"{f.tpot_s * 1e3:.2f}"
     return headers
-
-
-def refusal_headers(request_class: str, reason: str, settings: AdmissionSettings) -> dict[str, str]:
-    """Headers for a refusal no admission decision made (``reason``, e.g. ``replicas_saturated``:
-    every replica answered its own overload refusal): class, ``rejected`` and the reason, no
-    prediction. Empty when the setting is off."""
-    if not settings.expose_prediction_headers:
-        return {}
-    return {CLASS: request_class, ADMISSION: "rejected", REASON: reason}

@@ -11,21 +11,79 @@ would free up first:
   ``decode_drain_s``.
 * **Streams, shares**: until the blocking streams finish (``shares.ClassLoad`` waits).
 
-The delay sent is drawn uniformly from ``[d, d x (1 + jitter)]`` (never earlier than the forecast,
-since an earlier retry would be rejected again) with ``d`` clamped to ``[min_s, max_s / (1 +
-jitter)]``, so it never exceeds ``max_s`` (<= 60 s) and clients rejected together still spread.
+``retry_after(reason, wait_s, ...)`` is the ONE function that turns a wait into the delay a client
+is told, for every refusal (``RefusalReason``):
+
+* **load-driven** reasons (admission's ``overloaded``, ``slo_unattainable``, ``deadline_exceeded``,
+  ``no_healthy_replica``, and ``replicas_saturated``: every replica refused as overloaded) are
+  jittered: the delay is drawn uniformly from ``[d, d x (1 + jitter)]`` (never earlier than the
+  wait, since an earlier retry would be refused again) with ``d`` clamped to ``[min_s, max_s / (1
+  + jitter)]``, so it never exceeds ``max_s`` (<= 60 s) and clients refused together spread;
+* **exact** reasons (a tenant's budget: the token bucket's refill; the budget store's next probe;
+  a gateway shutting down) are not: the delay is the wait itself, at most 60 s. A client told to
+  come back earlier than the bucket holds its request would only be refused again, and the
+  clients of one tenant are not a crowd to spread (each waits for its own refill).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Final, Protocol
 
-from gateway.admission.config import RetryAfterSettings
+from gateway.admission.config import RETRY_AFTER_CAP_S, RetryAfterSettings
 from predictor import ReplicaState, StepModel
 
-__all__ = ["RetryAfter", "RetryAfterPolicy", "UniformSource", "decode_drain_s", "ttft_excess_s"]
+__all__ = [
+    "UNMEASURED_WAIT_S",
+    "RefusalReason",
+    "RetryAfter",
+    "RetryAfterPolicy",
+    "UniformSource",
+    "decode_drain_s",
+    "retry_after",
+    "ttft_excess_s",
+]
+
+
+class RefusalReason(StrEnum):
+    """Why Sluice refused a request, every refusal it answers. Bounded: safe as a metric label.
+
+    The values are the OpenAI error ``code`` sent (``replicas_saturated`` is sent as code
+    ``overloaded``; it is the ``x-sluice-admission-reason``). ``gateway.errors`` maps each to its
+    status, type and headers; ``retry_after`` to its delay.
+    """
+
+    #: The tenant's token, request or concurrency budget is spent (429).
+    RATE_LIMITED = "rate_limit_exceeded"
+    #: The shared budget store is down and the limiter fails closed (503).
+    LIMITER_UNAVAILABLE = "rate_limit_unavailable"
+    #: Admission: the replicas' load blocks it (429).
+    OVERLOADED = "overloaded"
+    #: Admission: its targets are out of reach on every replica (429).
+    SLO_UNATTAINABLE = "slo_unattainable"
+    #: Admission: its deadline passed, or will, before a replica could start it (429).
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    #: The prompt exceeds its class's limit or every replica's context (400, never retryable).
+    PROMPT_TOO_LARGE = "prompt_too_large"
+    #: No healthy replica serves the model (503).
+    NO_HEALTHY_REPLICA = "no_healthy_replica"
+    #: Every replica that could serve it refused as overloaded moments ago (their own 429/503).
+    REPLICAS_SATURATED = "replicas_saturated"
+    #: The gateway is draining or its shutdown grace ran out (503).
+    SHUTTING_DOWN = "server_shutting_down"
+
+
+#: Reasons whose wait is exact (no jitter): a token bucket's refill, the store's next probe, a
+#: shutdown. Every other reason is load-driven and jittered.
+EXACT_REASONS: Final = frozenset(
+    {RefusalReason.RATE_LIMITED, RefusalReason.LIMITER_UNAVAILABLE, RefusalReason.SHUTTING_DOWN}
+)
+#: The wait used where nothing measured one, seconds: a concurrency slot (it frees when some
+#: request ends), a replica's overload refusal without a Retry-After, a gateway shutting down.
+UNMEASURED_WAIT_S: Final = 1.0
+_DEFAULT_SETTINGS: Final = RetryAfterSettings()
 
 _EULER: Final = 0.5772156649015329
 #: Remaining output per running request assumed when the state does not say (tokens); the
@@ -46,7 +104,8 @@ class RetryAfter:
     ``delay_s``: the jittered delay, seconds, in ``[min_s, max_s]``. ``seconds``: the ``Retry-After``
     value (RFC 9110 delay-seconds: ``ceil(delay_s)``, >= 1). ``milliseconds``: the
     ``retry-after-ms`` value (``ceil(delay_s x 1000)``, >= 1), which the ``openai`` SDKs prefer.
-    ``base_s``: the drain time predicted from the forecast, before clamping and jitter.
+    ``base_s``: the wait it was computed from (``retry_after``'s ``wait_s``), before clamping and
+    jitter. Its headers are ``gateway.errors``'s to write.
     """
 
     delay_s: float
@@ -54,13 +113,9 @@ class RetryAfter:
     milliseconds: int
     base_s: float
 
-    def headers(self) -> dict[str, str]:
-        """``{"Retry-After": ..., "retry-after-ms": ...}``."""
-        return {"Retry-After": str(self.seconds), "retry-after-ms": str(self.milliseconds)}
-
 
 class RetryAfterPolicy:
-    """Turns predicted drain times into jittered ``RetryAfter`` values (one seeded source)."""
+    """Admission's Retry-After: ``retry_after`` for a load-driven refusal with one seeded source."""
 
     def __init__(self, settings: RetryAfterSettings, rng: UniformSource) -> None:
         self._settings = settings
@@ -72,21 +127,47 @@ class RetryAfterPolicy:
 
     def after(self, base_s: float) -> RetryAfter:
         """A ``RetryAfter`` for a predicted drain of ``base_s`` seconds (``inf``/NaN: the cap)."""
-        s = self._settings
-        spread = 1.0 + s.jitter_fraction
-        low = s.max_s / spread
-        d = low if not math.isfinite(base_s) else min(max(base_s, s.min_s), low)
-        delay = min(s.max_s, max(s.min_s, d * (1.0 + s.jitter_fraction * float(self._rng.random()))))
-        return RetryAfter(
-            delay_s=delay,
-            seconds=max(1, math.ceil(delay)),
-            milliseconds=max(1, math.ceil(delay * 1000.0)),
-            base_s=base_s,
-        )
+        return retry_after(RefusalReason.OVERLOADED, base_s, self._settings, self._rng)
 
     def no_replica(self) -> RetryAfter:
         """The delay suggested when no replica is healthy (``no_replica_s``, jittered)."""
-        return self.after(self._settings.no_replica_s)
+        return retry_after(
+            RefusalReason.NO_HEALTHY_REPLICA, self._settings.no_replica_s, self._settings, self._rng
+        )
+
+
+def retry_after(
+    reason: RefusalReason,
+    wait_s: float,
+    settings: RetryAfterSettings = _DEFAULT_SETTINGS,
+    rng: UniformSource | None = None,
+) -> RetryAfter:
+    """When a client refused for ``reason`` should come back, ``wait_s`` seconds being the wait
+    that was predicted or measured: the forecast's drain time, a replica's own ``Retry-After``,
+    the limiter's exact refill wait, ``UNMEASURED_WAIT_S`` when nothing measured it (``inf``/NaN:
+    unknown, the cap).
+
+    Load-driven reasons: jittered in ``[d, d x (1 + settings.jitter_fraction)]``, ``d`` the wait
+    clamped to ``[settings.min_s, settings.max_s / (1 + jitter)]``; one draw from ``rng`` (required:
+    ``ValueError`` without one). ``EXACT_REASONS``: the wait itself (>= 0), at most 60 s, no draw
+    (``settings`` and ``rng`` unused). Either way ``seconds`` is in 1..60 and ``milliseconds`` in 1..60,000.
+    """
+    if reason in EXACT_REASONS:
+        delay = min(max(wait_s, 0.0), RETRY_AFTER_CAP_S) if not math.isnan(wait_s) else RETRY_AFTER_CAP_S
+    else:
+        if rng is None:
+            raise ValueError(f"a jittered Retry-After ({reason.value}) needs a uniform source")
+        spread = 1.0 + settings.jitter_fraction
+        low = settings.max_s / spread
+        d = low if not math.isfinite(wait_s) else min(max(wait_s, settings.min_s), low)
+        drawn = d * (1.0 + settings.jitter_fraction * float(rng.random()))
+        delay = min(settings.max_s, max(settings.min_s, drawn))
+    return RetryAfter(
+        delay_s=delay,
+        seconds=max(1, math.ceil(delay)),
+        milliseconds=max(1, math.ceil(delay * 1000.0)),
+        base_s=wait_s,
+    )
 
 
 def ttft_excess_s(predicted_ttft_s: float, budget_s: float) -> float:

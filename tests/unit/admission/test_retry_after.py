@@ -11,7 +11,7 @@ import pytest
 
 from gateway.admission import RetryAfterPolicy, RetryAfterSettings
 from gateway.admission.retry_after import decode_drain_s, ttft_excess_s
-from gateway.errors import retry_after_headers
+from gateway.errors import refusal_headers
 from tests.unit.admission.fleet import MODEL, state
 
 DEFAULT = RetryAfterSettings()
@@ -50,7 +50,7 @@ def test_integer_seconds_and_milliseconds(delay: float) -> None:
     assert r.delay_s == pytest.approx(delay)
     assert r.seconds == max(1, math.ceil(delay))
     assert r.milliseconds == max(1, math.ceil(delay * 1000))
-    assert r.headers() == retry_after_headers(r.delay_s)  # the same rounding as the error module
+    assert refusal_headers(r) == {"Retry-After": str(r.seconds), "retry-after-ms": str(r.milliseconds)}
 
 
 def test_same_seed_same_delays_and_different_seeds_differ() -> None:

@@ -33,7 +33,8 @@ from gateway.admission import (
     RetryAfterSettings,
     ShadowSettings,
 )
-from gateway.errors import SHOULD_RETRY, AdmissionRejected, PromptTooLarge, admission_error, error_response
+from gateway.admission.retry_after import RefusalReason
+from gateway.errors import SHOULD_RETRY, AdmissionRejected, admission_error, error_response
 from gateway.keys import HEALTH, REGISTRY, SCRAPER
 from gateway.live_admission import ADMISSION
 from gateway.observability.logs import RequestOutcome
@@ -131,7 +132,9 @@ def test_the_rejection_types_carry_what_the_outcome_records() -> None:
     err = admission_error(_reject(RejectReason.OVERLOADED, 1.5))
     assert isinstance(err, AdmissionRejected)
     assert err.retry_after_s == pytest.approx(1.5)
-    assert isinstance(admission_error(_reject(RejectReason.PROMPT_TOO_LARGE, None)), PromptTooLarge)
+    assert (
+        admission_error(_reject(RejectReason.PROMPT_TOO_LARGE, None)).reason == RefusalReason.PROMPT_TOO_LARGE
+    )
 
 
 # -- the handler paths --------------------------------------------------------------------------------

@@ -10,17 +10,14 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.admission.retry_after import RetryAfter
+from gateway.admission.retry_after import RefusalReason, RetryAfter
 from gateway.errors import (
     AdmissionRejected,
     BodyTooLarge,
     GatewayError,
     InvalidRequest,
     MethodNotAllowed,
-    NoHealthyReplica,
-    PromptTooLarge,
-    ReplicasSaturated,
-    TenantRateLimited,
+    Refused,
     Unauthenticated,
     error_response,
     sse_error_event,
@@ -39,10 +36,11 @@ def errors_saying(message: str, param: str | None) -> list[GatewayError]:
         InvalidRequest(message, param=param, code=message),
         BodyTooLarge(message),
         MethodNotAllowed(message, allowed=frozenset({"GET"})),
-        NoHealthyReplica(message, retry_after_s=2.0),
-        PromptTooLarge(message, param="messages"),
-        ReplicasSaturated(message, retry_after_s=0.5),
-        TenantRateLimited(message, retry_after_s=None, rate_limit_headers={}),
+        Refused(RefusalReason.NO_HEALTHY_REPLICA, message, retry_after=RETRY),
+        Refused(RefusalReason.PROMPT_TOO_LARGE, message, retry_after=None, param="messages"),
+        Refused(RefusalReason.REPLICAS_SATURATED, message, retry_after=RETRY),
+        Refused(RefusalReason.RATE_LIMITED, message, retry_after=None),
+        Refused(RefusalReason.SHUTTING_DOWN, message, retry_after=RETRY),
         Unauthenticated(message, www_authenticate="Bearer", code="invalid_api_key"),
     ]
 

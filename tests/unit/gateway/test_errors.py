@@ -10,6 +10,7 @@ import gzip
 import json
 import logging
 import math
+import random
 import zlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,13 +19,14 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
+from gateway.admission.retry_after import RefusalReason, retry_after
 from gateway.errors import (
     BodyTooLarge,
     GatewayError,
     InvalidRequest,
-    NoHealthyReplica,
+    Refused,
     error_response,
-    retry_after_headers,
+    refusal_headers,
     sse_error_event,
 )
 from gateway.keys import REGISTRY
@@ -59,7 +61,9 @@ def assert_error_body(body: dict[str, Any], *, error_type: str, code: str | None
     ],
 )
 def test_retry_after_headers(retry_after_s: float, header: str, millis: str) -> None:
-    assert retry_after_headers(retry_after_s) == {"Retry-After": header, "retry-after-ms": millis}
+    """An exact wait (a tenant's bucket) as headers: whole seconds rounded up, at most 60."""
+    retry = retry_after(RefusalReason.RATE_LIMITED, retry_after_s)
+    assert refusal_headers(retry) == {"Retry-After": header, "retry-after-ms": millis}
 
 
 @pytest.mark.parametrize(
@@ -68,7 +72,14 @@ def test_retry_after_headers(retry_after_s: float, header: str, millis: str) -> 
         pytest.param(InvalidRequest("bad", param="model"), 400, "invalid_request_error", id="invalid"),
         pytest.param(BodyTooLarge("big"), 413, "invalid_request_error", id="too-large"),
         pytest.param(
-            NoHealthyReplica("none", retry_after_s=1.0), 503, "service_unavailable_error", id="no-replica"
+            Refused(
+                RefusalReason.NO_HEALTHY_REPLICA,
+                "none",
+                retry_after=retry_after(RefusalReason.NO_HEALTHY_REPLICA, 1.0, rng=random.Random(0)),
+            ),
+            503,
+            "service_unavailable_error",
+            id="no-replica",
         ),
     ],
 )
