@@ -74,14 +74,14 @@ from bench.predictor_accuracy import (
     pct,
     verdict,
 )
-from gateway.prediction import PredictionService
-from replay.forecasts import (
+from replay import (
+    EmulatedReplica,
     ReplayConfig,
     TraceRequest,
-    _Replay,
     fit_to_model_len,
     load_azure_trace,
     measure_capacity,
+    run_replay,
 )
 from simulator.engine import Engine, FinishedRequestStats, StepPlan
 from simulator.profile import Profile, load_profile
@@ -159,24 +159,19 @@ def best_ape_forecast(values: Sequence[float]) -> float:
     return ys[-1]
 
 
-class _Recording(_Replay):
-    """The replay, copying the engine at the chosen arrivals (one replica: ``replicas[0]``)."""
+@dataclass(slots=True)
+class DispatchRecorder:
+    """Copies the engine (with its step in progress) right after each chosen arrival joined it;
+    ``run_replay``'s ``on_dispatch`` observer (one replica per cell)."""
 
-    def __init__(self, config: ReplayConfig, service: PredictionService, chosen: set[int]) -> None:
-        super().__init__(config, service)
-        self.chosen = chosen
-        self.snapshots: list[_Snapshot] = []
+    chosen: set[int]
+    snapshots: list[_Snapshot]
 
-    def arrive(self, index: int, req: TraceRequest) -> None:
-        super().arrive(index, req)
+    def __call__(self, index: int, replica: EmulatedReplica, now: float) -> None:
         if index not in self.chosen:
             return
-        replica = self.replicas[0]
-        end = math.inf
-        if replica.plan is not None:
-            end = min(at for at, kind, _, payload in self.heap if kind == 0 and payload == 0)
         engine, plan = copy.deepcopy((replica.engine, replica.plan))
-        self.snapshots.append(_Snapshot(index, self.now, engine, plan, end))
+        self.snapshots.append(_Snapshot(index, now, engine, plan, replica.plan_end_s))
 
 
 def _run_future(
@@ -249,15 +244,14 @@ def bound_cell(
     step = max(1, len(scored) // samples)
     chosen = set(scored[::step][:samples])
     config = ReplayConfig(profile=profile, facts=FACTS[profile_name], replicas=1, seed=seed)
-    replay = _Recording(config, PredictionService(output_quantile=config.output_quantile), chosen)
-    replay.finish_count = finish
-    result = replay.run(requests, finish)
+    recorder = DispatchRecorder(chosen, [])
+    result = run_replay(requests, config, finish=finish, on_dispatch=recorder)
     outcome = {r.index: r for r in result.records}
     outputs = sorted(r.output_tokens for r in trace)
     rng = np.random.default_rng(seed + 1)
     recent = recent_load(requests)
     bounds: list[Bound] = []
-    for snap in replay.snapshots:
+    for snap in recorder.snapshots:
         record = outcome.get(snap.index)
         if record is None or not record.forecast.valid:
             continue

@@ -31,7 +31,7 @@ import numpy as np
 from gateway.prediction import PredictionService, ReplicaFacts
 from gateway.replicas.snapshot import InFlight
 from predictor import Forecast
-from replay.forecasts import (
+from replay import (
     ReplayConfig,
     TraceRequest,
     at_rate,

@@ -1,45 +1,27 @@
-"""Virtual-time replay of a gateway policy in front of a fleet of emulated vLLM engines.
+"""Score admission policies: replay a trace through a gateway policy (``replay.policies``) on the
+one virtual-time loop (``replay.loop``) and report every request's outcome.
 
-``replay.forecasts`` replays a trace to score forecasts; this module replays it to score **admission
-policies**: every request reaches a gateway policy first, which sends it to a replica at once,
-holds it in its own queue, or refuses it. One event loop over a heap of (virtual time, event):
-
-* **step done**: an engine step ends (``Engine.complete``); its tokens land (the gateway's
-  in-flight view advances, as the streaming relay sees each chunk), finished requests are
-  recorded and the policy is told (``on_finished``); the engine starts its next step at once;
-* **scrape** (only for policies that own a ``PredictionService``): every ``scrape_interval_s``
-  each engine's ``/metrics`` text is rendered by ``simulator.metrics.VllmMetrics`` and goes
-  through ``SnapshotBuilder.observe_text`` and ``PredictionService.on_snapshot``, as in the live
-  gateway; then the policy is told (``on_scrape``);
-* **arrival**: the policy decides (``on_arrival``), calling ``Fleet.dispatch`` or
-  ``Fleet.reject`` now or later;
-* **wake-up**: the policy's own timer (``next_wakeup``), e.g. a queue deadline.
-
-Per request the replay records the gateway's view of its outcome: TTFT from its arrival at the
-gateway (so gateway queueing counts), the engine's TPOT, and the **engine busy time attributed to
-it**: each step's duration is split over the requests scheduled in it in proportion to the tokens
-each had computed in that step (prefill chunk tokens, or 1 for a decode), so the whole busy time
-of every engine is attributed, recomputation after a preemption included.
-
-The policies themselves live in ``replay.policies``; Sluice's is the real
-``AdmissionController`` (``gateway.admission``) driven exactly as ``gateway.live_admission``
-drives it, on the virtual clock.
+``replay.forecasts`` runs the same loop to score forecasts instead.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import IntEnum
-from typing import Protocol
 
-from gateway.prediction import PredictionService, ReplicaFacts
-from gateway.replicas.snapshot import InFlight
-from replay.forecasts import EmulatedReplica, ReplayConfig, TraceRequest, make_replica
-from simulator.engine import FinishedRequestStats
-from simulator.profile import Profile
+from replay.loop import (
+    Fleet,
+    FleetConfig,
+    GatewayPolicy,
+    GatewayRequest,
+    Outcome,
+    ReplicaHandle,
+    Targets,
+    VirtualTimeLoop,
+    gateway_requests,
+)
+from replay.traces import TraceRequest
 
 __all__ = [
     "Fleet",
@@ -55,299 +37,6 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True)
-class Targets:
-    """The latency targets a request is scored against, in seconds.
-
-    ``ttft_s`` counts from the request's arrival at the gateway (queue wait included); ``tpot_s``
-    is the mean time per output token after the first, as vLLM measures it.
-    """
-
-    ttft_s: float
-    tpot_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class GatewayRequest:
-    """A request as a gateway sees it on arrival (never its true output length).
-
-    ``arrival_s``: virtual seconds. ``max_tokens``: the client's output cap (tokens).
-    ``tenant``: who sent it (the trace's, or assigned round robin).
-    """
-
-    index: int
-    tenant: str
-    arrival_s: float
-    prompt_tokens: int
-    max_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """What happened to one request, from the gateway's side. Times in virtual seconds.
-
-    ``rejected``: refused by the gateway (at once or after waiting in its queue), with ``reason``.
-    ``finished_s`` is ``None`` for a request still running (or waiting in the engine) when the
-    replay stopped. ``busy_s``: engine busy time attributed to it (see the module docstring).
-    ``tpot_s``: the engine's mean time per output token after the first (``None`` below two
-    tokens).
-    """
-
-    index: int
-    tenant: str
-    arrival_s: float
-    prompt_tokens: int
-    output_tokens: int
-    rejected: bool
-    reason: str
-    replica: str | None
-    dispatched_s: float | None
-    first_token_s: float | None
-    finished_s: float | None
-    tpot_s: float | None
-    busy_s: float
-    preemptions: int
-
-    @property
-    def ttft_s(self) -> float | None:
-        """Arrival at the gateway -> first token, seconds (``None`` without a first token)."""
-        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
-
-    @property
-    def served(self) -> bool:
-        """Sent to a replica (finished or not)."""
-        return not self.rejected and self.dispatched_s is not None
-
-    def met(self, targets: Targets) -> bool:
-        """Finished with TTFT <= target and TPOT <= target (a one-token answer has no TPOT)."""
-        ttft = self.ttft_s
-        if self.rejected or self.finished_s is None or ttft is None or ttft > targets.ttft_s:
-            return False
-        return self.tpot_s is None or self.tpot_s <= targets.tpot_s
-
-
-@dataclass(frozen=True, slots=True)
-class FleetConfig:
-    """The fleet: ``replicas`` engines of ``profile`` (ground truth), ``facts`` for predictors.
-
-    ``max_tokens``: the clients' output cap (lowered to ``max_model_len - prompt``).
-    ``tenants``: tenants the requests are assigned to, round robin by arrival order.
-    ``jitter``: engines' step-time noise; engine ``i`` is seeded ``seed + i``.
-    """
-
-    profile: Profile
-    facts: ReplicaFacts
-    replicas: int = 2
-    max_tokens: int = 1000
-    scrape_interval_s: float = 1.0
-    jitter: float = 0.02
-    seed: int = 0
-    tenants: int = 4
-
-    def __post_init__(self) -> None:
-        if self.replicas < 1 or self.max_tokens < 1 or self.tenants < 1:
-            raise ValueError("replicas, max_tokens and tenants must be >= 1")
-        if self.scrape_interval_s <= 0:
-            raise ValueError("scrape_interval_s must be > 0")
-
-
-class GatewayPolicy(Protocol):
-    """A gateway's admission and routing, driven by the replay's virtual clock.
-
-    ``prediction_service``: a service the replay must feed with scrapes (``None``: no scrapes).
-    The policy decides through the ``Fleet`` it was bound to: ``dispatch`` and ``reject``.
-    """
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def prediction_service(self) -> PredictionService | None: ...
-
-    def bind(self, fleet: Fleet) -> None:
-        """Called once before the first event."""
-        ...
-
-    def on_arrival(self, request: GatewayRequest, now: float) -> None:
-        """A request arrives: dispatch, queue or reject it."""
-        ...
-
-    def on_finished(
-        self, replica: int, request: GatewayRequest, stats: FinishedRequestStats, now: float
-    ) -> None:
-        """A dispatched request's last token landed (its replica's bookkeeping is already updated)."""
-        ...
-
-    def on_scrape(self, now: float) -> None:
-        """The prediction service just took a snapshot of every replica."""
-        ...
-
-    def next_wakeup(self, now: float) -> float | None:
-        """When the policy wants ``on_wakeup`` next (virtual seconds), or ``None``."""
-        ...
-
-    def on_wakeup(self, now: float) -> None:
-        """Its timer fired."""
-        ...
-
-
-@dataclass(slots=True)
-class _Open:
-    """A request dispatched and not finished: the gateway's streaming view of it."""
-
-    request: GatewayRequest
-    dispatched_s: float
-    streamed: int = 0
-    first_token_s: float | None = None
-    last_token_s: float | None = None
-
-    def view(self) -> InFlight:
-        r = self.request
-        return InFlight(
-            str(r.index),
-            r.prompt_tokens,
-            self.streamed,
-            self.dispatched_s,
-            r.max_tokens,
-            self.last_token_s,
-            self.first_token_s,
-        )
-
-
-@dataclass(slots=True)
-class ReplicaHandle:
-    """One replica as a policy may inspect it: its engine (read only!) and the gateway's requests."""
-
-    index: int
-    name: str
-    inner: EmulatedReplica
-    open: dict[int, _Open] = field(default_factory=dict)
-
-    @property
-    def outstanding(self) -> int:
-        """The gateway's requests sent here and not finished."""
-        return len(self.open)
-
-    @property
-    def num_waiting(self) -> int:
-        """The engine's waiting queue now (what ``vllm:num_requests_waiting`` reports)."""
-        return self.inner.engine.num_waiting
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """The engine's KV-cache use now, 0-1 (``vllm:kv_cache_usage_perc``)."""
-        return self.inner.engine.kv_cache_usage
-
-    def in_flight(self) -> list[InFlight]:
-        """The gateway's in-flight requests here, as the live registry's ``freeze`` gives them."""
-        return [o.view() for o in self.open.values()]
-
-    def first_token_s(self, index: int) -> float | None:
-        """When request ``index`` (in flight here) got its first token, or ``None``."""
-        o = self.open.get(index)
-        return None if o is None else o.first_token_s
-
-
-@dataclass(slots=True)
-class _Record:
-    request: GatewayRequest
-    output_tokens: int
-    replica: str | None = None
-    dispatched_s: float | None = None
-    first_token_s: float | None = None
-    finished_s: float | None = None
-    tpot_s: float | None = None
-    rejected: bool = False
-    reason: str = ""
-    busy_s: float = 0.0
-    preemptions: int = 0
-
-    def outcome(self) -> Outcome:
-        r = self.request
-        return Outcome(
-            r.index,
-            r.tenant,
-            r.arrival_s,
-            r.prompt_tokens,
-            self.output_tokens,
-            self.rejected,
-            self.reason,
-            self.replica,
-            self.dispatched_s,
-            self.first_token_s,
-            self.finished_s,
-            self.tpot_s,
-            self.busy_s,
-            self.preemptions,
-        )
-
-
-class _Event(IntEnum):
-    """At one instant lower values go first: tokens land before anything reads the state."""
-
-    STEP_DONE = 0
-    SCRAPE = 1
-    WAKE = 2
-    ARRIVAL = 3
-
-
-class Fleet:
-    """The replicas and the two actions a policy takes: ``dispatch`` and ``reject``."""
-
-    def __init__(self, config: FleetConfig, records: dict[int, _Record], loop: _Loop) -> None:
-        self.config = config
-        self.model = config.profile.served_model_name
-        rc = ReplayConfig(profile=config.profile, facts=config.facts, jitter=config.jitter)
-        self.replicas = [
-            ReplicaHandle(i, f"r{i}", make_replica(f"r{i}", rc, config.seed + i))
-            for i in range(config.replicas)
-        ]
-        self._records = records
-        self._loop = loop
-        self._round_robin = 0
-
-    def index_of(self, name: str) -> int:
-        """The index of the replica called ``name``."""
-        for r in self.replicas:
-            if r.name == name:
-                return r.index
-        raise KeyError(name)
-
-    def least_outstanding(self, candidates: Sequence[int] | None = None) -> int:
-        """The candidate (default: every replica) with the fewest outstanding requests; ties round
-        robin, as ``gateway.replicas.registry`` picks."""
-        pool = list(range(len(self.replicas))) if candidates is None else list(candidates)
-        if not pool:
-            raise ValueError("no candidate replica")
-        least = min(self.replicas[k].outstanding for k in pool)
-        tied = [k for k in pool if self.replicas[k].outstanding == least]
-        chosen = tied[self._round_robin % len(tied)]
-        self._round_robin += 1
-        return chosen
-
-    def dispatch(self, request: GatewayRequest, replica: int, now: float) -> None:
-        """Send ``request`` to replica ``replica`` now (the engine queues it at once)."""
-        record = self._records[request.index]
-        if record.dispatched_s is not None or record.rejected:
-            raise RuntimeError(f"request {request.index} was already decided")
-        handle = self.replicas[replica]
-        record.dispatched_s, record.replica = now, handle.name
-        engine = handle.inner.engine
-        engine.add_request(
-            str(request.index), request.prompt_tokens, request.max_tokens, record.output_tokens, now
-        )
-        handle.open[request.index] = _Open(request, now)
-        if handle.inner.plan is None and replica != self._loop.completing:
-            self._loop.start_step(replica)
-
-    def reject(self, request: GatewayRequest, now: float, reason: str) -> None:
-        """Refuse ``request`` (a 429 or a queue timeout); ``reason`` is recorded."""
-        record = self._records[request.index]
-        if record.dispatched_s is not None or record.rejected:
-            raise RuntimeError(f"request {request.index} was already decided")
-        record.rejected, record.reason, record.finished_s = True, reason, now
-
-
-@dataclass(frozen=True, slots=True)
 class GatewayReplayResult:
     """Every request's outcome in arrival order, and the replay's length and work."""
 
@@ -357,142 +46,6 @@ class GatewayReplayResult:
     busy_s: float
     policy: str
     describe: dict[str, object] = field(default_factory=dict)
-
-
-class _Loop:
-    def __init__(self, config: FleetConfig, policy: GatewayPolicy) -> None:
-        self.config = config
-        self.policy = policy
-        self.records: dict[int, _Record] = {}
-        self.fleet = Fleet(config, self.records, self)
-        self.heap: list[tuple[float, int, int, int]] = []
-        self.seq = 0
-        self.now = 0.0
-        self.steps = 0
-        self.busy_s = 0.0
-        self.wake_at = math.inf
-        self.wake_gen = 0
-        #: The replica whose step is being completed (its next step starts once that is done).
-        self.completing = -1
-        service = policy.prediction_service
-        if service is not None:
-            for r in self.fleet.replicas:
-                service.set_replica(r.name, config.facts)
-
-    def push(self, at: float, kind: _Event, payload: int) -> None:
-        heapq.heappush(self.heap, (at, int(kind), self.seq, payload))
-        self.seq += 1
-
-    def start_step(self, k: int) -> None:
-        inner = self.fleet.replicas[k].inner
-        plan = inner.engine.schedule(self.now)
-        inner.plan = plan
-        if plan is not None:
-            self.push(self.now + plan.duration_s, _Event.STEP_DONE, k)
-
-    def step_done(self, k: int) -> None:
-        handle = self.fleet.replicas[k]
-        inner = handle.inner
-        plan = inner.plan
-        assert plan is not None
-        result = inner.engine.complete(plan, self.now)
-        inner.plan = None
-        self.completing = k
-        self.steps += 1
-        self.busy_s += plan.duration_s
-        total = sum(plan.num_scheduled_tokens.values())
-        if total > 0:
-            for rid, tokens in plan.num_scheduled_tokens.items():
-                self.records[int(rid)].busy_s += plan.duration_s * tokens / total
-        if self.policy.prediction_service is not None:
-            inner.metrics.record_step(result)
-        for event in result.events:
-            o = handle.open[int(event.request_id)]
-            o.streamed, o.last_token_s = event.num_output_tokens, self.now
-            if o.first_token_s is None:
-                o.first_token_s = self.now
-        for stats in result.finished:
-            index = int(stats.request_id)
-            o = handle.open.pop(index)
-            record = self.records[index]
-            record.first_token_s = o.first_token_s
-            record.finished_s = self.now
-            record.tpot_s = stats.tpot_s
-            record.output_tokens = stats.generation_tokens
-            record.preemptions = stats.num_preemptions
-            self.policy.on_finished(k, o.request, stats, self.now)
-        self.completing = -1
-        self.start_step(k)
-
-    def scrape(self) -> None:
-        service = self.policy.prediction_service
-        assert service is not None
-        for handle in self.fleet.replicas:
-            inner = handle.inner
-            text = inner.metrics.exposition().decode("utf-8")
-            snapshot = inner.builder.observe_text(text, self.now, handle.in_flight())
-            service.on_snapshot(snapshot)
-        self.policy.on_scrape(self.now)
-
-    def arm(self) -> None:
-        """Ask the policy for its next wake-up; push it if it is earlier than the armed one."""
-        when = self.policy.next_wakeup(self.now)
-        if when is None:
-            self.wake_at = math.inf
-            return
-        when = max(when, self.now)
-        if when < self.wake_at:
-            self.wake_at = when
-            self.wake_gen += 1
-            self.push(when, _Event.WAKE, self.wake_gen)
-
-    def unresolved(self, index: int, ttft_s: float) -> bool:
-        """Whether request ``index``'s outcome may still change (not finished, not rejected, and
-        not already past its TTFT target without a first token)."""
-        record = self.records[index]
-        if record.rejected or record.finished_s is not None:
-            return False
-        if record.dispatched_s is not None:
-            handle = self.fleet.replicas[self.fleet.index_of(record.replica or "")]
-            first = handle.first_token_s(index)
-            if first is not None:
-                return True
-        return self.now <= record.request.arrival_s + ttft_s
-
-    def run(
-        self, requests: Sequence[GatewayRequest], outputs: Sequence[int], scored: range, ttft_s: float
-    ) -> None:
-        for req, out in zip(requests, outputs, strict=True):
-            self.records[req.index] = _Record(req, out)
-            self.push(req.arrival_s, _Event.ARRIVAL, req.index)
-        by_index = {r.index: r for r in requests}
-        if requests and self.policy.prediction_service is not None:
-            self.push(requests[0].arrival_s + self.config.scrape_interval_s, _Event.SCRAPE, 0)
-        self.policy.bind(self.fleet)
-        pending = set(scored)
-        last_scored = max((by_index[i].arrival_s for i in scored), default=0.0)
-        checked_at = -math.inf
-        while self.heap:
-            at, kind, _, payload = heapq.heappop(self.heap)
-            self.now = at
-            if kind == _Event.ARRIVAL:
-                self.policy.on_arrival(by_index[payload], at)
-            elif kind == _Event.STEP_DONE:
-                self.step_done(payload)
-            elif kind == _Event.SCRAPE:
-                self.scrape()
-                self.push(at + self.config.scrape_interval_s, _Event.SCRAPE, 0)
-            else:
-                if payload != self.wake_gen:
-                    continue  # superseded by an earlier wake-up
-                self.wake_at = math.inf
-                self.policy.on_wakeup(at)
-            self.arm()
-            if at > last_scored and at - checked_at >= 0.25:
-                checked_at = at
-                pending = {i for i in pending if self.unresolved(i, ttft_s)}
-                if not pending:
-                    break
 
 
 def run_gateway_replay(
@@ -511,28 +64,28 @@ def run_gateway_replay(
     ``None``). Arrivals after the scored span keep the load up meanwhile. Deterministic for a
     given input, config and policy.
     """
-    limit = config.profile.engine.max_model_len
-    requests: list[GatewayRequest] = []
-    outputs: list[int] = []
-    for i, t in enumerate(trace):
-        if t.prompt_tokens + t.output_tokens > limit:
-            raise ValueError(f"request {i} does not fit max_model_len {limit}: use fit_to_model_len")
-        max_tokens = max(t.output_tokens, min(config.max_tokens, limit - t.prompt_tokens))
-        tenant = f"t{i % config.tenants}"
-        requests.append(GatewayRequest(i, tenant, t.arrival_s, t.prompt_tokens, max_tokens))
-        outputs.append(t.output_tokens)
+    requests = gateway_requests(trace, config)
     first, last = scored if scored is not None else (-math.inf, math.inf)
-    scored_range = [r.index for r in requests if first <= r.arrival_s < last]
-    loop = _Loop(config, policy)
-    loop.run(requests, outputs, range(0) if not scored_range else _as_range(scored_range), targets.ttft_s)
-    outcomes = tuple(loop.records[r.index].outcome() for r in requests)
-    describe = {}
+    inside = [r.index for r in requests if first <= r.arrival_s < last]
+    # In arrival order the scored requests are contiguous: the first to the last inside the span.
+    scored_indices = range(inside[0], inside[-1] + 1) if inside else range(0)
+    loop = VirtualTimeLoop(config, policy)
+    pending = set(scored_indices)
+    last_scored = max((requests[i].arrival_s for i in scored_indices), default=0.0)
+    checked_at = -math.inf
+
+    def decided() -> bool:
+        """Every scored request decided; checked every 0.25 virtual s after the last one arrived."""
+        nonlocal pending, checked_at
+        at = loop.now
+        if at > last_scored and at - checked_at >= 0.25:
+            checked_at = at
+            pending = {i for i in pending if loop.unresolved(i, targets.ttft_s)}
+            return not pending
+        return False
+
+    loop.run(requests, [t.output_tokens for t in trace], decided)
+    outcomes = tuple(loop.outcome(r.index) for r in requests)
     service = policy.prediction_service
-    if service is not None:
-        describe = service.describe()
+    describe = service.describe() if service is not None else {}
     return GatewayReplayResult(outcomes, loop.now, loop.steps, loop.busy_s, policy.name, describe)
-
-
-def _as_range(indices: list[int]) -> range:
-    """Arrival-ordered scored indices are contiguous."""
-    return range(indices[0], indices[-1] + 1)

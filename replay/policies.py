@@ -1,4 +1,4 @@
-"""Gateway policies for ``replay.admission``: four peers' baselines and Sluice itself.
+"""Gateway policies for the replay (``replay.admission``): four peers' baselines and Sluice itself.
 
 Every class implements ``GatewayPolicy``; each baseline has one knob (the goodput bench tunes it):
 
@@ -43,7 +43,7 @@ from gateway.admission.shares import decode_elapsed_s
 from gateway.live_admission import MAX_TICK_S, MIN_TICK_S, expected_output, replica_inputs
 from gateway.prediction import PredictionConfig, PredictionService
 from predictor import Forecast
-from replay.admission import Fleet, GatewayRequest
+from replay.loop import Fleet, GatewayRequest
 from simulator.engine import FinishedRequestStats
 
 __all__ = [
@@ -352,9 +352,15 @@ class SluicePolicy(_Base):
         else:
             self._conclude(request, areq, decision, now)
 
+    def on_decision(self, request: GatewayRequest, decision: Decision, now: float) -> None:
+        """Told of every final decision (admit or refuse) before it is carried out; a hook for
+        observers (the goodput bench records forecasts here). Does nothing by default."""
+        return None
+
     def _conclude(
         self, request: GatewayRequest, areq: AdmissionRequest, decision: Decision, now: float
     ) -> None:
+        self.on_decision(request, decision, now)
         fleet = self.fleet
         if not decision.admits:
             assert isinstance(decision, Reject)

@@ -41,7 +41,7 @@ from bench.goodput.core import (
     trace_requests,
 )
 from bench.predictor_accuracy import TPOT_MEDIAN, TPOT_P90, TTFT_MEDIAN, TTFT_P90, ErrorStats, pct, verdict
-from replay.forecasts import measure_capacity
+from replay import measure_capacity
 from simulator.profile import load_profile
 
 #: (label, overrides): ``class.<key>`` changes the interactive class, other keys the section.

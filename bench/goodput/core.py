@@ -4,7 +4,7 @@
 emulated vLLM engines (``simulator.engine``); Sluice's policy is the real ``AdmissionController``
 and ``PredictionService`` driven as the live gateway drives them. For each trace the bench
 
-1. measures one replica's capacity for the trace's length mix (``replay.forecasts.measure_capacity``);
+1. measures one replica's capacity for the trace's length mix (``replay.measure_capacity``);
 2. tunes each baseline's one knob for its best goodput at 1x load (a small grid, reported), and
    replays the same grids at 2x, where Sluice is compared with the best baseline;
 3. replays every policy at 0.5x, 1x, 1.5x, 2x and 3x the fleet's capacity, and a spike
@@ -46,23 +46,21 @@ from bench.goodput.metrics import (
     score,
 )
 from bench.verdicts import Status, Verdict, judge, missing
-from gateway.admission import AdmissionRequest, AdmissionSettings, ClassSettings, Decision, ReplicaView
+from gateway.admission import AdmissionSettings, ClassSettings, Decision, ReplicaView
 from gateway.prediction import ReplicaFacts
-from replay.admission import (
+from replay import (
     FleetConfig,
     GatewayPolicy,
     GatewayRequest,
     Outcome,
     Targets,
-    run_gateway_replay,
-)
-from replay.forecasts import (
     TraceRequest,
     fit_to_model_len,
     load_azure_trace,
     load_mooncake_trace,
     measure_capacity,
     piecewise_rate,
+    run_gateway_replay,
 )
 from replay.policies import (
     ConcurrencyCap,
@@ -271,9 +269,7 @@ class ForecastRecorder(SluicePolicy):
         self._view_stale = {v.name: v.stale for v in out}
         return out
 
-    def _conclude(
-        self, request: GatewayRequest, areq: AdmissionRequest, decision: Decision, now: float
-    ) -> None:
+    def on_decision(self, request: GatewayRequest, decision: Decision, now: float) -> None:
         forecast = decision.forecast
         if decision.admits and forecast is not None and decision.replica is not None:
             stale = self._view_stale.get(decision.replica, False)
@@ -281,7 +277,6 @@ class ForecastRecorder(SluicePolicy):
             self.forecasts[request.index] = DispatchForecast(
                 forecast.ttft_s / scale, forecast.tpot_s / scale, scale, stale
             )
-        super()._conclude(request, areq, decision, now)
 
 
 def make_policy(spec: CellSpec) -> GatewayPolicy:

@@ -1,4 +1,4 @@
-"""The goodput bench's metrics, defined on ``replay.admission.Outcome`` lists.
+"""The goodput bench's metrics, defined on ``replay.Outcome`` lists.
 
 Every function takes the outcomes of the *scored* requests (those that arrived in the measured
 span) and the class targets; times are virtual seconds.
@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from bench.predictor_accuracy import ErrorStats, error_stats
-from replay.admission import Outcome, Targets
+from replay import Outcome, Targets
 
 __all__ = [
     "DispatchForecast",

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.forecast_bound import _Recording, _run_future, best_ape_forecast, main
+from bench.forecast_bound import DispatchRecorder, _run_future, best_ape_forecast, main
 from bench.predictor_accuracy import FACTS, Schedule
-from gateway.prediction import PredictionService
-from replay.forecasts import ReplayConfig, fit_to_model_len, load_azure_trace, measure_capacity
+from replay import ReplayConfig, fit_to_model_len, load_azure_trace, measure_capacity, run_replay
 from simulator.profile import load_profile
 
 
@@ -48,11 +47,10 @@ def test_the_copied_engine_replays_each_requests_real_latencies_under_the_real_f
     requests, first, last, finish = schedule.cell(trace, rate)
     chosen = {i for i, r in enumerate(requests) if first <= r.arrival_s < last}
     config = ReplayConfig(profile=profile, facts=FACTS[name], replicas=1, seed=0)
-    replay = _Recording(config, PredictionService(output_quantile=0.5), chosen)
-    replay.finish_count = finish
-    outcome = {r.index: r for r in replay.run(requests, finish).records}
+    recorder = DispatchRecorder(chosen, [])
+    outcome = {r.index: r for r in run_replay(requests, config, finish=finish, on_dispatch=recorder).records}
     checked = 0
-    for snap in replay.snapshots:
+    for snap in recorder.snapshots:
         record = outcome.get(snap.index)
         if record is None or record.tpot_s is None:
             continue

@@ -15,7 +15,7 @@ from bench.goodput.metrics import (
     score,
     wasted_gpu_fraction,
 )
-from replay.admission import Outcome, Targets
+from replay import Outcome, Targets
 
 TARGETS = Targets(ttft_s=1.0, tpot_s=0.05)
 

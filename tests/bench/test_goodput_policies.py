@@ -11,8 +11,15 @@ import itertools
 import pytest
 
 from bench.goodput.core import FACTS, PROFILE, ForecastRecorder, admission_settings
-from replay.admission import FleetConfig, GatewayReplayResult, Targets, run_gateway_replay
-from replay.forecasts import TraceRequest, load_mooncake_trace, piecewise_rate
+from replay import (
+    FleetConfig,
+    GatewayReplayResult,
+    Targets,
+    TraceRequest,
+    load_mooncake_trace,
+    piecewise_rate,
+    run_gateway_replay,
+)
 from replay.policies import (
     ConcurrencyCap,
     NoAdmission,

@@ -34,13 +34,12 @@ from typing import Final
 
 import pytest
 
-import replay.forecasts
+import replay.emulated
 from gateway.admission import AdmissionSettings, TokenWeights
 from gateway.prediction.facts import ReplicaFacts
 from gateway.settings import HardwareSettings, ReplicaSettings
 from gateway.tenancy import fleet_token_weights
-from replay.admission import FleetConfig, GatewayRequest, Targets, run_gateway_replay
-from replay.forecasts import TraceRequest
+from replay import FleetConfig, GatewayRequest, Targets, TraceRequest, run_gateway_replay
 from replay.policies import SluicePolicy
 from simulator.engine import FinishedRequestStats
 from simulator.profile import load_profile
@@ -224,7 +223,7 @@ def simulate(docs_weight: float, chat_weight: float, fairness: str = "tokens") -
     ]
     policy = FairSharePolicy(weights, fairness)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(replay.forecasts, "Engine", GpuTimeEngine)  # the replica's engine measures
+        patch.setattr(replay.emulated, "Engine", GpuTimeEngine)  # the replica's engine measures
         # Requests still waiting for a client or the queue at the window's end are then decided
         # (a certain TTFT miss), which ends the replay.
         run_gateway_replay(trace, config, policy, targets=Targets(ttft_s=WINDOW_S[1], tpot_s=1.0))

@@ -18,7 +18,7 @@ from gateway.settings import ReplicaSettings, Settings
 from gateway.store import SettingsStore
 from predictor import Forecast, StepBatch
 from predictor.overhead import steps_waited_s
-from replay.forecasts import ReplayConfig
+from replay import ReplayConfig
 
 H100 = ReplicaFacts(
     gpu="H100-SXM",

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gateway.prediction import ReplicaFacts
-from replay.forecasts import (
+from replay import (
     ReplayConfig,
     ReplayResult,
     TraceRequest,

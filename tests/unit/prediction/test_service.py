@@ -12,7 +12,7 @@ import pytest
 from gateway.prediction import PredictionConfig, PredictionService, ReplicaFacts
 from gateway.replicas.snapshot import InFlight, ReplicaSnapshot
 from predictor import Forecast, ForecastReason, ModelSource, StepBatch
-from replay.forecasts import ReplayConfig, at_rate, fit_to_model_len, load_azure_trace, run_replay
+from replay import ReplayConfig, at_rate, fit_to_model_len, load_azure_trace, run_replay
 from simulator.costmodel import CostModel, StepShape
 from simulator.profile import Profile, load_profile
 
