@@ -1,22 +1,12 @@
 """The limiter contract: one Protocol, its value types and its one storage error.
 
-What it does
-    A ``Limiter`` holds three budgets per tenant and takes from all of them at once, or from none:
-    a token bucket of tokens per minute (cost = weighted prompt + predicted output tokens), a
-    bucket of requests per minute, and a number of concurrent requests. ``reserve`` happens at
-    admission; ``settle`` happens exactly once when the request ends, with the tokens it really
-    cost, and gives the concurrency slot back.
-
-Inputs consumed
-    The tenant name, the reservation's cost in tokens, the tenant's ``TenantLimits`` (passed on
-    every call, so a config reload applies to the next request) and a request id that is unique
-    per reservation.
-
-Trade-offs
-    A ``Reservation`` carries everything a 429 needs (OpenAI's ``x-ratelimit-limit-*``,
-    ``-remaining-*``, ``-reset-*`` and an exact ``Retry-After``), so the gateway never asks the
-    storage twice. Storage failures surface as one error, ``LimiterUnavailable``; whether that
-    means "allow" or "503" is the failure policy's decision (``failover.FailoverLimiter``).
+A ``Limiter`` holds three budgets per tenant (tokens per minute, requests per minute, concurrent
+requests) and takes from all of them at once or from none. ``reserve`` happens at admission with
+the tenant's ``TenantLimits`` (passed on every call, so a reload applies to the next request) and
+a request id unique per reservation; ``settle`` happens exactly once when the request ends, with
+the tokens it really cost, and frees the concurrency slot. A ``Reservation`` carries everything a
+429 needs (``x-ratelimit-*`` headers, an exact ``Retry-After``). Storage failures surface as
+``LimiterUnavailable`` only; the failure policy (``failover.FailoverLimiter``) decides what it means.
 """
 
 from __future__ import annotations

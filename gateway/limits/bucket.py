@@ -1,15 +1,10 @@
 """Token-bucket arithmetic shared by every backend: pure functions of numbers, no clock, no I/O.
 
-A bucket is stored as one number, ``full_at``: the time (seconds, on whatever clock the backend
-uses) at which it will be full again. Its level at ``now`` follows from it::
-
-    level = capacity - max(full_at - now, 0) * rate
-
-so an absent or past ``full_at`` means a full bucket, and refill needs no write. Taking ``amount``
-moves ``full_at`` later by ``amount / rate``; a refund moves it earlier, never before ``now``. A
-charge beyond the level leaves the bucket in debt (negative level) that refills like any other
-deficit. ``token_bucket.lua`` implements the same three rules on Redis's clock; the contract suite
-checks that both backends agree.
+A bucket is one number, ``full_at``: the time (seconds, on the backend's clock) at which it is
+full again; ``level = capacity - max(full_at - now, 0) * rate``, so an absent or past ``full_at``
+is a full bucket. Taking ``amount`` moves ``full_at`` later by ``amount / rate``; a refund moves it
+earlier, never before ``now``; a charge beyond the level leaves a debt that refills like any
+deficit. ``token_bucket.lua`` implements the same rules; the contract suite checks they agree.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Over-limit cache: tenants known to be over a limit are answered in-process, not by Redis.
 
-What it does
-    Wraps a ``Limiter``. When the inner limiter rejects a tenant on its token or request bucket,
-    the bucket states it returned are kept until that rejection's retry time. Until then a reserve
-    of the same tenant (under the same limits) is checked against those states projected forward
-    at the bucket's refill rate; if it would not fit, it is rejected locally with exact
-    ``retry_after_s`` and headers, and storage is not asked. Anything that might fit goes through.
-
-Inputs consumed
-    Only the inner limiter's answers and a monotonic clock (injectable).
-
-Trade-offs
-    The projection ignores refunds other gateways settle meanwhile, so it may reject a little
-    longer than Redis would, never longer than the cached rejection's retry time (Envoy's
-    ``over_limit_with_local_cache``). A refund settled through this gateway drops the tenant's
-    token entry at once. Concurrency rejections are never cached: a slot frees at any moment.
+Wraps a ``Limiter``. After the inner limiter rejects a tenant on its token or request bucket, the
+returned bucket states are kept until that rejection's retry time; meanwhile a reserve that would
+not fit those states projected forward is rejected locally with exact ``retry_after_s`` and
+headers. Anything that might fit goes through. It may reject a little longer than Redis would
+(refunds settled by other gateways are unseen), never past the cached retry time. Concurrency
+rejections are never cached. The clock is monotonic seconds and injectable.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Failure policy for a storage-backed limiter: fail open to local buckets, or fail closed.
 
-What it does
-    Sends every call to ``primary`` (Redis) while it answers. The first ``LimiterUnavailable``
-    marks storage down: one warning is logged, and until storage answers again every reserve is
-    either answered by ``fallback`` (``fail_open``: a ``MemoryLimiter`` at this gateway's share of
-    each budget) or refused with ``LimiterUnavailable`` (``fail_closed``: the gateway answers 503).
-    While down, one reserve at a time probes ``primary`` after a backoff that doubles up to a
-    maximum; the first probe that succeeds marks storage up again (one info line), with no
-    restart. Every failure, transition and policy decision is counted in ``LimiterStats``.
-
-Inputs consumed
-    Two limiters with different ``name``s and a monotonic clock (injectable).
-
-Trade-offs
-    A reservation is settled where it was made (``Reservation.origin``): fallback reservations
-    on the fallback, primary ones on the primary even after an outage began. A settle that
-    fails is counted and not raised (the request is over): the primary re-runs it in the
-    background until storage answers (``RedisLimiter``'s repairs), so its refund is applied late
-    rather than lost. While down, reserves do not touch storage until the next
-    probe, so an outage adds no timeout to every request (Envoy's ``failure_mode_deny`` is the
-    same choice, made by the caller and always counted).
+Every call goes to ``primary`` while it answers. The first ``LimiterUnavailable`` marks storage
+down; until a probe (one reserve at a time, after a doubling backoff) succeeds, reserves are
+answered by ``fallback`` (``fail_open``) or refused with ``LimiterUnavailable`` (``fail_closed``:
+503), without touching storage. A reservation is settled where it was made
+(``Reservation.origin``); a failed settle is counted, never raised. Every failure, transition and
+decision is counted in ``LimiterStats``. Behaviour for operators: docs/tenants.md.
 """
 
 from __future__ import annotations

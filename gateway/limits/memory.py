@@ -1,20 +1,11 @@
 """In-process limiter: the embedded default, and the local fallback while Redis is down.
 
-What it does
-    The same contract and arithmetic as ``redis.RedisLimiter`` (``bucket``'s ``full_at`` rule),
-    kept in a dict per tenant, on an injectable monotonic clock, so unit tests drive time by hand.
-
-Configuration
-    ``share`` (0 < share <= 1) scales every tenant's budgets to this gateway's part of the fleet's
-    (``TenantLimits.scaled``): as a fail-open fallback each of N gateways enforces 1/N of the rate.
-    A cost that fits the fleet's bucket but not this gateway's share is admitted when the local
-    bucket is full (leaving it in debt), so a transient outage never turns a valid request into a
-    "never" answer. ``lease_ttl_s`` bounds how long an unsettled reservation holds its
-    concurrency slot.
-
-Trade-offs
-    No I/O and no awaits inside a reserve, so reserves are atomic under asyncio. State is per
-    process: two gateways on the embedded default each enforce the full budget.
+The same contract and ``bucket`` arithmetic as ``redis.RedisLimiter``, kept per tenant in a dict
+on an injectable monotonic clock. ``share`` (0 < share <= 1) scales every budget to this gateway's
+part of the fleet's; a cost that fits the fleet's bucket but not the share is admitted when the
+local bucket is full (leaving it in debt), never answered "never". ``lease_ttl_s`` bounds how long
+an unsettled reservation holds its slot. Reserves do not await, so they are atomic under asyncio;
+state is per process.
 """
 
 from __future__ import annotations

@@ -1,48 +1,14 @@
 """Script calls on one pipelined Redis connection: the limiter's fast path to a single server.
 
-What it does
-    ``PipelinedScripts.evalsha(script, keys, args)`` writes one ``EVALSHA`` on a shared TCP
-    connection and awaits its reply. Redis answers a connection's commands in the order it read
-    them, so replies are matched to callers first-in, first-out. Per call that is a few bytes
-    packed, one write and one future, where redis-py's generic path adds a connection pool
-    check-out and release, its retry wrapper, a command packer and a reply parser per call: a
-    reserve and its settle through ``RedisLimiter`` cost 92 us of CPU this way against 247 us
-    through redis-py (32 at a time, one pinned core, 2026-11-30, load 9), and the limiter's share
-    of the gateway's CPU under ``bench/overhead`` fell from 21 % to 7 % (its py-spy profile).
-    uvloop sends each write at once (one system call); gathering the calls of one event-loop
-    iteration into one write was tried (2026-12-01, ``bench/limiter_cost.py``, 64 concurrent
-    admissions) and gained nothing beyond the run-to-run noise, so it is not done.
-
-Inputs consumed
-    ``for_client(client)`` reads the host, port, database and credentials of a
-    ``redis.asyncio.Redis`` built by ``gateway.limits.redis.connect`` (plain TCP, RESP2, replies
-    not decoded) and returns ``None`` for any other client (TLS, a Unix socket, a cluster, a
-    credential provider, decoded replies): those keep redis-py's path.
-
-Contract (what the limiter relies on; the same as redis-py's ``Script`` call)
-    * ``NOSCRIPT`` (a restarted or flushed server): ``SCRIPT LOAD``, then the ``EVALSHA`` once
-      more; a script is never sent whole by ``EVAL``;
-    * a connection lost under a call (a server restart leaves a stale socket) is retried once on
-      a fresh connection (the scripts are idempotent per request id);
-    * a call cancelled while waiting, or past its deadline, leaves its reply to be read and
-      dropped, so no later call ever reads a stale reply; when the connection has
-      answered nothing for ``stale_after_s`` by then (a hung server), it is closed, as redis-py
-      closes a connection whose command was cancelled, and the next call opens a fresh one;
-    * error replies raise ``redis.exceptions.ResponseError`` (``NoScriptError`` /
-      ``NoPermissionError`` where redis-py has them), connection failures ``ConnectionError``.
-
-    **Deadlines.** ``evalsha(..., deadline=t)`` (the event loop's clock) bounds the call, its
-    connect and any retry included: past ``t`` it raises ``TimeoutError``, its reply is read and
-    dropped, and a connection that has answered nothing for ``stale_after_s`` by then is closed
-    (as above). The wait for replies is bounded by one timer per connection, armed for the
-    earliest deadline outstanding, not by an ``asyncio.timeout`` per call: that cost two timer
-    operations and two context-manager calls per call, about 2 % of the gateway's CPU under
-    ``bench/overhead``'s JSON load (issue 7's profile, 2026-12-02). Without a deadline a call is
-    bounded only by its caller.
-
-    **Pre-encoded arguments.** ``Packed(*values)`` encodes a run of arguments once (a tenant's
-    keys, its bucket rates and capacities) for calls that repeat them: a call then encodes only
-    what changes (the request id, the cost).
+``PipelinedScripts.evalsha(script, keys, args, deadline=t)`` writes one ``EVALSHA`` on a shared
+connection; replies are matched to callers in order. ``for_client`` returns ``None`` for any client
+but plain TCP, RESP2, undecoded replies (TLS, Unix sockets and clusters keep redis-py). Contract,
+as redis-py's ``Script``: ``NOSCRIPT`` loads the script and retries once (never ``EVAL``); a lost
+connection is retried once on a fresh one; a call cancelled or past ``deadline`` (the loop's clock,
+connect and retry included: ``TimeoutError``) leaves its reply to be read and dropped, and a
+connection silent for ``stale_after_s`` is closed; errors raise redis-py's ``ResponseError``
+family or ``ConnectionError``. ``Packed(*values)`` pre-encodes arguments that calls repeat. Its
+cost against redis-py is in docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,47 +1,14 @@
 """Redis limiter: one budget shared by every gateway replica.
 
-What it does
-    ``reserve``, ``settle`` and ``in_flight`` are each one EVALSHA of a Lua script shipped as
-    package data (``token_bucket.lua``, ``settle.lua``, ``in_flight.lua``), so each is one round
-    trip and atomic on the server. The scripts take the time from Redis ``TIME``, so gateways with
-    skewed clocks still share one bucket. To a single plain ``redis://`` server the calls go on one
-    pipelined connection (``gateway.limits.pipelined``: replies matched in order, a tenant's keys
-    and bucket parameters encoded once, each call bounded by a deadline that one timer per
-    connection enforces: a fraction of redis-py's CPU per call); a cluster, TLS or a Unix socket
-    keep redis-py's client. Both paths honour the contract below alike.
-
-Inputs consumed
-    A ``redis.asyncio.Redis`` or ``redis.asyncio.cluster.RedisCluster`` client (``connect``
-    builds one). Keys are ``{prefix}:{{tenant}}:tokens``, ``:requests`` and ``:leases``: the
-    ``{tenant}`` hash tag keeps one tenant's keys, and so every script call, in one cluster slot.
-
-Configuration
-    ``timeout_s`` (default 50 ms) bounds every call, waiting for a pooled connection included;
-    past it, or on any Redis or socket error, the call raises ``LimiterUnavailable``, never hangs.
-    ``lease_ttl_s`` bounds how long an unsettled reservation (a crashed gateway's) holds its
-    concurrency slot; it should exceed the longest request. ``max_concurrent_calls`` caps calls
-    in flight, so the connection pool (per node on a cluster) never runs out; give ``connect``
-    the same number as ``max_connections``.
-
-Trade-offs
-    Scripts go as EVALSHA. The pipelined connection (a plain ``redis://`` server) loads all of
-    them whenever it opens; on redis-py's path (a cluster, TLS), a call that meets NOSCRIPT (a
-    fresh, restarted or flushed server) loads all three, not only its own, and is sent once more:
-    a server costs one extra round trip, once, not an error. Loading only the script that was
-    missing (what redis-py's ``Script`` does) left the settle to meet NOSCRIPT after the first
-    reserve, and answered it a load and a round trip late: behind the same client's next reserve,
-    which still counted the finished request's concurrency slot (a spurious 429).
-    Every script is idempotent per request id (a repeated reserve takes nothing more; a repeated
-    settle does nothing), so redis-py may retry a call on a fresh connection safely. A call that
-    timed out may still have run on the server: a reserve would then hold a concurrency slot for
-    ``lease_ttl_s``, and a settle that did not run would lose its refund and hold its slot: so a
-    failed reserve or settle is repaired in the background (an idempotent settle that releases
-    the lease and refunds its tokens, or does nothing if the first call ran), first after
-    ``repair_delay_s``, then again after a backoff doubling up to ``repair_backoff_max_s`` for as
-    long as storage fails, until storage answers or the lease has expired. ``close`` makes every
-    pending repair try once more at once and waits for them (each within ``timeout_s``). Only a
-    storage that stays down for the whole lease loses a refund (the settle is then a no-op: a
-    refund is lost, never double-applied). ``LimiterStats.repairs_*`` count all of it.
+``reserve``, ``settle`` and ``in_flight`` are each one EVALSHA of a shipped Lua script, atomic on
+the server, timed by Redis ``TIME``; keys ``{prefix}:{{tenant}}:tokens|requests|leases`` keep a
+tenant in one cluster slot. A plain ``redis://`` server is called through
+``gateway.limits.pipelined``, anything else through redis-py. Every call is bounded by
+``timeout_s``; past it or on any error it raises ``LimiterUnavailable``, never hangs. Scripts are
+idempotent per request id, so a failed reserve or settle is repaired in the background (an
+idempotent settle, retried with backoff until storage answers or ``lease_ttl_s`` expires);
+``close`` flushes pending repairs. ``max_concurrent_calls`` should equal the pool's
+``max_connections``. Operations: docs/tenants.md.
 """
 
 from __future__ import annotations

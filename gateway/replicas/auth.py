@@ -1,13 +1,10 @@
 """The replicas' own API keys on every request Sluice sends them (``replicas[].api_key_env``).
 
-vLLM and SGLang started with ``--api-key`` refuse their API routes without ``Authorization:
-Bearer <key>``: without it every completion answers 401, and where ``/v1/models`` is guarded too
-(vLLM guards every ``/v1`` route) the health checker never lets the replica serve.
-
-``replica_auth(store)`` is a client middleware of the gateway's one upstream session: a request
-to a replica whose settings name a key (health, models, info, ``/metrics``) gets its
-``Authorization``, read from the environment at each request. The proxy sets the header itself
-(``gateway.proxy``: the client's own is replaced) and opts out of the middleware on its hot path.
+``replica_auth(store)`` is a client middleware of the gateway's upstream session: a request to a
+replica whose settings name a key (health, models, info, ``/metrics``) gets ``Authorization:
+Bearer <key>``, read from the environment at each request. Without it a replica started with
+``--api-key`` answers 401 and never passes its health check. The proxy sets the header itself and
+opts out of the middleware on its hot path.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Active health checks: ``GET /health`` on every replica each ``health.interval_s`` seconds.
 
-What it does: one round checks all replicas concurrently, each with ``health.timeout_s``; a 2xx
-answer is a success, anything else (status, timeout, refused connection) a failure. A replica that
-is not yet healthy must also answer ``GET /v1/models`` before it counts as healthy, and that list
-is cached on the replica for routing and for the gateway's own ``/v1/models``.
-
-An unhealthy replica is probed with backoff: after each failed check its next one waits
-``interval_s`` doubled per failure beyond ``unhealthy_after``, up to ``max_backoff_s``; an ejected
-one (outlier detection, see ``ReplicaRegistry.report_timeout``) is not probed until its ejection
-ends. A dead replica costs a probe every ``max_backoff_s``, not every interval.
-
-Inputs consumed: ``store.current.health`` read at every round (so reloads apply at once), the
-registry's replicas. ``poke()`` starts the next round early (the proxy calls it after a
-connection error). Only state transitions are logged (by ``Replica.record``). ``on_models``
-listeners hear of every replica whose model list changed (the predictor takes ``max_model_len``
-from it), ``on_state`` listeners of every replica a check made healthy or unhealthy (admission).
+One round checks all replicas concurrently, each within ``health.timeout_s``; 2xx is a success,
+anything else a failure. A replica not yet healthy must also answer ``GET /v1/models`` (cached for
+routing). Unhealthy replicas are probed with backoff up to ``max_backoff_s``; ejected ones not
+until their ejection ends. Settings are read each round, so reloads apply at once; ``poke()``
+starts the next round early. ``on_models`` listeners hear of changed model lists, ``on_state``
+listeners of health transitions.
 """
 
 from __future__ import annotations

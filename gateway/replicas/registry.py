@@ -1,21 +1,11 @@
 """The replicas Sluice routes to: their health state, cached models and outstanding requests.
 
-What it does: keeps one ``Replica`` object per configured replica name, reconciles them when the
-settings are swapped (objects for unchanged replicas survive, so outstanding counts and health
-carry over a reload; a change of ``hardware:`` alone updates the object in place), and picks a
-replica for a request.
-
-In-flight view: each replica also keeps the gateway's own unfinished requests on it
-(``LiveRequest``: prompt size, tokens streamed so far, dispatch time, output cap), which the
-scraper merges into every ``ReplicaSnapshot`` and the forecast reads (``Replica.in_flight``). The
-gateway knows them a millisecond ago; the replica's own gauges lag by a scrape interval.
-
-Routing: only healthy replicas that serve the requested model are candidates; the one with the
-fewest outstanding requests wins, ties broken round robin. A request is outstanding from dispatch
-until its response (or stream) fully ends (``ReplicaRegistry.lease``).
-
-Health state is a small counter machine (``Replica.record``); the checker in ``health.py`` and the
-proxy (a connection error counts as a failed check) feed it. Transitions are logged once each.
+One ``Replica`` per configured name, reconciled on a settings swap (unchanged replicas keep their
+object, so outstanding counts and health carry over a reload). Each keeps the gateway's own
+unfinished requests on it (``Replica.in_flight``), which the scraper merges into snapshots.
+Routing: healthy replicas serving the model, fewest outstanding requests first, ties round robin;
+a request is outstanding from dispatch until its response fully ends (``ReplicaRegistry.lease``).
+Health is a small counter machine (``Replica.record``) fed by the checker and the proxy.
 """
 
 from __future__ import annotations

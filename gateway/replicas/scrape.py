@@ -1,16 +1,9 @@
 """From scrape text to ``ReplicaSnapshot``: parsing, the sliding window, and snapshot building.
 
-Synchronous and I/O-free: time is passed in (monotonic seconds), so the same code runs under the
-live scraper (``gateway.replicas.scraper``), a virtual clock, and unit tests with fixture text.
-
-Arithmetic (as Prometheus does it, over the scrapes kept in the last ``window_s`` seconds):
-
-- counters: rate = increase / seconds, where the increase adds up consecutive differences and a
-  drop (engine restart) counts the post-reset value as the increase;
-- histograms: bucket, ``_sum`` and ``_count`` increases the same way, the whole histogram reset
-  together when any of them drops or the bucket layout changes; mean = d_sum / d_count, quantiles
-  by linear interpolation inside the bucket (PromQL ``histogram_quantile``);
-- gauges: read as is from the newest scrape.
+Synchronous and I/O-free (time is passed in, monotonic seconds). Over the scrapes of the last
+``window_s`` seconds, as Prometheus does: counter rates are increases per second with resets
+counted; histograms reset together and give means and ``histogram_quantile`` interpolations;
+gauges come from the newest scrape.
 """
 
 from __future__ import annotations
@@ -102,11 +95,9 @@ class _Layout:
 class ExpositionParser:
     """``parse_exposition`` for one replica's successive scrapes, without parsing every line again.
 
-    prometheus_client's parser reads a line character by character: on a quiet 2-core box 7 ms
-    for a real vLLM 0.32 scrape (611 lines), 13 ms for the TGI emulator's 1,700 (``bench.scrape_parse``),
-    several times that on a busy one, every second for every replica, in a worker thread that
-    holds the GIL: the event loop waits for it whenever the OS runs something else. This reads
-    the same scrapes in 0.2 and 0.6 ms. A replica's scrapes
+    prometheus_client's parser reads a line character by character, in a worker thread that
+    holds the GIL, so the event loop waits for it (costs: ``bench.scrape_parse``, results in
+    docs/benchmarks.md). A replica's scrapes
     differ in their values and rarely in anything else, so the layout of a parsed scrape is kept:
     each line up to its last space, and the name and labels the library read from each sample
     line. A scrape whose lines are the same up to their last space, and whose comment lines are
@@ -578,9 +569,8 @@ def request_prefill_step_s(window: ScrapeWindow) -> float | None:
     rides along (``c``, the window's mean decode step) plus an equal share per request it
     started, so that over the window's steps ``mean(step) = c + b E[n]``, and over its requests
     ``c + b E[n^2] / E[n]``: the mean step stretched by ``E[n^2] / E[n]^2`` beyond ``c``.
-    Without a decode step time ``c`` is 0 (the whole step grows with ``n``). In the mixed-fleet
-    test's TGI (one run, the emulator instrumented) 11 % of its requests shared a prefill step:
-    the mean step was 13.3 ms, the requests' 13.8 ms, this estimate 13.6 ms.
+    Without a decode step time ``c`` is 0 (the whole step grows with ``n``); how close this comes
+    on a mixed fleet is in docs/engines.md.
     """
     prefill = _histogram_stats(window, HistogramName.PREFILL_STEP_TIME).mean
     found = window.histogram_increase(HistogramName.PREFILL_BATCH_REQUESTS)

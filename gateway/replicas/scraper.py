@@ -1,26 +1,11 @@
 """The scrape loop: ``GET {replica}/metrics`` every ``interval_s``, one task per replica.
 
-What it does: each replica's task fetches ``/metrics`` with a ``timeout_s`` limit, parses the
-body in a worker thread (``ExpositionParser``: under a millisecond for a scrape laid out as the
-replica's last one; the prometheus_client parser it falls back to takes 7-13 ms on a full scrape
-on a quiet box, several times that on a busy one, too long to hold the event loop), feeds a
-``SnapshotBuilder`` and publishes the new ``ReplicaSnapshot``: ``latest(name)`` returns it and
-every subscriber is called with it (the admission queue re-evaluates on each).
-
-Failures (refused connection, timeout, non-200, text the parser rejects, text without a known
-metric) produce a stale snapshot with a reason and keep the last good window; nothing raises out
-of the loop. Only transitions between good and stale are logged, once each.
-
-Engines: each replica is read with its configured dialect (``vllm``, ``tgi``, ``sglang``), or
-with ``auto`` the dialect is detected at the first scrape that tells: from the metric names of
-``/metrics``, else from ``GET /info`` (TGI) or ``GET /get_server_info`` (SGLang). What was
-detected, and from where, is logged once per replica; ``engine(name)`` returns it. Until then the
-replica's snapshots are stale with the reason.
-
-Inputs: the aiohttp session (owned by the caller, never closed here), the replica list via
-``add_replica``/``remove_replica``, and for each replica an optional ``in_flight`` callable giving
-the gateway's own unfinished requests on it. Timestamps come from the injected ``clock``
-(monotonic seconds); the pacing of scrapes uses the event loop's own clock.
+Each task fetches with a ``timeout_s`` limit, parses off the event loop, feeds a
+``SnapshotBuilder`` and publishes the ``ReplicaSnapshot`` (``latest(name)``, and to every
+subscriber). Any failure yields a stale snapshot with a reason and keeps the last good window;
+nothing raises out of the loop, and only good/stale transitions are logged. ``backend: auto``
+detects the dialect at the first scrape that tells (``engine(name)``). The aiohttp session belongs
+to the caller; timestamps come from the injected monotonic ``clock``.
 """
 
 from __future__ import annotations

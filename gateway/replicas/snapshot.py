@@ -1,14 +1,9 @@
 """What policies know about one replica at one instant: ``ReplicaSnapshot``, plus Sluice's own view.
 
-A snapshot merges two sources:
-
-- the replica's ``/metrics`` (read by a dialect, see ``gateway.replicas.dialects``), turned into
-  gauges and windowed rates by ``gateway.replicas.scrape``;
-- the gateway's own requests on that replica (``InFlight``), which it knows a millisecond ago,
-  while the replica's gauges lag by up to one scrape interval.
-
-Contract for every metric field: ``None`` means unknown (metric absent, no traffic in the window,
-fewer than two scrapes), never a made-up ``0``. A ``0.0`` rate is a measured zero.
+A snapshot merges the replica's ``/metrics`` (gauges and windowed rates, lagging by up to one
+scrape interval) with the gateway's own requests on it (``InFlight``, current). For every metric
+field ``None`` means unknown (metric absent, no traffic in the window, fewer than two scrapes),
+never a made-up ``0``; a ``0.0`` rate is a measured zero.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Which engine serves a replica, from what it answers: ``backend: auto``.
 
-Two sources, in order:
-
-1. its ``/metrics``: the dialect whose prefix (``vllm:``, ``tgi_``, ``sglang:``) most sample names
-   carry (``detect_from_samples``);
-2. when ``/metrics`` says nothing (SGLang serves it only with ``--enable-metrics``), its info
-   endpoints (``engine_from_info``): TGI's ``GET /info`` names its ``router``
-   (``text-generation-router``) next to ``max_concurrent_requests``; SGLang's
-   ``GET /get_server_info`` dumps its server arguments (``model_path``, ``tp_size``...).
-
-Pure functions; the scraper (``gateway.replicas.scraper``) does the requests and logs the result
-once per replica.
+Pure functions: ``detect_from_samples`` picks the dialect whose prefix (``vllm:``, ``tgi_``,
+``sglang:``) most sample names carry; when ``/metrics`` says nothing, ``engine_from_info`` reads
+TGI's ``GET /info`` or SGLang's ``GET /get_server_info``. The scraper does the requests.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """A replica's context length (``max_model_len``) from its engine's info endpoint.
 
-vLLM's ``GET /v1/models`` lists ``max_model_len`` with each model; TGI's does not (its
-``ModelInfo`` is ``id``, ``object``, ``created``, ``owned_by``: ``router/src/server.rs``,
-``openai_get_model_info``), and SGLang's lists it only in some versions. Their info endpoints say:
-
-* TGI ``GET /info`` (``router/src/lib.rs``, ``Info``): ``max_total_tokens``, the most prompt +
-  output tokens a request may hold (the context length in vLLM's sense); ``max_input_tokens``
-  (``max_input_length`` before v2) caps the prompt alone and is used only when the total is
-  missing (then the context is at least one more than that);
-* SGLang ``GET /get_server_info``: ``context_length`` (a server argument: ``null`` unless the
-  operator set it), else ``max_req_input_len`` + 1 (the scheduler's prompt cap, the smaller of the
-  model's context and the KV pool, minus a few tokens), else ``max_total_num_tokens`` (the KV pool:
-  no request can be longer).
-
-``context_length_from_info`` is pure; ``fill_context_length`` does the one request the health
-checker needs when a model card came without a length.
+For engines whose ``/v1/models`` omits it: TGI's ``GET /info`` (``max_total_tokens``, else
+``max_input_tokens`` + 1) and SGLang's ``GET /get_server_info`` (``context_length``, else
+``max_req_input_len`` + 1, else ``max_total_num_tokens``). ``context_length_from_info`` is pure;
+``fill_context_length`` does the one request the health checker needs.
 """
 
 from __future__ import annotations

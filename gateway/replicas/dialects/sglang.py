@@ -1,36 +1,11 @@
 """SGLang's ``/metrics`` (``sglang:`` names; only served with ``--enable-metrics``).
 
-Names, types and labels: ``shared/reference/backend-metrics.md`` §3 (SGLang's
-``python/sglang/srt/metrics/collector.py``, a 2026 main) and the real docs scrape of ~v0.4 kept in
-``tests/data/metrics/``. What matters here:
-
-- Labels: old versions have ``model_name`` only. Recent scheduler metrics add ``engine_type``,
-  ``tp_rank``, ``pp_rank``, ``moe_ep_rank``, optionally ``priority`` (the total is under
-  ``priority=""``) and ``dp_rank``. By default only attention-TP rank 0 reports, and with
-  ``--enable-metrics-for-all-schedulers`` every TP rank repeats the same numbers, so series are
-  filtered to ``priority=""`` and to the lowest ``tp_rank`` / ``pp_rank`` present, then summed
-  over the rest (``dp_rank``): TP ranks are never added up.
-- Gauges (set only every ``decode_log_interval`` decode steps, default 40, or on prefill batches,
-  so they can be a few hundred ms old): ``num_running_reqs`` (batch size B), ``num_queue_reqs``,
-  ``token_usage`` (KV usage 0-1), ``num_used_tokens``, ``max_total_num_tokens`` (the KV pool's
-  capacity in tokens), ``page_size``, ``gen_throughput`` (decode tokens/s over the last interval).
-  ``token_usage`` is rounded to two decimals: with ``max_total_num_tokens`` the usage is read as
-  ``num_used_tokens / max_total_num_tokens`` at full precision (``exact_usage``). Without it (old
-  versions) the capacity is estimated as ``num_used_tokens / token_usage`` when usage is at least
-  10 %, and ``sources`` says so.
-- Token counters ``prompt_tokens_total`` / ``generation_tokens_total`` are added **when a request
-  finishes**, so their rates lag by a request's duration; ``realtime_tokens_total{mode}`` (recent)
-  is counted as tokens are processed and is preferred.
-- Steps: recent versions count batch dispatches (``scheduler_loop_batch_dispatches_total``) and
-  busy seconds (``forward_execution_seconds_total``); the mean step time is their ratio. Older
-  versions have neither: the snapshot then estimates decode steps/s as ``gen_throughput /
-  num_running_reqs`` (every running request gains one token per decode step). That counts decode
-  batches alone over a log interval that also ran the prefill batches (and any idle time), so it
-  is no step period: the snapshot marks it ``steps_estimated`` and the step fit times such a
-  window by its ITL instead.
-- ITL: ``inter_token_latency_seconds`` (recent) <- ``time_per_output_token_seconds`` (old name;
-  per output chunk, the request's mean time per output token so far, and at its end its e2e over
-  its output tokens: over a window, about the same mean).
+Names and labels: ``shared/reference/backend-metrics.md`` §3 and the ~v0.4 docs scrape in
+``tests/data/metrics/``. Series are kept at ``priority=""`` and the lowest ``tp_rank`` /
+``pp_rank``, then summed over ``dp_rank`` (TP ranks are never added). KV usage is exact from
+``num_used_tokens / max_total_num_tokens`` where exposed, else estimated (``sources`` says so);
+``realtime_tokens_total`` is preferred to the end-of-request token counters; without dispatch
+counters decode steps/s is an estimate marked ``steps_estimated``. Details: docs/engines.md.
 """
 
 from __future__ import annotations

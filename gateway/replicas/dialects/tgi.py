@@ -1,29 +1,10 @@
 """TGI's (text-generation-inference) ``/metrics``: the ``tgi_`` names of its router.
 
-Names, types and labels: ``shared/reference/backend-metrics.md`` §2 (read in TGI's source at
-``db931fc``, v3.3.x; no real scrape exists anywhere public, so the unit tests build their
-exposition from that list). What matters here:
-
-- No metric has a model label; the model id is only in ``GET /info``.
-- Counters have **no** ``_total`` suffix (``tgi_request_count``). prometheus_client's parser
-  renames such a sample to ``<name>_total``, so every counter is looked up under both names
-  (``Samples.counter``).
-- Gauges: ``tgi_batch_current_size`` (the running batch: decode batch size B), ``tgi_queue_size``
-  (waiting), ``tgi_batch_current_max_tokens`` (tokens the running batch *reserves*: input +
-  ``max_new_tokens`` of each request) and ``tgi_batch_max_total_tokens`` (KV capacity in tokens,
-  found at warmup; v2.3.1+). KV usage is reservation / capacity: what TGI's admission counts, not
-  the blocks actually written.
-- Steps are measured directly, by kind: ``tgi_batch_inference_duration{method="prefill"|"decode"}``
-  times every step as the router runs it (the model's forward, ``tgi_batch_forward_duration``, plus
-  the router's token decoding, batch filtering and concatenation), so its count rate is steps/s,
-  its mean the step time, and its decode mean the period tokens arrive at (the calibration is
-  direct, with the running batch size). The forward duration alone is the fallback (and TGI's own
-  dashboard's ITL): it leaves out router work every next token waits for too.
-- Token rates come from histogram sums: ``tgi_request_input_length`` (prompt tokens, recorded when
-  a request arrives) and ``tgi_request_generated_tokens`` (recorded when it finishes).
-- ``tgi_request_failure{err="overloaded"}`` counts the 429s of its ``max_concurrent_requests``
-  limit: the engine's own admission rejections.
-- No TTFT histogram, no prefix cache, no preemption (TGI queues, it never preempts): absent.
+Names and labels: ``shared/reference/backend-metrics.md`` §2. No metric has a model label;
+counters have no ``_total`` suffix, so each is looked up under both names (``Samples.counter``).
+KV usage is the batch's reservation over ``tgi_batch_max_total_tokens``. Steps are timed directly
+by kind from ``tgi_batch_inference_duration{method}`` (``_forward_duration`` as fallback).
+``tgi_request_failure{err="overloaded"}`` counts the engine's own 429s. Details: docs/engines.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """vLLM's ``/metrics`` (V1 names, with the older V0 / pre-0.11 names as fallbacks).
 
-Names and semantics: ``shared/reference/backend-metrics.md`` §1 (checked against a real 0.32.0
-scrape). Every quantity is looked up by name with aliases, newest first, and the name used is
-recorded in ``Reading.sources``:
-
-- ``kv_cache_usage_perc`` <- ``gpu_cache_usage_perc`` (deprecated 0.9, gone ~0.11)
-- ``inter_token_latency_seconds`` <- ``time_per_output_token_seconds`` (deprecated 0.11)
-- ``prefix_cache_{queries,hits}_total`` <- ``gpu_prefix_cache_{queries,hits}_total`` (deprecated 0.9)
-
-Series are summed over the ``engine`` label (data-parallel ranks) and every other label, except
-KV usage (mean and max over engines). ``cache_config_info`` is a free-form label map: capacity is
-``kv_cache_size_tokens`` when present (right for hybrid attention/Mamba models), else
-``num_gpu_blocks * block_size``.
+Names: ``shared/reference/backend-metrics.md`` §1. Each quantity is looked up by name with
+aliases, newest first, and the name used is recorded in ``Reading.sources``. Series are summed over
+``engine`` (data-parallel ranks) and other labels, except KV usage (mean and max over engines);
+capacity is ``kv_cache_size_tokens`` when present, else ``num_gpu_blocks * block_size``.
 """
 
 from __future__ import annotations
