@@ -124,14 +124,45 @@ def _serve(config: Path | None) -> int:
     return EXIT_OK
 
 
+#: Where an emulator's bare profile name is looked up (``EmulatorSettings.profile``).
+PROFILES_DIR = Path(__file__).resolve().parents[1] / "config" / "profiles"
+
+
 def _served_model_name(settings: Settings) -> str:
-    """The model the first emulator serves, for the examples (the gateway lists it at /v1/models)."""
-    from simulator.profile import load_profile
+    """The model the first emulator serves, for the examples (the gateway lists it at /v1/models):
+    its profile file's ``served_model_name``, read as data (the gateway does not import the
+    emulator); ``<model>`` when there is no emulator or the file cannot be read."""
+    import yaml
 
     try:
-        return load_profile(settings.emulators[0].profile).served_model_name
-    except (IndexError, ValueError):
+        profile = settings.emulators[0].profile
+        bare = not profile.endswith((".yaml", ".yml")) and "/" not in profile
+        path = PROFILES_DIR / f"{profile}.yaml" if bare else Path(profile)
+        model = yaml.safe_load(path.read_text(encoding="utf-8"))["served_model_name"]
+    except (IndexError, OSError, yaml.YAMLError, KeyError, TypeError):
         return "<model>"
+    return str(model)
+
+
+def _sim(args: list[str]) -> int:
+    """``sluice sim ARGS``: the emulator as a child process (``python -m simulator ARGS``, as
+    ``sluice serve`` starts its emulators); returns its exit status (128 + N if signal N ended it).
+
+    The child shares the terminal's process group, so a Ctrl-C reaches it directly and it shuts
+    down itself: the parent ignores SIGINT meanwhile and passes SIGTERM on.
+    """
+    import signal
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-m", "simulator", *args])
+    previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous_term = signal.signal(signal.SIGTERM, lambda signum, _: child.send_signal(signum))
+    try:
+        status = child.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous_int)
+        signal.signal(signal.SIGTERM, previous_term)
+    return 128 - status if status < 0 else status
 
 
 def _print_banner(settings: Settings) -> None:
@@ -171,9 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if raw[:1] == ["sim"]:
         # Everything after `sim` is the emulator's own command line: argparse's REMAINDER would
         # refuse the options (`--profile ...`) that come before any positional.
-        from simulator.server import main as sim_main
-
-        return sim_main(raw[1:])
+        return _sim(raw[1:])
     args = _parser().parse_args(argv)
     if args.command == "check-config":
         return _check_config(args.file)
@@ -182,9 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "hash-key":
         return _hash_key()
     if args.command == "sim":
-        from simulator.server import main as sim_main
-
-        return sim_main(args.args)
+        return _sim(args.args)
     logging.getLogger(__name__).error("unknown command %s", args.command)
     return EXIT_CONFIG
 

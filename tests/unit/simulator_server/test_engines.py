@@ -312,10 +312,10 @@ def test_emulator_settings_engine_reaches_command_and_backend() -> None:
     assert "--engine" not in emulator_command(default)
 
 
-def test_sluice_sim_passes_engine_options_through(capsys: pytest.CaptureFixture[str]) -> None:
+def test_sluice_sim_passes_engine_options_through(capfd: pytest.CaptureFixture[str]) -> None:
     """`sluice sim --profile ... --engine ...`: options before any positional reach the emulator."""
     assert cli_main(["sim", "--profile", "no-such-profile", "--engine", "tgi"]) == 2
-    assert "cannot load profile 'no-such-profile'" in capsys.readouterr().err
+    assert "cannot load profile 'no-such-profile'" in capfd.readouterr().err
 
 
 def test_sluice_sim_serves_tgi_info_as_a_process() -> None:
