@@ -1,21 +1,11 @@
 """Logging setup, the per-request record, request ids and the structured access log.
 
-* ``configure_logging(settings)`` installs one stderr handler on the root logger, text or JSON.
-* ``RequestOutcome`` is what happened to one request (replica, status, token counts, timings); the
-  proxy fills it in, the access log prints it, and later the admission code consumes it.
-* ``request_context_middleware`` (outermost) gives every request an id and an outcome, and writes
-  one access line per request when it is done (``start_request`` and ``end_request`` are its two
-  halves, for a middleware that does more in one layer: ``gateway.app``'s); ``add_request_id_header``
-  puts the id on every response, including streams and aiohttp's own error responses.
-* Lines below WARNING (the access lines, a 4xx's INFO line) are buffered, like nginx's
-  ``access_log ... buffer= flush=``: ``SluiceLogHandler`` writes them together at the end of the
-  event loop's iteration, at most one write per ``ACCESS_FLUSH_INTERVAL_S`` (a flood's lines go
-  out in batches, not in a write per iteration), once they pass ``ACCESS_BUFFER_CHARS``, before a
-  WARNING or worse (written at once), and at ``flush`` (exit, reconfiguration, the application's
-  cleanup). When that handler
-  alone would print an access line (production, where ``configure_logging`` installed it),
-  ``log_access`` formats it straight from the outcome, with no ``LogRecord``; otherwise (a test's
-  ``caplog``, a handler of one's own) it logs a record as before.
+``configure_logging(settings)`` installs one stderr handler (text or JSON). ``RequestOutcome`` is
+what happened to one request; the proxy and admission fill it in, the access log and the metrics
+read it. ``request_context_middleware`` gives every request an id and an outcome and writes one
+access line when it is done; ``add_request_id_header`` puts the id on every response. Lines below
+WARNING are buffered and written in batches (at most every ``ACCESS_FLUSH_INTERVAL_S``, or past
+``ACCESS_BUFFER_CHARS``, before a WARNING, and at ``flush``), like nginx's ``access_log buffer=``.
 """
 
 from __future__ import annotations
@@ -50,9 +40,9 @@ access_log = logging.getLogger(ACCESS_LOGGER)
 #: loop's iteration, at most once per ``ACCESS_FLUSH_INTERVAL_S``).
 ACCESS_BUFFER_CHARS = 64 * 1024
 #: Seconds between two writes of buffered lines, at least: a line waits at most this long (plus
-#: the loop iteration) to be written. Under a 429 flood a write per loop iteration (a syscall every
-#: request or two) cost about 15 us per 429 (``bench.rejection_flood``); nginx's ``flush=`` and
-#: Envoy's file flush interval bound it the same way, in seconds.
+#: the loop iteration) to be written. Under a 429 flood a write per loop iteration would be a
+#: syscall every request or two (cost: docs/admission.md); nginx's ``flush=`` and Envoy's file
+#: flush interval bound it the same way, in seconds.
 ACCESS_FLUSH_INTERVAL_S = 0.01
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -85,18 +75,22 @@ class RequestOutcome:
     first_token_at: float | None = None
     finished_at: float | None = None
     error: str | None = None
-    #: Admission (issue 4) and tenancy (issue 5); ``None`` until those layers set them.
+    #: The resolved class and tenant; ``None`` until admission / tenancy set them (metrics: ``none``).
     request_class: str | None = None
     tenant: str | None = None
-    #: ``admitted``, ``rejected`` or ``shadow_rejected``.
+    #: ``admitted``, ``rejected`` or ``shadow_rejected`` (a shadow rule would have rejected it; it
+    #: was admitted); ``None``: derived from whether a replica was chosen.
     decision: str | None = None
     #: Why the decision was taken (a ``RejectReason`` value, or ``None`` for a plain admit).
     reason: str | None = None
+    #: Seconds in Sluice's queue, 0.0 when dispatched at once; ``None``: never went through it.
     queue_wait_s: float | None = None
+    #: The exact Retry-After of a rejection, seconds (the header rounds it up to whole seconds).
     retry_after_s: float | None = None
+    #: The effective targets, seconds (after a client deadline tightened them).
     ttft_target_s: float | None = None
     tpot_target_s: float | None = None
-    #: The engine forecast for the replica the request was sent to, in seconds.
+    #: The engine forecast for the replica the request was sent to, in seconds (TTFT from dispatch).
     predicted_ttft_s: float | None = None
     predicted_tpot_s: float | None = None
     #: Content-carrying SSE events relayed (one per engine step per sequence on vLLM): what a

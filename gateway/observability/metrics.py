@@ -1,85 +1,14 @@
 """Every Prometheus object Sluice exports, and the functions that feed them from the core's stats.
 
 The core returns plain values (``RequestOutcome``, ``ReplicaSnapshot``, ``FitReport``, limiter
-reservations and stats); this module alone turns them into metrics (vLLM's ``SchedulerStats`` ->
-``PrometheusStatLogger`` split). All objects live in one ``SluiceMetrics`` instance with its own
-``CollectorRegistry`` (never prometheus_client's global one), so two gateways in one test process
-do not collide. Names start with ``sluice_``; counters end in ``_total``, durations in ``_seconds``,
-dimensionless fractions in ``_ratio``.
-
-Wiring (``install(app)``): ``GET /metrics`` (text exposition, content negotiated by
-prometheus_client), ``GET /metrics/replicas`` (Prometheus HTTP service discovery: one target per
-replica the gateway routes to, labelled ``replica``), an outcome listener (``observe_outcome``),
-label limits that follow ``app[STORE]``, and a startup hook that binds the first three producers
-below to the app's registry, prediction service and scraper. The others are fed by whoever
-produces them:
-
-====================================  ==========================================================
-call                                  producer
-====================================  ==========================================================
-``track_replicas(registry)``          ``app[REGISTRY]``: health, state, in-flight (scrape time)
-``observe_snapshot(snapshot)``        ``app[SCRAPER].subscribe`` (every scrape of a replica)
-``track_step_models(report_of)``      ``app[PREDICTION_SERVICE].report`` (read at scrape time)
-``track_queue(lengths)``              the admission queue, ``class -> waiting requests``
-``observe_reservation(r)``            the limiter, after each ``reserve``
-``observe_settle(r, actual_tokens)``  the limiter, after each ``settle``
-``track_limiter(stats, redis=)``      the limiter stack's ``LimiterStats`` (read at scrape time)
-``observe_reload(ok)``                the config reloader, after each attempt
-====================================  ==========================================================
-
-Until a producer is wired, its metrics are still exported (HELP/TYPE lines, and for unlabelled
-gauges a value) but have **no samples**; dashboards show "no data" for them, never a made-up zero.
-The gateway wires every producer (``gateway.app``, ``gateway.tenancy``, ``gateway.live_admission``);
-what stays without samples is what the configuration leaves out: tenant series without tenant
-budgets, Redis series with the memory backend (``track_limiter(stats, redis=False)``), SLO results
-of requests without targets. ``tests/observability/test_dashboards.py`` runs a gateway whose
-configuration and load make every dashboard panel return data.
-
-Per-request fields read from the outcome. ``RequestOutcome`` has the timing and usage fields
-today; the admission and prediction work adds the rest. Each is read with ``getattr`` and a
-default, so an outcome without it still counts (then: class and tenant ``none``, no SLO result):
-
-* ``request_class`` (str), ``tenant`` (str): the resolved class and tenant, ``None`` = none.
-* ``decision`` (str): ``admitted``, ``rejected`` or ``shadow_rejected`` (a rule in shadow mode
-  would have rejected it; it was admitted). ``None``: derived (``admitted`` when a replica was
-  chosen, else ``rejected``). ``reason`` (str): why (``slo_unattainable``, ``tokens``...);
-  ``None``: ``ok`` for admitted, the error code for rejected.
-* ``queue_wait_s`` (float): seconds in Sluice's queue, 0.0 when dispatched at once; ``None`` =
-  the request never went through the queue (no sample).
-* ``retry_after_s`` (float): the Retry-After sent with a rejection, in seconds (the exact delay,
-  as ``retry-after-ms`` carries it; the ``Retry-After`` header rounds it up to whole seconds).
-  Counted by class and reason, so a tenant budget's delay (bucket refill, reason ``tokens``...,
-  class ``none``: tenancy refuses before the class is resolved) is told from admission's (the
-  forecast drain time, reason ``overloaded``...).
-* ``ttft_target_s``, ``tpot_target_s`` (float): the request's effective targets (after a client
-  deadline tightened them); both needed for an SLO result.
-* ``predicted_ttft_s``, ``predicted_tpot_s`` (float): the forecast for the chosen replica, made
-  at dispatch; TTFT counts from dispatch (engine side, as ``RequestOutcome.ttft_s``).
-
-Definitions:
-
-* Client TTFT (``sluice_ttft_seconds``) counts from arrival at Sluice (queue included), as class
-  targets do; replica TTFT (``sluice_observed_ttft_seconds``) counts from dispatch, as forecasts
-  do. Both only for streams (a non-streamed answer shows no first token).
-* TPOT = (end of stream - first token) / (completion tokens - 1), streams with >= 2 tokens that
-  ended without error.
-* Prediction error = (predicted - observed) / observed: > 0 is pessimistic (rejects too much),
-  < 0 optimistic (admits what then misses). ``_abs_error_ratio`` is its absolute value. The signed
-  histogram has negative buckets, so (per OpenMetrics) it has no ``_sum``: use quantiles.
-* SLO result of an admitted request with targets: ``met`` when client TTFT <= target and TPOT <=
-  target (TPOT met by definition below 2 tokens); ``missed_ttft`` / ``missed_tpot`` /
-  ``missed_both``; a non-streamed request is ``met`` when its duration is within
-  ``ttft_target + tpot_target x (tokens - 1)``, else ``missed_e2e``; ``failed`` when it ended in
-  an error; ``abandoned`` when the client went away first (excluded from attainment).
-* Proxy overhead = (dispatch - arrival) - queue wait: reading and parsing the body, admission and
-  routing (forecasts included), up to the moment the upstream request starts. Connecting to the
-  replica and relaying its answer are not included: the outcome has no timestamp for the replica's
-  headers or last byte (adding ``upstream_done_at`` would let the relay be counted).
-
-Label limits: ``class`` takes configured class names, ``tenant`` configured tenant names; any
-other value becomes ``other``, a missing one ``none``. ``replica`` values are configured names.
-Codes (``decision``, ``reason``, ``error``) come from code, not from clients; anything that does
-not look like a code (``[a-z][a-z0-9_]*``, at most 64 characters) becomes ``other``.
+reservations and stats); only this module turns them into metrics. All objects live in one
+``SluiceMetrics`` with its own ``CollectorRegistry``. Names start with ``sluice_``; counters end in
+``_total``, durations in ``_seconds``, fractions in ``_ratio``. ``install(app)`` serves
+``/metrics`` and ``/metrics/replicas`` (HTTP service discovery) and listens to outcomes; the other
+``track_*`` / ``observe_*`` functions are fed by their producers. Until a producer is wired its
+metrics have no samples, never a made-up zero. Label values are bounded: unconfigured classes and
+tenants become ``other``, missing ones ``none``, anything not shaped like a code ``other``.
+What each metric means: docs/dashboards.md.
 """
 
 from __future__ import annotations
@@ -572,9 +501,9 @@ class SluiceMetrics:
             registry=r,
         )
         # The level gauges below are set at scrape time from each tenant's latest reservation
-        # (``observe_reservation`` only remembers it): seven ``set`` calls per request were 1.6 %
-        # of the gateway's CPU under load (issue 7's profile). Registered before them, so a
-        # scrape brings them up to date before it reads them (the registry collects in order).
+        # (``observe_reservation`` only remembers it): seven ``set`` calls per request are too
+        # many for the hot path. Registered before them, so a scrape brings them up to date
+        # before it reads them (the registry collects in order).
         self._levels = _LatestReservations(self)
         r.register(self._levels)
         self.tenant_bucket_remaining = Gauge(
@@ -650,7 +579,7 @@ class SluiceMetrics:
     def child(self, metric: _Metric, *values: str) -> _Metric:
         """``metric.labels(*values)``, memoised per metric and label values: one dict lookup
         instead of prometheus_client's validation, string conversion and lock on every call
-        (issue 7's profile: several ``labels`` calls per request). Nothing here removes children,
+        (several per request). Nothing here removes children,
         so the memoised child is the one ``labels`` returns; label values are bounded (classes
         and tenants by ``set_known_labels``, replicas by the configuration)."""
         children = self._children.get(metric)
