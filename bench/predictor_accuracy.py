@@ -1,7 +1,7 @@
 """Predicted vs measured TTFT and TPOT, per request, on emulated replicas fed a real trace.
 
 For each emulator profile and each offered load (a fraction of one replica's capacity for the
-trace's length mix, times the number of replicas), ``replay.forecasts`` replays a slice of the Azure
+trace's length mix, times the number of replicas), ``replay.run_replay`` replays a slice of the Azure
 LLM inference trace 2023 (conversation) in virtual time: every arrival is forecast by the same
 ``PredictionService`` the gateway runs (fed by the same scrape parsing and calibration), then the
 engine measures what really happened. Reported per cell: median and p90 absolute percentage error
@@ -666,9 +666,10 @@ error is the future's" below.
 
 `gateway/prediction/service.py` (the service), `gateway/prediction/state.py` (snapshot to
 `WindowStats`, in-flight list to `ReplicaState`, the step in progress), `predictor/forecast.py`
-(the closed-form forecast), `predictor/calibrate.py` (the online fit), `gateway/replay.py` (this
-replay). The unit test `tests/unit/prediction/test_replay.py` runs a short replay at about 20 %
-load and asserts the targets there.
+(the closed-form forecast), `predictor/calibrate.py` (the online fit), `replay/forecasts.py` (this
+replay, on the one virtual-time loop of `replay/loop.py`). The unit test
+`tests/unit/prediction/test_replay.py` runs a short replay at about 20 % load and asserts the
+targets there.
 """
 
 

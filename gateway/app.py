@@ -96,7 +96,7 @@ CONNECTIONS_PER_REPLICA = 4096
 KEEPALIVE_S = 60.0
 #: The live gateway's prediction knobs: it learns each replica's dispatch overhead (the HTTP hop
 #: and the replica server's own work, which its TTFTs hold and no step model prices). The
-#: virtual-time replay (``gateway.replay*``) keeps ``PredictionConfig``'s default (off): it has
+#: virtual-time replay (``replay``) keeps ``PredictionConfig``'s default (off): it has
 #: no transport. See docs/predictor-accuracy.md, "Live".
 LIVE_PREDICTION = PredictionConfig(learn_dispatch_overhead=True)
 

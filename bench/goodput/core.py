@@ -1,6 +1,6 @@
 """Goodput of five admission policies on real traces, replayed in virtual time.
 
-``replay.admission`` replays a trace through a gateway policy in front of a fleet of
+``replay.run_gateway_replay`` replays a trace through a gateway policy in front of a fleet of
 emulated vLLM engines (``simulator.engine``); Sluice's policy is the real ``AdmissionController``
 and ``PredictionService`` driven as the live gateway drives them. For each trace the bench
 

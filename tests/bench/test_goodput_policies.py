@@ -1,6 +1,6 @@
 """The baselines' decisions and the virtual-time driver, on hand-built arrivals against real engines.
 
-Every test drives ``replay.admission.run_gateway_replay`` with the emulator's engine (the
+Every test drives ``replay.run_gateway_replay`` with the emulator's engine (the
 ground truth; nothing faked): requests arriving together at t = 0 make each policy's rule visible.
 """
 
