@@ -5,10 +5,8 @@ What it does:
 * keeps one ``MetricsScraper`` target and one ``PredictionService`` replica per registry entry,
   added and removed as reloads change the fleet (``sync``), with each replica's facts from its
   ``hardware:`` settings plus ``max_model_len`` from its ``/v1/models`` (``facts_of``);
-* per request, after the proxy picked a replica (``admit``): estimates the prompt's tokens,
-  forecasts TTFT and TPOT on that replica, and returns an ``Admitted``: the request's
-  ``LiveRequest`` (the registry's in-flight entry), the forecast, and the ``x-sluice-*``
-  response headers that carry it;
+* ``Admitted``: what the proxy keeps of a dispatched request (its ``LiveRequest``, admission's
+  forecast with the dispatch overhead, the ``x-sluice-*`` headers that carry it);
 * when a request is over (``finished``): hands the service its usage (characters per token,
   output lengths), when its last token landed (a step boundary), and its forecast with the TTFT
   the gateway measured (dispatch -> first token), from which the service learns prefill steps;
@@ -150,7 +148,6 @@ class LivePredictions:
         #: The replica object each scraper target reads its in-flight requests from.
         self._scraped: dict[str, Replica] = {}
         self._closed = False
-        self._forecast_failures = 0
 
     # -- the fleet ----------------------------------------------------------------------------------
 
@@ -195,47 +192,6 @@ class LivePredictions:
             log.exception("prediction service refused the facts of replica %s", replica.name)
 
     # -- one request ----------------------------------------------------------------------------------
-
-    def prompt_tokens(self, parsed: ParsedRequest) -> int:
-        """The prompt's length in tokens: exact when sent as token ids, else estimated from its
-        characters with the service's learned ratio (at least 1)."""
-        if parsed.prompt_token_ids is not None:
-            return max(parsed.prompt_token_ids, 1)
-        try:
-            return max(self.service.estimate_prompt_tokens(parsed.model, parsed.prompt_chars), 1)
-        except Exception:
-            log.exception("prompt-token estimate failed; using 4 characters per token")
-            return max(parsed.prompt_chars // 4, 1)
-
-    def admit(self, replica: Replica, parsed: ParsedRequest, request_id: str) -> Admitted:
-        """Forecast ``parsed`` on ``replica`` (chosen, not yet dispatched).
-
-        The ``Admitted.live`` entry goes to ``ReplicaRegistry.lease``, the headers onto the
-        response. Never raises: a failing service gives ``internal_error`` headers.
-        """
-        now = self._clock()
-        prompt_tokens = self.prompt_tokens(parsed)
-        forecast: Forecast | None
-        try:
-            forecast = self.service.forecast(
-                replica.name,
-                model=parsed.model,
-                tenant=None,
-                prompt_tokens=prompt_tokens,
-                max_tokens=parsed.max_tokens,
-                in_flight=replica.in_flight(),
-                now=now,
-            )
-        except Exception:
-            self._forecast_failures += 1
-            # Once, then every 1000th: a broken service must not flood the log at request rate.
-            if self._forecast_failures % 1000 == 1:
-                log.exception(
-                    "forecast failed for replica %s (%d so far)", replica.name, self._forecast_failures
-                )
-            forecast = None
-        live = LiveRequest(request_id, prompt_tokens, now, parsed.max_tokens)
-        return Admitted(live, forecast, forecast_headers(replica.name, forecast))
 
     def finished(self, parsed: ParsedRequest, outcome: RequestOutcome, admitted: Admitted) -> None:
         """Teach the service from a finished request: its usage (output length, characters per

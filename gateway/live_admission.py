@@ -5,8 +5,8 @@ Per request (``LiveAdmission.admit``), after the body is parsed:
 1. **class and deadline**: the class from the tenant's policy or the class header it may use
    (``admission.choose_class``), the client's deadline header (it only ever tightens the class's
    TTFT target; a malformed one is a 400);
-2. **sizes**: prompt tokens estimated from characters (``PredictionService``'s learned ratio),
-   output predicted at the service's quantile, capped by ``max_tokens``;
+2. **sizes**: the request's one prompt estimate (``gateway.sizing``: the tenancy middleware's,
+   when it sized it first), output predicted at the service's quantile, capped by ``max_tokens``;
 3. **views**: one ``ReplicaView`` per healthy replica serving the model, from the prediction
    service's fitted step model and its state (the gateway's own in-flight requests, fresh, plus
    what the last scrape adds; stale metrics are flagged so the admitter adds ``stale_margin``),
@@ -100,6 +100,7 @@ from gateway.prediction.state import Limits
 from gateway.replicas.registry import LiveRequest, Replica, ReplicaRegistry
 from gateway.replicas.snapshot import InFlight, ReplicaSnapshot
 from gateway.settings import Settings
+from gateway.sizing import estimated_prompt_tokens
 from gateway.store import SettingsStore
 from gateway.tenancy import TENANT
 from gateway.tenants import Tenant
@@ -365,7 +366,8 @@ class LiveAdmission:
             cls.ttft_target_s if deadline is None else min(cls.ttft_target_s, deadline - arrival)
         )
         outcome.tpot_target_s = cls.tpot_target_s
-        areq = self._request(outcome.request_id, parsed, choice.name, arrival, deadline, tenant_name)
+        prompt = estimated_prompt_tokens(request, self._service, parsed)
+        areq = self._request(outcome.request_id, parsed, prompt, choice.name, arrival, deadline, tenant_name)
         route = route_of(parsed.model, parsed.engine)
         controller = self._controller(route)
         try:
@@ -388,12 +390,12 @@ class LiveAdmission:
         self,
         request_id: str,
         parsed: ParsedRequest,
+        prompt: int,
         request_class: str,
         arrival: float,
         deadline: float | None,
         tenant: str | None,
     ) -> AdmissionRequest:
-        prompt = self._predictions.prompt_tokens(parsed)
         try:
             output, quantile = self._service.expected_output(parsed.model, None, parsed.max_tokens)
         except Exception:

@@ -12,8 +12,8 @@ What it does
        configured at all, tenancy is off: the header is not looked at (OpenAI SDKs always send
        some key) and ``request[TENANT]`` stays unset (the request is no tenant's);
     2. reserves, in ONE limiter call, ``w_in x prompt tokens + w_out x predicted output`` weighted
-       tokens, one request and one concurrency slot. Prompt tokens are estimated from the prompt's
-       characters (``PredictionService.estimate_prompt_tokens``; exact for token-id prompts), the
+       tokens, one request and one concurrency slot. Prompt tokens are the request's one estimate
+       (``gateway.sizing``, which admission reuses; exact for token-id prompts), the
        output is the prediction service's output-length estimate capped by ``max_tokens``. A
        rejection is a 429 (``Refused``, ``rate_limit_exceeded``: exact ``Retry-After``, OpenAI's
        ``x-ratelimit-*`` headers); a tenant known to be over its limit is answered from the
@@ -94,6 +94,7 @@ from gateway.observability.metrics import METRICS, SluiceMetrics
 from gateway.openai_api import COMPLETION_ROUTES, Endpoint, ParsedRequest, read_request
 from gateway.prediction.service import PredictionService
 from gateway.settings import ReplicaSettings, Settings
+from gateway.sizing import estimated_prompt_tokens
 from gateway.store import SettingsStore
 from gateway.tenants import Authenticator, AuthError, Tenant
 from predictor import StepModel
@@ -347,13 +348,6 @@ def configured_weights(limits: LimitsSettings) -> TokenWeights | None:
     """``limits.token_weights`` as ``TokenWeights``; ``None`` when they come from the step model."""
     pinned = limits.token_weights
     return None if pinned is None else TokenWeights(input=pinned.prompt, output=pinned.output)
-
-
-def estimated_prompt_tokens(service: PredictionService, parsed: ParsedRequest) -> int:
-    """Prompt tokens: exact for token-id prompts, else characters at the learned ratio (>= 1)."""
-    if parsed.prompt_token_ids is not None:
-        return max(parsed.prompt_token_ids, 1)
-    return max(service.estimate_prompt_tokens(parsed.model, parsed.prompt_chars), 1)
 
 
 def request_cost(
@@ -653,7 +647,7 @@ class Tenancy:
             raise
         outcome.model, outcome.stream = parsed.model, parsed.stream
         weights = self.weights()
-        prompt = estimated_prompt_tokens(self._predictions, parsed)
+        prompt = estimated_prompt_tokens(request, self._predictions, parsed)
         output = predicted_output_tokens(self._predictions, parsed, tenant.name, prompt)
         cost = request_cost(weights, prompt, output, parsed.choices)
         try:
