@@ -1,34 +1,13 @@
 """The admin surface: ``/metrics``, ``/metrics/replicas`` and ``/sluice/v1/*``, kept apart from
 the public API by a listener of their own, a bearer token, or both (``admin:`` in the YAML).
 
-What it does
-    ``install_admin(app, store)`` is called by ``gateway.app.build_app`` before the metrics and
-    tenancy are installed, and returns the application the admin routes must be added to:
-
-    * ``admin.port`` unset (the default, what ``make run`` and the compose stack use): ``app``
-      itself. The admin routes share the public listener; a middleware checks the token.
-    * ``admin.port`` set: a second ``web.Application`` served by ``AdminListener`` on
-      ``admin.host:admin.port`` (``0`` picks a free port: ``app[ADMIN_LISTENER].port``). The
-      public listener answers 404 on every admin path, whatever the token, before any other
-      middleware looks at the request. The admin listener serves the admin paths only, with the
-      same request-id, access-log and error middlewares as the public one. It starts with the
-      application (``ADMIN_LISTENER``'s ``lifecycle``, the last ``cleanup_ctx`` of ``build_app``)
-      and stops first at shutdown, after the public listener's grace period.
-
-    ``/healthz`` and ``/readyz`` stay on the public listener, never guarded: load balancers and
-    orchestrators probe them without credentials.
-
-The token
-    ``admin.token_sha256`` (or the older ``tenants.auth.admin_token_hash``; a configuration that
-    sets both to different tokens is refused): when set, every admin path on whichever listener
-    serves it needs ``Authorization: Bearer <token>``. Absent, malformed and wrong tokens all get
-    the same 401 (``gateway.errors.admin_token_required``). The presented token is hashed and its
-    SHA-256 digest compared with the configured one by ``hmac.compare_digest``: constant time in
-    the token. The token is read from the settings at each request, so a reload changes it at
-    once (no restart); the listener's address is restart-only (``gateway.reload.RESTART_ONLY``).
-
-Secrets
-    Nothing here logs a token, its hash or an ``Authorization`` value; the 401 never echoes them.
+``install_admin(app, store)`` returns the application the admin routes go on: ``app`` itself when
+``admin.port`` is unset, else a second application served by ``AdminListener`` (the public one
+then answers 404 on every admin path). ``/healthz`` and ``/readyz`` stay public. With
+``admin.token_sha256`` (or ``tenants.auth.admin_token_hash``) set, every admin path needs
+``Authorization: Bearer <token>``, compared by digest in constant time and read per request (a
+reload applies at once); absent, malformed and wrong tokens get the same 401. Nothing here logs
+or echoes a token. Operator guide: docs/tenants.md.
 """
 
 from __future__ import annotations

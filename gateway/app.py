@@ -1,36 +1,13 @@
 """The aiohttp application: routes, middlewares, and the lifecycle of everything it owns.
 
-``build_app(store)`` wires the pieces; each long-lived resource is a ``cleanup_ctx`` generator
-(set up, ``yield``, tear down in reverse order) and is reached through a typed ``AppKey``
-(``gateway.keys``, or the plugin's own module: no module imports this one):
-
-1. one shared ``aiohttp.ClientSession`` (keep-alive connection pool) for all replicas;
-2. the emulator child processes, when ``emulators:`` is set (started and awaited, stopped last);
-3. the replica registry, one health-check round before serving, then the health-check task;
-4. the metrics scraper (one task per replica, on the shared session) feeding the prediction
-   service, both kept in step with the registry (``gateway.forecasts.LivePredictions``);
-5. SLO-aware admission (``gateway.live_admission.LiveAdmission``): the admission core driven by
-   the wall clock, re-evaluating its queue on every finish, scrape and deadline;
-6. the disconnect monitor and the ``Proxy`` the request handlers call.
-
-``/metrics`` (``gateway.observability.metrics``) is installed last and fed by all of them.
-
-A request passes two middlewares: ``gateway_middleware`` (request id and access line, every error
-as its JSON body, the body's read timeout, the admin guard: four concerns in one layer, the cost
-a flood of refusals pays per request) and then the tenants' (``gateway.tenancy``).
-
-Every proxied response carries the forecast made for it (``x-sluice-replica``,
-``x-sluice-predicted-ttft-ms``, ``x-sluice-predicted-tpot-ms``, ``x-sluice-prediction``), and
-``GET /sluice/v1/replicas`` shows each replica's state, last snapshot and fitted step model.
-
-The admin routes (``/metrics``, ``/metrics/replicas``, ``/sluice/v1/*``) are placed by
-``gateway.admin.install_admin``: on the public listener (the default), or only on a separate
-admin listener when ``admin.port`` is set (then 404 on the public one), behind the admin token
-when one is configured. ``/healthz`` and ``/readyz`` are always public.
-
-``run_gateway(store)`` serves it on ``server.host:server.port`` (and the admin listener, if any)
-until SIGINT/SIGTERM, then stops accepting, gives in-flight requests ``server.shutdown_grace_s``
-seconds, and tears everything down (so the emulators it started stop with it).
+``build_app(store)`` is the composition root: each long-lived resource (the upstream session,
+emulators, replica registry and health checks, scraper and predictions, admission, the proxy)
+is a ``cleanup_ctx`` generator, torn down in reverse order, and reached through a typed
+``AppKey`` (``gateway.keys`` or the plugin's own module: no module imports this one). A request
+passes ``gateway_middleware`` (request id, access line, JSON errors, body timeout, admin guard)
+and then the tenants'. ``run_gateway(store)`` serves until SIGINT/SIGTERM, then gives in-flight
+requests ``server.shutdown_grace_s`` seconds and tears everything down. The map is in
+docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """An OpenAPI 3.1 description of Sluice's own HTTP surface, served at ``GET /openapi.json``.
 
-What it describes
-    The proxied routes (``POST /v1/chat/completions``, ``POST /v1/completions``, TGI's native
-    ``POST /generate``, ``POST /generate_stream`` and ``POST /``), ``GET /v1/models``, the probes
-    (``/healthz``, ``/readyz``), the admin routes (``/metrics``, ``/metrics/replicas``,
-    ``/sluice/v1/replicas``) and ``/openapi.json`` itself, with the OpenAI-style error body
-    ``{"error": {"message", "type", "param", "code"}}`` on every status Sluice itself answers with
-    (400, 401, 404, 405, 408, 413, 429, 502, 503), the 429's ``Retry-After``, ``retry-after-ms`` and
-    ``x-ratelimit-*`` headers, and the bearer API key.
-
-Where the request schemas come from
-    The request bodies are the pydantic models the parser validates with
-    (``gateway.openai_api._ChatBody``, ``_CompletionBody``, ``gateway.tgi_api._GenerateBody``),
-    turned into JSON Schema by pydantic (draft 2020-12, which OpenAPI 3.1 uses), so the document
-    cannot drift from what Sluice accepts: only the fields Sluice acts on are constrained, and
-    every body allows further fields (``additionalProperties: true``), which pass through to the
-    replica untouched. One thing JSON Schema cannot say: an integer field written with a fraction
-    (``"max_tokens": 1.0``) is refused with a 400, as OpenAI does (the schema's ``integer`` admits it).
-
-Contract
-    ``openapi_spec()`` is a fresh, JSON-serialisable ``dict`` (callers may mutate it).
-    ``install_openapi(app)`` adds ``GET /openapi.json`` (public, no credentials: it holds no
-    secrets) answering the same document, serialised once.
+It covers the proxied routes (OpenAI and TGI's native ones), ``/v1/models``, the probes, the admin
+routes and itself, with the OpenAI-style error body on every status Sluice answers with and the
+429's headers. Request schemas are generated from the pydantic models the parser validates with,
+so the document cannot drift from what Sluice accepts; bodies allow further fields (passed through
+untouched). JSON Schema's ``integer`` admits ``1.0``, which Sluice refuses with a 400, as OpenAI
+does. ``openapi_spec()`` returns a fresh dict (callers may mutate it); ``install_openapi(app)``
+serves it without credentials (it holds no secrets), serialised once.
 """
 
 from __future__ import annotations

@@ -1,31 +1,13 @@
 """OpenAI-style JSON errors for requests aiohttp's HTTP parser refuses, never quoting their bytes.
 
-A request whose request line or headers aiohttp cannot parse (a control character or a NUL in an
-``Authorization: Bearer sk-...`` header, a line over 8190 bytes, a bad method, a bare LF) never
-reaches Sluice's middlewares: aiohttp answers it itself, from
-``aiohttp.web_protocol.RequestHandler.handle_error``, with a ``text/plain`` 400 whose body quotes
-the offending line back (``Invalid header value char: b'Authorization: Bearer sk-...'``), so a
-client's API key could land in whatever logs or shows that body. aiohttp offers no public hook
-for this answer (aio-libs/aiohttp#3287 is open since 2018): neither middlewares nor
-``on_response_prepare`` run for it, and ``web.run_app`` builds its own ``AppRunner`` and
-``Server``, so no subclass of them can be slipped in.
-
-``install()`` therefore replaces that one method, process-wide, with ``_json_handle_error``:
-aiohttp's own method still runs first (it logs the error, which
-``gateway.observability.logs.RedactMalformedRequests`` redacts, and refuses when a response is
-already under way), then its answer is swapped for ``gateway.errors``' JSON body with aiohttp's
-status kept and the connection closed, as aiohttp does::
-
-    {"error": {"message": "malformed HTTP request: Invalid header value char",
-               "type": "invalid_request_error", "param": null, "code": "malformed_request"}}
-
-The message names only the kind of error, from a fixed vocabulary, never the bytes. A 5xx (an
-exception no middleware caught, a handler timeout) becomes the generic ``internal_error`` body,
-never a traceback.
-
-``run_gateway`` calls ``install()``, so every listener of a ``sluice serve`` process (public and
-admin) answers this way; ``tests/integration/gateway/test_malformed_requests.py`` fails if an
-aiohttp release moves or reshapes the method.
+aiohttp answers an unparsable request line or header itself (``RequestHandler.handle_error``),
+before any middleware, with a text 400 that quotes the offending line, which may hold a client's
+API key; it offers no public hook (aio-libs/aiohttp#3287). ``install()`` therefore replaces that
+one method, process-wide: aiohttp's own still runs first (it logs, redacted by
+``RedactMalformedRequests``), then its answer is swapped for ``gateway.errors``' JSON body
+(``malformed_request``, a fixed message naming only the kind of error; 5xx: ``internal_error``),
+status kept, connection closed. ``run_gateway`` calls it; an integration test fails if aiohttp
+moves the method.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Hot reload: SIGHUP or a changed file -> validate fully -> swap one settings snapshot.
 
-The running configuration only ever changes by ``SettingsStore.swap`` of a snapshot that passed
-the same ``load_settings`` as ``sluice serve`` and ``sluice check-config``. An invalid file is
-logged once per change, with every problem, and the running configuration stays.
-
-Watching polls ``os.stat`` (device, inode, size, mtime, ctime) rather than using inotify: it needs
-no extra dependency, works on every file system (NFS, Kubernetes ConfigMap symlink swaps), and
-sees editors that save by writing a new file and renaming it over the old one (new inode). A
-change is acted on once the file has looked the same on two polls in a row, so a half-written
-file is not loaded; a file that disappears (mid-rename, or deleted) is reported once and the
-running configuration stays until it comes back. Two in-place writes of the same size within the
-file system's timestamp granularity can look identical; SIGHUP always reloads.
-
-The keys file the running configuration names (``tenants.keys_file``) is watched the same way: a
-change to it alone reloads the whole configuration, keys file included, through the same
-``load_settings``.
-
-``limits:`` builds the limiter at start-up, so every key of it but ``token_weights`` (read per
-request) keeps its running value until a restart. ``admin.host`` and ``admin.port`` (the admin
-listener) are restart-only too; ``admin.token_sha256`` is read per request and takes effect at once.
+The running configuration only changes by ``SettingsStore.swap`` of a snapshot that passed the
+same ``load_settings`` as ``sluice serve`` and ``sluice check-config``; an invalid file is logged
+once per change, with every problem, and the running configuration stays. The file (and the keys
+file it names) is watched by polling ``os.stat``, acted on once it looks the same on two polls;
+SIGHUP always reloads. Keys listed in ``RESTART_ONLY`` (listener addresses, ``limits:`` but
+``token_weights``, ...) keep their running values until a restart. Why polling: docs/operations.md.
 """
 
 from __future__ import annotations

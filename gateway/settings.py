@@ -1,14 +1,11 @@
 """Sluice configuration: one pydantic v2 model per YAML section.
 
 Every model forbids unknown keys, is frozen and validates strictly (a quoted ``"8080"`` is not a
-port, ``yes`` is not a timeout), so a loaded ``Settings`` is an immutable, fully checked snapshot
-that the reloader swaps as a whole. Units are in the field names (``_s`` seconds, ``_bytes``);
-every field's ``description`` states its meaning and unit, and ``config/sluice.example.yaml``
-documents each key with its default (a test keeps the two in step).
-
-Cross-field rules raise :class:`SettingsViolations`, which carries one :class:`Violation` per
-broken rule with a path relative to the model that raised it, so ``gateway.config`` can report
-``emulators.1.port: ...`` rather than a bare "value error" on the whole file.
+port), so a loaded ``Settings`` is an immutable, fully checked snapshot that the reloader swaps
+whole. Units are in the field names (``_s`` seconds, ``_bytes``); each field's ``description``
+states its meaning and unit, and ``config/sluice.example.yaml`` documents each key with its
+default (a test keeps the two in step). Cross-field rules raise :class:`SettingsViolations`, one
+:class:`Violation` per broken rule with a path relative to the model that raised it.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class EventSplitter:
         ):
             # The common case, a chunk that is exactly one whole one-line event (an engine step's
             # token per read): what the loop below returns for it, without copying it through
-            # the buffer (issue 7's stream profile).
+            # the buffer (the hot path of every stream).
             return [Event(chunk, _one_line_data(chunk))]
         if self._skip_lf and chunk.startswith(b"\n"):
             chunk = chunk[1:]

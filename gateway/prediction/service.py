@@ -1,26 +1,12 @@
 """``PredictionService``: one step model per replica, fitted from its scrapes, and forecasts with it.
 
-The live gateway and the virtual-time replay drive it the same way:
-
-* ``set_replica(name, facts)`` when a replica is configured (the roofline prior comes from the
-  facts; unknown hardware or model means no prior, the fit learns from observations alone);
-* ``on_snapshot(snapshot)`` for every scrape: the window becomes a ``WindowStats``, the replica's
-  ``StepCalibrator`` takes it, and the step model is refitted (at most every
-  ``PredictionConfig.refit_interval_s``);
-* ``forecast(...)`` per candidate request and replica: the gateway's in-flight list (fresh) and the
-  last snapshot (other clients, the background prefill rate) become a ``ReplicaState``
-  (``replica_inputs``) and ``predictor.forecast_request`` does the rest. A caller that forecasts
-  many requests against one replica's load (admission: every request against every replica)
-  builds the state once with ``replica_inputs`` and calls ``forecast_request`` itself: building
-  a state costs O(in-flight) (about 1 us per request in flight), a forecast on it ~10 us;
-* ``expected_output(...)``: the output length a request is predicted to produce (and the
-  quantile that is), as ``forecast`` assumes it;
-* ``on_finished(...)`` with every response's usage: output lengths (per model and tenant) and
-  characters per token (per model) are learned from it; with ``PredictionConfig.steady_state``
-  also each replica's recent arrival rate and sizes, whose steady state (Little's law) the TPOT
-  forecasts move toward.
-
-Synchronous, no I/O, no clock reads: times come in as arguments on the caller's monotonic clock.
+The live gateway and the virtual-time replay drive it alike: ``set_replica(name, facts)`` when a
+replica is configured (unknown hardware or model: no prior), ``on_snapshot`` for every scrape
+(refitting at most every ``PredictionConfig.refit_interval_s``), ``forecast`` per candidate
+request and replica (or ``replica_inputs`` once and ``forecast_request`` per request, for a caller
+that forecasts many requests on one replica's load), ``expected_output`` for the output length a
+forecast assumes, and ``on_finished`` with each response's usage (output lengths, characters per
+token, arrivals). Synchronous, no I/O, no clock reads: times are the caller's monotonic seconds.
 Not thread-safe (the gateway calls it from its event loop only).
 """
 
@@ -112,8 +98,7 @@ class PredictionConfig:
     ``steady_state``: blend each TPOT forecast toward the replica's steady state under its recent
     traffic (``predictor.forecast.steady_state``: Little's law over the requests the caller saw
     finish there in the last ``arrival_memory_s`` seconds); off: the batch it joins alone. Off by
-    default: on the virtual-time replay it made TPOT worse from 60 % load up (the traffic of the
-    last seconds to a minute predicts the next seconds' worse than the batch does; see
+    default: recent traffic predicts the next seconds' worse than the batch does (measured in
     docs/predictor-accuracy.md).
     ``arrival_min_span_s``: seconds of that history needed before a rate is trusted.
     """
@@ -218,8 +203,8 @@ class PredictionService:
         #: ``replica_inputs``' expected remaining output per (model, tenant), by (tokens generated,
         #: output cap): the same numbers as ``expected_remaining`` until ``on_finished`` teaches
         #: something that changes them (a view rebuild asks for every stream in flight, most of
-        #: which have not moved since the last rebuild; cleared on every finish, the memo missed
-        #: for all of them after each one: issue 7's profile).
+        #: which have not moved since the last rebuild; cleared on every finish, the memo would
+        #: miss for all of them after each one).
         self._remaining_memo: dict[tuple[str, str | None], dict[tuple[int, int | None], float]] = {}
 
     # ------------------------------------------------------------------ replicas
@@ -429,9 +414,8 @@ class PredictionService:
             # The step fit learns engine steps: what ``with_overhead`` added for this request (the
             # way to and from an idle engine; the steps a busy one ran before it got there) is not
             # theirs to absorb. The mean overhead instead averages out over the step phases at
-            # dispatch, but the fit is robust: it followed the majority, the requests that caught
-            # their step, whose prefill then looked shorter by the whole overhead (TGI's TTFT
-            # median 12-15 % in the mixed fleet, 5 % with this, when its TTFTs still fed its fit).
+            # dispatch, but the fit is robust: it follows the majority, the requests that caught
+            # their step, whose prefill would then look shorter by the whole overhead.
             self._observe_prefill(r, forecast, max(ttft_s - forecast.overhead_s, 1e-6), finished_at)
         if (
             completion_tokens is not None
@@ -488,21 +472,9 @@ class PredictionService:
         """Seconds by which the TTFTs of ``api``'s requests on ``replica`` came later than forecast,
         beyond the replica's requests of every API (negative: earlier); 0 until
         ``api_residual_min_requests`` of its requests finished. A diagnostic (``describe``):
-        forecasts do not add it.
-
-        They once did, as a per-API offset on the dispatch overhead (an OpenAI chat request is
-        templated and tokenized by the replica's server, a TGI ``/generate`` one is not), and
-        TGI's forecasts got noisier for it. In the mixed fleet (``test_mixed_fleet``; the
-        emulators instrumented, 3 runs) the way in and back cost TGI's two routes the same
-        (1.1-1.8 ms, within 0.2 ms of each other); what differed was the engine: its OpenAI
-        requests waited 1-1.6 ms longer than forecast there, mostly because routing sends one to
-        TGI while a native client is between requests, whose next one then often shares its
-        prefill step. Added as an overhead, that engine-side tail moved every request's
-        predicted lateness (a whole decode step more or less); the estimate also swung +-0.7 ms
-        from request to request, and it was learned against forecasts that already held it
-        (converging to half its value). Without it, replayed on the same requests, TGI's TTFT
-        p90 went from 25-34 % to 20-30 % (docs/engines.md, "Why TGI's TTFT forecasts were the
-        noisiest").
+        forecasts do not add it: the difference between APIs is engine-side, not in the hop, and
+        adding it made TGI's forecasts noisier (docs/engines.md, "Why TGI's TTFT forecasts were
+        the noisiest").
         """
         r = self._replicas.get(replica)
         if r is None or api is None or r.api_requests.get(api, 0) < self._config.api_residual_min_requests:
@@ -521,10 +493,8 @@ class PredictionService:
         if r.times_prefills:
             # The engine times its prefill steps itself (TGI: ``measured_steps`` has them). A TTFT
             # is a blurrier view of them, priced as a step that carries the running decodes as
-            # vLLM's does; TGI prefills apart from them, so those decodes took the blame for the
-            # TTFT's queueing: the mixed fleet's TGI fit learned 0.10 ms per sequence, 20 times
-            # its prior, and missed its own forward passes at batch 8 by 20-28 %
-            # (docs/engines.md, "On a busy host").
+            # vLLM's does; TGI prefills apart from them, so those decodes would take the blame
+            # for the TTFT's queueing and skew the fit (docs/engines.md, "On a busy host").
             return
         if forecast.step_wait_s > 0.5 * ttft_s:
             return  # mostly a guess about the step it waited for, hardly a measurement
@@ -726,10 +696,9 @@ class PredictionService:
           way in and the boundaries' lag on a busy host): it is taken as uniform over
           ``(d - wait) +- d / 2`` and the steps averaged over that (``predictor.overhead``), so a
           request near the edge is forecast half a step late rather than a whole step wrong
-          half the time (mixed fleet: TTFT p90 ~30 % -> ~25 %, median ~6 % -> ~7 %).
-          Adding ``d`` on a busy engine instead over-predicted the requests that caught the step
-          by ``d`` and under-predicted the ones that missed it by a decode step less ``d``
-          (mixed-fleet runs, docs/engines.md).
+          half the time. Adding ``d`` on a busy engine instead would over-predict the requests
+          that catch the step by ``d`` and under-predict the ones that miss it by a decode step
+          less ``d`` (measured in docs/engines.md).
         """
         r = self._replicas.get(replica)
         overhead = 0.0 if r is None else r.overhead_s
@@ -848,10 +817,8 @@ def _engine_ttft_mean_s(snapshot: ReplicaSnapshot) -> float | None:
     The queue time is a mean over requests, the prefill step one over steps: a step several
     requests share counts once there but once per request in their TTFTs, and takes longer. So
     the prefill step is weighted by the requests each started (``tgi_batch_next_size``,
-    ``ReplicaSnapshot.request_prefill_step_time_mean_s``) where known. Unweighted, the mean
-    missed 0.5 ms in a mixed-fleet run (11 % of TGI's requests shared a prefill step), and the
-    learned overhead stood that much above the hop's mean (vLLM's, SGLang's matched it); in
-    the first windows, which hold the start's burst (five requests in one step), 2-5 ms.
+    ``ReplicaSnapshot.request_prefill_step_time_mean_s``) where known; unweighted, the learned
+    overhead comes out long (docs/engines.md).
     """
     if snapshot.ttft_mean_s is not None:
         return snapshot.ttft_mean_s

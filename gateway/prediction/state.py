@@ -1,15 +1,9 @@
 """From a replica's snapshots and the gateway's in-flight list to the predictor's inputs.
 
-Two mappings, both pure:
-
-* ``window_stats``: one ``ReplicaSnapshot`` (its window's rates, means and histogram buckets) plus
-  the gauge history the service kept -> ``predictor.WindowStats``, the step calibrator's input;
-* ``measured_steps``: for an engine that times its own steps by kind (TGI's
-  ``tgi_batch_forward_duration{method}``), the window's mean decode step and mean prefill step,
-  each with the batch it carried: direct (batch -> step time) observations, no inference needed;
-* ``replica_state``: the gateway's unfinished requests on the replica (fresh: the gateway saw
-  their tokens a moment ago) plus what the last scrape adds (requests of other clients, the
-  background prefill rate) -> ``predictor.ReplicaState``, the forecast's input.
+Pure mappings: ``window_stats`` (a snapshot plus the kept gauge history -> ``WindowStats``, the
+calibrator's input), ``measured_steps`` (an engine that times its steps by kind, as TGI does ->
+direct batch/step-time observations) and ``replica_state`` (the gateway's unfinished requests on
+the replica plus what the last scrape adds -> ``ReplicaState``, the forecast's input).
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """Who is calling: the ``Authorization: Bearer <key>`` header to a tenant, or a typed 401.
 
-What it does
-    ``Authenticator`` is built from a validated ``TenantsSettings`` snapshot (rebuilt on reload).
-    ``authenticate`` takes the raw ``Authorization`` header value and returns the ``Tenant`` the
-    key belongs to, or an ``AuthError`` (a value, not an exception: the one HTTP-mapping module
-    turns it into a 401 with an OpenAI-style body). The tenant comes from the key alone; no
-    header, parameter or body field can choose or change it.
-
-Comparing keys in constant time
-    The presented key is hashed (SHA-256) and the 32-byte digest looked up in a dict of the
-    configured digests. The lookup's time depends on the *digest*, never directly on the key: to
-    learn anything from timing, an attacker would have to choose keys whose digests share a
-    prefix with a stored digest, which is as hard as inverting SHA-256; and even a stored digest
-    known in full does not help to forge a key (that needs a preimage). Python's dict also hashes
-    bytes with a per-process random SipHash key, so bucket timing is not predictable either. A
-    constant-time scan over every digest (``hmac.compare_digest`` per key) would cost O(keys) per
-    request and protect nothing more. The single admin token is checked with
-    ``hmac.compare_digest`` over digests, which costs nothing.
-
-Secrets
-    Nothing here logs. ``Authenticator``'s ``repr`` counts keys and never shows them or their
-    hashes; ``Tenant`` holds no key material; ``AuthError`` messages never echo the key (OpenAI
-    echoes a masked key; Sluice does not).
+``Authenticator`` is built from a validated ``TenantsSettings`` snapshot (rebuilt on reload).
+``authenticate`` returns the ``Tenant`` the key belongs to or an ``AuthError`` value (mapped to a
+401 by the one HTTP-mapping module); the key alone names the tenant. Keys are matched by their
+SHA-256 digest in a dict, which leaks nothing useful by timing (docs/tenants.md says why); the
+admin token is compared with ``hmac.compare_digest``. Nothing here logs, and no ``repr`` or
+error message shows a key or its hash.
 """
 
 from __future__ import annotations

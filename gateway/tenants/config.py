@@ -1,27 +1,10 @@
 """YAML sections for tenants: who they are, their API key hashes, fair-share weight, budgets, classes.
 
-Shape (mounted by ``gateway.settings`` under one key)::
-
-    auth:
-      required: null            # null: true when any tenant is configured (and no anonymous_tenant)
-      anonymous_tenant: null    # the tenant of requests without a key, when keys are not required
-      admin_token_hash: null    # sha256:<hex> of the token /metrics and admin endpoints require
-    keys_file: null             # more key hashes, `tenant: [hashes]`, read with the configuration
-    tenants:
-      team-a:
-        api_keys: ["sha256:<64 hex digits>"]
-        weight: 2               # fair share when the fleet is saturated (VTC), relative to others
-        limits: {tokens_per_minute: 100000, requests_per_minute: 60, max_concurrent: 8}
-        default_class: interactive
-        allowed_classes: [interactive, batch]
-
-Secrets: only ``sha256:`` hashes are accepted (``gateway.tenants.keys``). A plaintext key is
-refused with a message saying how to hash it, and every value that might be a secret (a refused
-key, the value of an unknown key in these sections) is shown as ``<redacted>`` in errors. Key
-hashes are left out of ``repr``.
-
-Cross-section rule (tenant classes must be configured admission classes): ``class_violations``,
-for the ``Settings`` validator that sees both sections.
+Mounted by ``gateway.settings`` under ``tenants:`` (``auth``, ``keys_file``, ``tenants``; every key
+is documented in ``config/sluice.example.yaml`` and docs/tenants.md). Only ``sha256:`` key hashes
+are accepted: a plaintext key is refused with how to hash it, every value that might be a secret
+is shown as ``<redacted>`` in errors, and hashes are left out of ``repr``. ``class_violations``
+checks the cross-section rule (tenant classes must be configured admission classes).
 """
 
 from __future__ import annotations

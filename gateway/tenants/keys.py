@@ -1,13 +1,8 @@
 """API key hashes: how a key is hashed, what a stored hash looks like, and how secrets are shown.
 
-Sluice never stores an API key, only ``sha256:<64 lower-case hex digits>`` of its UTF-8 bytes.
-Unsalted SHA-256 is the right tool for API keys (GitHub, Stripe and Envoy's key-auth do the same):
-keys are long random tokens, so there is no dictionary to attack and a slow password hash would
-only cost CPU on every request. A short, guessable key (``sk-demo``) is only as safe as its
-guessability, whatever the hash: it is for demos.
-
-``Redacted`` stands in for a secret wherever a value would otherwise be shown (configuration
-errors), so a plaintext key pasted into the wrong place is never echoed back.
+Sluice never stores an API key, only ``sha256:<64 lower-case hex digits>`` of its UTF-8 bytes
+(unsalted, as for any long random token: docs/tenants.md). ``Redacted`` stands in for a secret
+wherever a value would otherwise be shown (configuration errors).
 """
 
 from __future__ import annotations

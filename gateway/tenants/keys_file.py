@@ -1,17 +1,10 @@
 """The keys file: more API key hashes per tenant, kept apart from the main configuration.
 
-An operator (or a secrets pipeline) may keep keys out of the main YAML, in a file of the form::
-
-    team-a:
-      - sha256:<64 hex digits>
-    team-b: ["sha256:<64 hex digits>", "sha256:<64 hex digits>"]
-
-``apply_keys_file`` reads the file ``TenantsSettings.keys_file`` names, validates it as strictly as
-``api_keys`` (hashes only, every tenant configured, no hash used twice, here or in the main
-configuration), and returns the settings with those hashes added. It is meant to run wherever the
-configuration is loaded (``sluice serve``, ``check-config``, reload), so the keys file reloads with
-the rest. Problems raise ``gateway.config.ConfigError`` naming the keys file, one line each, with
-every value that might be a secret shown as ``<redacted>``.
+The file maps tenant names to lists of ``sha256:`` hashes. ``apply_keys_file`` reads the file
+``TenantsSettings.keys_file`` names, validates it as strictly as ``api_keys`` (hashes only, every
+tenant configured, no hash used twice anywhere) and returns the settings with the hashes added.
+It runs wherever the configuration is loaded, so the keys file reloads with the rest. Problems
+raise ``gateway.config.ConfigError``, one line each, secrets shown as ``<redacted>``.
 """
 
 from __future__ import annotations
