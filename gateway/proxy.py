@@ -296,7 +296,7 @@ class Proxy:
                     outcome.replica = replica.name
                     return await self._forward(exchange)
             except _ReplicaOverloaded as over:
-                self._registry.saturate(replica, self._clock(), over.back_off_s, over.why)
+                self._admission.replica_refused(ticket, over.back_off_s, over.why)
                 if not exchange.may_retry:
                     # Out of placements: Sluice's own 429, never the replica's raw refusal.
                     exchange.overloaded = False

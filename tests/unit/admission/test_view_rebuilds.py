@@ -1,4 +1,4 @@
-"""When ``LiveAdmission`` rebuilds a replica's view: once per engine step, not once per stream.
+"""When the admission engine rebuilds a replica's view: once per engine step, not once per stream.
 
 A busy gateway relays one engine step's tokens over several milliseconds (a flood of requests
 between them). A view is current until a request whose token of the view's step had landed
@@ -45,7 +45,7 @@ def _decoding(admission: LiveAdmission, clock: Clock, count: int) -> list[LiveRe
         live = LiveRequest(f"req-{i}", 100, clock.now - 0.05, 64)
         live.tokens_streamed, live.last_token_at = 3, clock.now
         tracked = TrackedStream(live, "interactive", 64.0, 0.01, 0.05)
-        admission._streams.setdefault("r1", {})[live] = tracked
+        admission.engine._streams.setdefault("r1", {})[live] = tracked
         streams.append(live)
     return streams
 
@@ -63,23 +63,23 @@ def test_one_rebuild_per_engine_step_when_its_tokens_are_relayed_apart() -> None
     b.last_token_at = c.last_token_at = clock.now - 0.015  # their tokens of this step: on the way
     b.tokens_streamed = c.tokens_streamed = 2
 
-    first = admission._views_for("m", [replica], clock.now)[0]
+    first = admission.engine.views_for("m", [replica], clock.now)[0]
     # The rest of the step's tokens land 3 and 6 ms later: the same view.
     for stream in (b, c):
         clock.now += 0.003
         _token(stream, clock)
-        assert admission._views_for("m", [replica], clock.now)[0] is first
+        assert admission.engine.views_for("m", [replica], clock.now)[0] is first
     # The next step: a's token (it had the view's step's already) makes a new view ...
     clock.now += 0.010
     _token(a, clock)
-    second = admission._views_for("m", [replica], clock.now)[0]
+    second = admission.engine.views_for("m", [replica], clock.now)[0]
     assert second is not first
     assert second.built_at == clock.now
     # ... and b's and c's of that step, relayed later, do not.
     for stream in (b, c):
         clock.now += 0.004
         _token(stream, clock)
-        assert admission._views_for("m", [replica], clock.now)[0] is second
+        assert admission.engine.views_for("m", [replica], clock.now)[0] is second
 
 
 def test_two_tokens_of_a_lagging_stream_make_a_new_view() -> None:
@@ -88,10 +88,10 @@ def test_two_tokens_of_a_lagging_stream_make_a_new_view() -> None:
     (replica,) = registry.replicas()
     _, b = _decoding(admission, clock, 2)
     b.last_token_at = clock.now - 0.02
-    first = admission._views_for("m", [replica], clock.now)[0]
+    first = admission.engine.views_for("m", [replica], clock.now)[0]
     clock.now += 0.002
     _token(b, clock)
-    assert admission._views_for("m", [replica], clock.now)[0] is first
+    assert admission.engine.views_for("m", [replica], clock.now)[0] is first
     clock.now += 0.002
     _token(b, clock)  # a second one: a later step than the view's, whatever a did
-    assert admission._views_for("m", [replica], clock.now)[0] is not first
+    assert admission.engine.views_for("m", [replica], clock.now)[0] is not first

@@ -21,7 +21,6 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway import live_admission
 from gateway.admission import (
     AdmissionSettings,
     Blocker,
@@ -32,6 +31,7 @@ from gateway.admission import (
     RetryAfterPolicy,
     RetryAfterSettings,
     ShadowSettings,
+    engine,
 )
 from gateway.admission.retry_after import RefusalReason
 from gateway.errors import SHOULD_RETRY, AdmissionRejected, admission_error, error_response
@@ -563,8 +563,8 @@ QUIET_SCRAPES = ScrapeSettings(interval_s=60.0, timeout_s=1.0, window_s=120.0)
 def no_timer(monkeypatch: pytest.MonkeyPatch) -> None:
     """The queue's timer ticks only past every queue deadline below (30 s): a queued request then
     leaves the queue early only if an event re-evaluates it."""
-    monkeypatch.setattr(live_admission, "MIN_TICK_S", 120.0)
-    monkeypatch.setattr(live_admission, "MAX_TICK_S", 120.0)
+    monkeypatch.setattr(engine, "MIN_TICK_S", 120.0)
+    monkeypatch.setattr(engine, "MAX_TICK_S", 120.0)
 
 
 @pytest.mark.usefixtures("no_timer")
