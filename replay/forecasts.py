@@ -206,6 +206,9 @@ class ForecastingRouter:
             ttft_s=stats.ttft_s,
         )
 
+    def on_snapshot(self, replica: str, now: float) -> None:
+        return None
+
     def on_scrape(self, now: float) -> None:
         return None
 

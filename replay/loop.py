@@ -10,8 +10,9 @@ reaches a ``GatewayPolicy`` first, which sends it to a replica at once, holds it
   as vLLM's busy loop does;
 * **scrape** (only for policies that own a ``PredictionService``): every ``scrape_interval_s``
   each engine's ``/metrics`` text, rendered by ``simulator.metrics.VllmMetrics``, goes through
-  ``SnapshotBuilder.observe_text`` and ``PredictionService.on_snapshot`` as in the live gateway;
-  then the policy is told (``on_scrape``);
+  ``SnapshotBuilder.observe_text`` and ``PredictionService.on_snapshot`` as in the live gateway,
+  and the policy is told of each replica's snapshot (``on_snapshot``), then of the scrape
+  (``on_scrape``);
 * **wake-up**: the policy's own timer (``next_wakeup``), e.g. a queue deadline;
 * **arrival**: the policy decides (``on_arrival``).
 
@@ -34,6 +35,7 @@ from enum import IntEnum
 from typing import Protocol
 
 from gateway.prediction import PredictionService, ReplicaFacts
+from gateway.replicas.registry import LiveRequest
 from gateway.replicas.scrape import DEFAULT_WINDOW_S
 from gateway.replicas.snapshot import InFlight
 from replay.emulated import EmulatedReplica, make_replica
@@ -179,6 +181,10 @@ class GatewayPolicy(Protocol):
         """A dispatched request's last token landed (its replica's bookkeeping is already updated)."""
         ...
 
+    def on_snapshot(self, replica: str, now: float) -> None:
+        """The prediction service just took a snapshot of ``replica``."""
+        ...
+
     def on_scrape(self, now: float) -> None:
         """The prediction service just took a snapshot of every replica."""
         ...
@@ -211,13 +217,16 @@ def gateway_requests(
 
 @dataclass(slots=True)
 class _Open:
-    """A request dispatched and not finished: the gateway's streaming view of it."""
+    """A request dispatched and not finished: the gateway's streaming view of it. ``live``: the
+    in-flight entry a policy handed ``Fleet.dispatch``, advanced as its tokens land (as the live
+    relay advances the registry's)."""
 
     request: GatewayRequest
     dispatched_s: float
     streamed: int = 0
     first_token_s: float | None = None
     last_token_s: float | None = None
+    live: LiveRequest | None = None
 
     def view(self) -> InFlight:
         r = self.request
@@ -351,8 +360,11 @@ class Fleet:
         self._round_robin += 1
         return chosen
 
-    def dispatch(self, request: GatewayRequest, replica: int, now: float) -> None:
-        """Send ``request`` to replica ``replica`` now (the engine queues it at once)."""
+    def dispatch(
+        self, request: GatewayRequest, replica: int, now: float, *, live: LiveRequest | None = None
+    ) -> None:
+        """Send ``request`` to replica ``replica`` now (the engine queues it at once). ``live``:
+        the policy's in-flight entry for it, whose tokens the loop advances as they land."""
         record = self._loop.records[request.index]
         if record.dispatched_s is not None or record.rejected:
             raise RuntimeError(f"request {request.index} was already decided")
@@ -362,9 +374,20 @@ class Fleet:
         engine.add_request(
             str(request.index), request.prompt_tokens, request.max_tokens, record.output_tokens, now
         )
-        handle.open[request.index] = _Open(request, now)
+        handle.open[request.index] = _Open(request, now, live=live)
         if handle.inner.plan is None and replica != self._loop.completing:
             self._loop.start_step(replica)
+
+    def withdraw(self, request: GatewayRequest, now: float) -> None:
+        """Take back ``request`` from the replica it was sent to (the replica refused it as
+        overloaded before any token): the engine drops it, and it may be dispatched again."""
+        record = self._loop.records[request.index]
+        if record.replica is None or record.rejected:
+            raise RuntimeError(f"request {request.index} is not dispatched")
+        handle = self.replicas[self.index_of(record.replica)]
+        handle.open.pop(request.index, None)
+        handle.inner.engine.abort_request(str(request.index), now)
+        record.dispatched_s = record.replica = None
 
     def reject(self, request: GatewayRequest, now: float, reason: str) -> None:
         """Refuse ``request`` (a 429 or a queue timeout); ``reason`` is recorded."""
@@ -432,13 +455,22 @@ class VirtualTimeLoop:
         if self.policy.prediction_service is not None:
             inner.metrics.record_step(result)
         for event in result.events:
-            o = handle.open[int(event.request_id)]
+            o = handle.open.get(int(event.request_id))
+            if o is None:
+                continue  # withdrawn while its step ran
             o.streamed, o.last_token_s = event.num_output_tokens, self.now
             if o.first_token_s is None:
                 o.first_token_s = self.now
+            live = o.live
+            if live is not None:
+                live.tokens_streamed, live.last_token_at = o.streamed, self.now
+                if live.first_token_at is None:
+                    live.first_token_at = self.now
         for stats in result.finished:
             index = int(stats.request_id)
-            o = handle.open.pop(index)
+            o = handle.open.pop(index, None)
+            if o is None:
+                continue
             record = self.records[index]
             record.first_token_s = o.first_token_s
             record.finished_s = self.now
@@ -458,6 +490,7 @@ class VirtualTimeLoop:
             text = inner.metrics.exposition().decode("utf-8")
             snapshot = inner.builder.observe_text(text, self.now, handle.in_flight())
             service.on_snapshot(snapshot)
+            self.policy.on_snapshot(handle.name, self.now)
         self.policy.on_scrape(self.now)
 
     def arm(self) -> None:
@@ -485,6 +518,14 @@ class VirtualTimeLoop:
                 return True
         return self.now <= record.request.arrival_s + ttft_s
 
+    def expect(self, requests: Sequence[GatewayRequest], outputs: Sequence[int]) -> None:
+        """Register ``requests`` (``outputs``: each one's true output length) and push their
+        arrivals; ``run`` does this. A caller that drives the policy itself (a parity test)
+        registers its requests here before it dispatches them."""
+        for req, out in zip(requests, outputs, strict=True):
+            self.records[req.index] = _Record(req, out)
+            self.push(req.arrival_s, _Event.ARRIVAL, req.index)
+
     def outcome(self, index: int) -> Outcome:
         """What happened to request ``index`` so far."""
         return self.records[index].outcome()
@@ -498,9 +539,7 @@ class VirtualTimeLoop:
         """Replay ``requests`` (arrival order; ``outputs``: each one's true output length, which
         only the engine sees) until the heap is empty or ``done()`` is true; ``done`` is asked
         before the first event and after every event that reached the policy."""
-        for req, out in zip(requests, outputs, strict=True):
-            self.records[req.index] = _Record(req, out)
-            self.push(req.arrival_s, _Event.ARRIVAL, req.index)
+        self.expect(requests, outputs)
         by_index = {r.index: r for r in requests}
         if requests and self.policy.prediction_service is not None:
             self.push(requests[0].arrival_s + self.config.scrape_interval_s, _Event.SCRAPE, 0)

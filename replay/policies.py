@@ -17,9 +17,10 @@ Every class implements ``GatewayPolicy``; each baseline has one knob (the goodpu
   LiteLLM style: a request passes when its tenant's request bucket holds one and its token bucket
   is not empty; the request is charged at once, its tokens (prompt + completion) when it ends.
   No load awareness; routing is least outstanding.
-* ``SluicePolicy``: the real ``AdmissionController`` and ``PredictionService``, driven as
-  ``gateway.live_admission.LiveAdmission`` drives them (views built the same way, re-evaluation
-  on every finish, every scrape and on the queue's timer with the same clamps).
+* ``SluicePolicy``: the shipped ``AdmissionEngine`` (``gateway.admission.engine``) and a
+  ``PredictionService``, driven as the live gateway's adapter drives them: the same view cache,
+  queue, timer, fairness charges and re-placement (``tests/unit/admission/test_engine_parity.py``
+  feeds both the same events).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.admission import (
@@ -34,16 +36,21 @@ from gateway.admission import (
     AdmissionRequest,
     AdmissionSettings,
     Decision,
-    Queue,
     Reject,
-    ReplicaView,
-    StreamingRequest,
+    VirtualTokenCounter,
 )
-from gateway.admission.shares import decode_elapsed_s
-from gateway.live_admission import MAX_TICK_S, MIN_TICK_S, expected_output, replica_inputs
+from gateway.admission.engine import (
+    AdmissionEngine,
+    AdmissionReplica,
+    Resolution,
+    Saturated,
+    UnknownModel,
+)
+from gateway.admission.retry_after import RefusalReason
 from gateway.prediction import PredictionConfig, PredictionService
+from gateway.replicas.registry import LiveRequest
 from predictor import Forecast
-from replay.loop import Fleet, GatewayRequest
+from replay.loop import Fleet, GatewayRequest, ReplicaHandle
 from simulator.engine import FinishedRequestStats
 
 __all__ = [
@@ -78,6 +85,9 @@ class _Base:
     def on_finished(
         self, replica: int, request: GatewayRequest, stats: FinishedRequestStats, now: float
     ) -> None:
+        return None
+
+    def on_snapshot(self, replica: str, now: float) -> None:
         return None
 
     def on_scrape(self, now: float) -> None:
@@ -250,18 +260,69 @@ class TenantRateLimit(_Base):
         tok.charge(float(stats.prompt_tokens + stats.generation_tokens), now)
 
 
-@dataclass(slots=True)
-class _Stream:
-    """What admission remembers of a request it sent (as ``live_admission._Stream``)."""
+class _FleetReplica:
+    """A replica of the fleet as the admission engine sees it (``AdmissionReplica``)."""
 
-    request_class: str
-    expected_output_tokens: float
-    predicted_tpot_s: float
-    forecast: Forecast | None
+    __slots__ = ("_handle", "_port")
+
+    def __init__(self, handle: ReplicaHandle, port: _FleetPort) -> None:
+        self._handle = handle
+        self._port = port
+
+    @property
+    def name(self) -> str:
+        return self._handle.name
+
+    @property
+    def state(self) -> str:
+        return "healthy"
+
+    @property
+    def outstanding(self) -> int:
+        return self._handle.outstanding
+
+    @property
+    def saturated_until(self) -> float:
+        return self._port.saturated_until.get(self._handle.name, 0.0)
+
+    def serves(self, model: str, engine: str | None = None) -> bool:
+        return model == self._port.model
+
+    def saturated(self, now: float) -> bool:
+        return now < self.saturated_until
+
+
+class _FleetPort:
+    """``ReplicaSource`` over the replay's fleet (bound to it by ``SluicePolicy.bind``): every
+    replica healthy and serving the fleet's model; a replica that refused a request as
+    overloaded is left alone until its back-off ends (as the live registry's ``saturate``)."""
+
+    def __init__(self) -> None:
+        self.model = ""
+        self.saturated_until: dict[str, float] = {}
+        self._replicas: list[_FleetReplica] = []
+
+    def bind(self, fleet: Fleet) -> None:
+        self.model = fleet.model
+        self._replicas = [_FleetReplica(h, self) for h in fleet.replicas]
+
+    def replicas(self) -> Sequence[AdmissionReplica]:
+        return self._replicas
+
+    def get(self, name: str) -> AdmissionReplica | None:
+        return next((r for r in self._replicas if r.name == name), None)
+
+    def saturate_named(self, name: str, now: float, back_off_s: float, why: str) -> None:
+        self.saturated_until[name] = max(self.saturated_until.get(name, 0.0), now + back_off_s)
+
+
+def _new_entry(request: AdmissionRequest, now: float, streamed: bool) -> LiveRequest:
+    return LiveRequest(request.request_id, request.prompt_tokens, now, request.max_tokens, streamed=streamed)
 
 
 class SluicePolicy(_Base):
-    """(e) Sluice: ``AdmissionController`` + ``PredictionService``, as the live gateway runs them.
+    """(e) Sluice: the shipped ``AdmissionEngine`` over the fleet, with a ``PredictionService``,
+    driven as the live gateway's adapter (``gateway.live_admission``) drives it.
 
     ``settings``: the ``admission`` section (class targets). ``request_class``: the class every
     request is judged as. ``prediction``: the service's config; ``seed``: Retry-After jitter.
@@ -280,10 +341,13 @@ class SluicePolicy(_Base):
         self.name = name
         self.request_class = request_class
         self.service = PredictionService(output_quantile=output_quantile, config=prediction)
-        self.controller = AdmissionController(settings, rng=random.Random(seed))
-        self._streams: list[dict[int, _Stream]] = []
-        self._queued: dict[int, tuple[GatewayRequest, AdmissionRequest]] = {}
-        self._wake: float | None = None
+        self._port = _FleetPort()
+        self.engine = AdmissionEngine(
+            settings, self._port, self.service, rng=random.Random(seed), new_entry=_new_entry
+        )
+        #: Requests by the engine's key while queued; by index while sent (key, forecast).
+        self._queued: dict[int, GatewayRequest] = {}
+        self._sent: dict[int, tuple[int, Forecast | None]] = {}
         self._model = ""
         #: Refusals by (reason, blocking constraint), for the bench's diagnosis.
         self.refusals: Counter[tuple[str, str]] = Counter()
@@ -292,65 +356,51 @@ class SluicePolicy(_Base):
     def prediction_service(self) -> PredictionService | None:
         return self.service
 
+    @property
+    def fairness(self) -> VirtualTokenCounter:
+        """The tenants' fair-share counters (the engine's)."""
+        return self.engine.fairness
+
+    @property
+    def route(self) -> str:
+        """The route key the engine judges the fleet's requests under (its model, after ``bind``)."""
+        return self._model
+
+    @property
+    def controller(self) -> AdmissionController:
+        """The fleet model's controller (after ``bind``)."""
+        return self.engine.controller(self._model)
+
     def bind(self, fleet: Fleet) -> None:
         super().bind(fleet)
-        self._streams = [{} for _ in fleet.replicas]
         self._model = fleet.model
-
-    # -- views (as LiveAdmission._view) ---------------------------------------------------------------
-    def views(self, now: float) -> list[ReplicaView]:
-        """One view per replica, built exactly as the live gateway builds them."""
-        out: list[ReplicaView] = []
-        for handle in self.fleet.replicas:
-            in_flight = handle.in_flight()
-            step_model, state = replica_inputs(
-                self.service, handle.name, model=self._model, tenant=None, in_flight=in_flight, now=now
-            )
-            streams = self._streams[handle.index]
-            running = [
-                StreamingRequest(
-                    s.request_class,
-                    o.request.prompt_tokens,
-                    o.streamed,
-                    s.expected_output_tokens,
-                    s.predicted_tpot_s,
-                    decode_elapsed_s(o.first_token_s, o.last_token_s),
-                )
-                for i, s in streams.items()
-                for o in (handle.open[i],)
-            ]
-            out.append(
-                ReplicaView.build(
-                    handle.name,
-                    healthy=True,
-                    model=step_model,
-                    state=state,
-                    streams=running,
-                    stale=state.stale,
-                )
-            )
-        return out
+        self._port.bind(fleet)
 
     # -- events ---------------------------------------------------------------------------------------
     def on_arrival(self, request: GatewayRequest, now: float) -> None:
-        output, quantile = expected_output(self.service, self._model, None, request.max_tokens)
-        areq = AdmissionRequest(
-            request_id=str(request.index),
-            request_class=self.request_class,
+        self._submit(request, now)
+
+    def _submit(self, request: GatewayRequest, now: float) -> None:
+        """Decide ``request`` (arrived at ``request.arrival_s``) now, as ``LiveAdmission.admit``."""
+        areq = self.engine.request(
+            str(request.index),
+            self._model,
             prompt_tokens=request.prompt_tokens,
             max_tokens=request.max_tokens,
-            expected_output_tokens=output,
-            arrival_s=now,
-            output_quantile=quantile,
+            request_class=self.request_class,
+            arrival_s=request.arrival_s,
             tenant=request.tenant,
         )
-        decision = self.controller.submit(areq, self.views(now), now)
-        if isinstance(decision, Queue) and decision.enforced:
-            assert decision.entry_id is not None
-            self._queued[decision.entry_id] = (request, areq)
-            self._schedule(now)
-        else:
-            self._conclude(request, areq, decision, now)
+        submitted = self.engine.submit(areq, self._model, now)
+        if isinstance(submitted, UnknownModel):
+            raise RuntimeError(f"the fleet does not serve {submitted.model!r}")
+        if isinstance(submitted, Saturated):
+            self._refuse_saturated(request, now)
+            return
+        if submitted.queued:
+            self._queued[submitted.key] = request
+            return
+        self._conclude(request, submitted.key, submitted.decision, submitted.replica, submitted.entry, now)
 
     def on_decision(self, request: GatewayRequest, decision: Decision, now: float) -> None:
         """Told of every final decision (admit or refuse) before it is carried out; a hook for
@@ -358,26 +408,33 @@ class SluicePolicy(_Base):
         return None
 
     def _conclude(
-        self, request: GatewayRequest, areq: AdmissionRequest, decision: Decision, now: float
+        self,
+        request: GatewayRequest,
+        key: int,
+        decision: Decision,
+        replica: str | None,
+        entry: object,
+        now: float,
     ) -> None:
         self.on_decision(request, decision, now)
-        fleet = self.fleet
-        if not decision.admits:
+        if not decision.admits or replica is None or not isinstance(entry, LiveRequest):
             assert isinstance(decision, Reject)
             self._refuse(request, decision, now)
             return
-        k = fleet.index_of(decision.replica) if decision.replica is not None else fleet.least_outstanding()
-        forecast = decision.forecast
-        tpot = forecast.tpot_s if forecast is not None and math.isfinite(forecast.tpot_s) else 0.0
-        output = forecast.output_tokens_used if forecast is not None else areq.expected_output_tokens
-        fleet.dispatch(request, k, now)
-        self._streams[k][request.index] = _Stream(areq.request_class, output, tpot, forecast)
+        self.fleet.dispatch(request, self.fleet.index_of(replica), now, live=entry)
+        self._sent[request.index] = (key, decision.forecast)
+
+    def _apply(self, resolutions: list[Resolution], now: float) -> None:
+        """Carry out what a re-evaluation decided for queued requests."""
+        for r in resolutions:
+            self._conclude(self._queued.pop(r.key), r.key, r.decision, r.replica, r.entry, now)
 
     def on_finished(
         self, replica: int, request: GatewayRequest, stats: FinishedRequestStats, now: float
     ) -> None:
-        stream = self._streams[replica].pop(request.index, None)
-        self.controller.fairness.charge_output(request.tenant, max(0, stats.generation_tokens))
+        # As the live proxy: admission first (charge, forget, re-evaluate), then the learning.
+        key, forecast = self._sent.pop(request.index, (-1, None))
+        self._apply(self.engine.finished(key, stats.generation_tokens, now), now)
         self.service.on_finished(
             replica=self.fleet.replicas[replica].name,
             model=self._model,
@@ -386,51 +443,44 @@ class SluicePolicy(_Base):
             prompt_tokens=stats.prompt_tokens,
             completion_tokens=stats.generation_tokens,
             finished_at=now,
-            forecast=None if stream is None else stream.forecast,
+            forecast=forecast,
             ttft_s=stats.ttft_s,
         )
-        self.reevaluate(now)
+
+    def replica_refused(self, request: GatewayRequest, back_off_s: float, now: float, *, retry: bool) -> None:
+        """``request``'s replica refused it as overloaded before any token (its own 429/503),
+        asking for ``back_off_s`` seconds: as the live proxy, the replica is left alone that long
+        and the request placed again (``retry``), or refused as ``replicas_saturated``."""
+        key, _ = self._sent.pop(request.index)
+        self.engine.replica_refused(key, back_off_s, "overloaded", now)
+        self.fleet.withdraw(request, now)
+        if not retry:
+            saturated = self.engine.saturated(self._model, back_off_s, placed=True)
+            self.refusals[(saturated.reason.value, "-")] += 1
+            self.fleet.reject(request, now, saturated.reason.value)
+            self._apply(self.engine.finished(key, None, now), now)
+            return
+        self._apply(self.engine.finished(key, None, now), now)
+        self._submit(request, now)
 
     def _refuse(self, request: GatewayRequest, reject: Reject, now: float) -> None:
         blocker = "-" if reject.blocker is None else reject.blocker.value
         self.refusals[(reject.reason.value, blocker)] += 1
         self.fleet.reject(request, now, reject.reason.value)
 
-    def on_scrape(self, now: float) -> None:
-        self.reevaluate(now)
+    def _refuse_saturated(self, request: GatewayRequest, now: float) -> None:
+        self.refusals[(RefusalReason.REPLICAS_SATURATED.value, "-")] += 1
+        self.fleet.reject(request, now, RefusalReason.REPLICAS_SATURATED.value)
+
+    def on_snapshot(self, replica: str, now: float) -> None:
+        self._apply(self.engine.on_snapshot(replica, now), now)
 
     def on_wakeup(self, now: float) -> None:
-        self._wake = None
         self.reevaluate(now)
 
     def next_wakeup(self, now: float) -> float | None:
-        return self._wake
+        return self.engine.next_wakeup(now)
 
     def reevaluate(self, now: float) -> None:
         """Offer the queued requests to the replicas again (``LiveAdmission.reevaluate``)."""
-        if len(self.controller.queue) == 0:
-            self._wake = None
-            return
-        result = self.controller.reevaluate(now, self.views(now))
-        for entry, decision in result.dispatched:
-            request, areq = self._queued.pop(entry.id)
-            self._conclude(request, areq, decision, now)
-        for entry, reject in result.rejected:
-            request, _ = self._queued.pop(entry.id)
-            self._refuse(request, reject, now)
-        self._schedule(now)
-
-    def _schedule(self, now: float) -> None:
-        """The queue's next timer, as ``LiveAdmission._schedule`` arms it."""
-        queue = self.controller.queue
-        if len(queue) == 0:
-            self._wake = None
-            return
-        deadline = self.controller.next_deadline_s()
-        when = math.inf if deadline is None else deadline
-        hint = MAX_TICK_S
-        for entry_id in self._queued:
-            entry = queue.entry(entry_id)
-            if entry is not None and math.isfinite(entry.earliest_retry_s):
-                hint = min(hint, entry.earliest_retry_s)
-        self._wake = min(when, now + min(max(hint, MIN_TICK_S), MAX_TICK_S))
+        self._apply(self.engine.reevaluate(now), now)

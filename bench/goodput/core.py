@@ -46,7 +46,7 @@ from bench.goodput.metrics import (
     score,
 )
 from bench.verdicts import Status, Verdict, judge, missing
-from gateway.admission import AdmissionSettings, ClassSettings, Decision, ReplicaView
+from gateway.admission import AdmissionSettings, ClassSettings, Decision
 from gateway.prediction import ReplicaFacts
 from replay import (
     FleetConfig,
@@ -261,18 +261,13 @@ class ForecastRecorder(SluicePolicy):
         super().__init__(settings, seed=seed, name=name)
         self._fresh_scale = 1.0 + settings.forecast_margin
         self._stale_scale = self._fresh_scale * (1.0 + settings.stale_margin)
-        self._view_stale: dict[str, bool] = {}
         self.forecasts: dict[int, DispatchForecast] = {}
-
-    def views(self, now: float) -> list[ReplicaView]:
-        out = super().views(now)
-        self._view_stale = {v.name: v.stale for v in out}
-        return out
 
     def on_decision(self, request: GatewayRequest, decision: Decision, now: float) -> None:
         forecast = decision.forecast
         if decision.admits and forecast is not None and decision.replica is not None:
-            stale = self._view_stale.get(decision.replica, False)
+            view = self.engine.cached_view(self.route, decision.replica)
+            stale = view is not None and view.stale
             scale = self._stale_scale if stale else self._fresh_scale
             self.forecasts[request.index] = DispatchForecast(
                 forecast.ttft_s / scale, forecast.tpot_s / scale, scale, stale

@@ -6,7 +6,7 @@ runs on a virtual clock through the shipped code, with nothing re-implemented:
 
 * the virtual-time fleet is ``replay.admission.run_gateway_replay`` (the emulator's
   engine, its ``/metrics`` text scraped into the gateway's ``PredictionService`` every second);
-* the gateway is ``replay.policies.SluicePolicy``: the real ``AdmissionController``,
+* the gateway is ``replay.policies.SluicePolicy``: the real ``AdmissionEngine``,
   whose ``AdmissionQueue`` picks, whenever a slot frees, the backlogged tenant with the smallest
   ``VirtualTokenCounter`` counter and charges it the prompt at dispatch; views, forecasts and
   the class's slot share as the live gateway builds them;
@@ -109,7 +109,7 @@ class FairSharePolicy(SluicePolicy):
 
     def __init__(self, weights: Mapping[str, float], fairness: str) -> None:
         super().__init__(admission(fairness), request_class="shared", name="sluice-fair-share")
-        self.controller.fairness.set_tenant_weights({t: weights[shape] for t, shape in TENANTS.items()})
+        self.fairness.set_tenant_weights({t: weights[shape] for t, shape in TENANTS.items()})
         self._prices = fairness == "tokens"
         self.samples: list[Sample] = []
         #: Requests finished per tenant inside ``WINDOW_S``.
@@ -132,24 +132,9 @@ class FairSharePolicy(SluicePolicy):
     def on_finished(
         self, replica: int, request: GatewayRequest, stats: FinishedRequestStats, now: float
     ) -> None:
-        # As ``LiveAdmission.finished``: the output after the prompt's context; the prediction
-        # service learns from it as the live gateway's does (with the dispatch's forecast, whose
-        # prefill steps its measured TTFT times for the step model's fit); then re-evaluate.
-        stream = self._streams[replica].pop(request.index, None)
-        fairness = self.controller.fairness
-        fairness.charge_output(request.tenant, max(0, stats.generation_tokens), stats.prompt_tokens)
-        self.service.on_finished(
-            replica=self.fleet.replicas[replica].name,
-            model=self._model,
-            tenant=None,
-            prompt_chars=None,
-            prompt_tokens=stats.prompt_tokens,
-            completion_tokens=stats.generation_tokens,
-            finished_at=now,
-            forecast=None if stream is None else stream.forecast,
-            ttft_s=stats.ttft_s,
-        )
-        self.reevaluate(now)
+        # The engine charges the output after the prompt's context, as live; the prediction
+        # service learns from it (with the dispatch's forecast); the queue is re-evaluated.
+        super().on_finished(replica, request, stats, now)
         if WINDOW_S[0] <= now < WINDOW_S[1]:
             self.finished[TENANTS[request.tenant]] += 1
         # Its client sends the next one at once.
@@ -159,10 +144,10 @@ class FairSharePolicy(SluicePolicy):
 
     def on_scrape(self, now: float) -> None:
         if self._prices:
-            self.controller.fairness.set_token_weights(fleet_token_weights(self.service, REPLICAS))
+            self.fairness.set_token_weights(fleet_token_weights(self.service, REPLICAS))
         engine = self.fleet.replicas[0].inner.engine
         assert isinstance(engine, GpuTimeEngine)
-        fairness = self.controller.fairness
+        fairness = self.fairness
         self.samples.append(
             Sample(
                 now,
@@ -228,7 +213,7 @@ def simulate(docs_weight: float, chat_weight: float, fairness: str = "tokens") -
         # (a certain TTFT miss), which ends the replay.
         run_gateway_replay(trace, config, policy, targets=Targets(ttft_s=WINDOW_S[1], tpot_s=1.0))
     window = [s for s in policy.samples if WINDOW_S[0] <= s.at <= WINDOW_S[1]]
-    run = VirtualRun(window, policy.finished, policy.controller.fairness.token_weights)
+    run = VirtualRun(window, policy.finished, policy.fairness.token_weights)
     print(
         f"\nvirtual {fairness} docs:chat={docs_weight:g}:{chat_weight:g} | charged "
         f"{ {t: round(v, 3) for t, v in run.charged().items()} } | engine "
