@@ -46,7 +46,6 @@ from gateway.admission.engine import (
     Saturated,
     UnknownModel,
 )
-from gateway.admission.retry_after import RefusalReason
 from gateway.prediction import PredictionConfig, PredictionService
 from gateway.replicas.registry import LiveRequest
 from predictor import Forecast
@@ -351,6 +350,9 @@ class SluicePolicy(_Base):
         self._model = ""
         #: Refusals by (reason, blocking constraint), for the bench's diagnosis.
         self.refusals: Counter[tuple[str, str]] = Counter()
+        #: The Retry-After (jittered seconds; ``None``: retrying cannot help) each refused request
+        #: was told, by index.
+        self.retry_after_s: dict[int, float | None] = {}
 
     @property
     def prediction_service(self) -> PredictionService | None:
@@ -395,7 +397,9 @@ class SluicePolicy(_Base):
         if isinstance(submitted, UnknownModel):
             raise RuntimeError(f"the fleet does not serve {submitted.model!r}")
         if isinstance(submitted, Saturated):
-            self._refuse_saturated(request, now)
+            self.refusals[(submitted.reason.value, "-")] += 1
+            self.retry_after_s[request.index] = submitted.retry_after.delay_s
+            self.fleet.reject(request, now, submitted.reason.value)
             return
         if submitted.queued:
             self._queued[submitted.key] = request
@@ -457,6 +461,7 @@ class SluicePolicy(_Base):
         if not retry:
             saturated = self.engine.saturated(self._model, back_off_s, placed=True)
             self.refusals[(saturated.reason.value, "-")] += 1
+            self.retry_after_s[request.index] = saturated.retry_after.delay_s
             self.fleet.reject(request, now, saturated.reason.value)
             self._apply(self.engine.finished(key, None, now), now)
             return
@@ -466,11 +471,8 @@ class SluicePolicy(_Base):
     def _refuse(self, request: GatewayRequest, reject: Reject, now: float) -> None:
         blocker = "-" if reject.blocker is None else reject.blocker.value
         self.refusals[(reject.reason.value, blocker)] += 1
+        self.retry_after_s[request.index] = reject.retry_after_s
         self.fleet.reject(request, now, reject.reason.value)
-
-    def _refuse_saturated(self, request: GatewayRequest, now: float) -> None:
-        self.refusals[(RefusalReason.REPLICAS_SATURATED.value, "-")] += 1
-        self.fleet.reject(request, now, RefusalReason.REPLICAS_SATURATED.value)
 
     def on_snapshot(self, replica: str, now: float) -> None:
         self._apply(self.engine.on_snapshot(replica, now), now)

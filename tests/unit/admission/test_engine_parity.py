@@ -1,0 +1,408 @@
+"""Parity: the live gateway's adapter and the replay's drive one ``AdmissionEngine`` alike.
+
+One scripted sequence of events (bursts of arrivals with prompts and tenants, replica snapshots,
+tokens landing, finishes, a replica's own 429 with re-placement and without, timers) is fed to
+both adapters: ``gateway.live_admission.LiveAdmission`` (real aiohttp requests, futures, its
+timer armed through an injected ``call_later`` on a scripted clock) and
+``replay.policies.SluicePolicy`` (over a replay fleet whose engines never step: the script is the
+world). Both get their own prediction service with the same facts and the same snapshots, and
+Retry-After jitter seeded alike. The test asserts the same decision, replica, Retry-After and
+queue order after every event; it fails if either adapter drifts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, cast
+
+from aiohttp.test_utils import make_mocked_request
+
+from bench.goodput.core import FACTS, PROFILE, admission_settings
+from gateway.admission import Outcome
+from gateway.errors import GatewayError, Refused
+from gateway.forecasts import LivePredictions
+from gateway.live_admission import LiveAdmission, Ticket
+from gateway.observability.logs import RequestOutcome
+from gateway.openai_api import ParsedRequest
+from gateway.prediction.service import PredictionService
+from gateway.replicas.registry import ReplicaRegistry, ReplicaState
+from gateway.replicas.scraper import MetricsScraper
+from gateway.replicas.snapshot import ReplicaSnapshot
+from gateway.store import SettingsStore
+from gateway.tenancy import TENANT
+from replay.loop import FleetConfig, GatewayRequest, VirtualTimeLoop
+from replay.policies import SluicePolicy
+from simulator.engine import FinishedRequestStats
+from simulator.profile import load_profile
+from tests.unit.gateway.fakes import gateway_settings
+
+SEED = 7
+#: A class that queues: the bench's, with a 3-s TTFT target and queue wait.
+SETTINGS = admission_settings((("class.ttft_target_s", 3.0), ("class.max_queue_wait_s", 3.0)))
+REPLICAS = 2
+#: (time, prompt tokens, max tokens, tenant) per request; index = position.
+ARRIVALS: list[tuple[float, int, int, str]] = [
+    *[(0.0, 2000, 300, f"t{i % 3}") for i in range(30)],
+    *[(0.05, 1500, 300, f"t{i % 3}") for i in range(10)],
+    (0.3, 500, 200, "t1"),
+    (0.6, 1200, 300, "t2"),
+]
+
+
+@dataclass(order=True)
+class Event:
+    at: float
+    order: int
+    kind: str = field(compare=False)
+    args: tuple[Any, ...] = field(compare=False, default=())
+
+
+def script() -> list[Event]:
+    """The scripted events (besides timers): arrivals, snapshots, tokens, finishes, 429s."""
+    events = [Event(at, i, "arrive", (i,)) for i, (at, *_) in enumerate(ARRIVALS)]
+    events += [Event(0.2, 100, "snapshot"), Event(0.7, 100, "snapshot")]
+    events += [
+        Event(0.1, 200, "tokens", (1,)),
+        Event(0.15, 200, "tokens", (3,)),
+        Event(0.4, 200, "tokens", (2,)),
+    ]
+    events += [Event(0.45, 300, "finish", (0, 40)), Event(0.5, 300, "finish", (1, 55))]
+    events += [Event(0.25, 400, "refused", (2, 0.5, True)), Event(0.55, 400, "refused", (3, 0.3, False))]
+    events += [Event(0.65, 300, "finish", (4, 60)), Event(0.8, 300, "finish", (5, 10))]
+    return sorted(events)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Timers:
+    """``call_later`` on the scripted clock: handles fired by ``due``."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.armed: list[tuple[float, int, SimpleNamespace]] = []
+        self.seq = 0
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> SimpleNamespace:
+        handle = SimpleNamespace(callback=callback, cancelled=False)
+        handle.cancel = lambda: setattr(handle, "cancelled", True)
+        self.armed.append((self.clock.now + delay, self.seq, handle))
+        self.seq += 1
+        return handle
+
+    def next_at(self) -> float | None:
+        live = [at for at, _, h in self.armed if not h.cancelled]
+        return min(live) if live else None
+
+    def fire(self, at: float) -> None:
+        for entry in sorted(self.armed, key=lambda e: (e[0], e[1])):
+            when, _, handle = entry
+            if when <= at and not handle.cancelled:
+                self.armed.remove(entry)
+                handle.callback()
+                return
+
+
+def services() -> PredictionService:
+    service = PredictionService(output_quantile=0.5)
+    for k in range(REPLICAS):
+        service.set_replica(f"r{k}", FACTS)
+    return service
+
+
+class LiveSide:
+    """``LiveAdmission`` as the proxy drives it, on the scripted clock."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.clock = Clock()
+        self.timers = Timers(self.clock)
+        settings = gateway_settings({f"r{k}": "http://127.0.0.1:9" for k in range(REPLICAS)})
+        settings = settings.model_copy(update={"admission": SETTINGS})
+        store = SettingsStore(settings)
+        self.registry = ReplicaRegistry(store)
+        for replica in self.registry.replicas():
+            replica.state = ReplicaState.HEALTHY
+            replica.models = cast(Any, {model: None})
+        self.service = services()
+        scraper = MetricsScraper(cast(Any, None), interval_s=1.0, timeout_s=1.0, window_s=5.0)
+        predictions = LivePredictions(self.registry, scraper, self.service)
+        for k in range(REPLICAS):
+            self.service.set_replica(f"r{k}", FACTS)
+        self.admission = LiveAdmission(
+            store,
+            self.registry,
+            predictions,
+            clock=self.clock,
+            rng=random.Random(SEED),
+            call_later=self.timers.call_later,
+        )
+        self.decisions: dict[int, tuple[str, str | None, float | None]] = {}
+        self.tickets: dict[int, Ticket] = {}
+        self.requests: dict[int, Any] = {}
+        self.outcomes: dict[int, RequestOutcome] = {}
+
+    async def arrive(self, i: int) -> None:
+        at, prompt, max_tokens, tenant = ARRIVALS[i]
+        if i not in self.requests:
+            request = make_mocked_request("POST", "/v1/chat/completions")
+            request[TENANT] = cast(
+                Any, SimpleNamespace(name=tenant, default_class=None, allowed_classes=None)
+            )
+            self.requests[i] = request
+            self.outcomes[i] = RequestOutcome(
+                request_id=str(i), method="POST", path="/v1/chat/completions", received_at=at
+            )
+        parsed = ParsedRequest("chat", self.model, True, False, max_tokens, {}, b"", prompt_token_ids=prompt)
+        asyncio.get_running_loop().create_task(self._admit(i, parsed))
+        await settle()
+
+    async def _admit(self, i: int, parsed: ParsedRequest) -> None:
+        try:
+            ticket = await self.admission.admit(self.requests[i], parsed, self.outcomes[i])
+        except Refused as err:
+            retry = None if err.retry_after is None else err.retry_after.delay_s
+            self.decisions[i] = (f"rejected: {err.reason.value}", None, retry)
+        except GatewayError:
+            outcome = self.outcomes[i]
+            self.decisions[i] = (f"rejected: {outcome.reason}", None, outcome.retry_after_s)
+        else:
+            self.tickets[i] = ticket
+            self.decisions[i] = ("admitted", ticket.replica.name, None)
+
+    async def snapshot(self, snapshots: list[ReplicaSnapshot]) -> None:
+        for snapshot in snapshots:
+            self.service.on_snapshot(snapshot)
+            self.admission.on_snapshot(snapshot)
+        await settle()
+
+    def tokens(self, i: int, count: int) -> None:
+        live = self.tickets[i].live
+        live.tokens_streamed += count
+        live.last_token_at = self.clock.now
+        if live.first_token_at is None:
+            live.first_token_at = self.clock.now
+
+    async def finish(self, i: int, produced: int) -> None:
+        ticket = self.tickets.pop(i)
+        outcome = self.outcomes[i]
+        outcome.completion_tokens = produced
+        self.admission.finished(ticket, outcome)
+        self.service.on_finished(**learned(ticket.replica.name, ticket, produced, self.clock.now, self.model))
+        await settle()
+
+    async def refused(self, i: int, back_off_s: float, retry: bool) -> None:
+        ticket = self.tickets.pop(i)
+        self.admission.replica_refused(ticket, back_off_s, "overloaded")
+        if not retry:
+            err = self.admission.saturated(self.model, back_off_s, placed=True)
+            self.decisions[i] = (f"rejected: {err.reason.value}", None, err.retry_after.delay_s)
+            self.admission.finished(ticket, self.outcomes[i])
+            await settle()
+            return
+        self.admission.finished(ticket, self.outcomes[i])
+        del self.decisions[i]  # placed again: undecided until admission decides it anew
+        await self.arrive(i)
+
+    async def timer(self, at: float) -> None:
+        self.timers.fire(at)
+        await settle()
+
+    def queue(self) -> list[str]:
+        return self.admission.engine.queue_order()
+
+
+def learned(replica: str, ticket: Any, produced: int, now: float, model: str) -> dict[str, Any]:
+    return {
+        "replica": replica,
+        "model": model,
+        "tenant": None,
+        "prompt_chars": None,
+        "prompt_tokens": ticket.request.prompt_tokens,
+        "completion_tokens": produced,
+        "finished_at": now,
+        "forecast": ticket.forecast,
+        "ttft_s": 0.2,
+    }
+
+
+class ReplaySide:
+    """``SluicePolicy`` over a replay fleet whose engines never step (the script is the world)."""
+
+    def __init__(self) -> None:
+        self.config = FleetConfig(load_profile(PROFILE), FACTS, replicas=REPLICAS, jitter=0.0, max_tokens=800)
+        self.policy = SluicePolicy(SETTINGS, seed=SEED)
+        self.loop = VirtualTimeLoop(self.config, self.policy)
+        self.requests = [
+            GatewayRequest(i, tenant, at, prompt, max_tokens)
+            for i, (at, prompt, max_tokens, tenant) in enumerate(ARRIVALS)
+        ]
+        self.loop.expect(self.requests, [m for *_, m, _ in ARRIVALS])
+        self.policy.bind(self.loop.fleet)
+        self.wake: float | None = None
+
+    @property
+    def model(self) -> str:
+        return self.loop.fleet.model
+
+    def arm(self, now: float) -> None:
+        """As ``VirtualTimeLoop.arm``: keep the earlier of the armed wake-up and the policy's."""
+        when = self.policy.next_wakeup(now)
+        if when is not None and (self.wake is None or when < self.wake):
+            self.wake = max(when, now)
+
+    def decisions(self) -> dict[int, tuple[str, str | None, float | None]]:
+        out: dict[int, tuple[str, str | None, float | None]] = {}
+        for r in self.requests:
+            o = self.loop.outcome(r.index)
+            if o.rejected:
+                out[r.index] = (f"rejected: {o.reason}", None, self.policy.retry_after_s.get(r.index))
+            elif o.replica is not None:
+                out[r.index] = ("admitted", o.replica, None)
+        return out
+
+    def snapshots(self, now: float) -> list[ReplicaSnapshot]:
+        out = []
+        for handle in self.loop.fleet.replicas:
+            text = handle.inner.metrics.exposition().decode("utf-8")
+            out.append(handle.inner.builder.observe_text(text, now, handle.in_flight()))
+        return out
+
+    def _open(self, i: int) -> Any:
+        record = self.loop.outcome(i)
+        handle = self.loop.fleet.replicas[self.loop.fleet.index_of(record.replica or "")]
+        return handle, handle.open[i]
+
+    def tokens(self, i: int, count: int, now: float) -> None:
+        _, o = self._open(i)
+        live = o.live
+        live.tokens_streamed += count
+        live.last_token_at = now
+        if live.first_token_at is None:
+            live.first_token_at = now
+
+    def finish(self, i: int, produced: int, now: float) -> None:
+        handle, _ = self._open(i)
+        del handle.open[i]
+        request = self.requests[i]
+        stats = FinishedRequestStats(
+            str(i), cast(Any, "stop"), request.prompt_tokens, produced, request.max_tokens,
+            0, 0.2, now - request.arrival_s, 0.0, 0.0, 0.0, 0.0, None,
+        )  # fmt: skip
+        self.policy.on_finished(handle.index, request, stats, now)
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def run(*, drift: Callable[[ReplaySide], None] | None = None) -> list[tuple[Any, ...]]:
+    """Play the script on both sides; a list of (event, live state, replay state) that differ."""
+    replay = ReplaySide()
+    if drift is not None:
+        drift(replay)
+    live = LiveSide(replay.model)
+    differences: list[tuple[Any, ...]] = []
+    pending = script()
+    while pending:
+        nxt = pending[0].at
+        live_timer, replay_timer = live.timers.next_at(), replay.wake
+        timer = min((t for t in (live_timer, replay_timer) if t is not None), default=None)
+        if timer is not None and timer < nxt:
+            if live_timer != replay_timer:
+                differences.append(("timer", live_timer, replay_timer))
+                break
+            live.clock.now = timer
+            replay.wake = None
+            await live.timer(timer)
+            replay.policy.on_wakeup(timer)
+            replay.arm(timer)
+            event = Event(timer, -1, "timer")
+        else:
+            event = pending.pop(0)
+            now = live.clock.now = event.at
+            if event.kind == "arrive":
+                await live.arrive(*event.args)
+                replay.policy.on_arrival(replay.requests[event.args[0]], now)
+            elif event.kind == "snapshot":
+                snaps = replay.snapshots(now)
+                await live.snapshot(snaps)
+                for snap in snaps:
+                    replay.policy.service.on_snapshot(snap)
+                    replay.policy.on_snapshot(snap.name, now)
+            elif event.kind == "tokens":
+                i, count = event.args[0], 5
+                if i in live.tickets:
+                    live.tokens(i, count)
+                    replay.tokens(i, count, now)
+            elif event.kind == "finish":
+                i, produced = event.args
+                if i in live.tickets:
+                    await live.finish(i, produced)
+                    replay.finish(i, produced, now)
+            elif event.kind == "refused":
+                i, back_off, retry = event.args
+                if i in live.tickets:
+                    await live.refused(i, back_off, retry)
+                    replay.policy.replica_refused(replay.requests[i], back_off, now, retry=retry)
+            replay.arm(now)
+        state = (live.decisions, live.queue())
+        other = (replay.decisions(), replay.policy.engine.queue_order())
+        if state != other:
+            differences.append((event, state, other))
+            break
+    live.admission.close()
+    return differences
+
+
+def kinds(decisions: dict[int, tuple[str, str | None, float | None]]) -> set[str]:
+    return {d for d, _, _ in decisions.values()}
+
+
+async def test_live_and_replay_adapters_decide_alike() -> None:
+    assert await run() == []
+
+
+async def test_the_script_covers_queueing_refusals_and_re_placement() -> None:
+    live = await _played_live()
+    decided = live.decisions
+    assert {r for _, r, _ in decided.values() if r is not None} == {"r0", "r1"}
+    assert any(k.startswith("rejected") for k in kinds(decided))
+    assert "rejected: replicas_saturated" in kinds(decided)
+    assert "rejected: deadline_exceeded" in kinds(decided)  # expired in the queue, by a timer
+    stats = live.admission.stats
+    assert stats.count(outcome=Outcome.QUEUED) > 0
+    assert stats.count(outcome=Outcome.DISPATCHED) > 0  # dispatched from the queue
+
+
+async def _played_live() -> LiveSide:
+    replay = ReplaySide()
+    live = LiveSide(replay.model)
+    for event in script():
+        live.clock.now = event.at
+        if event.kind == "arrive":
+            await live.arrive(*event.args)
+        elif event.kind == "finish" and event.args[0] in live.tickets:
+            await live.finish(*event.args)
+        elif event.kind == "refused" and event.args[0] in live.tickets:
+            await live.refused(*event.args)
+    live.admission.close()
+    return live
+
+
+async def test_a_drifting_adapter_is_caught() -> None:
+    # The replay's jitter seeded differently: the first jittered Retry-After differs.
+    def reseed(side: ReplaySide) -> None:
+        side.policy.engine._rng = random.Random(SEED + 1)
+
+    assert await run(drift=reseed) != []
