@@ -170,8 +170,8 @@ class LiveSide:
         try:
             ticket = await self.admission.admit(self.requests[i], parsed, self.outcomes[i])
         except Refused as err:
-            retry = None if err.retry_after is None else err.retry_after.delay_s
-            self.decisions[i] = (f"rejected: {err.reason.value}", None, retry)
+            told = None if err.retry_after is None else err.retry_after.delay_s
+            self.decisions[i] = (f"rejected: {err.reason.value}", None, told)
         except GatewayError:
             outcome = self.outcomes[i]
             self.decisions[i] = (f"rejected: {outcome.reason}", None, outcome.retry_after_s)
@@ -205,7 +205,8 @@ class LiveSide:
         self.admission.replica_refused(ticket, back_off_s, "overloaded")
         if not retry:
             err = self.admission.saturated(self.model, back_off_s, placed=True)
-            self.decisions[i] = (f"rejected: {err.reason.value}", None, err.retry_after.delay_s)
+            told = None if err.retry_after is None else err.retry_after.delay_s
+            self.decisions[i] = (f"rejected: {err.reason.value}", None, told)
             self.admission.finished(ticket, self.outcomes[i])
             await settle()
             return
