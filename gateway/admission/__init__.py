@@ -17,7 +17,6 @@ from gateway.admission.config import (
 )
 from gateway.admission.core import AdmissionController
 from gateway.admission.decision import (
-    ADMITTERS,
     Admit,
     Admitter,
     Blocker,
@@ -27,10 +26,10 @@ from gateway.admission.decision import (
     RejectReason,
     Rule,
     SloAdmitter,
-    make_admitter,
 )
 from gateway.admission.fairness import TenantKey, TokenWeights, VirtualTokenCounter
 from gateway.admission.headers import decision_headers
+from gateway.admission.policies import ADMITTERS, make_admitter
 from gateway.admission.queue import AdmissionQueue, QueueEntry, Reevaluation
 from gateway.admission.request import AdmissionRequest
 from gateway.admission.retry_after import (

@@ -21,9 +21,11 @@ __all__ = [
     "INTERACTIVE_STALL_BUDGET_HORIZON",
     "AdmissionSettings",
     "ClassSettings",
+    "ConcurrencyCapSettings",
     "HeaderSettings",
     "QueueSettings",
     "RetryAfterSettings",
+    "SaturationSettings",
     "ShadowSettings",
 ]
 
@@ -291,16 +293,66 @@ class QueueSettings(Section):
     ] = "tokens"
 
 
+class ConcurrencyCapSettings(Section):
+    """``policy: concurrency_cap``: at most ``max_in_flight`` of Sluice's requests per replica; the
+    rest wait in Sluice's queue, first in first out, at most ``queue_ttl_s`` each."""
+
+    max_in_flight: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="Most of Sluice's requests in flight on one replica (requests); more wait in the "
+            "queue (at most each class's queue_capacity; full -> 429 overloaded).",
+        ),
+    ] = 64
+    queue_ttl_s: Annotated[
+        PositiveSeconds,
+        Field(
+            description="Longest a request waits in the queue, in seconds from its arrival; then it is "
+            "refused (429 deadline_exceeded). The class targets do not apply under this policy."
+        ),
+    ] = 2.0
+
+
+class SaturationSettings(Section):
+    """``policy: saturation``: shed load when every replica is saturated (the Kubernetes Gateway API
+    Inference Extension's detector): waiting queue above ``queue_threshold`` or KV-cache use above
+    ``kv_threshold``, or metrics stale."""
+
+    queue_threshold: Annotated[
+        int,
+        Field(
+            ge=0,
+            description="A replica with more requests than this in its engine's waiting queue is saturated.",
+        ),
+    ] = 5
+    kv_threshold: Annotated[
+        Fraction,
+        Field(
+            description="A replica whose KV-cache use (a fraction of its capacity, (0, 1]) is above this "
+            "is saturated."
+        ),
+    ] = 0.8
+
+
 class AdmissionSettings(Section):
     """SLO-aware admission: classes, routing by slack, the queue, Retry-After, shadow mode."""
 
     policy: Annotated[
-        Literal["slo", "admit_all"],
+        Literal["slo", "admit_all", "concurrency_cap", "saturation", "none"],
         Field(
-            description="Admitter: `slo` admits what will meet its targets; `admit_all` routes by slack "
-            "but admits everything (a baseline)."
+            description="Admission policy (gateway.admission.policies): `slo` admits what will meet its "
+            "targets; `admit_all` routes by slack but admits everything; `concurrency_cap` caps requests "
+            "per replica with a FIFO queue (see concurrency_cap); `saturation` refuses when every replica "
+            "is saturated (see saturation); `none` sends everything to the least busy replica."
         ),
     ] = "slo"
+    concurrency_cap: Annotated[
+        ConcurrencyCapSettings, Field(description="Knobs of `policy: concurrency_cap` (ignored otherwise).")
+    ] = ConcurrencyCapSettings()
+    saturation: Annotated[
+        SaturationSettings, Field(description="Knobs of `policy: saturation` (ignored otherwise).")
+    ] = SaturationSettings()
     classes: Annotated[
         dict[Name, ClassSettings],
         Field(description="Request classes by name; defaults: `interactive` and `batch`."),

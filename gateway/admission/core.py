@@ -28,9 +28,9 @@ from gateway.admission.decision import (
     Queue,
     Reject,
     RejectReason,
-    make_admitter,
 )
 from gateway.admission.fairness import TokenWeights, VirtualTokenCounter
+from gateway.admission.policies import make_admitter
 from gateway.admission.queue import AdmissionQueue, QueueEntry, Reevaluation
 from gateway.admission.request import AdmissionRequest
 from gateway.admission.retry_after import RetryAfterPolicy, UniformSource

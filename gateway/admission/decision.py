@@ -60,7 +60,7 @@ the replica the decision names. ``bench/admission_cost.py`` times each path.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Final, Protocol
@@ -83,7 +83,6 @@ from predictor.forecast import ForecastValues, forecast_of, forecast_values
 from predictor.overhead import added_overhead_s
 
 __all__ = [
-    "ADMITTERS",
     "Admit",
     "Admitter",
     "Blocker",
@@ -93,7 +92,6 @@ __all__ = [
     "RejectReason",
     "Rule",
     "SloAdmitter",
-    "make_admitter",
 ]
 
 
@@ -123,6 +121,8 @@ class Blocker(StrEnum):
     PROMPT_SIZE = "prompt_size"
     QUEUE_FULL = "queue_full"
     HELD_BACK = "held_back"  # a long-waiting queued request of its priority goes first
+    CONCURRENCY = "concurrency"  # policy concurrency_cap: every replica holds max_in_flight
+    SATURATED = "saturated"  # policy saturation: every replica's queue or KV use is over its threshold
 
 
 class Rule(StrEnum):
@@ -155,6 +155,7 @@ _RULE_SLOTS: Final = {
 _LOAD_BLOCKERS: Final = frozenset(
     {Blocker.STREAMS_TPOT, Blocker.STREAMS_STALL, Blocker.KV_SHARE, Blocker.SLOT_SHARE}
     | {Blocker.YIELD_TTFT, Blocker.YIELD_TPOT, Blocker.UNMODELLED, Blocker.QUEUE_FULL, Blocker.HELD_BACK}
+    | {Blocker.CONCURRENCY, Blocker.SATURATED}
 )
 _INF: Final = math.inf
 #: Most idle replica states kept (distinct replica limits; cleared when exceeded).
@@ -1007,20 +1008,3 @@ class SloAdmitter:
                 f"{cls.tpot_target_s * 1e3:.3g} ms target{tail}"
             )
         return f"no replica can take this request now without breaking its limits ({blocker})"
-
-
-def _admit_all(settings: AdmissionSettings, retry: RetryAfterPolicy) -> Admitter:
-    """``policy: admit_all``: the SLO admitter with every rule in shadow (routes by slack, admits all)."""
-    return SloAdmitter(settings, retry, shadow_all=True)
-
-
-#: Admitters by their ``admission.policy`` name.
-ADMITTERS: Final[dict[str, Callable[[AdmissionSettings, RetryAfterPolicy], Admitter]]] = {
-    "slo": SloAdmitter,
-    "admit_all": _admit_all,
-}
-
-
-def make_admitter(settings: AdmissionSettings, retry: RetryAfterPolicy) -> Admitter:
-    """The admitter ``settings.policy`` names."""
-    return ADMITTERS[settings.policy](settings, retry)

@@ -60,7 +60,8 @@ class QueueEntry:
 
     ``id``: unique, increasing (FIFO tie-break). ``size_s``: predicted job size (seconds of
     weighted tokens). ``enqueued_at`` / ``deadline_s``: admission-clock seconds; past the deadline
-    it is rejected. ``blocker`` / ``earliest_retry_s``: from its latest evaluation.
+    it is rejected. ``blocker`` / ``earliest_retry_s``: from its latest evaluation. ``fifo``:
+    queued under ``policy: concurrency_cap`` (arrival order, no tenant fair share).
     """
 
     id: int
@@ -72,6 +73,13 @@ class QueueEntry:
     deadline_s: float
     blocker: Blocker
     earliest_retry_s: float
+    fifo: bool = False
+
+    @property
+    def heap_tenant(self) -> TenantKey:
+        """The tenant whose heap holds it: its own, or ``None`` (one shared heap: no fair share)
+        for a FIFO entry (``policy: concurrency_cap``)."""
+        return None if self.fifo else self.request.tenant
 
     def waited_s(self, now: float) -> float:
         """Seconds spent in the queue so far."""
@@ -186,7 +194,10 @@ class AdmissionQueue:
                 Blocker.QUEUE_FULL,
                 decision.replica,
             )
-        if self._settings.shadow.slo:
+        fifo = self._settings.policy == "concurrency_cap"
+        if fifo:
+            deadline = request.arrival_s + self._settings.concurrency_cap.queue_ttl_s
+        elif self._settings.shadow.slo:
             deadline = request.arrival_s + cls.max_queue_wait_s
         else:
             deadline = request.queue_deadline_s(cls)
@@ -195,7 +206,9 @@ class AdmissionQueue:
             request=request,
             request_class=name,
             priority=cls.priority,
-            size_s=request.job_size_s(self._settings.queue),
+            # FIFO (concurrency_cap): every job the same size, so aging orders by enqueue time.
+            size_s=0.0 if fifo else request.job_size_s(self._settings.queue),
+            fifo=fifo,
             enqueued_at=now,
             deadline_s=deadline,
             blocker=decision.blocker,
@@ -204,7 +217,7 @@ class AdmissionQueue:
         self._next_id += 1
         self._entries[entry.id] = entry
         self._depth[name] = self._depth.get(name, 0) + 1
-        heap = self._heaps.setdefault(entry.priority, {}).setdefault(request.tenant, [])
+        heap = self._heaps.setdefault(entry.priority, {}).setdefault(entry.heap_tenant, [])
         heapq.heappush(heap, (entry.sort_key(self._settings.queue.aging_rate), entry.id))
         heapq.heappush(self._deadlines, (deadline, entry.id))
         self._fairness.enqueued(request.tenant)
@@ -232,9 +245,7 @@ class AdmissionQueue:
         aging = self._settings.queue.aging_rate
         heaps: dict[int, dict[TenantKey, list[_Item]]] = {}
         for e in self._entries.values():
-            heaps.setdefault(e.priority, {}).setdefault(e.request.tenant, []).append(
-                (e.sort_key(aging), e.id)
-            )
+            heaps.setdefault(e.priority, {}).setdefault(e.heap_tenant, []).append((e.sort_key(aging), e.id))
         for by_tenant in heaps.values():
             for heap in by_tenant.values():
                 heapq.heapify(heap)

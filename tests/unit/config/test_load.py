@@ -106,6 +106,17 @@ BAD_CASES: dict[str, list[str]] = {
         "scrape.window_s: must be at least twice interval_s (4.0) (got 3.0)",
     ],
     "scrape_negative_interval.yaml": ["scrape.interval_s: Input should be greater than 0 (got 0)"],
+    "admission_unknown_policy.yaml": [
+        "admission.policy: Input should be 'slo', 'admit_all', 'concurrency_cap', 'saturation' or 'none' "
+        "(got 'round_robin')"
+    ],
+    "admission_policy_knobs.yaml": [
+        "admission.concurrency_cap.max_in_flight: Input should be greater than or equal to 1 (got 0)",
+        "admission.concurrency_cap.queue_ttl_s: Input should be greater than 0 (got -1)",
+        "admission.concurrency_cap.ttl_s: unknown key; did you mean 'queue_ttl_s'? (got 2)",
+        "admission.saturation.queue_threshold: Input should be greater than or equal to 0 (got -1)",
+        "admission.saturation.kv_threshold: Input should be less than or equal to 1 (got 1.5)",
+    ],
     # Whole-file rules are still checked when an unrelated section has a field error.
     "several_errors_with_fleet_rules.yaml": [
         "health.unhealthy_after: Input should be greater than or equal to 1 (got 0)",
@@ -191,6 +202,8 @@ GOOD_CASES: dict[str, tuple[list[str], str, object]] = {
     "mixed_fleet.yaml": (["a", "b", "sim"], "health.timeout_s", 0.5),
     "integer_seconds.yaml": (["r0"], "server.upstream_read_timeout_s", 30.0),
     "hardware_facts.yaml": (["known", "outside-catalogue", "nothing-known"], "scrape.window_s", 5.0),
+    "admission_concurrency_cap.yaml": (["r0"], "admission.concurrency_cap.queue_ttl_s", 1.5),
+    "admission_saturation.yaml": (["r0"], "admission.saturation.kv_threshold", 0.9),
 }
 
 

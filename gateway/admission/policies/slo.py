@@ -1,0 +1,14 @@
+"""``policy: slo`` (``SloAdmitter``, rules in ``gateway.admission.decision``) and ``admit_all``."""
+
+from __future__ import annotations
+
+from gateway.admission.config import AdmissionSettings
+from gateway.admission.decision import Admitter, SloAdmitter
+from gateway.admission.retry_after import RetryAfterPolicy
+
+__all__ = ["SloAdmitter", "admit_all"]
+
+
+def admit_all(settings: AdmissionSettings, retry: RetryAfterPolicy) -> Admitter:
+    """``policy: admit_all``: the SLO admitter with every rule in shadow (routes by slack, admits all)."""
+    return SloAdmitter(settings, retry, shadow_all=True)
