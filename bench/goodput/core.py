@@ -41,6 +41,7 @@ from bench.goodput.metrics import (
     Score,
     attainment_series,
     forecast_accuracy,
+    prompt_quartile_edges,
     recovery_time_s,
     rejections_stop_s,
     score,
@@ -180,6 +181,13 @@ def trace_requests(name: str) -> tuple[tuple[TraceRequest, ...], int]:
     return tuple(kept), too_long
 
 
+@cache
+def trace_prompt_edges(name: str) -> tuple[int, int, int]:
+    """The prompt-size quartile edges (tokens) over every request of the trace that fits, the same
+    for every cell of the trace whatever its load or policy (``prompt_quartile_edges``)."""
+    return prompt_quartile_edges(r.prompt_tokens for r in trace_requests(name)[0])
+
+
 def admission_settings(overrides: Sequence[tuple[str, float | None]] = ()) -> AdmissionSettings:
     """Sluice's configuration: the shipped interactive class (its stall budget included) with the
     targets above, defaults otherwise.
@@ -315,7 +323,7 @@ def run_cell(spec: CellSpec) -> CellResult:
     result = run_gateway_replay(arrivals, config, policy, targets=TARGETS, scored=spec.scored)
     first, last = spec.scored
     scored = [o for o in result.outcomes if first <= o.arrival_s < last]
-    cell = score(scored, TARGETS, last - first)
+    cell = score(scored, TARGETS, last - first, trace_prompt_edges(spec.trace))
     extra = diagnosis(scored)
     if isinstance(policy, SluicePolicy):
         for (reason, blocker), n in sorted(policy.refusals.items()):
@@ -428,6 +436,8 @@ class TraceRun:
     knobs: dict[str, float] = field(default_factory=dict)
     cells: list[CellResult] = field(default_factory=list)
     spikes: list[CellResult] = field(default_factory=list)
+    #: The trace's prompt-size quartile edges in tokens (``trace_prompt_edges``).
+    prompt_edges: tuple[int, int, int] = (0, 0, 0)
 
 
 class _InProcess:
@@ -466,7 +476,16 @@ def run(plan: Plan, jobs: int) -> list[TraceRun]:
         mean_prompt = sum(r.prompt_tokens for r in trace) / len(trace)
         mean_output = sum(r.output_tokens for r in trace) / len(trace)
         runs.append(
-            TraceRun(name, capacity, too_long, len(trace), mean_prompt, mean_output, tuple(plan.loads))
+            TraceRun(
+                name,
+                capacity,
+                too_long,
+                len(trace),
+                mean_prompt,
+                mean_output,
+                tuple(plan.loads),
+                prompt_edges=trace_prompt_edges(name),
+            )
         )
         _log(
             f"{name}: capacity {capacity:.2f} req/s per replica; "
@@ -535,12 +554,31 @@ def _knob_text(policy: str, knob: float | None) -> str:
     return f"KV > {knob:g}"
 
 
+def _percent(x: float) -> str:
+    return "-" if math.isnan(x) else f"{100 * x:.0f}"
+
+
+def quartile_text(s: Score) -> str:
+    """Refused / offered per prompt-size quartile, shortest first, as ``"0 / 1 / 3 / 40 %"``
+    ("-" for a quartile with no request; "not measured" without quartiles)."""
+    if s.by_prompt is None:
+        return "not measured"
+    return " / ".join(_percent(x) for x in s.by_prompt.rates) + " %"
+
+
+def quartile_legend(edges: tuple[int, int, int]) -> str:
+    """The quartiles' prompt sizes in words: ``"Q1 <= 300, Q2 <= 800, Q3 <= 1,500, Q4 > 1,500 tokens"``."""
+    a, b, c = edges
+    return f"Q1 <= {a:,}, Q2 {a + 1:,}-{b:,}, Q3 {b + 1:,}-{c:,}, Q4 > {c:,} tokens"
+
+
 def results_table(tr: TraceRun) -> str:
-    """Goodput / attainment / rejection / waste per policy and load."""
+    """Goodput (requests and tokens) / attainment / rejection (overall and per prompt-size
+    quartile) / waste per policy and load."""
     rows = [
-        "| policy | knob | load | offered req/s | goodput req/s | good ktok/s | attainment | rejected "
-        "| GPU time wasted |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy | knob | load | offered req/s | goodput req/s | good ktok/s (prompt + output) "
+        "| attainment | rejected | not served by prompt quartile Q1 / Q2 / Q3 / Q4 | GPU time wasted |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for policy in POLICIES:
         for load in sorted({_load_of(c) for c in tr.cells}):
@@ -551,7 +589,8 @@ def results_table(tr: TraceRun) -> str:
             rows.append(
                 f"| {LABELS[policy]} | {_knob_text(policy, c.spec.knob)} | {load:g}x | "
                 f"{s.offered_rate:.1f} | {s.goodput:.1f} | {s.token_goodput / 1e3:.1f} | "
-                f"{100 * s.attainment:.1f} % | {100 * s.rejection_rate:.1f} % | {100 * s.wasted:.1f} % |"
+                f"{100 * s.attainment:.1f} % | {100 * s.rejection_rate:.1f} % | {quartile_text(s)} | "
+                f"{100 * s.wasted:.1f} % |"
             )
     return "\n".join(rows) + "\n"
 
@@ -702,7 +741,8 @@ def targets_check(tr: TraceRun, sluice: str = "sluice") -> str:
 
 
 def plots(runs: Sequence[TraceRun], plan: Plan, suffix: str, img: Path = IMG) -> list[Path]:
-    """goodput-vs-load and spike-timeline PNGs; [] when matplotlib is not installed."""
+    """goodput-vs-load (requests and good tokens per second) and spike-timeline PNGs; [] when
+    matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -713,24 +753,24 @@ def plots(runs: Sequence[TraceRun], plan: Plan, suffix: str, img: Path = IMG) ->
         return []
     img.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), squeeze=False)
-    for ax, tr in zip(axes[0], runs, strict=True):
+    fig, axes = plt.subplots(2, len(runs), figsize=(6 * len(runs), 8.5), squeeze=False, sharex="col")
+    for k, tr in enumerate(runs):
+        ax, tok = axes[0][k], axes[1][k]
         for policy in POLICIES:
             cells = sorted((c for c in tr.cells if c.spec.policy == policy), key=_load_of)
-            ax.plot(
-                [_load_of(c) for c in cells],
-                [c.score.goodput for c in cells],
-                marker="o",
-                label=LABELS[policy],
-            )
+            xs = [_load_of(c) for c in cells]
+            ax.plot(xs, [c.score.goodput for c in cells], marker="o", label=LABELS[policy])
+            tok.plot(xs, [c.score.token_goodput / 1e3 for c in cells], marker="o", label=LABELS[policy])
         loads = sorted({_load_of(c) for c in tr.cells})
         fleet = tr.capacity * plan.replicas
         ax.plot(loads, [x * fleet for x in loads], color="grey", linestyle=":", label="offered")
         ax.set_title(f"{tr.trace} trace, {plan.replicas} x {PROFILE}")
-        ax.set_xlabel("offered load (x fleet capacity)")
         ax.set_ylabel("goodput (req/s meeting TTFT and TPOT)")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
+        tok.set_ylabel("good ktok/s (prompt + output of those)")
+        tok.set_xlabel("offered load (x fleet capacity)")
+        for a in (ax, tok):
+            a.set_ylim(bottom=0)
+            a.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     path = img / f"goodput-vs-load{suffix}.png"
@@ -845,7 +885,12 @@ def report(
             f"best baseline Sluice is compared with at {COMPARE_LOAD:g}x):",
             "",
             tuning_table(tr),
-            "Results:",
+            "Results. *good ktok/s*: prompt + output tokens of the scored requests that met both "
+            "targets, per second of the scored span. *Not served by prompt quartile*: per quartile "
+            "of prompt size, the share of its scored requests never served (rejected by the gateway, "
+            "expired in its queue, or refused by a replica and not placed again); the quartiles are "
+            f"cut once over all {tr.kept:,} requests of the trace ({quartile_legend(tr.prompt_edges)}), "
+            "so every policy and load is binned alike.",
             "",
             results_table(tr),
             f"Spike ({plan.normal_load:g}x -> {plan.spike_load:g}x for {plan.spike_s:g} s -> "
@@ -890,9 +935,16 @@ def summary(runs: Sequence[TraceRun]) -> list[dict[str, object]]:
                     "load": _load_of(c),
                     "offered_per_s": s.offered_rate,
                     "goodput_per_s": s.goodput,
+                    "good_tokens_per_s": s.token_goodput,
                     "attainment": s.attainment,
                     "rejection_rate": s.rejection_rate,
                     "wasted": s.wasted,
+                    "prompt_quartile_edges": None if s.by_prompt is None else list(s.by_prompt.edges),
+                    "not_served_rate_by_prompt_quartile": (
+                        None
+                        if s.by_prompt is None
+                        else [None if math.isnan(x) else x for x in s.by_prompt.rates]
+                    ),
                     "recovery_s": c.recovery_s,
                     "rejections_stop_s": c.rejections_stop_s,
                     "seconds": c.seconds,

@@ -9,6 +9,12 @@ span) and the class targets; times are virtual seconds.
   short requests raises the request goodput more than this one).
 * **attainment**: met / offered (every scored request, rejected ones included).
 * **rejection rate**: rejected / offered (refused at once, or dropped from a gateway queue).
+* **refusals by prompt-size quartile**: per quartile of prompt size, not served / offered, where
+  *not served* is any request never sent to a replica for good (rejected by the gateway, expired
+  in its queue, refused by a replica and not placed again, or still waiting when the replay
+  stopped). The quartile edges come from the whole trace (``prompt_quartile_edges``), so every
+  policy and load is binned alike; a policy that wins by refusing long prompts shows a high
+  top-quartile rate.
 * **wasted GPU time**: engine busy time attributed to scored requests that were *served* (sent
   to a replica) and missed a target, as a fraction of the busy time attributed to all scored
   requests. Attribution: each engine step's duration is split over the requests it computed,
@@ -35,8 +41,9 @@ span) and the class targets; times are virtual seconds.
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from bench.predictor_accuracy import ErrorStats, error_stats
@@ -45,14 +52,73 @@ from replay import Outcome, Targets
 __all__ = [
     "DispatchForecast",
     "ForecastAccuracy",
+    "PromptQuartiles",
     "Score",
     "attainment_series",
     "forecast_accuracy",
+    "prompt_quartile",
+    "prompt_quartile_edges",
     "recovery_time_s",
+    "refusals_by_prompt_quartile",
     "rejections_stop_s",
     "score",
     "wasted_gpu_fraction",
 ]
+
+
+def prompt_quartile_edges(prompt_tokens: Iterable[int]) -> tuple[int, int, int]:
+    """The 25th, 50th and 75th percentile prompt sizes (tokens), nearest rank: the
+    ``ceil(k * n / 4)``-th smallest for k = 1, 2, 3, always a size that occurs.
+
+    Quartile k holds the sizes in (edge k-1, edge k] (``prompt_quartile``). With ties, or fewer
+    than four requests, quartiles hold unequal counts and some may be empty: when every prompt
+    has one size, all requests fall in the first quartile. Raises ``ValueError`` on no requests.
+    """
+    sizes = sorted(prompt_tokens)
+    n = len(sizes)
+    if n == 0:
+        raise ValueError("no prompt sizes: quartiles need at least one request")
+    q1, q2, q3 = (sizes[math.ceil(k * n / 4) - 1] for k in (1, 2, 3))
+    return q1, q2, q3
+
+
+def prompt_quartile(prompt_tokens: int, edges: Sequence[int]) -> int:
+    """The quartile (0 = shortest .. 3 = longest) a prompt of ``prompt_tokens`` falls in: the
+    number of ``edges`` strictly below it, so a size equal to an edge goes to the lower quartile."""
+    return bisect.bisect_left(edges, prompt_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptQuartiles:
+    """Offered and not-served request counts per prompt-size quartile (shortest first).
+
+    ``edges``: the quartile edges in tokens (``prompt_quartile_edges`` of the whole trace).
+    """
+
+    edges: tuple[int, int, int]
+    offered: tuple[int, int, int, int]
+    refused: tuple[int, int, int, int]
+
+    @property
+    def rates(self) -> tuple[float, float, float, float]:
+        """refused / offered per quartile, 0-1; NaN for a quartile with no request."""
+        r = [f / o if o else math.nan for f, o in zip(self.refused, self.offered, strict=True)]
+        return r[0], r[1], r[2], r[3]
+
+
+def refusals_by_prompt_quartile(outcomes: Iterable[Outcome], edges: tuple[int, int, int]) -> PromptQuartiles:
+    """Bin ``outcomes`` by prompt size with ``edges``; a request counts as refused when it was not
+    served (``not Outcome.served``: rejected, expired in a queue, or never placed)."""
+    offered, refused = [0] * 4, [0] * 4
+    for o in outcomes:
+        k = prompt_quartile(o.prompt_tokens, edges)
+        offered[k] += 1
+        refused[k] += not o.served
+    return PromptQuartiles(
+        edges,
+        (offered[0], offered[1], offered[2], offered[3]),
+        (refused[0], refused[1], refused[2], refused[3]),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +131,10 @@ class Score:
     span_s: float
     wasted: float
     busy_s: float
-    #: Prompt + output tokens of the requests that met their targets (a size-neutral goodput).
+    #: Prompt + output tokens of the requests that met both targets (a size-neutral goodput).
     met_tokens: int = 0
+    #: Refusals per prompt-size quartile (``None`` when scored without the trace's edges).
+    by_prompt: PromptQuartiles | None = None
 
     @property
     def offered_rate(self) -> float:
@@ -99,8 +167,14 @@ def wasted_gpu_fraction(outcomes: Sequence[Outcome], targets: Targets) -> float:
     return wasted / total
 
 
-def score(outcomes: Sequence[Outcome], targets: Targets, span_s: float) -> Score:
-    """The cell's score over the scored ``outcomes`` that arrived in a span of ``span_s`` seconds."""
+def score(
+    outcomes: Sequence[Outcome],
+    targets: Targets,
+    span_s: float,
+    prompt_edges: tuple[int, int, int] | None = None,
+) -> Score:
+    """The cell's score over the scored ``outcomes`` that arrived in a span of ``span_s`` seconds;
+    ``prompt_edges``: the trace's prompt-size quartile edges, to count refusals per quartile."""
     if span_s <= 0:
         raise ValueError(f"span_s must be > 0, got {span_s}")
     return Score(
@@ -111,6 +185,7 @@ def score(outcomes: Sequence[Outcome], targets: Targets, span_s: float) -> Score
         wasted=wasted_gpu_fraction(outcomes, targets),
         busy_s=sum(o.busy_s for o in outcomes),
         met_tokens=sum(o.prompt_tokens + o.output_tokens for o in outcomes if o.met(targets)),
+        by_prompt=None if prompt_edges is None else refusals_by_prompt_quartile(outcomes, prompt_edges),
     )
 
 

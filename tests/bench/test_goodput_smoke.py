@@ -39,8 +39,20 @@ def test_quick_goodput_bench_reports_every_policy_and_load_with_sane_numbers(tmp
         assert 0.0 <= r["rejection_rate"] <= 1.0, r
         assert r["met"] + r["rejected"] <= r["offered"], r
         assert 0.0 <= r["wasted"] <= 1.0, r
+        assert r["good_tokens_per_s"] >= r["goodput_per_s"], r  # a met request has >= 1 token
+        assert all(x is None or 0.0 <= x <= 1.0 for x in r["not_served_rate_by_prompt_quartile"]), r
+    # One set of quartile edges per trace, whatever the policy or load.
+    edges = {(r["trace"], tuple(r["prompt_quartile_edges"])) for r in rows}
+    assert len(edges) == len(QUICK.traces), edges
+    assert all(list(e) == sorted(e) for _, e in edges), edges
     # Policies that never refuse refuse nothing; the load grows with the offered load.
     assert all(r["rejection_rate"] == 0.0 for r in loads if r["policy"] == "none")
+    assert all(
+        x in (0.0, None)
+        for r in loads
+        if r["policy"] == "none"
+        for x in r["not_served_rate_by_prompt_quartile"]
+    )
     by_load = sorted((r["load"], r["offered_per_s"]) for r in loads if r["policy"] == "none")
     assert [o for _, o in by_load] == sorted(o for _, o in by_load)
     for r in rows:
@@ -56,6 +68,8 @@ def test_quick_goodput_bench_reports_every_policy_and_load_with_sane_numbers(tmp
     assert ".venv/bin/python -m bench.goodput --quick" in text
     for policy in POLICIES:
         assert LABELS[policy] in text
+    assert "not served by prompt quartile Q1 / Q2 / Q3 / Q4" in text
+    assert "cut once over all" in text
     assert text.count("| (e) Sluice | - |") == len(QUICK.loads)
     # Every target of both Sluice rows has a verdict line, with one of the three verdicts.
     verdicts = [x for x in text.splitlines() if x.startswith("- ") and " -> **" in x]
