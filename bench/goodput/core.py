@@ -14,7 +14,7 @@ and ``PredictionService`` driven as the live gateway drives them. For each trace
    ``docs/img/`` (plots only when matplotlib, the ``bench`` extra, is installed).
 
 Run: ``.venv/bin/python -m bench.goodput`` (``--quick``: a tiny configuration, seconds;
-``--no-write``: print only; ``--jobs N``: worker processes).
+``--no-write``: print only; ``--jobs N``: worker processes; ``--traces azure``: one trace only).
 """
 
 from __future__ import annotations
@@ -968,8 +968,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--doc", type=Path, default=DOC, help="markdown file to update (default docs/benchmarks.md)"
     )
     parser.add_argument("--img-dir", type=Path, default=IMG, help="where the plots go (default docs/img)")
+    parser.add_argument(
+        "--traces",
+        nargs="+",
+        choices=TRACES,
+        help="replay only these traces (default: the plan's; the full plan replays both)",
+    )
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else Plan()
+    if args.traces:
+        plan = replace(plan, traces=tuple(args.traces))
     started = time.perf_counter()
     runs = run(plan, args.jobs)
     for tr in runs:
