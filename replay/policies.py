@@ -1,22 +1,20 @@
 """Gateway policies for the replay (``replay.admission``): four peers' baselines and Sluice itself.
 
-Every class implements ``GatewayPolicy``; each baseline has one knob (the goodput bench tunes it):
+Every class implements ``GatewayPolicy``. Three baselines are the shipped ``AdmissionEngine`` under
+another ``admission.policy`` (``gateway.admission.policies``: the very classes a live gateway runs
+when configured so), driven by ``SluicePolicy``'s adapter; each has one knob the goodput bench tunes:
 
-* ``NoAdmission``: everything is sent at once to the replica with the fewest outstanding
-  requests; the engine's own queue absorbs overload (vLLM behind a plain load balancer).
-* ``ConcurrencyCap(cap)``: at most ``cap`` outstanding requests per replica; the rest wait in a
-  FIFO gateway queue, dropped when they have waited ``queue_timeout_s`` (TGI's
-  ``--max-concurrent-requests`` / vllm-router style, plus the queue TTL llm-d and LiteLLM have).
-* ``SaturationShedding(queue_threshold, kv_threshold)``: a replica is saturated when its waiting
-  queue is above ``queue_threshold`` or its KV-cache use above ``kv_threshold`` (the Kubernetes
-  Gateway API Inference Extension's detector, defaults 5 and 0.8); a request is refused when every
-  replica is saturated, else sent to the least loaded non-saturated one (fewest waiting, then
-  least KV). It reads each engine's state at the instant of the decision: fresher than any
-  scrape (GAIE refreshes every 50 ms).
+* ``NoAdmission`` (``policy: none``): everything is sent at once to the replica with the fewest
+  outstanding requests; the engine's own queue absorbs overload.
+* ``ConcurrencyCap(cap)`` (``policy: concurrency_cap``): at most ``cap`` outstanding requests per
+  replica; the rest wait in a FIFO queue, refused ``queue_timeout_s`` after arrival.
+* ``SaturationShedding(queue_threshold, kv_threshold)`` (``policy: saturation``): GAIE's detector,
+  judged on the engine's views (the last scrape plus the requests sent since), as live.
 * ``TenantRateLimit(rpm, tpm)``: per-tenant token buckets of requests and tokens per minute,
-  LiteLLM style: a request passes when its tenant's request bucket holds one and its token bucket
-  is not empty; the request is charged at once, its tokens (prompt + completion) when it ends.
-  No load awareness; routing is least outstanding.
+  LiteLLM style (a request passes when its tenant's request bucket holds one and its token bucket
+  is not empty; tokens are charged when it ends); routing is least outstanding. Live, tenant
+  rpm/tpm are the ``tenants:`` budgets (``gateway.tenancy`` over ``gateway.limits``), enforced
+  before admission under any policy; this replay-only class models LiteLLM's post-call accounting.
 * ``SluicePolicy``: the shipped ``AdmissionEngine`` (``gateway.admission.engine``) and a
   ``PredictionService``, driven as the live gateway's adapter drives them: the same view cache,
   queue, timer, fairness charges and re-placement (``tests/unit/admission/test_engine_parity.py``
@@ -27,9 +25,10 @@ from __future__ import annotations
 
 import math
 import random
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from gateway.admission import (
     AdmissionController,
@@ -39,6 +38,7 @@ from gateway.admission import (
     Reject,
     VirtualTokenCounter,
 )
+from gateway.admission.config import SaturationSettings
 from gateway.admission.engine import (
     AdmissionEngine,
     AdmissionReplica,
@@ -46,6 +46,7 @@ from gateway.admission.engine import (
     Saturated,
     UnknownModel,
 )
+from gateway.admission.policies import saturated
 from gateway.prediction import PredictionConfig, PredictionService
 from gateway.replicas.registry import LiveRequest
 from predictor import Forecast
@@ -59,6 +60,7 @@ __all__ = [
     "SluicePolicy",
     "TenantRateLimit",
     "TokenBucket",
+    "baseline_settings",
 ]
 
 
@@ -97,93 +99,6 @@ class _Base:
 
     def on_wakeup(self, now: float) -> None:
         return None
-
-
-class NoAdmission(_Base):
-    """(a) Everything dispatched at once, least outstanding; vLLM's own queue holds the overload."""
-
-    def __init__(self) -> None:
-        self.name = "no admission"
-
-    def on_arrival(self, request: GatewayRequest, now: float) -> None:
-        fleet = self.fleet
-        fleet.dispatch(request, fleet.least_outstanding(), now)
-
-
-class ConcurrencyCap(_Base):
-    """(b) At most ``cap`` outstanding per replica; a FIFO gateway queue with a TTL.
-
-    ``queue_timeout_s``: a request still queued this long after its arrival is refused
-    (``queue_timeout``); ``math.inf`` never drops.
-    """
-
-    def __init__(self, cap: int, *, queue_timeout_s: float = math.inf) -> None:
-        if cap < 1 or queue_timeout_s <= 0:
-            raise ValueError("cap must be >= 1 and queue_timeout_s > 0")
-        self.cap = cap
-        self.queue_timeout_s = queue_timeout_s
-        self.name = f"cap {cap}"
-        self.queue: deque[GatewayRequest] = deque()
-
-    def _room(self) -> list[int]:
-        return [r.index for r in self.fleet.replicas if r.outstanding < self.cap]
-
-    def on_arrival(self, request: GatewayRequest, now: float) -> None:
-        room = self._room()
-        if room and not self.queue:
-            self.fleet.dispatch(request, self.fleet.least_outstanding(room), now)
-        else:
-            self.queue.append(request)
-
-    def _drain(self, now: float) -> None:
-        self._expire(now)
-        while self.queue:
-            room = self._room()
-            if not room:
-                return
-            self.fleet.dispatch(self.queue.popleft(), self.fleet.least_outstanding(room), now)
-
-    def _expire(self, now: float) -> None:
-        while self.queue and self.queue[0].arrival_s + self.queue_timeout_s <= now:
-            self.fleet.reject(self.queue.popleft(), now, "queue_timeout")
-
-    def on_finished(
-        self, replica: int, request: GatewayRequest, stats: FinishedRequestStats, now: float
-    ) -> None:
-        self._drain(now)
-
-    def next_wakeup(self, now: float) -> float | None:
-        if not self.queue or math.isinf(self.queue_timeout_s):
-            return None
-        return self.queue[0].arrival_s + self.queue_timeout_s
-
-    def on_wakeup(self, now: float) -> None:
-        self._drain(now)
-
-
-class SaturationShedding(_Base):
-    """(c) Refuse when every replica's waiting queue > ``queue_threshold`` or KV use >
-    ``kv_threshold``; else the least loaded unsaturated replica (fewest waiting, then least KV)."""
-
-    def __init__(self, *, queue_threshold: int = 5, kv_threshold: float = 0.8) -> None:
-        if queue_threshold < 0 or not 0 < kv_threshold <= 1:
-            raise ValueError("queue_threshold must be >= 0 and kv_threshold in (0, 1]")
-        self.queue_threshold = queue_threshold
-        self.kv_threshold = kv_threshold
-        self.name = f"saturation q>{queue_threshold} kv>{kv_threshold:g}"
-
-    def saturated(self, num_waiting: int, kv_cache_usage: float) -> bool:
-        """GAIE's per-pod rule: waiting queue or KV use over its threshold."""
-        return num_waiting > self.queue_threshold or kv_cache_usage > self.kv_threshold
-
-    def on_arrival(self, request: GatewayRequest, now: float) -> None:
-        fleet = self.fleet
-        free = [r for r in fleet.replicas if not self.saturated(r.num_waiting, r.kv_cache_usage)]
-        if not free:
-            fleet.reject(request, now, "saturated")
-            return
-        best = min(free, key=lambda r: (r.num_waiting, r.kv_cache_usage, r.index))
-        fleet.dispatch(request, best.index, now)
 
 
 @dataclass(slots=True)
@@ -486,3 +401,68 @@ class SluicePolicy(_Base):
     def reevaluate(self, now: float) -> None:
         """Offer the queued requests to the replicas again (``LiveAdmission.reevaluate``)."""
         self._apply(self.engine.reevaluate(now), now)
+
+
+# -- the baselines: the engine under another ``admission.policy`` ------------------------------------
+def baseline_settings(policy: str, **knobs: object) -> AdmissionSettings:
+    """The ``admission`` section a baseline drives the engine with: ``policy`` and its knobs
+    (``concurrency_cap={...}``, ``saturation={...}``), every class's queue unbounded in count (the
+    baselines bound waiting by time only)."""
+    data = AdmissionSettings().model_dump()
+    data["policy"] = policy
+    data.update(knobs)
+    for cls in data["classes"].values():
+        cls["queue_capacity"] = _UNBOUNDED_QUEUE
+    return AdmissionSettings.model_validate(data)
+
+
+#: A class queue no replay fills (requests).
+_UNBOUNDED_QUEUE: Final = 1 << 30
+
+
+class NoAdmission(SluicePolicy):
+    """(a) ``admission.policy: none``: everything sent at once to the replica with the fewest
+    outstanding requests; the engine's own queue absorbs overload (vLLM behind a plain load
+    balancer)."""
+
+    def __init__(self, *, seed: int = 0) -> None:
+        super().__init__(baseline_settings("none"), seed=seed, name="no admission")
+
+
+class ConcurrencyCap(SluicePolicy):
+    """(b) ``admission.policy: concurrency_cap``: at most ``cap`` outstanding per replica; the rest
+    wait in a FIFO queue, refused (``deadline_exceeded``) ``queue_timeout_s`` after arrival
+    (``math.inf``: never)."""
+
+    def __init__(self, cap: int, *, queue_timeout_s: float = math.inf, seed: int = 0) -> None:
+        if cap < 1 or queue_timeout_s <= 0:
+            raise ValueError("cap must be >= 1 and queue_timeout_s > 0")
+        knobs = {"max_in_flight": cap, "queue_ttl_s": queue_timeout_s}
+        super().__init__(
+            baseline_settings("concurrency_cap", concurrency_cap=knobs), seed=seed, name=f"cap {cap}"
+        )
+        self.cap = cap
+        self.queue_timeout_s = queue_timeout_s
+
+
+class SaturationShedding(SluicePolicy):
+    """(c) ``admission.policy: saturation``: refuse (``overloaded``) when every replica's waiting
+    queue > ``queue_threshold`` or KV use > ``kv_threshold`` (GAIE's detector, defaults 5 and
+    0.8), as the engine's views see them (the last scrape plus the requests sent since); else the
+    unsaturated replica with the fewest waiting, then the least KV."""
+
+    def __init__(self, *, queue_threshold: int = 5, kv_threshold: float = 0.8, seed: int = 0) -> None:
+        if queue_threshold < 0 or not 0 < kv_threshold <= 1:
+            raise ValueError("queue_threshold must be >= 0 and kv_threshold in (0, 1]")
+        self.knobs = SaturationSettings(queue_threshold=queue_threshold, kv_threshold=kv_threshold)
+        super().__init__(
+            baseline_settings("saturation", saturation=self.knobs.model_dump()),
+            seed=seed,
+            name=f"saturation q>{queue_threshold} kv>{kv_threshold:g}",
+        )
+        self.queue_threshold = queue_threshold
+        self.kv_threshold = kv_threshold
+
+    def saturated(self, num_waiting: int, kv_cache_usage: float) -> bool:
+        """GAIE's per-replica rule (``gateway.admission.policies.saturated``)."""
+        return saturated(num_waiting, kv_cache_usage, self.knobs)

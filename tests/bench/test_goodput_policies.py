@@ -57,7 +57,7 @@ def test_concurrency_cap_queues_fifo_and_drops_what_waited_past_the_timeout() ->
     # Two slots; the first two requests decode 200 tokens (well over 0.5 s), so the other three
     # wait in the FIFO queue and are dropped when they have waited 0.5 s.
     result = run_gateway_replay(burst(5), fleet(), ConcurrencyCap(2, queue_timeout_s=0.5), targets=TARGETS)
-    assert decided(result) == ["served on r0"] * 2 + ["rejected: queue_timeout"] * 3
+    assert decided(result) == ["served on r0"] * 2 + ["rejected: deadline_exceeded"] * 3
     assert [o.finished_s for o in result.outcomes[2:]] == [0.5, 0.5, 0.5]
 
 
@@ -83,21 +83,15 @@ def test_concurrency_cap_dispatches_queued_requests_in_arrival_order_as_slots_fr
 
 def test_saturation_shedding_refuses_once_every_replica_is_over_its_queue_threshold() -> None:
     # Threshold 0: a replica is saturated as soon as one request waits in its engine queue. The
-    # first request starts a step on the idle engine at once; the second joins the waiting queue
-    # (a step is in flight), after which the replica is saturated.
+    # engine's view counts a request sent since the last scrape as waiting (as live), so after one
+    # request each replica is saturated.
     policy = SaturationShedding(queue_threshold=0)
     one = run_gateway_replay(burst(4), fleet(), policy, targets=TARGETS)
-    assert decided(one) == ["served on r0", "served on r0", "rejected: saturated", "rejected: saturated"]
+    assert decided(one) == ["served on r0"] + ["rejected: overloaded"] * 3
     two = run_gateway_replay(
         burst(5), fleet(replicas=2), SaturationShedding(queue_threshold=0), targets=TARGETS
     )
-    assert decided(two) == [
-        "served on r0",
-        "served on r1",
-        "served on r0",
-        "served on r1",
-        "rejected: saturated",
-    ]
+    assert decided(two) == ["served on r0", "served on r1"] + ["rejected: overloaded"] * 3
 
 
 def test_saturation_rule_is_strictly_greater_than_either_threshold() -> None:
@@ -109,11 +103,12 @@ def test_saturation_rule_is_strictly_greater_than_either_threshold() -> None:
         SaturationShedding(kv_threshold=0.0)
 
 
-def test_saturation_shedding_reads_kv_use_after_a_step() -> None:
-    # A KV threshold no prompt of 4,000 tokens stays under: after the first step, the replica is full.
-    trace = [TraceRequest(0.0, 4000, 500), TraceRequest(0.5, 100, 5)]
+def test_saturation_shedding_reads_kv_use_after_a_scrape() -> None:
+    # A KV threshold no prompt of 4,000 tokens stays under: once a scrape (every second) has told
+    # the KV capacity, the replica is full.
+    trace = [TraceRequest(0.0, 4000, 500), TraceRequest(1.5, 100, 5)]
     result = run_gateway_replay(trace, fleet(), SaturationShedding(kv_threshold=0.001), targets=TARGETS)
-    assert decided(result) == ["served on r0", "rejected: saturated"]
+    assert decided(result) == ["served on r0", "rejected: overloaded"]
 
 
 def test_token_bucket_refills_to_its_capacity_and_may_go_negative() -> None:
