@@ -147,9 +147,36 @@ async def stream_one(
                 completion = usage["completion_tokens"]
         status = resp.status
     tokens = completion if completion is not None else events
-    tpot = None
-    if first is not None and last is not None and tokens >= 2:
-        tpot = (last - first) / (tokens - 1)
+    return sample_from(
+        request_id,
+        sent,
+        prompt,
+        max_tokens,
+        status,
+        headers,
+        first,
+        last,
+        tokens,
+        completion_tokens=completion,
+    )
+
+
+def sample_from(
+    request_id: str,
+    sent: float,
+    prompt: str,
+    max_tokens: int,
+    status: int,
+    headers: Mapping[str, str],
+    first: float | None,
+    last: float | None,
+    tokens: int,
+    *,
+    completion_tokens: int | None,
+) -> Sample:
+    """A ``Sample`` from one answer: its Sluice headers, and its first and last token times
+    (monotonic seconds, ``None``: no token came) over ``tokens`` tokens (TPOT needs two)."""
+    tpot = (last - first) / (tokens - 1) if first is not None and last is not None and tokens >= 2 else None
     return Sample(
         request_id=request_id,
         sent_at=sent,
@@ -162,7 +189,7 @@ async def stream_one(
         predicted_tpot_s=_header_s(headers, PREDICTED_TPOT_HEADER),
         client_ttft_s=None if first is None else first - sent,
         client_tpot_s=tpot,
-        completion_tokens=completion,
+        completion_tokens=completion_tokens,
     )
 
 

@@ -51,11 +51,11 @@ from bench.live_accuracy import (
     closed_loop,
     enough_measured,
     measured,
+    sample_from,
     serve_gateway,
     wait_until_ready,
 )
 from gateway.admission.config import AdmissionSettings, ClassSettings
-from gateway.forecasts import PREDICTED_TPOT_HEADER, PREDICTED_TTFT_HEADER, PREDICTION_HEADER, REPLICA_HEADER
 from gateway.keys import PREDICTION_SERVICE, REGISTRY
 from gateway.prediction import PredictionService
 from gateway.replicas.registry import ReplicaState
@@ -251,39 +251,6 @@ class FleetRun:
     warmup_s: float
 
 
-def _header_s(headers: Mapping[str, str], name: str) -> float | None:
-    value = headers.get(name)
-    return None if value is None else float(value) / 1000.0
-
-
-def _sample(
-    rid: str,
-    sent: float,
-    prompt: str,
-    max_tokens: int,
-    status: int,
-    headers: Mapping[str, str],
-    first: float | None,
-    last: float | None,
-    tokens: int,
-) -> Sample:
-    tpot = (last - first) / (tokens - 1) if first is not None and last is not None and tokens >= 2 else None
-    return Sample(
-        request_id=rid,
-        sent_at=sent,
-        prompt_chars=len(prompt),
-        max_tokens=max_tokens,
-        status=status,
-        replica=headers.get(REPLICA_HEADER),
-        prediction=headers.get(PREDICTION_HEADER),
-        predicted_ttft_s=_header_s(headers, PREDICTED_TTFT_HEADER),
-        predicted_tpot_s=_header_s(headers, PREDICTED_TPOT_HEADER),
-        client_ttft_s=None if first is None else first - sent,
-        client_tpot_s=tpot,
-        completion_tokens=tokens,
-    )
-
-
 async def _openai_one(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> Sample:
     """One streamed chat completion through the real SDK; its headers and token times."""
     rid = uuid.uuid4().hex
@@ -309,7 +276,9 @@ async def _openai_one(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) 
             usage = chunk.usage.completion_tokens
     tokens = usage if usage is not None else events
     status = raw.http_response.status_code
-    return _sample(rid, sent, prompt, max_tokens, status, raw.headers, first, last, tokens)
+    return sample_from(
+        rid, sent, prompt, max_tokens, status, raw.headers, first, last, tokens, completion_tokens=tokens
+    )
 
 
 async def _tgi_one(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int) -> Sample:
@@ -329,7 +298,18 @@ async def _tgi_one(session: aiohttp.ClientSession, url: str, prompt: str, max_to
                 last = time.monotonic()
                 first = last if first is None else first
                 events += 1
-        return _sample(rid, sent, prompt, max_tokens, resp.status, resp.headers, first, last, events)
+        return sample_from(
+            rid,
+            sent,
+            prompt,
+            max_tokens,
+            resp.status,
+            resp.headers,
+            first,
+            last,
+            events,
+            completion_tokens=events,
+        )
 
 
 async def _load(url: str, load: FleetLoad) -> tuple[list[Sample], dict[str, str]]:
