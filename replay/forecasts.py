@@ -18,7 +18,7 @@ from gateway.prediction import PredictionConfig, PredictionService, ReplicaFacts
 from gateway.replicas.scrape import DEFAULT_WINDOW_S
 from predictor import FitReport, Forecast
 from replay.emulated import EmulatedReplica
-from replay.loop import Fleet, FleetConfig, GatewayRequest, VirtualTimeLoop, gateway_requests
+from replay.loop import Fleet, FleetConfig, GatewayRequest, IdleHooks, VirtualTimeLoop, gateway_requests
 from replay.traces import TraceRequest
 from simulator.engine import FinishedRequestStats
 from simulator.profile import Profile
@@ -115,7 +115,7 @@ class ReplayResult:
 DispatchObserver = Callable[[int, EmulatedReplica, float], None]
 
 
-class ForecastingRouter:
+class ForecastingRouter(IdleHooks):
     """The ``GatewayPolicy`` of a forecast replay: no admission, least outstanding, and a forecast
     of every request before it is sent (see the module); ``records`` holds the finished ones.
 
@@ -205,18 +205,6 @@ class ForecastingRouter:
             forecast=forecast,
             ttft_s=stats.ttft_s,
         )
-
-    def on_snapshot(self, replica: str, now: float) -> None:
-        return None
-
-    def on_scrape(self, now: float) -> None:
-        return None
-
-    def next_wakeup(self, now: float) -> float | None:
-        return None
-
-    def on_wakeup(self, now: float) -> None:
-        return None
 
 
 def run_replay(

@@ -48,6 +48,7 @@ __all__ = [
     "FleetConfig",
     "GatewayPolicy",
     "GatewayRequest",
+    "IdleHooks",
     "Outcome",
     "ReplicaHandle",
     "Targets",
@@ -152,6 +153,23 @@ class FleetConfig:
             raise ValueError("replicas, max_tokens and tenants must be >= 1")
         if self.scrape_interval_s <= 0 or self.window_s <= 0:
             raise ValueError("scrape_interval_s and window_s must be > 0")
+
+
+class IdleHooks:
+    """No-op defaults for a ``GatewayPolicy``'s timing hooks, for policies that need none of
+    snapshots, scrapes or timers."""
+
+    def on_snapshot(self, replica: str, now: float) -> None:
+        return None
+
+    def on_scrape(self, now: float) -> None:
+        return None
+
+    def next_wakeup(self, now: float) -> float | None:
+        return None
+
+    def on_wakeup(self, now: float) -> None:
+        return None
 
 
 class GatewayPolicy(Protocol):

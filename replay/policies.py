@@ -50,7 +50,7 @@ from gateway.admission.policies import saturated
 from gateway.prediction import PredictionConfig, PredictionService
 from gateway.replicas.registry import LiveRequest
 from predictor import Forecast
-from replay.loop import Fleet, GatewayRequest, ReplicaHandle
+from replay.loop import Fleet, GatewayRequest, IdleHooks, ReplicaHandle
 from simulator.engine import FinishedRequestStats
 
 __all__ = [
@@ -64,7 +64,7 @@ __all__ = [
 ]
 
 
-class _Base:
+class _Base(IdleHooks):
     """Defaults for the hooks a simple policy does not need."""
 
     name = "base"
@@ -86,18 +86,6 @@ class _Base:
     def on_finished(
         self, replica: int, request: GatewayRequest, stats: FinishedRequestStats, now: float
     ) -> None:
-        return None
-
-    def on_snapshot(self, replica: str, now: float) -> None:
-        return None
-
-    def on_scrape(self, now: float) -> None:
-        return None
-
-    def next_wakeup(self, now: float) -> float | None:
-        return None
-
-    def on_wakeup(self, now: float) -> None:
         return None
 
 
