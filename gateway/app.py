@@ -26,6 +26,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from gateway.admin import ADMIN_LISTENER, AdminGate, install_admin
+from gateway.admission.live import ADMISSION, LiveAdmission
 from gateway.errors import response_for_exception
 from gateway.forecasts import LivePredictions, add_prediction_headers
 from gateway.keys import (
@@ -40,7 +41,6 @@ from gateway.keys import (
     SHUTDOWN_GRACE,
     STORE,
 )
-from gateway.live_admission import ADMISSION, LiveAdmission
 from gateway.observability.logs import (
     add_request_id_header,
     configure_logging,

@@ -2,7 +2,7 @@
 
 What it does:
 
-* asks admission (``gateway.live_admission``) where the request goes: the replica with the
+* asks admission (``gateway.admission.live``) where the request goes: the replica with the
   most slack that meets its targets, after a wait in Sluice's queue if need be, or a typed
   refusal (``gateway.errors.Refused``: 429 / 503 / 400). It holds a lease on that replica until
   the response or stream has fully ended;
@@ -40,6 +40,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from gateway.admission.live import LiveAdmission, Ticket, mark_saturated
 from gateway.admission.retry_after import UNMEASURED_WAIT_S, RefusalReason, retry_after
 from gateway.errors import (
     GatewayError,
@@ -56,7 +57,6 @@ from gateway.forecasts import (
     ttft_header_value,
 )
 from gateway.keys import OutcomeListener
-from gateway.live_admission import LiveAdmission, Ticket, mark_saturated
 from gateway.observability.logs import OUTCOME, REQUEST_ID, REQUEST_ID_HEADER, RequestOutcome
 from gateway.openai_api import (
     Endpoint,

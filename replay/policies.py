@@ -224,7 +224,7 @@ def _new_entry(request: AdmissionRequest, now: float, streamed: bool) -> LiveReq
 
 class SluicePolicy(_Base):
     """(e) Sluice: the shipped ``AdmissionEngine`` over the fleet, with a ``PredictionService``,
-    driven as the live gateway's adapter (``gateway.live_admission``) drives it.
+    driven as the live gateway's adapter (``gateway.admission.live``) drives it.
 
     ``settings``: the ``admission`` section (class targets). ``request_class``: the class every
     request is judged as. ``prediction``: the service's config; ``seed``: Retry-After jitter.

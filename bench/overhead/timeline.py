@@ -127,7 +127,7 @@ def _install() -> None:
     import gateway.observability.logs as logs
     import gateway.proxy as proxy
     import gateway.tenancy as tenancy
-    from gateway.live_admission import LiveAdmission
+    from gateway.admission.live import LiveAdmission
 
     _install_aiohttp()
     _wrap_async(aiohttp.ClientSession, "_request", "ClientSession._request")

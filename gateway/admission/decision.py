@@ -429,7 +429,7 @@ class SloAdmitter:
         ] = {}
         #: ``_evaluate``'s memo, per replica name: the forecast of a request on a view is a pure
         #: function of (request, state, step model, forecast config), and a view lives for many
-        #: decisions (an engine step; ``gateway.live_admission``), so alike requests (a flood)
+        #: decisions (an engine step; ``gateway.admission.live``), so alike requests (a flood)
         #: share one forecast and one ``Forecast`` object per view instead of one each.
         self._forecasts: dict[str, _Forecasts] = {}
         self._default_limits = (

@@ -4,7 +4,7 @@ The one place that decides: the replicas' views (cached, rebuilt on events), one
 ``AdmissionController`` per route, the queue and its re-evaluation, the timer's next instant,
 fairness (weights, output charges), the streams admission tracks per replica, and re-placement
 when a replica refuses a request as overloaded. Two adapters drive it: the live gateway
-(``gateway.live_admission``: futures, the loop's timer, headers) and the virtual-time replay
+(``gateway.admission.live``: futures, the loop's timer, headers) and the virtual-time replay
 (``replay.policies.SluicePolicy``). Times are seconds of the adapter's clock, passed in as
 ``now``; nothing here reads a clock, sleeps, logs on its own or does I/O.
 

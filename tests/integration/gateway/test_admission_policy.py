@@ -18,9 +18,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.admission.config import AdmissionSettings
+from gateway.admission.live import ADMISSION
 from gateway.app import build_app
 from gateway.keys import OUTCOME_LISTENERS
-from gateway.live_admission import ADMISSION
 from gateway.observability.logs import RequestOutcome
 from gateway.settings import HealthSettings, ReplicaSettings, ServerSettings, Settings
 from gateway.store import SettingsStore

@@ -2,7 +2,7 @@
 
 One scripted sequence of events (bursts of arrivals with prompts and tenants, replica snapshots,
 tokens landing, finishes, a replica's own 429 with re-placement and without, timers) is fed to
-both adapters: ``gateway.live_admission.LiveAdmission`` (real aiohttp requests, futures, its
+both adapters: ``gateway.admission.live.LiveAdmission`` (real aiohttp requests, futures, its
 timer armed through an injected ``call_later`` on a scripted clock) and
 ``replay.policies.SluicePolicy`` (over a replay fleet whose engines never step: the script is the
 world). Both get their own prediction service with the same facts and the same snapshots, and
@@ -23,9 +23,9 @@ from aiohttp.test_utils import make_mocked_request
 
 from bench.goodput.core import FACTS, PROFILE, admission_settings
 from gateway.admission import Outcome
+from gateway.admission.live import LiveAdmission, Ticket
 from gateway.errors import GatewayError, Refused
 from gateway.forecasts import LivePredictions
-from gateway.live_admission import LiveAdmission, Ticket
 from gateway.observability.logs import RequestOutcome
 from gateway.openai_api import ParsedRequest
 from gateway.prediction.service import PredictionService

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+from gateway.admission.live import LiveAdmission
 from gateway.admission.views import TrackedStream
 from gateway.app import LIVE_PREDICTION
 from gateway.forecasts import LivePredictions
-from gateway.live_admission import LiveAdmission
 from gateway.prediction.service import PredictionService
 from gateway.replicas.registry import LiveRequest, ReplicaRegistry
 from gateway.replicas.scraper import MetricsScraper

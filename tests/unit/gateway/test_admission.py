@@ -33,10 +33,10 @@ from gateway.admission import (
     ShadowSettings,
     engine,
 )
+from gateway.admission.live import ADMISSION
 from gateway.admission.retry_after import RefusalReason
 from gateway.errors import SHOULD_RETRY, AdmissionRejected, admission_error, error_response
 from gateway.keys import HEALTH, REGISTRY, SCRAPER
-from gateway.live_admission import ADMISSION
 from gateway.observability.logs import RequestOutcome
 from gateway.replicas.registry import ReplicaState
 from gateway.settings import HealthSettings, ScrapeSettings, Settings

@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 
 from gateway.admission import AdmissionSettings, ClassSettings, Outcome, RetryAfterSettings
+from gateway.admission.live import ADMISSION
 from gateway.limits.config import LimitsSettings, TokenWeightSettings
 from gateway.limits.memory import MemoryLimiter
-from gateway.live_admission import ADMISSION
 from gateway.settings import Settings
 from gateway.tenancy import TENANCY
 from gateway.tenants import TenantSettings, TenantsSettings, hash_api_key
