@@ -40,11 +40,11 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
+from gateway.api.openai import carries_tokens
 from gateway.app import build_app
 from gateway.forecasts import PREDICTED_TPOT_HEADER, PREDICTED_TTFT_HEADER, PREDICTION_HEADER, REPLICA_HEADER
 from gateway.keys import OUTCOME_LISTENERS
 from gateway.observability.logs import RequestOutcome
-from gateway.openai_api import carries_tokens
 from gateway.settings import Settings
 from gateway.store import SettingsStore
 

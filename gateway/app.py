@@ -27,6 +27,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from gateway.admin import ADMIN_LISTENER, AdminGate, install_admin
 from gateway.admission.live import ADMISSION, LiveAdmission
+from gateway.api.openai import ENGINE_MODELS, models_list
 from gateway.errors import response_for_exception
 from gateway.forecasts import LivePredictions, add_prediction_headers
 from gateway.keys import (
@@ -50,7 +51,6 @@ from gateway.observability.logs import (
 )
 from gateway.observability.metrics import METRICS
 from gateway.observability.metrics import install as install_metrics
-from gateway.openai_api import ENGINE_MODELS, models_list
 from gateway.openapi import install_openapi
 from gateway.parse_errors import install as install_parse_errors
 from gateway.prediction.service import PredictionConfig, PredictionService
@@ -123,7 +123,7 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
     app.cleanup_ctx.append(_proxy)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
-    # TGI's native API, served by the replicas whose engine is TGI (see gateway/tgi_api.py).
+    # TGI's native API, served by the replicas whose engine is TGI (see gateway/api/tgi.py).
     app.router.add_post("/generate", _generate)
     app.router.add_post("/generate_stream", _generate_stream)
     app.router.add_post("/", _generate)

@@ -28,8 +28,8 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.api.openai import ParsedRequest
 from gateway.observability.logs import RequestOutcome
-from gateway.openai_api import ParsedRequest
 from gateway.prediction.facts import ReplicaFacts
 from gateway.prediction.service import PredictionService
 from gateway.replicas.registry import LiveRequest, Replica, ReplicaRegistry

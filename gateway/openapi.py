@@ -20,9 +20,9 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from gateway.admission.config import HeaderSettings
+from gateway.api.openai import MODEL_HEADER, _ChatBody, _CompletionBody
+from gateway.api.tgi import _GenerateBody
 from gateway.observability.logs import REQUEST_ID_HEADER
-from gateway.openai_api import MODEL_HEADER, _ChatBody, _CompletionBody
-from gateway.tgi_api import _GenerateBody
 
 __all__ = ["OPENAPI_PATH", "REQUEST_SCHEMAS", "install_openapi", "openapi_spec"]
 

@@ -42,6 +42,25 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.admission.live import LiveAdmission, Ticket, mark_saturated
 from gateway.admission.retry_after import UNMEASURED_WAIT_S, RefusalReason, retry_after
+from gateway.api.openai import (
+    Endpoint,
+    ParsedRequest,
+    carries_tokens,
+    is_usage_only_chunk,
+    read_request,
+    upstream_body,
+    upstream_path,
+    usage_of,
+)
+from gateway.api.sse import DONE, Event, EventSplitter
+from gateway.api.tgi import (
+    error_event,
+    generated_tokens,
+    input_tokens,
+    is_final_event,
+    is_token_event,
+    without_details,
+)
 from gateway.errors import (
     GatewayError,
     Refused,
@@ -58,29 +77,10 @@ from gateway.forecasts import (
 )
 from gateway.keys import OutcomeListener
 from gateway.observability.logs import OUTCOME, REQUEST_ID, REQUEST_ID_HEADER, RequestOutcome
-from gateway.openai_api import (
-    Endpoint,
-    ParsedRequest,
-    carries_tokens,
-    is_usage_only_chunk,
-    read_request,
-    upstream_body,
-    upstream_path,
-    usage_of,
-)
 from gateway.replicas.registry import LiveRequest, Replica, ReplicaRegistry
 from gateway.settings import Settings
-from gateway.sse import DONE, Event, EventSplitter
 from gateway.store import SettingsStore
 from gateway.tenancy import TENANT
-from gateway.tgi_api import (
-    error_event,
-    generated_tokens,
-    input_tokens,
-    is_final_event,
-    is_token_event,
-    without_details,
-)
 
 __all__ = ["DISCONNECTS", "PROXY", "DisconnectMonitor", "Proxy", "RequestOutcome"]
 

@@ -6,7 +6,7 @@ completed them 75 s after it opened; header lines are capped at 8,190 bytes) and
 timer is off while the handler runs and ``request.read()`` waits for as long as the client
 dribbles. ``body_read_timeout_middleware`` reads the body under ``asyncio.timeout`` before the
 tenancy middleware and the handlers (``request.read()`` caches it, so their own reads in
-``gateway.openai_api.read_request`` return at once). Past the timeout the client gets a 408
+``gateway.api.openai.read_request`` return at once). Past the timeout the client gets a 408
 (``RequestBodyTimeout``, ``request_timeout``) with ``Connection: close``: no tenant budget was
 touched, no admission decision made, no replica contacted.
 

@@ -14,7 +14,7 @@ import logging
 
 from aiohttp import web
 
-from gateway.openai_api import ParsedRequest
+from gateway.api.openai import ParsedRequest
 from gateway.prediction.service import PredictionService
 
 __all__ = ["PROMPT_TOKENS", "estimated_prompt_tokens", "prompt_tokens_of"]

@@ -71,6 +71,7 @@ from aiohttp.typedefs import Handler
 
 from gateway.admission.fairness import TokenWeights
 from gateway.admission.retry_after import UNMEASURED_WAIT_S, RefusalReason, retry_after
+from gateway.api.openai import COMPLETION_ROUTES, Endpoint, ParsedRequest, read_request
 from gateway.errors import (
     GatewayError,
     Refused,
@@ -91,7 +92,6 @@ from gateway.limits.config import LimitsSettings
 from gateway.limits.factory import build_limiter
 from gateway.observability.logs import OUTCOME, RequestOutcome, new_request_id
 from gateway.observability.metrics import METRICS, SluiceMetrics
-from gateway.openai_api import COMPLETION_ROUTES, Endpoint, ParsedRequest, read_request
 from gateway.prediction.service import PredictionService
 from gateway.settings import ReplicaSettings, Settings
 from gateway.sizing import estimated_prompt_tokens

@@ -59,6 +59,7 @@ from gateway.admission.engine import (
 )
 from gateway.admission.fairness import TokenWeights
 from gateway.admission.retry_after import RefusalReason
+from gateway.api.openai import ParsedRequest
 from gateway.errors import (
     ClientClosedRequest,
     InvalidRequest,
@@ -75,7 +76,6 @@ from gateway.forecasts import (
     forecast_headers,
 )
 from gateway.observability.logs import RequestOutcome
-from gateway.openai_api import ParsedRequest
 from gateway.replicas.registry import LiveRequest, Replica, ReplicaRegistry
 from gateway.replicas.snapshot import ReplicaSnapshot
 from gateway.settings import Settings

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from gateway.openai_api import ModelCard, parse_models
+from gateway.api.openai import ModelCard, parse_models
 from gateway.replicas.dialects.info import fill_context_length
 from gateway.replicas.registry import Replica, ReplicaRegistry, ReplicaState
 from gateway.store import SettingsStore

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.openai_api import ModelCard
+from gateway.api.openai import ModelCard
 from gateway.replicas.snapshot import InFlight
 from gateway.settings import HealthSettings, ReplicaSettings, Settings
 from gateway.store import SettingsStore

@@ -131,7 +131,7 @@ def test_profile_summary_counts_self_inclusive_packages_and_callers() -> None:
     raw = "\n".join(
         [
             f"<module> ({ROOT}/gateway/cli.py);{handle};write ({site}/aiohttp/http_writer.py) 6",
-            f"<module> ({ROOT}/gateway/cli.py);{handle};parse ({ROOT}/gateway/openai_api.py) 3",
+            f"<module> ({ROOT}/gateway/cli.py);{handle};parse ({ROOT}/gateway/api/openai.py) 3",
             f"<module> ({ROOT}/gateway/cli.py);{handle} 1",
         ]
     )
@@ -142,12 +142,12 @@ def test_profile_summary_counts_self_inclusive_packages_and_callers() -> None:
     assert (top.caller, top.caller_part) == ("handle (gateway/proxy.py)", 1.0)
     assert {c.name: c.share for c in profile.by_package} == {
         "aiohttp": 0.6,
-        "gateway/openai_api.py": 0.3,
+        "gateway/api/openai.py": 0.3,
         "gateway/proxy.py": 0.1,
     }
     assert {c.name: c.share for c in profile.by_sluice_frame} == {
         "handle (gateway/proxy.py)": 0.7,
-        "parse (gateway/openai_api.py)": 0.3,
+        "parse (gateway/api/openai.py)": 0.3,
     }
     inclusive = {c.name: c.share for c in profile.top_inclusive}
     assert inclusive["handle (gateway/proxy.py)"] == 1.0

@@ -47,7 +47,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from gateway.openai_api import MAX_TOKENS_LIMIT
+from gateway.api.openai import MAX_TOKENS_LIMIT
 from gateway.openapi import OPENAPI_PATH, openapi_spec
 from tests.fuzz.live import ADMIN_TOKEN, API_KEY, MAX_BODY_BYTES, MODEL, LiveGateway, serve_gateway
 

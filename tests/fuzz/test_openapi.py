@@ -22,8 +22,8 @@ from jsonschema_rs import ValidationError
 from schemathesis import GenerationMode
 from schemathesis.core.parameters import ParameterLocation
 
+from gateway.api.openai import Endpoint, ParsedRequest, parse_native, parse_request
 from gateway.errors import InvalidRequest
-from gateway.openai_api import Endpoint, ParsedRequest, parse_native, parse_request
 from gateway.openapi import openapi_spec
 from tests.fuzz.live import ensure_openapi
 from tests.unit.gateway.fakes import gateway_settings, make_app

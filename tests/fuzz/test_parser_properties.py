@@ -23,8 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.errors import InvalidRequest, error_response
-from gateway.openai_api import (
+from gateway.api.openai import (
     MAX_CHOICES,
     MAX_TOKENS_LIMIT,
     Endpoint,
@@ -33,6 +32,7 @@ from gateway.openai_api import (
     parse_request,
     upstream_body,
 )
+from gateway.errors import InvalidRequest, error_response
 
 BOUNDED = settings(
     max_examples=150,

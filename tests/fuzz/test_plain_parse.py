@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from bench.admission_load import chat_body
-from gateway.openai_api import _SCHEMAS, MAX_CHOICES, MAX_TOKENS_LIMIT, Endpoint, _plain_fields, parse_request
+from gateway.api.openai import _SCHEMAS, MAX_CHOICES, MAX_TOKENS_LIMIT, Endpoint, _plain_fields, parse_request
 
 BOUNDED = settings(
     max_examples=600,

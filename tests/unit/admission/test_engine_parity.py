@@ -24,10 +24,10 @@ from aiohttp.test_utils import make_mocked_request
 from bench.goodput.core import FACTS, PROFILE, admission_settings
 from gateway.admission import Outcome
 from gateway.admission.live import LiveAdmission, Ticket
+from gateway.api.openai import ParsedRequest
 from gateway.errors import GatewayError, Refused
 from gateway.forecasts import LivePredictions
 from gateway.observability.logs import RequestOutcome
-from gateway.openai_api import ParsedRequest
 from gateway.prediction.service import PredictionService
 from gateway.replicas.registry import ReplicaRegistry, ReplicaState
 from gateway.replicas.scraper import MetricsScraper

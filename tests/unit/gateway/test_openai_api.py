@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.errors import InvalidRequest
-from gateway.openai_api import (
+from gateway.api.openai import (
     ModelCard,
     Usage,
     carries_tokens,
@@ -19,6 +18,7 @@ from gateway.openai_api import (
     upstream_body,
     usage_of,
 )
+from gateway.errors import InvalidRequest
 
 MSGS = [{"role": "user", "content": "hi"}]
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from gateway.openai_api import ModelCard
+from gateway.api.openai import ModelCard
 from gateway.replicas.registry import NoReplica, Replica, ReplicaRegistry, ReplicaState
 from gateway.settings import HealthSettings, ReplicaSettings, Settings
 from gateway.store import SettingsStore

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.sse import Event, EventSplitter, encode_data, event_data, event_data_fields
+from gateway.api.sse import Event, EventSplitter, encode_data, event_data, event_data_fields
 
 VLLM_STREAM = (
     b'data: {"choices": [{"delta": {"content": "Hel"}}]}\n\n'

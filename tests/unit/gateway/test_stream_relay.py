@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gateway.sse import EventSplitter
+from gateway.api.sse import EventSplitter
 from tests.unit.gateway.conftest import StartGateway, StartReplica
 from tests.unit.gateway.fakes import MODEL, FakeReplica, chat_chunk, sse
 

@@ -11,9 +11,8 @@ from typing import Any
 
 import pytest
 
-from gateway.errors import InvalidRequest, ModelNotFound
-from gateway.openai_api import parse_native, parse_request, resolve_native_model, upstream_body
-from gateway.tgi_api import (
+from gateway.api.openai import parse_native, parse_request, resolve_native_model, upstream_body
+from gateway.api.tgi import (
     error_event,
     generated_tokens,
     input_tokens,
@@ -21,6 +20,7 @@ from gateway.tgi_api import (
     is_token_event,
     without_details,
 )
+from gateway.errors import InvalidRequest, ModelNotFound
 
 MODEL = "tgi-model"
 

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from gateway.openai_api import ParsedRequest, parse_request
+from gateway.api.openai import ParsedRequest, parse_request
 from gateway.prediction.service import PredictionService
 from gateway.tenancy import predicted_output_tokens
 

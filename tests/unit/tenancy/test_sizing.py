@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.openai_api import ParsedRequest
+from gateway.api.openai import ParsedRequest
 from gateway.prediction.service import PredictionService
 from gateway.sizing import prompt_tokens_of
 from tests.unit.tenancy.conftest import COMPLETION, KEY_A, KEY_B, Scripted, StartTenantGateway

@@ -1,7 +1,7 @@
 """The request shapes Sluice reads: validation, the forwarded body, usage and model lists.
 
 OpenAI routes (``/v1/chat/completions``, ``/v1/completions``) and TGI's native ones
-(``/generate``, ``/generate_stream``: their shapes are in ``gateway.tgi_api``) all become one
+(``/generate``, ``/generate_stream``: their shapes are in ``gateway.api.tgi``) all become one
 ``ParsedRequest``, which admission, tenancy and the proxy read.
 
 Only the fields the gateway acts on are checked (``model``, ``messages`` / ``prompt``,
@@ -19,8 +19,8 @@ from typing import Annotated, Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+from gateway.api.tgi import JSON_TOO_COMPLEX, TGI_ENGINE, json_bytes, parse_generate, upstream_generate_body
 from gateway.errors import BodyTooLarge, ClientClosedRequest, InvalidRequest, ModelNotFound
-from gateway.tgi_api import JSON_TOO_COMPLEX, TGI_ENGINE, json_bytes, parse_generate, upstream_generate_body
 
 Endpoint = Literal["chat", "completions", "generate", "generate_stream"]
 
