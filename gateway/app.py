@@ -50,7 +50,7 @@ from gateway.observability.logs import (
     start_request,
 )
 from gateway.observability.metrics import METRICS
-from gateway.observability.metrics import install as install_metrics
+from gateway.observability.metrics.endpoints import install as install_metrics
 from gateway.openapi import install_openapi
 from gateway.parse_errors import install as install_parse_errors
 from gateway.prediction.service import PredictionConfig, PredictionService

@@ -9,12 +9,12 @@ from gateway.observability.metrics import SluiceMetrics
 
 def test_child_is_the_child_labels_returns_and_counts_into_its_series() -> None:
     metrics = SluiceMetrics()
-    first = metrics.child(metrics.requests, "standard", "acme", "admitted", "ok")
-    assert first is metrics.requests.labels("standard", "acme", "admitted", "ok")
-    assert metrics.child(metrics.requests, "standard", "acme", "admitted", "ok") is first
+    first = metrics.children.child(metrics.requests.requests, "standard", "acme", "admitted", "ok")
+    assert first is metrics.requests.requests.labels("standard", "acme", "admitted", "ok")
+    assert metrics.children.child(metrics.requests.requests, "standard", "acme", "admitted", "ok") is first
     first.inc()
-    metrics.child(metrics.requests, "standard", "acme", "admitted", "ok").inc(2)
-    other = metrics.child(metrics.requests, "standard", "acme", "rejected", "overloaded")
+    metrics.children.child(metrics.requests.requests, "standard", "acme", "admitted", "ok").inc(2)
+    other = metrics.children.child(metrics.requests.requests, "standard", "acme", "rejected", "overloaded")
     assert other is not first
     other.inc()
     sample = metrics.registry.get_sample_value
@@ -25,8 +25,8 @@ def test_child_is_the_child_labels_returns_and_counts_into_its_series() -> None:
 
 def test_children_of_different_metrics_with_the_same_labels_stay_apart() -> None:
     metrics = SluiceMetrics()
-    metrics.child(metrics.ttft, "standard").observe(0.2)
-    metrics.child(metrics.duration, "standard").observe(3.0)
+    metrics.children.child(metrics.requests.ttft, "standard").observe(0.2)
+    metrics.children.child(metrics.requests.duration, "standard").observe(3.0)
     sample = metrics.registry.get_sample_value
     assert sample("sluice_ttft_seconds_count", {"class": "standard"}) == 1.0
     assert sample("sluice_ttft_seconds_sum", {"class": "standard"}) == 0.2
@@ -47,9 +47,9 @@ def test_observer_counts_as_observe_does() -> None:
     """Bounds exactly, between, below the first, negative, huge, then +Inf and NaN: the same
     buckets, sum and count as prometheus_client's ``observe`` on a twin series."""
     metrics = SluiceMetrics()
-    observe = metrics.observer(metrics.duration, "fast")
-    assert metrics.observer(metrics.duration, "fast") is observe
-    twin = metrics.child(metrics.duration, "slow")
+    observe = metrics.children.observer(metrics.requests.duration, "fast")
+    assert metrics.children.observer(metrics.requests.duration, "fast") is observe
+    twin = metrics.children.child(metrics.requests.duration, "slow")
     bounds = [float(b) for b in twin._upper_bounds]
     finite = [*bounds[:-1], *(b * 1.001 for b in bounds[:-1]), 0.0, -1.0, 1e-9, 1e12]
     for amounts in (finite, [float("inf"), float("nan")]):
@@ -66,12 +66,12 @@ def test_observer_counts_as_observe_does() -> None:
 
 def test_counter_adds_to_the_series_of_its_labels() -> None:
     metrics = SluiceMetrics()
-    inc = metrics.counter(metrics.responses, "standard", "429")
-    assert metrics.counter(metrics.responses, "standard", "429") is inc
+    inc = metrics.children.counter(metrics.requests.responses, "standard", "429")
+    assert metrics.children.counter(metrics.requests.responses, "standard", "429") is inc
     inc(1)
     inc(1)
-    metrics.child(metrics.responses, "standard", "429").inc()
-    metrics.counter(metrics.responses, "standard", "200")(1)
+    metrics.children.child(metrics.requests.responses, "standard", "429").inc()
+    metrics.children.counter(metrics.requests.responses, "standard", "200")(1)
     sample = metrics.registry.get_sample_value
     assert sample("sluice_responses_total", {"class": "standard", "status": "429"}) == 3.0
     assert sample("sluice_responses_total", {"class": "standard", "status": "200"}) == 1.0
