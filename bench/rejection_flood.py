@@ -446,7 +446,7 @@ def pieces() -> list[tuple[str, float, float]]:
     (The body parse's fast path saves the schema's validation, about 3 us: not a piece to time
     apart from the parse.)"""
     from gateway.admission.retry_after import RetryAfter
-    from gateway.errors import AdmissionRejected, error_response
+    from gateway.http.errors import AdmissionRejected, error_response
     from gateway.observability.logs import (
         RequestOutcome,
         TextFormatter,

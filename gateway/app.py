@@ -17,19 +17,19 @@ import contextlib
 import gc
 import logging
 import signal
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 import aiohttp
 from aiohttp import web
-from aiohttp.typedefs import Handler, Middleware
 
-from gateway.admin import ADMIN_LISTENER, AdminGate, install_admin
 from gateway.admission.live import ADMISSION, LiveAdmission
 from gateway.api.openai import ENGINE_MODELS, models_list
-from gateway.errors import response_for_exception
 from gateway.forecasts import LivePredictions, add_prediction_headers
+from gateway.http.admin import ADMIN_LISTENER, AdminGate, install_admin
+from gateway.http.middleware import gateway_middleware
+from gateway.http.openapi import install_openapi
+from gateway.http.parse_errors import install as install_parse_errors
 from gateway.keys import (
     EMULATORS,
     HEALTH,
@@ -45,14 +45,10 @@ from gateway.keys import (
 from gateway.observability.logs import (
     add_request_id_header,
     configure_logging,
-    end_request,
     flush_logs,
-    start_request,
 )
 from gateway.observability.metrics import METRICS
 from gateway.observability.metrics.endpoints import install as install_metrics
-from gateway.openapi import install_openapi
-from gateway.parse_errors import install as install_parse_errors
 from gateway.prediction.service import PredictionConfig, PredictionService
 from gateway.proxy import DISCONNECTS, PROXY, DisconnectMonitor, Proxy
 from gateway.replicas.auth import replica_auth
@@ -60,7 +56,6 @@ from gateway.replicas.emulators import start_emulators, stop_emulators
 from gateway.replicas.health import HealthChecker
 from gateway.replicas.registry import ReplicaRegistry
 from gateway.replicas.scraper import MetricsScraper
-from gateway.request_body import read_body_in_time
 from gateway.settings import Settings
 from gateway.store import SettingsStore
 from gateway.tenancy import TENANCY, install_tenancy
@@ -142,53 +137,6 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
         # Last: it serves once everything it reads is up, and stops first.
         app.cleanup_ctx.append(listener.lifecycle)
     return app
-
-
-def gateway_middleware(store: SettingsStore, admin_gate: AdminGate) -> Middleware:
-    """The public application's one middleware (outermost, before the tenants'): in one layer,
-    what these would do stacked in this order (one coroutine per request instead of four):
-
-    1. ``request_context_middleware``: request id, ``RequestOutcome``, the access line (status
-       499 when cancelled);
-    2. ``error_middleware``: every exception from what follows becomes its JSON error response
-       (``response_for_exception``);
-    3. ``body_read_timeout_middleware``: a body not yet whole is read within
-       ``server.client_read_timeout_s`` (else 408);
-    4. ``admin_middleware``: ``admin_gate`` on the admin paths (401 without the token, or 404
-       when a separate admin listener serves them).
-    """
-    clock = time.monotonic
-
-    @web.middleware
-    async def impl(request: web.Request, handler: Handler) -> web.StreamResponse:
-        outcome = start_request(request, clock())
-        status = 500
-        try:
-            try:
-                if not request.content.is_eof():
-                    refused = await read_body_in_time(request, store)
-                    if refused is not None:
-                        status = refused.status
-                        return refused
-                admin_gate.check(request)
-                response = await handler(request)
-            except Exception as exc:
-                converted = response_for_exception(request, exc)
-                if converted is None:
-                    raise
-                response = converted
-            status = response.status
-            return response
-        except web.HTTPException as exc:
-            status = exc.status
-            raise
-        except asyncio.CancelledError:  # client gone (handler_cancellation) or shutdown
-            status = 499
-            raise
-        finally:
-            end_request(outcome, status, clock(), store)
-
-    return impl
 
 
 async def _flush_logs(_app: web.Application) -> None:

@@ -4,7 +4,7 @@ What it does:
 
 * asks admission (``gateway.admission.live``) where the request goes: the replica with the
   most slack that meets its targets, after a wait in Sluice's queue if need be, or a typed
-  refusal (``gateway.errors.Refused``: 429 / 503 / 400). It holds a lease on that replica until
+  refusal (``gateway.http.errors.Refused``: 429 / 503 / 400). It holds a lease on that replica until
   the response or stream has fully ended;
 * streams SSE events to the client as they arrive, one write per event, never buffering the body;
   a streaming request always asks the replica for usage, and the extra usage chunk is removed
@@ -61,19 +61,19 @@ from gateway.api.tgi import (
     is_token_event,
     without_details,
 )
-from gateway.errors import (
-    GatewayError,
-    Refused,
-    UpstreamError,
-    log_error,
-    sse_error_event,
-)
 from gateway.forecasts import (
     PREDICTED_TTFT_HEADER,
     PREDICTION_HEADERS,
     Admitted,
     LivePredictions,
     ttft_header_value,
+)
+from gateway.http.errors import (
+    GatewayError,
+    Refused,
+    UpstreamError,
+    log_error,
+    sse_error_event,
 )
 from gateway.keys import OutcomeListener
 from gateway.observability.logs import OUTCOME, REQUEST_ID, REQUEST_ID_HEADER, RequestOutcome

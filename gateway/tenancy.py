@@ -72,7 +72,7 @@ from aiohttp.typedefs import Handler
 from gateway.admission.fairness import TokenWeights
 from gateway.admission.retry_after import UNMEASURED_WAIT_S, RefusalReason, retry_after
 from gateway.api.openai import COMPLETION_ROUTES, Endpoint, ParsedRequest, read_request
-from gateway.errors import (
+from gateway.http.errors import (
     GatewayError,
     Refused,
     Unauthenticated,

@@ -1,7 +1,7 @@
 """The prediction headers every response carries (``admission.expose_prediction_headers``).
 
 Plain ``dict[str, str]`` so the HTTP layer can merge them into any response. A refusal's own
-headers (Retry-After, the reason of a refusal no decision described) are ``gateway.errors``'s.
+headers (Retry-After, the reason of a refusal no decision described) are ``gateway.http.errors``'s.
 """
 
 from __future__ import annotations

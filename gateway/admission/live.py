@@ -10,7 +10,7 @@ clock. Per request (``LiveAdmission.admit``), after the body is parsed:
    ``AdmissionEngine.request`` (the output predicted, capped by ``max_tokens``);
 3. **the decision** (``AdmissionEngine.submit``): admitted -> a ``Ticket`` for the replica it
    was sent to; queued -> the handler awaits a future that a ``Resolution`` of a later
-   re-evaluation completes; refused -> a typed error (``gateway.errors``).
+   re-evaluation completes; refused -> a typed error (``gateway.http.errors``).
 
 The engine is told of every event (a finish, a scrape snapshot, a health or settings change),
 and the loop's timer is armed for ``AdmissionEngine.next_wakeup``. A client that goes away while
@@ -60,20 +60,20 @@ from gateway.admission.engine import (
 from gateway.admission.fairness import TokenWeights
 from gateway.admission.retry_after import RefusalReason
 from gateway.api.openai import ParsedRequest
-from gateway.errors import (
-    ClientClosedRequest,
-    InvalidRequest,
-    ModelNotFound,
-    Refused,
-    admission_error,
-    refusal_reason_headers,
-)
 from gateway.forecasts import (
     PREDICTION_HEADER,
     PREDICTION_HEADERS,
     REPLICA_HEADER,
     LivePredictions,
     forecast_headers,
+)
+from gateway.http.errors import (
+    ClientClosedRequest,
+    InvalidRequest,
+    ModelNotFound,
+    Refused,
+    admission_error,
+    refusal_reason_headers,
 )
 from gateway.observability.logs import RequestOutcome
 from gateway.replicas.registry import LiveRequest, Replica, ReplicaRegistry

@@ -51,7 +51,7 @@ class RefusalReason(StrEnum):
     """Why Sluice refused a request, every refusal it answers. Bounded: safe as a metric label.
 
     The values are the OpenAI error ``code`` sent (``replicas_saturated`` is sent as code
-    ``overloaded``; it is the ``x-sluice-admission-reason``). ``gateway.errors`` maps each to its
+    ``overloaded``; it is the ``x-sluice-admission-reason``). ``gateway.http.errors`` maps each to its
     status, type and headers; ``retry_after`` to its delay.
     """
 
@@ -105,7 +105,7 @@ class RetryAfter:
     value (RFC 9110 delay-seconds: ``ceil(delay_s)``, >= 1). ``milliseconds``: the
     ``retry-after-ms`` value (``ceil(delay_s x 1000)``, >= 1), which the ``openai`` SDKs prefer.
     ``base_s``: the wait it was computed from (``retry_after``'s ``wait_s``), before clamping and
-    jitter. Its headers are ``gateway.errors``'s to write.
+    jitter. Its headers are ``gateway.http.errors``'s to write.
     """
 
     delay_s: float

@@ -20,7 +20,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from gateway.api.tgi import JSON_TOO_COMPLEX, TGI_ENGINE, json_bytes, parse_generate, upstream_generate_body
-from gateway.errors import BodyTooLarge, ClientClosedRequest, InvalidRequest, ModelNotFound
+from gateway.http.errors import BodyTooLarge, ClientClosedRequest, InvalidRequest, ModelNotFound
 
 Endpoint = Literal["chat", "completions", "generate", "generate_stream"]
 

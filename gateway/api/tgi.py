@@ -30,7 +30,7 @@ from typing import Annotated, Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from gateway.errors import InvalidRequest
+from gateway.http.errors import InvalidRequest
 
 #: TGI's default output cap when ``parameters.max_new_tokens`` is absent (``default_max_new_tokens``).
 TGI_DEFAULT_MAX_NEW_TOKENS: Final = 100

@@ -22,8 +22,8 @@ from aiohttp import web
 
 from gateway.admission.config import ShadowSettings
 from gateway.app import build_app
-from gateway.openapi import OPENAPI_PATH, install_openapi
-from gateway.parse_errors import install as install_parse_errors
+from gateway.http.openapi import OPENAPI_PATH, install_openapi
+from gateway.http.parse_errors import install as install_parse_errors
 from gateway.settings import ReplicaSettings, ServerSettings, Settings
 from gateway.store import SettingsStore
 from gateway.tenants import AuthSettings, TenantSettings, TenantsSettings, hash_api_key

@@ -3,7 +3,7 @@
 Two parts:
 
 * **schemathesis**, driven by the OpenAPI document the gateway itself serves at
-  ``/openapi.json`` (``gateway.openapi``): for every operation, schema-conforming (positive) and
+  ``/openapi.json`` (``gateway.http.openapi``): for every operation, schema-conforming (positive) and
   schema-violating (negative) requests, with any ``x-request-id``, class and deadline headers,
   with a valid, a missing or a garbage API key. Every answer must be below 500 (the replicas stay
   healthy, so any 5xx would be Sluice's), conform to the document (status, content type, headers,
@@ -48,7 +48,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from gateway.api.openai import MAX_TOKENS_LIMIT
-from gateway.openapi import OPENAPI_PATH, openapi_spec
+from gateway.http.openapi import OPENAPI_PATH, openapi_spec
 from tests.fuzz.live import ADMIN_TOKEN, API_KEY, MAX_BODY_BYTES, MODEL, LiveGateway, serve_gateway
 
 #: Seconds one request may take (connect and read); beyond it the test fails: a hang.
@@ -477,7 +477,7 @@ def test_malformed_header_lines_are_a_400_and_never_echoed(live: LiveGateway, li
     assert status == 400
     assert "x-injected" not in headers
     assert headers.get("x-request-id", "") != "abc"
-    # Sluice's JSON error (gateway.parse_errors, installed by the harness as by `sluice serve`),
+    # Sluice's JSON error (gateway.http.parse_errors, installed by the harness as by `sluice serve`),
     # never aiohttp's plain text, which quotes the offending line back: the API key included.
     assert headers["content-type"].startswith("application/json")
     assert json.loads(body)["error"]["code"] == "malformed_request"

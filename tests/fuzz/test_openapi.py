@@ -1,4 +1,4 @@
-"""The OpenAPI document (``gateway.openapi``) is valid, complete, and says what the parser does.
+"""The OpenAPI document (``gateway.http.openapi``) is valid, complete, and says what the parser does.
 
 * it validates against the OpenAPI 3.1 meta-schema (schemathesis' validator; a broken document
   is shown to fail it, so the check is not vacuous);
@@ -23,8 +23,8 @@ from schemathesis import GenerationMode
 from schemathesis.core.parameters import ParameterLocation
 
 from gateway.api.openai import Endpoint, ParsedRequest, parse_native, parse_request
-from gateway.errors import InvalidRequest
-from gateway.openapi import openapi_spec
+from gateway.http.errors import InvalidRequest
+from gateway.http.openapi import openapi_spec
 from tests.fuzz.live import ensure_openapi
 from tests.unit.gateway.fakes import gateway_settings, make_app
 

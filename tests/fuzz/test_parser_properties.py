@@ -32,7 +32,7 @@ from gateway.api.openai import (
     parse_request,
     upstream_body,
 )
-from gateway.errors import InvalidRequest, error_response
+from gateway.http.errors import InvalidRequest, error_response
 
 BOUNDED = settings(
     max_examples=150,

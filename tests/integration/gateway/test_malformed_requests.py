@@ -2,7 +2,7 @@
 
 A control character or a NUL in an ``Authorization: Bearer <the tenant's key>`` header, a header
 or request line over aiohttp's 8190 bytes, a bad method, a bare LF, too many headers: each is
-answered with Sluice's OpenAI-style JSON error (``gateway.parse_errors``) with aiohttp's status
+answered with Sluice's OpenAI-style JSON error (``gateway.http.parse_errors``) with aiohttp's status
 (400), the connection is closed, neither the body nor the gateway's log nor ``/metrics`` holds
 the key, and the gateway goes on serving. The admin listener answers the same way.
 """
@@ -22,7 +22,7 @@ import pytest
 import yaml
 from aiohttp.web_protocol import RequestHandler
 
-from gateway.parse_errors import HANDLE_ERROR_PARAMETERS, MALFORMED_REQUEST, hook_supported
+from gateway.http.parse_errors import HANDLE_ERROR_PARAMETERS, MALFORMED_REQUEST, hook_supported
 from gateway.tenants import hash_api_key
 from tests.integration.stack.conftest import _sluice
 from tests.support.procs import Proc, free_port
@@ -199,7 +199,7 @@ def test_admin_listener_answers_json_without_the_token(served: Served) -> None:
 
 def test_this_aiohttp_has_the_method_gateway_parse_errors_replaces() -> None:
     """Fails when an aiohttp release renames or reshapes ``RequestHandler.handle_error``: then
-    ``gateway.parse_errors.install`` leaves aiohttp's echoing 400 in place (with a warning)."""
+    ``gateway.http.parse_errors.install`` leaves aiohttp's echoing 400 in place (with a warning)."""
     assert aiohttp.__version__.startswith("3.14."), aiohttp.__version__
     assert tuple(RequestHandler.__dict__["handle_error"].__code__.co_varnames[:5]) == HANDLE_ERROR_PARAMETERS
     assert hook_supported()

@@ -25,8 +25,8 @@ from bench.goodput.core import FACTS, PROFILE, admission_settings
 from gateway.admission import Outcome
 from gateway.admission.live import LiveAdmission, Ticket
 from gateway.api.openai import ParsedRequest
-from gateway.errors import GatewayError, Refused
 from gateway.forecasts import LivePredictions
+from gateway.http.errors import GatewayError, Refused
 from gateway.observability.logs import RequestOutcome
 from gateway.prediction.service import PredictionService
 from gateway.replicas.registry import ReplicaRegistry, ReplicaState

@@ -11,7 +11,7 @@ import pytest
 
 from gateway.admission import RetryAfterPolicy, RetryAfterSettings
 from gateway.admission.retry_after import decode_drain_s, ttft_excess_s
-from gateway.errors import refusal_headers
+from gateway.http.errors import refusal_headers
 from tests.unit.admission.fleet import MODEL, state
 
 DEFAULT = RetryAfterSettings()

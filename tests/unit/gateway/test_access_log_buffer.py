@@ -393,7 +393,7 @@ async def test_the_gateway_writes_one_line_per_request_without_records(
     assert " path=/missing status=404 " in second
 
 
-# -- the single middleware layer (gateway.app.gateway_middleware) ----------------------------------------
+# -- the single middleware layer (gateway.http.middleware.gateway_middleware) -----------------------
 
 
 async def test_a_body_too_slow_is_a_408_that_closes_the_connection(

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from gateway.admin import ADMIN_LISTENER, AdminGuard, AdminListener
+from gateway.http.admin import ADMIN_LISTENER, AdminGuard, AdminListener
 from gateway.observability.logs import JsonFormatter, TextFormatter
 from gateway.settings import AdminSettings, Settings
 from gateway.store import SettingsStore

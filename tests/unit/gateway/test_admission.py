@@ -35,7 +35,7 @@ from gateway.admission import (
 )
 from gateway.admission.live import ADMISSION
 from gateway.admission.retry_after import RefusalReason
-from gateway.errors import SHOULD_RETRY, AdmissionRejected, admission_error, error_response
+from gateway.http.errors import SHOULD_RETRY, AdmissionRejected, admission_error, error_response
 from gateway.keys import HEALTH, REGISTRY, SCRAPER
 from gateway.observability.logs import RequestOutcome
 from gateway.replicas.registry import ReplicaState

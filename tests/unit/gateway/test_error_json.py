@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.admission.retry_after import RefusalReason, RetryAfter
-from gateway.errors import (
+from gateway.http.errors import (
     AdmissionRejected,
     BodyTooLarge,
     GatewayError,

@@ -20,7 +20,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway.admission.retry_after import RefusalReason, retry_after
-from gateway.errors import (
+from gateway.http.errors import (
     BodyTooLarge,
     GatewayError,
     InvalidRequest,

@@ -18,7 +18,7 @@ from gateway.api.openai import (
     upstream_body,
     usage_of,
 )
-from gateway.errors import InvalidRequest
+from gateway.http.errors import InvalidRequest
 
 MSGS = [{"role": "user", "content": "hi"}]
 

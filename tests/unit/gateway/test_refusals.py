@@ -1,7 +1,7 @@
 """Every refusal, one table: reason -> status, type, code, Retry-After rule, headers.
 
 ``retry_after`` is the one function that computes a delay (load-driven reasons jittered within
-``[d, d x (1 + jitter)]``, exact ones not); ``Refused`` (``gateway.errors``) the one map to the
+``[d, d x (1 + jitter)]``, exact ones not); ``Refused`` (``gateway.http.errors``) the one map to the
 answer. A seeded source makes the jittered delays reproducible.
 """
 
@@ -23,7 +23,7 @@ from gateway.admission.retry_after import (
     RetryAfter,
     retry_after,
 )
-from gateway.errors import SHOULD_RETRY, Refused, error_response
+from gateway.http.errors import SHOULD_RETRY, Refused, error_response
 
 SETTINGS = RetryAfterSettings()  # jitter 0.5, min 0.1 s, max 60 s
 JITTER = SETTINGS.jitter_fraction

@@ -20,7 +20,7 @@ from gateway.api.tgi import (
     is_token_event,
     without_details,
 )
-from gateway.errors import InvalidRequest, ModelNotFound
+from gateway.http.errors import InvalidRequest, ModelNotFound
 
 MODEL = "tgi-model"
 

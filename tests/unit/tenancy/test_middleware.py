@@ -21,7 +21,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from gateway.admission.retry_after import RefusalReason, retry_after
-from gateway.errors import Refused, error_response
+from gateway.http.errors import Refused, error_response
 from gateway.keys import STORE
 from gateway.limits.config import TenantLimitSettings
 from gateway.limits.failover import FailoverLimiter

@@ -4,7 +4,7 @@ aiohttp answers an unparsable request line or header itself (``RequestHandler.ha
 before any middleware, with a text 400 that quotes the offending line, which may hold a client's
 API key; it offers no public hook (aio-libs/aiohttp#3287). ``install()`` therefore replaces that
 one method, process-wide: aiohttp's own still runs first (it logs, redacted by
-``RedactMalformedRequests``), then its answer is swapped for ``gateway.errors``' JSON body
+``RedactMalformedRequests``), then its answer is swapped for ``gateway.http.errors``' JSON body
 (``malformed_request``, a fixed message naming only the kind of error; 5xx: ``internal_error``),
 status kept, connection closed. ``run_gateway`` calls it; an integration test fails if aiohttp
 moves the method.
@@ -26,7 +26,7 @@ from aiohttp.http_exceptions import (
 )
 from aiohttp.web_protocol import RequestHandler
 
-from gateway.errors import GatewayError, InternalError, InvalidRequest, error_response
+from gateway.http.errors import GatewayError, InternalError, InvalidRequest, error_response
 
 log = logging.getLogger("sluice.parse_errors")
 

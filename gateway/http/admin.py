@@ -20,7 +20,7 @@ from typing import Final
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from gateway.errors import RouteNotFound, admin_token_required, error_middleware
+from gateway.http.errors import RouteNotFound, admin_token_required, error_middleware
 from gateway.observability.logs import add_request_id_header, request_context_middleware
 from gateway.settings import Settings
 from gateway.store import SettingsStore

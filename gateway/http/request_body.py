@@ -26,7 +26,13 @@ import asyncio
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from gateway.errors import ClientClosedRequest, RequestBodyTimeout, error_response, log_error, request_id_of
+from gateway.http.errors import (
+    ClientClosedRequest,
+    RequestBodyTimeout,
+    error_response,
+    log_error,
+    request_id_of,
+)
 from gateway.observability.logs import OUTCOME
 from gateway.store import SettingsStore
 
