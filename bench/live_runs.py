@@ -56,10 +56,7 @@ from bench.live_accuracy import (
     wait_until_ready,
 )
 from gateway.admission.config import AdmissionSettings, ClassSettings
-from gateway.keys import PREDICTION_SERVICE, REGISTRY
-from gateway.prediction import PredictionService
-from gateway.replicas.registry import ReplicaState
-from gateway.settings import (
+from gateway.config.settings import (
     HardwareSettings,
     HealthSettings,
     LoggingSettings,
@@ -67,6 +64,9 @@ from gateway.settings import (
     ServerSettings,
     Settings,
 )
+from gateway.keys import PREDICTION_SERVICE, REGISTRY
+from gateway.prediction import PredictionService
+from gateway.replicas.registry import ReplicaState
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = "llama3-8b-h100"

@@ -446,6 +446,7 @@ def pieces() -> list[tuple[str, float, float]]:
     (The body parse's fast path saves the schema's validation, about 3 us: not a piece to time
     apart from the parse.)"""
     from gateway.admission.retry_after import RetryAfter
+    from gateway.config.settings import LoggingSettings
     from gateway.http.errors import AdmissionRejected, error_response
     from gateway.observability.logs import (
         RequestOutcome,
@@ -455,7 +456,6 @@ def pieces() -> list[tuple[str, float, float]]:
         log_access,
         new_request_id,
     )
-    from gateway.settings import LoggingSettings
 
     err = AdmissionRejected(
         "first token predicted 0.234 s after the client's deadline (best replica emu)",

@@ -158,9 +158,9 @@ async def replay(
     from bench.rejection_flood import HARDWARE, flood_request
     from bench.soak import free_port
     from gateway.app import build_app
-    from gateway.config import load_settings
+    from gateway.config.load import load_settings
+    from gateway.config.store import SettingsStore
     from gateway.observability.logs import configure_logging
-    from gateway.store import SettingsStore
 
     samples: list[float] = []
     active = [False]

@@ -44,8 +44,8 @@ from aiohttp import web
 
 from bench.limiter_cost import new_loop_factory
 from gateway.app import build_app
-from gateway.settings import Settings
-from gateway.store import SettingsStore
+from gateway.config.settings import Settings
+from gateway.config.store import SettingsStore
 from gateway.tenants import hash_api_key
 from tests.support.redis import redis_cluster, redis_server
 

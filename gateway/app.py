@@ -25,6 +25,8 @@ from aiohttp import web
 
 from gateway.admission.live import ADMISSION, LiveAdmission
 from gateway.api.openai import ENGINE_MODELS, models_list
+from gateway.config.settings import Settings
+from gateway.config.store import SettingsStore
 from gateway.forecasts import LivePredictions, add_prediction_headers
 from gateway.http.admin import ADMIN_LISTENER, AdminGate, install_admin
 from gateway.http.middleware import gateway_middleware
@@ -56,8 +58,6 @@ from gateway.replicas.emulators import start_emulators, stop_emulators
 from gateway.replicas.health import HealthChecker
 from gateway.replicas.registry import ReplicaRegistry
 from gateway.replicas.scraper import MetricsScraper
-from gateway.settings import Settings
-from gateway.store import SettingsStore
 from gateway.tenancy import TENANCY, install_tenancy
 
 log = logging.getLogger("sluice.app")
@@ -74,7 +74,7 @@ LIVE_PREDICTION = PredictionConfig(learn_dispatch_overhead=True)
 
 
 class Reloader(Protocol):
-    """What ``run_gateway`` needs of a config reloader (``gateway.reload.ConfigReloader``)."""
+    """What ``run_gateway`` needs of a config reloader (``gateway.config.reload.ConfigReloader``)."""
 
     async def start(self) -> None: ...
 

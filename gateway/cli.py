@@ -10,9 +10,9 @@ import logging
 import sys
 from pathlib import Path
 
-from gateway.config import ConfigError, default_settings, load_settings
-from gateway.settings import Settings
-from gateway.store import SettingsStore
+from gateway.config.load import ConfigError, default_settings, load_settings
+from gateway.config.settings import Settings
+from gateway.config.store import SettingsStore
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -95,7 +95,7 @@ def _hash_key() -> int:
 
 def _serve(config: Path | None) -> int:
     from gateway.app import run_gateway
-    from gateway.reload import ConfigReloader
+    from gateway.config.reload import ConfigReloader
     from gateway.replicas.emulators import EmulatorStartError
 
     try:

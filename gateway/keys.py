@@ -14,6 +14,7 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
+from gateway.config.store import SettingsStore
 from gateway.forecasts import LivePredictions
 from gateway.observability.logs import RequestOutcome
 from gateway.prediction.service import PredictionService
@@ -21,7 +22,6 @@ from gateway.replicas.emulators import EmulatorProcess
 from gateway.replicas.health import HealthChecker
 from gateway.replicas.registry import ReplicaRegistry
 from gateway.replicas.scraper import MetricsScraper
-from gateway.store import SettingsStore
 
 #: Called once per proxied request when it is over; must not raise (errors are logged).
 OutcomeListener = Callable[[RequestOutcome], None]

@@ -61,6 +61,8 @@ from gateway.api.tgi import (
     is_token_event,
     without_details,
 )
+from gateway.config.settings import Settings
+from gateway.config.store import SettingsStore
 from gateway.forecasts import (
     PREDICTED_TTFT_HEADER,
     PREDICTION_HEADERS,
@@ -78,8 +80,6 @@ from gateway.http.errors import (
 from gateway.keys import OutcomeListener
 from gateway.observability.logs import OUTCOME, REQUEST_ID, REQUEST_ID_HEADER, RequestOutcome
 from gateway.replicas.registry import LiveRequest, Replica, ReplicaRegistry
-from gateway.settings import Settings
-from gateway.store import SettingsStore
 from gateway.tenancy import TENANT
 
 __all__ = ["DISCONNECTS", "PROXY", "DisconnectMonitor", "Proxy", "RequestOutcome"]

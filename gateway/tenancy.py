@@ -72,6 +72,8 @@ from aiohttp.typedefs import Handler
 from gateway.admission.fairness import TokenWeights
 from gateway.admission.retry_after import UNMEASURED_WAIT_S, RefusalReason, retry_after
 from gateway.api.openai import COMPLETION_ROUTES, Endpoint, ParsedRequest, read_request
+from gateway.config.settings import ReplicaSettings, Settings
+from gateway.config.store import SettingsStore
 from gateway.http.errors import (
     GatewayError,
     Refused,
@@ -93,9 +95,7 @@ from gateway.limits.factory import build_limiter
 from gateway.observability.logs import OUTCOME, RequestOutcome, new_request_id
 from gateway.observability.metrics import METRICS, SluiceMetrics
 from gateway.prediction.service import PredictionService
-from gateway.settings import ReplicaSettings, Settings
 from gateway.sizing import estimated_prompt_tokens
-from gateway.store import SettingsStore
 from gateway.tenants import Authenticator, AuthError, Tenant
 from predictor import StepModel
 from predictor.step_model import StepBatch

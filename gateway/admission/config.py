@@ -1,6 +1,6 @@
 """The ``admission:`` section: request classes and their targets, the queue, Retry-After, shadow mode.
 
-Pydantic v2 models in the house style (``gateway.settings.Section``: unknown keys rejected, frozen,
+Pydantic v2 models in the house style (``gateway.config.settings.Section``: unknown keys rejected, frozen,
 strict types). Cross-field rules raise ``SettingsViolations`` listing every broken rule at once with
 a path relative to ``admission``. Units are in the field names (``_s`` seconds, ``_tokens``);
 fractions are plain floats in the stated range.
@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from gateway.section import Name, PositiveSeconds, Section, SettingsViolations, Violation
+from gateway.config.section import Name, PositiveSeconds, Section, SettingsViolations, Violation
 
 __all__ = [
     "INTERACTIVE_STALL_BUDGET_HORIZON",

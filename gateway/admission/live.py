@@ -60,6 +60,8 @@ from gateway.admission.engine import (
 from gateway.admission.fairness import TokenWeights
 from gateway.admission.retry_after import RefusalReason
 from gateway.api.openai import ParsedRequest
+from gateway.config.settings import Settings
+from gateway.config.store import SettingsStore
 from gateway.forecasts import (
     PREDICTION_HEADER,
     PREDICTION_HEADERS,
@@ -78,9 +80,7 @@ from gateway.http.errors import (
 from gateway.observability.logs import RequestOutcome
 from gateway.replicas.registry import LiveRequest, Replica, ReplicaRegistry
 from gateway.replicas.snapshot import ReplicaSnapshot
-from gateway.settings import Settings
 from gateway.sizing import estimated_prompt_tokens
-from gateway.store import SettingsStore
 from gateway.tenancy import TENANT
 from gateway.tenants import Tenant
 from predictor import Forecast, ForecastReason

@@ -20,10 +20,10 @@ from typing import Final
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from gateway.config.settings import Settings
+from gateway.config.store import SettingsStore
 from gateway.http.errors import RouteNotFound, admin_token_required, error_middleware
 from gateway.observability.logs import add_request_id_header, request_context_middleware
-from gateway.settings import Settings
-from gateway.store import SettingsStore
 from gateway.tenancy import is_admin_path
 from gateway.tenants.auth import bearer_token
 from gateway.tenants.keys import key_digest

@@ -14,11 +14,11 @@ import time
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from gateway.config.store import SettingsStore
 from gateway.http.admin import AdminGate
 from gateway.http.errors import response_for_exception
 from gateway.http.request_body import read_body_in_time
 from gateway.observability.logs import end_request, start_request
-from gateway.store import SettingsStore
 
 
 def gateway_middleware(store: SettingsStore, admin_gate: AdminGate) -> Middleware:

@@ -26,6 +26,7 @@ import asyncio
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from gateway.config.store import SettingsStore
 from gateway.http.errors import (
     ClientClosedRequest,
     RequestBodyTimeout,
@@ -34,7 +35,6 @@ from gateway.http.errors import (
     request_id_of,
 )
 from gateway.observability.logs import OUTCOME
-from gateway.store import SettingsStore
 
 
 def body_read_timeout_middleware(store: SettingsStore) -> Middleware:

@@ -3,7 +3,7 @@
 ``base`` holds the contract (``Limiter``, ``Reservation``, ``TenantLimits``, ``LimiterUnavailable``);
 ``memory`` and ``redis`` the backends; ``cache`` the in-process over-limit cache; ``failover`` the
 fail-open / fail-closed policy; ``config`` the YAML sections; ``factory.build_limiter`` wires them.
-``config`` and ``factory`` are not imported here, so ``gateway.settings`` may import
+``config`` and ``factory`` are not imported here, so ``gateway.config.settings`` may import
 ``gateway.limits.config`` without a cycle through this package.
 """
 

@@ -1,7 +1,7 @@
 """YAML sections of the limiter: ``limits:`` (backend, Redis, failure policy) and per-tenant budgets.
 
 ``LimitsSettings`` is meant to be mounted as ``Settings.limits``; ``TenantLimitSettings`` is meant
-to be embedded in each tenant's entry. Both follow ``gateway.settings.Section``: unknown keys
+to be embedded in each tenant's entry. Both follow ``gateway.config.settings.Section``: unknown keys
 rejected, frozen, strict types, units in the field names.
 """
 
@@ -11,8 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from gateway.config.section import PositiveSeconds, Section, SettingsViolations, Violation
 from gateway.limits.base import TenantLimits
-from gateway.section import PositiveSeconds, Section, SettingsViolations, Violation
 
 PerMinute = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 #: A cost weight: finite and > 0.

@@ -30,8 +30,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler, Middleware
 
-from gateway.settings import LoggingSettings
-from gateway.store import SettingsStore
+from gateway.config.settings import LoggingSettings
+from gateway.config.store import SettingsStore
 
 #: The access logger's name: its records are the access lines (``log_access``).
 ACCESS_LOGGER = "sluice.access"

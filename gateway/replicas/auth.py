@@ -12,7 +12,7 @@ from __future__ import annotations
 from aiohttp import ClientRequest, ClientResponse, hdrs
 from aiohttp.client_middlewares import ClientHandlerType, ClientMiddlewareType
 
-from gateway.store import SettingsStore
+from gateway.config.store import SettingsStore
 
 __all__ = ["replica_auth"]
 

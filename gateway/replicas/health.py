@@ -19,9 +19,9 @@ from collections.abc import Callable
 import aiohttp
 
 from gateway.api.openai import ModelCard, parse_models
+from gateway.config.store import SettingsStore
 from gateway.replicas.dialects.info import fill_context_length
 from gateway.replicas.registry import Replica, ReplicaRegistry, ReplicaState
-from gateway.store import SettingsStore
 
 log = logging.getLogger("sluice.health")
 

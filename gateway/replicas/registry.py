@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.api.openai import ModelCard
+from gateway.config.settings import HealthSettings, ReplicaSettings, Settings
+from gateway.config.store import SettingsStore
 from gateway.replicas.snapshot import InFlight
-from gateway.settings import HealthSettings, ReplicaSettings, Settings
-from gateway.store import SettingsStore
 
 log = logging.getLogger("sluice.replicas")
 

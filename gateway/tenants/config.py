@@ -1,6 +1,6 @@
 """YAML sections for tenants: who they are, their API key hashes, fair-share weight, budgets, classes.
 
-Mounted by ``gateway.settings`` under ``tenants:`` (``auth``, ``keys_file``, ``tenants``; every key
+Mounted by ``gateway.config.settings`` under ``tenants:`` (``auth``, ``keys_file``, ``tenants``; every key
 is documented in ``config/sluice.example.yaml`` and docs/tenants.md). Only ``sha256:`` key hashes
 are accepted: a plaintext key is refused with how to hash it, every value that might be a secret
 is shown as ``<redacted>`` in errors, and hashes are left out of ``repr``. ``class_violations``
@@ -14,8 +14,8 @@ from typing import Annotated, Any, Final
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from gateway.config.section import Name, Section, SettingsViolations, Violation
 from gateway.limits.config import TenantLimitSettings
-from gateway.section import Name, Section, SettingsViolations, Violation
 from gateway.tenants.keys import REDACTED, hash_api_key, key_hash_problem, normalise_key_hash
 
 __all__ = [

@@ -4,7 +4,7 @@ The file maps tenant names to lists of ``sha256:`` hashes. ``apply_keys_file`` r
 ``TenantsSettings.keys_file`` names, validates it as strictly as ``api_keys`` (hashes only, every
 tenant configured, no hash used twice anywhere) and returns the settings with the hashes added.
 It runs wherever the configuration is loaded, so the keys file reloads with the rest. Problems
-raise ``gateway.config.ConfigError``, one line each, secrets shown as ``<redacted>``.
+raise ``gateway.config.load.ConfigError``, one line each, secrets shown as ``<redacted>``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Final
 
 import yaml
 
-from gateway.config_source import ConfigError, StrictSafeLoader, read_text
+from gateway.config.source import ConfigError, StrictSafeLoader, read_text
 from gateway.tenants.config import TenantsSettings
 from gateway.tenants.keys import REDACTED, key_hash_problem, normalise_key_hash
 
@@ -75,7 +75,7 @@ def parse_keys_file(data: object, settings: TenantsSettings, source: str) -> dic
 
 
 def _describe_yaml_error(exc: yaml.YAMLError) -> str:
-    """Where and what, without the offending line (``gateway.config`` shows it): it may hold a key."""
+    """Where and what, without the offending line (``gateway.config.load`` shows it): it may hold a key."""
     if not isinstance(exc, yaml.MarkedYAMLError):
         return "invalid YAML"
     mark = exc.problem_mark or exc.context_mark

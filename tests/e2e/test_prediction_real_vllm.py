@@ -50,7 +50,7 @@ from bench.live_accuracy import (
     wait_until_ready,
 )
 from gateway.admission.config import AdmissionSettings
-from gateway.settings import (
+from gateway.config.settings import (
     HardwareSettings,
     HealthSettings,
     LoggingSettings,

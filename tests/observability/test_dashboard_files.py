@@ -13,12 +13,12 @@ from types import ModuleType
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.config.settings import ReplicaSettings, Settings
+from gateway.config.store import SettingsStore
 from gateway.limits.base import BucketState, ConcurrencyState, LimiterStats, Reservation, TenantLimits
 from gateway.observability.metrics import SluiceMetrics
 from gateway.replicas.registry import ReplicaRegistry
 from gateway.replicas.snapshot import ReplicaSnapshot
-from gateway.settings import ReplicaSettings, Settings
-from gateway.store import SettingsStore
 from predictor import FitReport, ModelSource, StepParams
 from tests.observability.prometheus import DASHBOARDS, RULES
 from tests.observability.test_metrics import outcome

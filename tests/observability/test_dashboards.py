@@ -50,9 +50,15 @@ from aiohttp import web
 
 from gateway.admission.config import AdmissionSettings, ClassSettings, HeaderSettings, ShadowSettings
 from gateway.app import build_app
+from gateway.config.settings import (
+    HardwareSettings,
+    HealthSettings,
+    ReplicaSettings,
+    ServerSettings,
+    Settings,
+)
+from gateway.config.store import SettingsStore
 from gateway.limits.config import LimitsSettings, RedisSettings, TenantLimitSettings
-from gateway.settings import HardwareSettings, HealthSettings, ReplicaSettings, ServerSettings, Settings
-from gateway.store import SettingsStore
 from gateway.tenants.config import TenantSettings, TenantsSettings
 from gateway.tenants.keys import hash_api_key
 from tests.observability.prometheus import CONFIG, DASHBOARDS, RULES, tool

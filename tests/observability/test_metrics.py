@@ -11,7 +11,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import build_app
-from gateway.config import default_settings
+from gateway.config.load import default_settings
+from gateway.config.settings import HealthSettings, ReplicaSettings, ServerSettings, Settings
+from gateway.config.store import SettingsStore
 from gateway.keys import OUTCOME_LISTENERS
 from gateway.limits.base import (
     BucketState,
@@ -27,8 +29,6 @@ from gateway.observability.metrics.labels import code_label, configured_classes,
 from gateway.observability.metrics.outcomes import decision_of, proxy_overhead_s, relative_error, slo_result
 from gateway.replicas.registry import ReplicaRegistry
 from gateway.replicas.snapshot import ReplicaSnapshot
-from gateway.settings import HealthSettings, ReplicaSettings, ServerSettings, Settings
-from gateway.store import SettingsStore
 from predictor import FitReport, ModelSource, StepParams
 
 

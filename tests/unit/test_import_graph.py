@@ -6,7 +6,7 @@ at module level, under ``if TYPE_CHECKING:``, or inside a function.
 
 Both kinds of guarded import are INCLUDED on purpose. Neither creates an import-time cycle, and
 that is why they hide one: the cycles this test was written for (plugins reading their app keys
-back from ``gateway.app``, ``gateway.tenants.keys_file`` borrowing ``gateway.config``'s loader,
+back from ``gateway.app``, ``gateway.tenants.keys_file`` borrowing ``gateway.config.load``'s loader,
 ``simulator.native`` and ``simulator.server``) all sat behind a function-level import, and a
 ``TYPE_CHECKING`` import is still a dependency a reader must follow. The house wants each module
 to sit above what it uses, so a cycle through either is a cycle. A late import with no cycle

@@ -39,8 +39,8 @@ from gateway.observability.metrics.tenants import (
 )
 
 if TYPE_CHECKING:
+    from gateway.config.settings import Settings
     from gateway.replicas.snapshot import ReplicaSnapshot
-    from gateway.settings import Settings
 
 __all__ = ["METRICS", "SluiceMetrics"]
 

@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
-    from gateway.settings import Settings
+    from gateway.config.settings import Settings
 
 NONE_LABEL: Final = "none"
 OTHER_LABEL: Final = "other"

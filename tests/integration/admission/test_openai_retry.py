@@ -26,10 +26,10 @@ from aiohttp import web
 
 from bench.admission_load import Result, chat_body, send
 from gateway.app import build_app
+from gateway.config.settings import Settings
+from gateway.config.store import SettingsStore
 from gateway.keys import OUTCOME_LISTENERS
 from gateway.observability.logs import RequestOutcome
-from gateway.settings import Settings
-from gateway.store import SettingsStore
 from tests.integration.admission.conftest import MODEL, Running, gateway_config, start_emulator
 from tests.support.procs import free_port
 

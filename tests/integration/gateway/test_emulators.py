@@ -24,6 +24,8 @@ import aiohttp
 import pytest
 
 from gateway.app import build_app
+from gateway.config.settings import EmulatorSettings, HealthSettings, Settings
+from gateway.config.store import SettingsStore
 from gateway.keys import EMULATORS, OUTCOME_LISTENERS
 from gateway.observability.logs import RequestOutcome
 from gateway.replicas.emulators import (
@@ -32,8 +34,6 @@ from gateway.replicas.emulators import (
     start_emulators,
     stop_emulators,
 )
-from gateway.settings import EmulatorSettings, HealthSettings, Settings
-from gateway.store import SettingsStore
 from tests.support.procs import ROOT, free_port, port_is_open
 
 FAKE_EMULATOR = textwrap.dedent(
@@ -201,8 +201,8 @@ RUN_GATEWAY = textwrap.dedent(
     import sys
     from gateway.app import run_gateway
     from gateway.observability.logs import configure_logging
-    from gateway.settings import EmulatorSettings, ServerSettings, Settings
-    from gateway.store import SettingsStore
+    from gateway.config.settings import EmulatorSettings, ServerSettings, Settings
+    from gateway.config.store import SettingsStore
 
     settings = Settings(
         server=ServerSettings(port=int(sys.argv[1]), shutdown_grace_s=2.0),

@@ -21,11 +21,11 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.admission.config import AdmissionSettings
 from gateway.app import build_app
+from gateway.config.settings import HealthSettings, ReplicaSettings, ServerSettings, Settings
+from gateway.config.store import SettingsStore
 from gateway.keys import OUTCOME_LISTENERS, REGISTRY
 from gateway.observability.logs import RequestOutcome
 from gateway.proxy import MAX_PLACEMENTS
-from gateway.settings import HealthSettings, ReplicaSettings, ServerSettings, Settings
-from gateway.store import SettingsStore
 from simulator.profile import load_profile
 from simulator.server import build_app as build_emulator
 

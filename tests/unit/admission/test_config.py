@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.admission import AdmissionSettings, ClassSettings
-from gateway.settings import SettingsViolations
+from gateway.config.settings import SettingsViolations
 
 
 def test_defaults_are_valid_and_documented() -> None:

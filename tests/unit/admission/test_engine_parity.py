@@ -25,6 +25,7 @@ from bench.goodput.core import FACTS, PROFILE, admission_settings
 from gateway.admission import Outcome
 from gateway.admission.live import LiveAdmission, Ticket
 from gateway.api.openai import ParsedRequest
+from gateway.config.store import SettingsStore
 from gateway.forecasts import LivePredictions
 from gateway.http.errors import GatewayError, Refused
 from gateway.observability.logs import RequestOutcome
@@ -32,7 +33,6 @@ from gateway.prediction.service import PredictionService
 from gateway.replicas.registry import ReplicaRegistry, ReplicaState
 from gateway.replicas.scraper import MetricsScraper
 from gateway.replicas.snapshot import ReplicaSnapshot
-from gateway.store import SettingsStore
 from gateway.tenancy import TENANT
 from replay.loop import FleetConfig, GatewayRequest, VirtualTimeLoop
 from replay.policies import SluicePolicy

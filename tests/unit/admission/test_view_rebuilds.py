@@ -14,11 +14,11 @@ from typing import Any, cast
 from gateway.admission.live import LiveAdmission
 from gateway.admission.views import TrackedStream
 from gateway.app import LIVE_PREDICTION
+from gateway.config.store import SettingsStore
 from gateway.forecasts import LivePredictions
 from gateway.prediction.service import PredictionService
 from gateway.replicas.registry import LiveRequest, ReplicaRegistry
 from gateway.replicas.scraper import MetricsScraper
-from gateway.store import SettingsStore
 from tests.unit.gateway.fakes import H100_LLAMA3_8B, gateway_settings
 
 

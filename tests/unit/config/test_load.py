@@ -10,8 +10,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from gateway.config import ConfigError, default_settings, load_settings, parse_settings
-from gateway.settings import EmulatorSettings, HealthSettings, ReplicaSettings, Settings
+from gateway.config.load import ConfigError, default_settings, load_settings, parse_settings
+from gateway.config.settings import EmulatorSettings, HealthSettings, ReplicaSettings, Settings
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import load_settings
-from gateway.reload import ConfigReloader
-from gateway.settings import Settings
-from gateway.store import SettingsStore
+from gateway.config.load import load_settings
+from gateway.config.reload import ConfigReloader
+from gateway.config.settings import Settings
+from gateway.config.store import SettingsStore
 
 #: Generous: a loaded 2-core CI machine must never time out a poll of a few milliseconds.
 WAIT_S = 20.0
@@ -73,7 +73,7 @@ class Swaps:
 
 
 class LogWatch(logging.Handler):
-    """Collects gateway.reload records; a test can wait for one containing some text."""
+    """Collects gateway.config.reload records; a test can wait for one containing some text."""
 
     def __init__(self) -> None:
         super().__init__(level=logging.DEBUG)
@@ -119,7 +119,7 @@ class CountingSleep:
 @pytest.fixture
 def logs() -> Iterator[LogWatch]:
     handler = LogWatch()
-    logger = logging.getLogger("gateway.reload")
+    logger = logging.getLogger("gateway.config.reload")
     previous = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)

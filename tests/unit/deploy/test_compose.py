@@ -15,7 +15,7 @@ import compose  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from gateway.config import load_settings
+from gateway.config.load import load_settings
 
 ROOT = Path(__file__).resolve().parents[3]
 COMPOSE_FILE = ROOT / "docker-compose.yml"

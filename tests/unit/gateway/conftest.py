@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from aiohttp.test_utils import TestServer
 
-from gateway.settings import Settings
+from gateway.config.settings import Settings
 from tests.unit.gateway.fakes import FakeReplica, Gateway, gateway_settings, make_app, url_of
 
 StartReplica = Callable[[FakeReplica], Awaitable[tuple[TestServer, str]]]

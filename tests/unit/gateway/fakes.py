@@ -18,9 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import build_app
-from gateway.keys import OUTCOME_LISTENERS
-from gateway.observability.logs import RequestOutcome
-from gateway.settings import (
+from gateway.config.settings import (
     HardwareSettings,
     HealthSettings,
     ReplicaSettings,
@@ -28,7 +26,9 @@ from gateway.settings import (
     ServerSettings,
     Settings,
 )
-from gateway.store import SettingsStore
+from gateway.config.store import SettingsStore
+from gateway.keys import OUTCOME_LISTENERS
+from gateway.observability.logs import RequestOutcome
 
 MODEL = "test-model"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

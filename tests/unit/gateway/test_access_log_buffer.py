@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from gateway.config.settings import LoggingSettings, ServerSettings
 from gateway.observability import logs
 from gateway.observability.logs import (
     JsonFormatter,
@@ -30,7 +31,6 @@ from gateway.observability.logs import (
     flush_logs,
     log_access,
 )
-from gateway.settings import LoggingSettings, ServerSettings
 from tests.unit.gateway.conftest import StartGateway, StartReplica
 from tests.unit.gateway.fakes import MODEL, FakeReplica, gateway_settings
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from gateway.config import ConfigError, parse_settings
-from gateway.reload import RESTART_ONLY, keep_restart_only, restart_only_changes
+from gateway.config.load import ConfigError, parse_settings
+from gateway.config.reload import RESTART_ONLY, keep_restart_only, restart_only_changes
 from gateway.tenants import hash_api_key
 
 TOKEN = "sluice-admin-token-0123456789"

@@ -20,6 +20,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway.admission.retry_after import RefusalReason, retry_after
+from gateway.config.settings import HealthSettings, ServerSettings
 from gateway.http.errors import (
     BodyTooLarge,
     GatewayError,
@@ -31,7 +32,6 @@ from gateway.http.errors import (
 )
 from gateway.keys import REGISTRY
 from gateway.replicas.registry import ReplicaState
-from gateway.settings import HealthSettings, ServerSettings
 from tests.unit.gateway.conftest import StartGateway, StartReplica
 from tests.unit.gateway.fakes import MODEL, FakeReplica, gateway_settings, wait_for
 

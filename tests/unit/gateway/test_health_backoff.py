@@ -11,10 +11,10 @@ import time
 import aiohttp
 from aiohttp import web
 
+from gateway.config.settings import HealthSettings, ReplicaSettings, Settings
+from gateway.config.store import SettingsStore
 from gateway.replicas.health import HealthChecker
 from gateway.replicas.registry import ReplicaRegistry, ReplicaState
-from gateway.settings import HealthSettings, ReplicaSettings, Settings
-from gateway.store import SettingsStore
 from tests.support.procs import free_port
 
 

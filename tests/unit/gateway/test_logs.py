@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from gateway.config.settings import LoggingSettings
 from gateway.observability.logs import (
     JsonFormatter,
     RequestOutcome,
@@ -17,7 +18,6 @@ from gateway.observability.logs import (
     access_fields,
     configure_logging,
 )
-from gateway.settings import LoggingSettings
 from tests.unit.gateway.conftest import StartGateway, StartReplica
 from tests.unit.gateway.fakes import MODEL, FakeReplica, gateway_settings
 

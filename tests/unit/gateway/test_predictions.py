@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 from aiohttp.pytest_plugin import AiohttpClient
 
+from gateway.config.settings import HardwareSettings, ReplicaSettings, ScrapeSettings
 from gateway.forecasts import (
     PREDICTED_TPOT_HEADER,
     PREDICTED_TTFT_HEADER,
@@ -26,7 +27,6 @@ from gateway.forecasts import (
 )
 from gateway.keys import PREDICTION_SERVICE, PREDICTIONS, REGISTRY, SCRAPER
 from gateway.prediction import PredictionService
-from gateway.settings import HardwareSettings, ReplicaSettings, ScrapeSettings
 from predictor import Forecast, ForecastReason
 from tests.unit.gateway.conftest import StartGateway, StartReplica
 from tests.unit.gateway.fakes import (

@@ -7,9 +7,9 @@ import time
 import pytest
 
 from gateway.api.openai import ModelCard
+from gateway.config.settings import HealthSettings, ReplicaSettings, Settings
+from gateway.config.store import SettingsStore
 from gateway.replicas.registry import NoReplica, Replica, ReplicaRegistry, ReplicaState
-from gateway.settings import HealthSettings, ReplicaSettings, Settings
-from gateway.store import SettingsStore
 
 H = ReplicaState.HEALTHY
 U = ReplicaState.UNHEALTHY

@@ -13,9 +13,9 @@ import pytest
 from aiohttp import web
 from pydantic import ValidationError
 
+from gateway.config.settings import ReplicaSettings
 from gateway.keys import REGISTRY
 from gateway.replicas.registry import ReplicaState
-from gateway.settings import ReplicaSettings
 from tests.unit.gateway.conftest import StartGateway, StartReplica
 from tests.unit.gateway.fakes import MODEL, FakeReplica, gateway_settings
 

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from gateway.config.settings import SettingsViolations
 from gateway.limits.base import LimiterStats, TenantLimits
 from gateway.limits.cache import OverLimitCache
 from gateway.limits.config import LimitsSettings, RedisSettings, TenantLimitSettings
@@ -14,11 +15,10 @@ from gateway.limits.factory import build_limiter
 from gateway.limits.failover import FailoverLimiter
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis import RedisLimiter
-from gateway.settings import SettingsViolations
 
 
 def problems(exc: ValidationError) -> list[str]:
-    """One line per problem, cross-field violations expanded as ``gateway.config`` reports them."""
+    """One line per problem, cross-field violations expanded as ``gateway.config.load`` reports them."""
     lines = []
     for error in exc.errors():
         cause = error.get("ctx", {}).get("error")

@@ -21,8 +21,8 @@ import pytest
 from pytest_aiohttp import AiohttpServer
 
 from gateway.cli import main as cli_main
+from gateway.config.settings import EmulatorSettings, Settings
 from gateway.replicas.emulators import emulator_command
-from gateway.settings import EmulatorSettings, Settings
 from simulator import tgi
 from simulator.profile import load_profile
 from simulator.server import _parser, build_app

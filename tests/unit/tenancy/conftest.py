@@ -18,11 +18,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from gateway.config.settings import Settings
 from gateway.limits.base import LimiterStats, TenantLimits
 from gateway.limits.config import LimitsSettings, TenantLimitSettings, TokenWeightSettings
 from gateway.limits.memory import MemoryLimiter
 from gateway.observability.logs import RequestOutcome
-from gateway.settings import Settings
 from gateway.tenancy import TENANCY, Tenancy
 from gateway.tenants import AuthSettings, TenantSettings, TenantsSettings, hash_api_key
 from tests.unit.gateway.fakes import MODEL, FakeReplica, gateway_settings, make_app, url_of

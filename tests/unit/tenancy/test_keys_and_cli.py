@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import main
-from gateway.config import ConfigError, default_settings, load_settings
-from gateway.reload import ConfigReloader
-from gateway.settings import Settings
-from gateway.store import SettingsStore
+from gateway.config.load import ConfigError, default_settings, load_settings
+from gateway.config.reload import ConfigReloader
+from gateway.config.settings import Settings
+from gateway.config.store import SettingsStore
 from gateway.tenants import DEMO_API_KEY, Authenticator, hash_api_key
 
 WAIT_S = 20.0

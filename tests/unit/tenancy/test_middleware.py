@@ -21,6 +21,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from gateway.admission.retry_after import RefusalReason, retry_after
+from gateway.config.settings import Settings
 from gateway.http.errors import Refused, error_response
 from gateway.keys import STORE
 from gateway.limits.config import TenantLimitSettings
@@ -28,7 +29,6 @@ from gateway.limits.failover import FailoverLimiter
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis import RedisLimiter, connect
 from gateway.observability.logs import JsonFormatter, RequestOutcome, TextFormatter
-from gateway.settings import Settings
 from gateway.tenancy import TENANCY
 from gateway.tenants import AuthSettings, TenantSettings, TenantsSettings, hash_api_key
 from tests.support.procs import free_port

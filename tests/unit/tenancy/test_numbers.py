@@ -7,13 +7,13 @@ import math
 import pytest
 
 from gateway.admission.fairness import TokenWeights
+from gateway.config.settings import HardwareSettings, ReplicaSettings
 from gateway.limits.base import TenantLimits
 from gateway.limits.memory import MemoryLimiter
 from gateway.observability.logs import RequestOutcome
 from gateway.prediction.facts import ReplicaFacts
 from gateway.prediction.service import PredictionService
 from gateway.replicas.snapshot import ReplicaSnapshot
-from gateway.settings import HardwareSettings, ReplicaSettings
 from gateway.tenancy import (
     DEFAULT_WEIGHTS,
     Held,

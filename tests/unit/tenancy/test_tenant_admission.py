@@ -14,9 +14,9 @@ import pytest
 
 from gateway.admission import AdmissionSettings, ClassSettings, Outcome, RetryAfterSettings
 from gateway.admission.live import ADMISSION
+from gateway.config.settings import Settings
 from gateway.limits.config import LimitsSettings, TokenWeightSettings
 from gateway.limits.memory import MemoryLimiter
-from gateway.settings import Settings
 from gateway.tenancy import TENANCY
 from gateway.tenants import TenantSettings, TenantsSettings, hash_api_key
 from tests.unit.gateway.fakes import FakeReplica, gateway_settings, make_app, url_of, wait_for

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from gateway.config import _describe
+from gateway.config.load import _describe
 from gateway.limits.base import TenantLimits
 from gateway.tenants import (
     ANONYMOUS_TENANT,

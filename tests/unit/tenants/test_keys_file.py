@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import ConfigError
+from gateway.config.load import ConfigError
 from gateway.tenants import (
     Authenticator,
     AuthError,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from gateway.settings import Settings
+from gateway.config.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """The building blocks of every configuration section: the strict ``Section`` base, common
 field types, and the cross-field violation types validators raise.
 
-They live apart from ``gateway.settings`` so that the section modules of other packages
+They live apart from ``gateway.config.settings`` so that the section modules of other packages
 (``gateway.admission.config``, ``gateway.limits.config``, ``gateway.tenants.config``) can build
-on them while ``gateway.settings`` mounts those sections: no import cycle.
+on them while ``gateway.config.settings`` mounts those sections: no import cycle.
 """
 
 from __future__ import annotations

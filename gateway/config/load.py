@@ -21,8 +21,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from gateway.config_source import ConfigError, StrictSafeLoader, read_text
-from gateway.settings import EmulatorSettings, HardwareSettings, Settings, SettingsViolations
+from gateway.config.settings import EmulatorSettings, HardwareSettings, Settings, SettingsViolations
+from gateway.config.source import ConfigError, StrictSafeLoader, read_text
 from gateway.tenants import apply_keys_file, demo_tenants
 
 __all__ = ["MAX_VALUE_CHARS", "ConfigError", "default_settings", "load_settings", "parse_settings"]

@@ -17,8 +17,7 @@ from typing import Annotated, Any, Final, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from gateway.admission.config import AdmissionSettings
-from gateway.limits.config import LimitsSettings
-from gateway.section import (
+from gateway.config.section import (
     HF_ID,
     Host,
     Name,
@@ -28,6 +27,7 @@ from gateway.section import (
     SettingsViolations,
     Violation,
 )
+from gateway.limits.config import LimitsSettings
 from gateway.tenants.config import TenantsSettings, class_violations
 from gateway.tenants.keys import KEY_HASH_PREFIX, REDACTED
 from predictor.hardware import UNKNOWN_GPU, gpu_names, lookup_gpu

@@ -1,7 +1,7 @@
 """Reading a configuration file: its error type, its text and the strict YAML loader.
 
-Shared by ``gateway.config`` (the main YAML) and ``gateway.tenants.keys_file`` (the keys file),
-below both. ``ConfigError`` is re-exported by ``gateway.config``, where callers catch it.
+Shared by ``gateway.config.load`` (the main YAML) and ``gateway.tenants.keys_file`` (the keys file),
+below both. ``ConfigError`` is re-exported by ``gateway.config.load``, where callers catch it.
 """
 
 from __future__ import annotations

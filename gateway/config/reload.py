@@ -17,9 +17,9 @@ import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from gateway.config import ConfigError, load_settings, parse_settings
-from gateway.settings import Settings
-from gateway.store import SettingsStore
+from gateway.config.load import ConfigError, load_settings, parse_settings
+from gateway.config.settings import Settings
+from gateway.config.store import SettingsStore
 from gateway.tenants import keys_file_path
 
 log = logging.getLogger(__name__)
