@@ -1,5 +1,5 @@
 """``python -m simulator --profile NAME --port N [--engine vllm|tgi|sglang]``: run one emulated replica."""
 
-from simulator.server import main
+from simulator.cli import main
 
 raise SystemExit(main())

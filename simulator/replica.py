@@ -39,7 +39,7 @@ ENGINES: Final[tuple[EngineKind, ...]] = ("vllm", "tgi", "sglang")
 
 
 class ApiError(Exception):
-    """A request vLLM would refuse; rendered by :func:`simulator.server.error_body` with ``status``."""
+    """A request vLLM would refuse; rendered by :func:`simulator.openai_errors.error_body` with ``status``."""
 
     def __init__(
         self, message: str, *, status: int = 400, err_type: str = "BadRequestError", param: str | None = None

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from simulator.server import main
+from simulator.cli import main
 
 
 def test_unknown_profile_exits_2(capsys: pytest.CaptureFixture[str]) -> None:

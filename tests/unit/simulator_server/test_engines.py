@@ -24,8 +24,9 @@ from gateway.cli import main as cli_main
 from gateway.config.settings import EmulatorSettings, Settings
 from gateway.replicas.emulators import emulator_command
 from simulator import tgi
+from simulator.cli import _parser
 from simulator.profile import load_profile
-from simulator.server import _parser, build_app
+from simulator.server import build_app
 from tests.support.procs import free_port, running
 
 MAX_MODEL_LEN = 1024

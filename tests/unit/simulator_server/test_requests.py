@@ -7,16 +7,15 @@ from typing import Any
 import pytest
 
 from simulator import tokens
-from simulator.replica import ApiError
-from simulator.server import (
+from simulator.openai_errors import BodyParseError, error_body
+from simulator.openai_requests import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
-    BodyParseError,
     check_content_type,
-    error_body,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
 )
+from simulator.replica import ApiError
 
 MODEL = "test-model"
 MAX_LEN = 100

@@ -8,11 +8,9 @@ import pytest
 
 from simulator import tokens
 from simulator.engine import TokenEvent
-from simulator.replica import GenerationRequest
-from simulator.server import (
+from simulator.openai_bodies import (
     SSE_DONE,
     ResponseIds,
-    _step_chunks,
     chat_body,
     completion_body,
     sse_event,
@@ -20,6 +18,8 @@ from simulator.server import (
     usage,
     usage_chunk,
 )
+from simulator.openai_handlers import _step_chunks
+from simulator.replica import GenerationRequest
 
 IDS = ResponseIds(id="cmpl-1", created=1700000000, model="m", fingerprint="vllm-0.32.0-0123abcd")
 
