@@ -13,12 +13,13 @@ when configured so), driven by ``SluicePolicy``'s adapter; each has one knob the
 * ``TenantRateLimit(rpm, tpm)``: per-tenant token buckets of requests and tokens per minute,
   LiteLLM style (a request passes when its tenant's request bucket holds one and its token bucket
   is not empty; tokens are charged when it ends); routing is least outstanding. Live, tenant
-  rpm/tpm are the ``tenants:`` budgets (``gateway.tenancy`` over ``gateway.limits``), enforced
+  rpm/tpm are the ``tenants:`` budgets (``gateway.tenants.live`` over ``gateway.limits``), enforced
   before admission under any policy; this replay-only class models LiteLLM's post-call accounting.
 * ``SluicePolicy``: the shipped ``AdmissionEngine`` (``gateway.admission.engine``) and a
   ``PredictionService``, driven as the live gateway's adapter drives them: the same view cache,
-  queue, timer, fairness charges and re-placement (``tests/unit/admission/test_engine_parity.py``
-  feeds both the same events).
+  queue, timer, fairness charges, re-placement, tenant budgets (``replay.budget``: the gateway's
+  in-memory limiter on the virtual clock) and learning at a request's end
+  (``tests/unit/admission/test_engine_parity.py`` feeds both the same events).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -42,14 +43,18 @@ from gateway.admission.config import SaturationSettings
 from gateway.admission.engine import (
     AdmissionEngine,
     AdmissionReplica,
+    BudgetRefused,
+    Ending,
     Resolution,
     Saturated,
     UnknownModel,
 )
+from gateway.admission.fairness import TokenWeights
 from gateway.admission.policies import saturated
+from gateway.limits.base import TenantLimits
 from gateway.prediction import PredictionConfig, PredictionService
 from gateway.replicas.registry import LiveRequest
-from predictor import Forecast
+from replay.budget import DEFAULT_WEIGHTS, MemoryBudget
 from replay.loop import Fleet, GatewayRequest, IdleHooks, ReplicaHandle
 from simulator.engine import FinishedRequestStats
 
@@ -228,6 +233,8 @@ class SluicePolicy(_Base):
 
     ``settings``: the ``admission`` section (class targets). ``request_class``: the class every
     request is judged as. ``prediction``: the service's config; ``seed``: Retry-After jitter.
+    ``budgets``: tenants' budgets (``tenants.<name>.limits`` live; absent tenants have none),
+    priced with ``token_weights``.
     """
 
     def __init__(
@@ -239,17 +246,26 @@ class SluicePolicy(_Base):
         output_quantile: float = 0.5,
         seed: int = 0,
         name: str = "sluice",
+        budgets: Mapping[str, TenantLimits] | None = None,
+        token_weights: TokenWeights = DEFAULT_WEIGHTS,
     ) -> None:
         self.name = name
         self.request_class = request_class
         self.service = PredictionService(output_quantile=output_quantile, config=prediction)
         self._port = _FleetPort()
+        #: The tenants' budgets (``None``: none is budgeted).
+        self.budget = None if budgets is None else MemoryBudget(budgets, weights=token_weights)
         self.engine = AdmissionEngine(
-            settings, self._port, self.service, rng=random.Random(seed), new_entry=_new_entry
+            settings,
+            self._port,
+            self.service,
+            rng=random.Random(seed),
+            new_entry=_new_entry,
+            budget=self.budget,
         )
-        #: Requests by the engine's key while queued; by index while sent (key, forecast).
+        #: Requests by the engine's key while queued; the engine's key by index while sent.
         self._queued: dict[int, GatewayRequest] = {}
-        self._sent: dict[int, tuple[int, Forecast | None]] = {}
+        self._sent: dict[int, int] = {}
         self._model = ""
         #: Refusals by (reason, blocking constraint), for the bench's diagnosis.
         self.refusals: Counter[tuple[str, str]] = Counter()
@@ -299,9 +315,10 @@ class SluicePolicy(_Base):
         submitted = self.engine.submit(areq, self._model, now)
         if isinstance(submitted, UnknownModel):
             raise RuntimeError(f"the fleet does not serve {submitted.model!r}")
-        if isinstance(submitted, Saturated):
+        if isinstance(submitted, Saturated | BudgetRefused):
+            told = submitted.retry_after
             self.refusals[(submitted.reason.value, "-")] += 1
-            self.retry_after_s[request.index] = submitted.retry_after.delay_s
+            self.retry_after_s[request.index] = None if told is None else told.delay_s
             self.fleet.reject(request, now, submitted.reason.value)
             return
         if submitted.queued:
@@ -329,7 +346,7 @@ class SluicePolicy(_Base):
             self._refuse(request, decision, now)
             return
         self.fleet.dispatch(request, self.fleet.index_of(replica), now, live=entry)
-        self._sent[request.index] = (key, decision.forecast)
+        self._sent[request.index] = key
 
     def _apply(self, resolutions: list[Resolution], now: float) -> None:
         """Carry out what a re-evaluation decided for queued requests."""
@@ -339,27 +356,17 @@ class SluicePolicy(_Base):
     def on_finished(
         self, replica: int, request: GatewayRequest, stats: FinishedRequestStats, now: float
     ) -> None:
-        # As the live proxy: admission first (charge, forget, re-evaluate), then the learning.
-        key, forecast = self._sent.pop(request.index, (-1, None))
-        self._apply(self.engine.finished(key, stats.generation_tokens, now), now)
-        self.service.on_finished(
-            replica=self.fleet.replicas[replica].name,
-            model=self._model,
-            tenant=None,
-            prompt_chars=None,
-            prompt_tokens=stats.prompt_tokens,
-            completion_tokens=stats.generation_tokens,
-            finished_at=now,
-            forecast=forecast,
-            ttft_s=stats.ttft_s,
-        )
+        # As the live adapter: one ``finish`` forgets, charges, settles, learns, re-evaluates.
+        key = self._sent.pop(request.index, -1)
+        ending = Ending(stats.generation_tokens, stats.prompt_tokens, finished_at=now, ttft_s=stats.ttft_s)
+        self._apply(self.engine.finish(key, ending, now), now)
 
     def replica_refused(self, request: GatewayRequest, back_off_s: float, now: float, *, retry: bool) -> None:
         """``request``'s replica refused it as overloaded before any token (its own 429/503),
         asking for ``back_off_s`` seconds: as the live proxy, the replica is left alone that long
         and the request placed again (``retry``), or refused as ``replicas_saturated``."""
-        key, _ = self._sent.pop(request.index)
-        self.engine.replica_refused(key, back_off_s, "overloaded", now)
+        key = self._sent.pop(request.index)
+        self.engine.replica_refused(key, back_off_s, "overloaded", now, placed_again=retry)
         self.fleet.withdraw(request, now)
         if not retry:
             saturated = self.engine.saturated(self._model, back_off_s, placed=True)

@@ -2,14 +2,17 @@
 
 The one place that decides: the replicas' views (cached, rebuilt on events), one
 ``AdmissionController`` per route, the queue and its re-evaluation, the timer's next instant,
-fairness (weights, output charges), the streams admission tracks per replica, and re-placement
-when a replica refuses a request as overloaded. Two adapters drive it: the live gateway
+fairness (weights, output charges), the streams admission tracks per replica, re-placement
+when a replica refuses a request as overloaded, the tenant's budget (reserved before the decision,
+refunded on a refusal, settled when the request ends) and what is learned when a request ends
+(``finish``). Two adapters drive it: the live gateway
 (``gateway.admission.live``: futures, the loop's timer, headers) and the virtual-time replay
 (``replay.policies.SluicePolicy``). Times are seconds of the adapter's clock, passed in as
 ``now``; nothing here reads a clock, sleeps, logs on its own or does I/O.
 
-Its inputs are ports: the replicas (``ReplicaSource``: the live registry, or the replay's fleet)
-and the prediction inputs (``PredictionInputs``: the ``PredictionService``).
+Its inputs are ports: the replicas (``ReplicaSource``: the live registry, or the replay's fleet),
+the prediction inputs (``PredictionInputs``: the ``PredictionService``, which also learns from
+finished requests) and the tenants' budgets (``gateway.admission.budget.TenantBudget``).
 
 Views are cached per route and replica and rebuilt on events only: anything that changes that
 replica's load (a dispatch to it, a finish on it, its scrape), anything's (a health or settings
@@ -29,6 +32,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
+from gateway.admission.budget import (
+    BudgetAnswer,
+    BudgetRefused,
+    TenantBudget,
+    budget_cost,
+    budget_retry_after,
+)
 from gateway.admission.config import AdmissionSettings
 from gateway.admission.core import AdmissionController
 from gateway.admission.decision import Admit, Decision, Queue, Reject, RejectReason
@@ -50,6 +60,8 @@ __all__ = [
     "MIN_TICK_S",
     "AdmissionEngine",
     "AdmissionReplica",
+    "BudgetRefused",
+    "Ending",
     "EngineLog",
     "PredictionInputs",
     "ReplicaSource",
@@ -129,6 +141,21 @@ class PredictionInputs(Protocol):
     ) -> tuple[float, float]: ...
 
     def dispatch_overhead_s(self, replica: str) -> float: ...
+
+    def on_finished(
+        self,
+        *,
+        replica: str,
+        model: str,
+        tenant: str | None,
+        prompt_chars: int | None,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+        finished_at: float | None = None,
+        forecast: Forecast | None = None,
+        ttft_s: float | None = None,
+        api: str | None = None,
+    ) -> None: ...
 
 
 class EngineLog(Protocol):
@@ -214,6 +241,38 @@ class Resolution:
     entry: LiveEntry[Any] | None
 
 
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """How a request sent to a replica ended, as its adapter saw it (``AdmissionEngine.finish``).
+
+    ``produced_tokens``: its output tokens (``None``: the tokens its entry saw streamed).
+    ``prompt_tokens``: the replica's usage count (``None``: none; the estimate is charged).
+    ``finished_at``: when its last token landed, adapter's seconds (``None``: unknown).
+    ``ttft_s``: its measured time to first token, seconds. ``forecast``: the forecast to learn
+    against (``None``: the one it was dispatched with). ``prompt_chars``/``api``: for the
+    characters-per-token and per-API learning (``None``: not known). ``learn``: teach the
+    prediction service (``False``: only forget, charge and settle)."""
+
+    produced_tokens: int | None = None
+    prompt_tokens: int | None = None
+    finished_at: float | None = None
+    ttft_s: float | None = None
+    forecast: Forecast | None = None
+    prompt_chars: int | None = None
+    api: str | None = None
+    learn: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class _Hold:
+    """An allowed budget reservation: the limiter's answer, the weights it was priced with and
+    the prompt estimate it reserved (settled with the same weights)."""
+
+    answer: BudgetAnswer
+    weights: TokenWeights
+    prompt_tokens: int
+
+
 @dataclass(slots=True)
 class _Cached:
     """One replica's view for one route, the versions it was built at (everything's, the
@@ -232,6 +291,7 @@ class _Queued:
     entry_id: int
     request: AdmissionRequest
     streamed: bool
+    hold: _Hold | None
 
 
 @dataclass(slots=True)
@@ -239,6 +299,12 @@ class _Sent:
     replica: str
     entry: LiveEntry[Any]
     request: AdmissionRequest
+    route: str
+    forecast: Forecast | None
+    hold: _Hold | None
+    #: The replica refused it as overloaded; ``placed_again``: its budget waits for the next placement.
+    refused: bool = False
+    placed_again: bool = False
 
 
 def route_of(model: str, engine: str | None) -> str:
@@ -283,7 +349,8 @@ class AdmissionEngine:
     jitter source (seeded for reproducible runs). ``new_entry``: makes the in-flight entry of a
     request sent to a replica (the live registry's ``LiveRequest``). ``view_max_age_s``: the
     oldest a cached view may be used, seconds. ``log``: where failures and staleness transitions
-    are reported (default: nowhere).
+    are reported (default: nowhere). ``budget``: the tenants' budgets (``None``: no request is
+    charged to one).
     """
 
     def __init__(
@@ -296,6 +363,7 @@ class AdmissionEngine:
         new_entry: EntryFactory,
         view_max_age_s: float = 0.1,
         log: EngineLog | None = None,
+        budget: TenantBudget | None = None,
     ) -> None:
         self._settings = settings
         self._replicas = replicas
@@ -304,6 +372,10 @@ class AdmissionEngine:
         self._new_entry = new_entry
         self._view_max_age_s = view_max_age_s
         self._log: EngineLog = log if log is not None else _Quiet()
+        self._budget = budget
+        #: Budget holds of placements a replica refused, waiting for the request's next placement,
+        #: by (tenant, request id), oldest first.
+        self._parked: dict[tuple[str, str], list[_Hold]] = {}
         self.stats = AdmissionStats()
         self.fairness = VirtualTokenCounter(TokenWeights.from_queue_settings(settings.queue))
         #: The token weights tenants' budgets are charged with; with ``queue.fairness: tokens`` the
@@ -422,57 +494,163 @@ class AdmissionEngine:
 
     def submit(
         self, request: AdmissionRequest, route: str, now: float, *, streamed: bool = True
-    ) -> Submitted | UnknownModel | Saturated:
-        """Decide a new request on ``route``: admitted (sent and tracked at once), queued (until
-        a ``reevaluate`` resolves it) or refused; ``UnknownModel``/``Saturated`` when no replica
-        may take it. ``streamed``: the client streams the response (its tokens are seen)."""
+    ) -> Submitted | UnknownModel | Saturated | BudgetRefused:
+        """Decide a new request on ``route``: its tenant's budget first (``BudgetRefused`` when it
+        is spent), then admitted (sent and tracked at once), queued (until a ``reevaluate``
+        resolves it) or refused; ``UnknownModel``/``Saturated`` when no replica may take it. A
+        budget reserved for a request refused here is refunded at once. ``streamed``: the client
+        streams the response (its tokens are seen)."""
         self.refresh_fair_weights()
+        hold = self._reserve(request, now)
+        if isinstance(hold, BudgetRefused):
+            return hold
         candidates = self._candidates(route, now)
         if not isinstance(candidates, list):
+            self._refund(hold, now)
             return candidates
         controller = self.controller(route)
         decision = controller.submit(request, self._views_for(route, candidates, now), now)
         key = next(self._keys)
         if isinstance(decision, Queue) and decision.enforced:
             assert decision.entry_id is not None
-            self._queued[key] = _Queued(route, decision.entry_id, request, streamed)
+            self._queued[key] = _Queued(route, decision.entry_id, request, streamed, hold)
             return Submitted(key, decision)
         if not decision.admits:
+            self._refund(hold, now)
             return Submitted(key, decision)
-        return self._send(key, request, route, decision, now, streamed)
+        return self._send(key, request, route, decision, now, streamed, hold)
 
     def _send(
-        self, key: int, request: AdmissionRequest, route: str, decision: Decision, now: float, streamed: bool
+        self,
+        key: int,
+        request: AdmissionRequest,
+        route: str,
+        decision: Decision,
+        now: float,
+        streamed: bool,
+        hold: _Hold | None,
     ) -> Submitted:
         replica = self._replica_for(decision, route, now)
         if replica is None:
+            self._refund(hold, now)
             return Submitted(key, self.no_replica(decision.forecast))
         entry = self._new_entry(request, now, streamed)
-        self._track(key, replica, entry, request, decision.forecast)
+        self._track(key, replica, entry, request, decision.forecast, route, hold)
         return Submitted(key, decision, replica, entry)
 
-    def finished(self, key: int, produced_tokens: int | None, now: float) -> list[Resolution]:
-        """Request ``key``'s response is over (``produced_tokens``: its output, ``None``:
-        the tokens seen): forget its stream, charge its tenant's output after its prompt, and
-        re-evaluate the queue. Unknown ids are ignored."""
+    # -- the tenant's budget ------------------------------------------------------------------------
+    def budget_cost(self, request: AdmissionRequest) -> float | None:
+        """The weighted tokens ``submit`` will reserve of ``request``'s tenant's budget; ``None``
+        when it reserves nothing (no budget port, no tenant, or a budget already held for it by a
+        placement a replica refused). A live adapter whose limiter is remote fetches the answer
+        for this cost before it submits."""
+        budget = self._budget
+        if budget is None or request.tenant is None:
+            return None
+        if self._parked.get((request.tenant, request.request_id)):
+            return None
+        return budget_cost(budget.weights(), request)
+
+    def _reserve(self, request: AdmissionRequest, now: float) -> _Hold | BudgetRefused | None:
+        """Reserve ``request``'s cost of its tenant's budget (or take the hold its previous,
+        refused placement left); ``None`` when nothing is held for it."""
+        budget = self._budget
+        tenant = request.tenant
+        if budget is None or tenant is None:
+            return None
+        parked = self._parked.get((tenant, request.request_id))
+        if parked:
+            hold = parked.pop(0)
+            if not parked:
+                del self._parked[(tenant, request.request_id)]
+            return hold
+        weights = budget.weights()
+        answer = budget.reserve(request, budget_cost(weights, request), now)
+        if answer is None:
+            return None
+        if not answer.allowed:
+            return BudgetRefused(tenant, answer, budget_retry_after(answer))
+        return _Hold(answer, weights, request.prompt_tokens)
+
+    def _refund(self, hold: _Hold | None, now: float) -> None:
+        """Give a refused (or never sent) request's reservation back whole."""
+        self._settle(hold, 0.0, now)
+
+    def _settle(self, hold: _Hold | None, actual_cost_tokens: float, now: float) -> None:
+        if hold is None or self._budget is None:
+            return
+        try:
+            self._budget.settle(hold.answer, actual_cost_tokens, now)
+        except Exception:
+            self._log.exception("settling tenant %r's budget failed", hold.answer.tenant)
+
+    # -- the end of a request -----------------------------------------------------------------------
+    def finish(self, key: int, ending: Ending, now: float) -> list[Resolution]:
+        """Request ``key``'s response is over: forget its stream, charge its tenant's output
+        after its prompt to the fair-share counters, settle its budget with what it really cost
+        (a placement its replica refused and that is placed again keeps its budget for the next
+        placement), re-evaluate the queue, then teach the prediction service (``ending.learn``;
+        never from a refused placement). Unknown keys only re-evaluate."""
         sent = self._sent.pop(key, None)
         if sent is None:
             return self.reevaluate(now)
         self._forget(sent)
-        produced = sent.entry.tokens_streamed if produced_tokens is None else produced_tokens
-        tenant = sent.request.tenant
+        produced = sent.entry.tokens_streamed if ending.produced_tokens is None else ending.produced_tokens
+        produced = max(0, produced)
+        request = sent.request
         try:
-            self.fairness.charge_output(tenant, max(0, produced), sent.request.prompt_tokens)
+            self.fairness.charge_output(request.tenant, produced, request.prompt_tokens)
         except ValueError:
-            self._log.exception("could not charge %r output tokens to tenant %r", produced, tenant)
-        return self.reevaluate(now)
+            self._log.exception("could not charge %r output tokens to tenant %r", produced, request.tenant)
+        hold = sent.hold
+        if hold is not None and sent.placed_again:
+            self._parked.setdefault((hold.answer.tenant, request.request_id), []).append(hold)
+        elif hold is not None:
+            prompt = hold.prompt_tokens if ending.prompt_tokens is None else ending.prompt_tokens
+            self._settle(hold, hold.weights.cost(prompt, produced, 0.0), now)
+        resolutions = self.reevaluate(now)
+        # Learned after the re-evaluation, as the live gateway always has: the queue is judged on
+        # what was known while the request ran.
+        if ending.learn and not sent.refused:
+            self._learn(sent, ending)
+        return resolutions
 
-    def replica_refused(self, key: int, back_off_s: float, why: str, now: float) -> None:
+    def finished(self, key: int, produced_tokens: int | None, now: float) -> list[Resolution]:
+        """``finish`` without learning: request ``key`` ended having produced ``produced_tokens``
+        (``None``: the tokens seen)."""
+        return self.finish(key, Ending(produced_tokens, learn=False), now)
+
+    def _learn(self, sent: _Sent, ending: Ending) -> None:
+        model, _ = split_route(sent.route)
+        forecast = sent.forecast if ending.forecast is None else ending.forecast
+        try:
+            self._predictions.on_finished(
+                replica=sent.replica,
+                model=model,
+                tenant=None,
+                prompt_chars=ending.prompt_chars,
+                prompt_tokens=ending.prompt_tokens,
+                completion_tokens=ending.produced_tokens,
+                finished_at=ending.finished_at,
+                forecast=forecast,
+                ttft_s=ending.ttft_s,
+                api=ending.api,
+            )
+        except Exception:
+            self._log.exception("prediction service failed on a finished request of replica %s", sent.replica)
+
+    def replica_refused(
+        self, key: int, back_off_s: float, why: str, now: float, *, placed_again: bool = False
+    ) -> None:
         """The replica request ``key`` was sent to refused it as overloaded (its own
         429/503, asking for ``back_off_s`` seconds): leave it alone that long, so the next
-        placement goes elsewhere (``submit`` skips it; ``Saturated`` when every one is)."""
+        placement goes elsewhere (``submit`` skips it; ``Saturated`` when every one is).
+        ``placed_again``: the adapter submits the request anew after ``finish``; its budget
+        stays reserved for that placement instead of being settled."""
         sent = self._sent.get(key)
         if sent is not None:
+            sent.refused = True
+            sent.placed_again = placed_again
             self._replicas.saturate_named(sent.replica, now, back_off_s, why)
 
     def saturated(self, model: str, wait_s: float, *, placed: bool = False) -> Saturated:
@@ -488,14 +666,17 @@ class AdmissionEngine:
 
     def drop(self, key: int, now: float) -> bool:
         """Take a queued request out (its client went away; counted as cancelled); a request
-        already sent is forgotten without a charge. Whether it was still queued."""
+        already sent is forgotten without a charge. Either way its budget is refunded. Whether
+        it was still queued."""
         queued = self._queued.pop(key, None)
         if queued is not None:
             self.controller(queued.route).cancel(queued.entry_id, now)
+            self._refund(queued.hold, now)
             return True
         sent = self._sent.pop(key, None)
         if sent is not None:
             self._forget(sent)
+            self._refund(sent.hold, now)
         return False
 
     # -- events -------------------------------------------------------------------------------------
@@ -528,7 +709,7 @@ class AdmissionEngine:
                 queued = self._queued.pop(key, None) if key is not None else None
                 if key is None or queued is None:
                     continue
-                sent = self._send(key, queued.request, route, decision, now, queued.streamed)
+                sent = self._send(key, queued.request, route, decision, now, queued.streamed, queued.hold)
                 out.append(
                     Resolution(key, queued.request.request_id, sent.decision, sent.replica, sent.entry)
                 )
@@ -536,6 +717,7 @@ class AdmissionEngine:
                 key = by_entry.get((route, entry.id))
                 queued = self._queued.pop(key, None) if key is not None else None
                 if key is not None and queued is not None:
+                    self._refund(queued.hold, now)
                     out.append(Resolution(key, queued.request.request_id, reject, None, None))
         return out
 
@@ -556,9 +738,13 @@ class AdmissionEngine:
                 hint = min(hint, entry.earliest_retry_s)
         return min(when, now + min(max(hint, MIN_TICK_S), MAX_TICK_S))
 
-    def clear(self) -> list[int]:
-        """Forget every queued request (the gateway is stopping); their keys."""
+    def clear(self, now: float | None = None) -> list[int]:
+        """Forget every queued request (the gateway is stopping), refunding their budgets (at
+        ``now``; ``None``: not refunded, their leases expire); their keys."""
         ids = list(self._queued)
+        if now is not None:
+            for queued in self._queued.values():
+                self._refund(queued.hold, now)
         self._queued.clear()
         return ids
 
@@ -597,6 +783,8 @@ class AdmissionEngine:
         entry: LiveEntry[Any],
         request: AdmissionRequest,
         forecast: Forecast | None,
+        route: str,
+        hold: _Hold | None,
     ) -> None:
         tpot = forecast.tpot_s if forecast is not None and math.isfinite(forecast.tpot_s) else 0.0
         ttft = forecast.ttft_s if forecast is not None else math.nan
@@ -604,7 +792,7 @@ class AdmissionEngine:
         self._streams.setdefault(replica, {})[entry] = TrackedStream(
             entry, request.request_class, output, tpot, ttft
         )
-        self._sent[key] = _Sent(replica, entry, request)
+        self._sent[key] = _Sent(replica, entry, request, route, forecast, hold)
         self._touch(replica)
 
     def _forget(self, sent: _Sent) -> None:

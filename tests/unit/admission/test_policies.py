@@ -287,6 +287,9 @@ class Predictions:
     def dispatch_overhead_s(self, replica: str) -> float:
         return 0.0
 
+    def on_finished(self, **facts: Any) -> None:
+        """Learns nothing: these replicas' load is what the test sets."""
+
 
 def new_entry(r: Any, now: float, streamed: bool) -> LiveRequest:
     return LiveRequest(r.request_id, r.prompt_tokens, now, r.max_tokens, streamed=streamed)
