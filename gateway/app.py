@@ -58,7 +58,7 @@ from gateway.replicas.emulators import start_emulators, stop_emulators
 from gateway.replicas.health import HealthChecker
 from gateway.replicas.registry import ReplicaRegistry
 from gateway.replicas.scraper import MetricsScraper
-from gateway.tenancy import TENANCY, install_tenancy
+from gateway.tenants.live import TENANCY, install_tenancy
 
 log = logging.getLogger("sluice.app")
 

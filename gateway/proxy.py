@@ -80,7 +80,7 @@ from gateway.http.errors import (
 from gateway.keys import OutcomeListener
 from gateway.observability.logs import OUTCOME, REQUEST_ID, REQUEST_ID_HEADER, RequestOutcome
 from gateway.replicas.registry import LiveRequest, Replica, ReplicaRegistry
-from gateway.tenancy import TENANT
+from gateway.tenants.live import TENANT
 
 __all__ = ["DISCONNECTS", "PROXY", "DisconnectMonitor", "Proxy", "RequestOutcome"]
 

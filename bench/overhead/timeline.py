@@ -126,7 +126,7 @@ def _install() -> None:
     import gateway.app
     import gateway.observability.logs as logs
     import gateway.proxy as proxy
-    import gateway.tenancy as tenancy
+    import gateway.tenants.live as tenancy
     from gateway.admission.live import LiveAdmission
 
     _install_aiohttp()

@@ -81,8 +81,8 @@ from gateway.observability.logs import RequestOutcome
 from gateway.replicas.registry import LiveRequest, Replica, ReplicaRegistry
 from gateway.replicas.snapshot import ReplicaSnapshot
 from gateway.sizing import estimated_prompt_tokens
-from gateway.tenancy import TENANT
 from gateway.tenants import Tenant
+from gateway.tenants.live import TENANT
 from predictor import Forecast, ForecastReason
 
 __all__ = [

@@ -24,9 +24,9 @@ from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.http.errors import RouteNotFound, admin_token_required, error_middleware
 from gateway.observability.logs import add_request_id_header, request_context_middleware
-from gateway.tenancy import is_admin_path
 from gateway.tenants.auth import bearer_token
 from gateway.tenants.keys import key_digest
+from gateway.tenants.live import is_admin_path
 
 __all__ = [
     "ADMIN_LISTENER",

@@ -3,7 +3,10 @@
 ``config`` holds the YAML sections (``TenantsSettings``) and the embedded demo tenant; ``keys``
 the hashing (``hash_api_key``, what ``sluice hash-key`` prints); ``auth`` the ``Authenticator``
 that maps an ``Authorization`` header to a ``Tenant`` or an ``AuthError``; ``keys_file`` the
-loader of the optional keys file. Pure: no I/O except reading the keys file, no logging.
+loader of the optional keys file. These are pure: no I/O except reading the keys file, no
+logging. Not imported here: ``pricing`` (what a request costs in weighted tokens, and the token
+weights) and ``live`` (the aiohttp middleware that authenticates, reserves and settles on the
+request path).
 """
 
 from gateway.tenants.auth import Authenticator, AuthError, AuthFailure, Tenant, bearer_token

@@ -13,7 +13,7 @@ both adapters (live gateway, virtual-time replay) treat them alike:
 * ``none`` (``PassThroughAdmitter``): everything to the least busy replica.
 
 Tenant requests/tokens per minute are not an admitter: the ``tenants:`` budgets
-(``gateway.tenancy`` over ``gateway.limits``) enforce them before admission, under any policy.
+(``gateway.tenants.live`` over ``gateway.limits``) enforce them before admission, under any policy.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ The ledger
     a token per test, the sum of what the tenant was charged: ``Ledger.read`` computes it from the
     bucket's ``full_at`` key on Redis's own clock, with the number of unsettled leases.
 
-    ``expected_charge`` is what ``gateway/tenancy.py`` documents a request costs, from what the
+    ``expected_charge`` is what ``gateway/tenants/live.py`` documents a request costs, from what the
     client saw: usage when the answer carried it, else the prompt plus the content events it
     streamed (a cut stream), else the prompt alone (a 502: the replica got the request), else
     nothing (refused before any replica got it). Every request's prompt is ``PROMPT_TOKENS``
@@ -324,7 +324,7 @@ class Call:
 
 
 def expected_charge(call: Call) -> float:
-    """Weighted tokens ``gateway.tenancy.settled_usage`` charges for ``call`` (see the module)."""
+    """Weighted tokens ``gateway.tenants.live.settled_usage`` charges for ``call`` (see the module)."""
     if call.status is None or (call.status != 200 and call.status != 502):
         return 0.0
     if call.usage is not None:

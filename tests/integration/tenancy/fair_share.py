@@ -23,7 +23,7 @@ increase of its total between the window's first and last samples: what its requ
 the replica's busy time there, finished or not.
 
 The gateway weighs tokens as it does by default (``limits.token_weights`` unset: the step
-model's prices, ``gateway.tenancy.fleet_token_weights``) unless ``gateway_config`` pins them.
+model's prices, ``gateway.tenants.pricing.fleet_token_weights``) unless ``gateway_config`` pins them.
 
 ``python -m tests.integration.tenancy.fair_share`` (``main``) runs the scenarios of the test
 once more, plus fixed VTC weights (1 : 2), and prints each tenant's GPU-time share;

@@ -6,7 +6,7 @@ tenants' requests waiting in the gateway's queue for the whole run (``fair_share
 set-up). ``docs`` sends long documents (4000-token prompts, 16-token answers), ``chat`` short
 chats (100-token prompts, 20-token answers). The gateway charges the fair-share counters with
 its own token weights (the step model's prices at the batch the replica runs, an output token's
-KV read by the context it reads, ``gateway.tenancy.fleet_token_weights``; nothing pinned).
+KV read by the context it reads, ``gateway.tenants.pricing.fleet_token_weights``; nothing pinned).
 
 Each tenant's GPU time is measured on the replica (``fair_share.GpuTimeEngine``): every engine
 step's time, from its start until the next, split among the sequences in it, added up per

@@ -12,7 +12,7 @@ runs on a virtual clock through the shipped code, with nothing re-implemented:
   the class's slot share as the live gateway builds them;
 * ``FairSharePolicy`` adds what the live gateway's glue does around it: the tenants' weights
   (``LiveAdmission._apply_tenants``), the step model's token prices every second
-  (``gateway.tenancy.fleet_token_weights``, as ``Tenancy.weights`` with ``WEIGHTS_REFRESH_S``),
+  (``gateway.tenants.pricing.fleet_token_weights``, as ``Tenancy.weights`` with ``WEIGHTS_REFRESH_S``),
   each request's output charged at its end after its prompt's context
   (``LiveAdmission.finished``), and closed-loop clients (``fair_share.SHAPES``: 24 per tenant,
   each sending its next request when its answer lands), so both tenants wait in the gateway's
@@ -38,7 +38,7 @@ import replay.emulated
 from gateway.admission import AdmissionSettings, TokenWeights
 from gateway.config.settings import HardwareSettings, ReplicaSettings
 from gateway.prediction.facts import ReplicaFacts
-from gateway.tenancy import fleet_token_weights
+from gateway.tenants.pricing import fleet_token_weights
 from replay import FleetConfig, GatewayRequest, Targets, TraceRequest, run_gateway_replay
 from replay.policies import SluicePolicy
 from simulator.engine import FinishedRequestStats

@@ -33,7 +33,7 @@ from gateway.prediction.service import PredictionService
 from gateway.replicas.registry import ReplicaRegistry, ReplicaState
 from gateway.replicas.scraper import MetricsScraper
 from gateway.replicas.snapshot import ReplicaSnapshot
-from gateway.tenancy import TENANT
+from gateway.tenants.live import TENANT
 from replay.loop import FleetConfig, GatewayRequest, VirtualTimeLoop
 from replay.policies import SluicePolicy
 from simulator.engine import FinishedRequestStats

@@ -29,8 +29,8 @@ from gateway.limits.failover import FailoverLimiter
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis import RedisLimiter, connect
 from gateway.observability.logs import JsonFormatter, RequestOutcome, TextFormatter
-from gateway.tenancy import TENANCY
 from gateway.tenants import AuthSettings, TenantSettings, TenantsSettings, hash_api_key
+from gateway.tenants.live import TENANCY
 from tests.support.procs import free_port
 from tests.unit.gateway.fakes import FakeReplica, make_app, url_of, wait_for
 from tests.unit.limits.fakes import FakeClock

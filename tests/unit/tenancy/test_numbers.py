@@ -1,4 +1,5 @@
-"""The pure parts of ``gateway.tenancy``: durations, headers, token weights, settled usage."""
+"""The pure parts of tenancy: durations, headers, token weights (``gateway.tenants.pricing``),
+settled usage (``gateway.tenants.live``)."""
 
 from __future__ import annotations
 
@@ -8,26 +9,21 @@ import pytest
 
 from gateway.admission.fairness import TokenWeights
 from gateway.config.settings import HardwareSettings, ReplicaSettings
+from gateway.http.errors import go_duration, rate_limit_headers
 from gateway.limits.base import TenantLimits
 from gateway.limits.memory import MemoryLimiter
 from gateway.observability.logs import RequestOutcome
 from gateway.prediction.facts import ReplicaFacts
 from gateway.prediction.service import PredictionService
 from gateway.replicas.snapshot import ReplicaSnapshot
-from gateway.tenancy import (
+from gateway.tenants.live import Held, is_admin_path, is_unlimited, rejection_error, settled_usage
+from gateway.tenants.pricing import (
     DEFAULT_WEIGHTS,
-    Held,
     TokenPrices,
     decode_to_prefill_ratio,
     fleet_token_weights,
-    go_duration,
-    is_admin_path,
-    is_unlimited,
-    rate_limit_headers,
-    rejection_error,
     replica_prices,
     request_cost,
-    settled_usage,
     split_context,
     step_model_prices,
 )

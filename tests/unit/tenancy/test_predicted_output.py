@@ -12,7 +12,7 @@ import pytest
 
 from gateway.api.openai import ParsedRequest, parse_request
 from gateway.prediction.service import PredictionService
-from gateway.tenancy import predicted_output_tokens
+from gateway.tenants.pricing import predicted_output_tokens
 
 MODEL = "m"
 

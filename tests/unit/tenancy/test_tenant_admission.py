@@ -17,8 +17,8 @@ from gateway.admission.live import ADMISSION
 from gateway.config.settings import Settings
 from gateway.limits.config import LimitsSettings, TokenWeightSettings
 from gateway.limits.memory import MemoryLimiter
-from gateway.tenancy import TENANCY
 from gateway.tenants import TenantSettings, TenantsSettings, hash_api_key
+from gateway.tenants.live import TENANCY
 from tests.unit.gateway.fakes import FakeReplica, gateway_settings, make_app, url_of, wait_for
 from tests.unit.limits.fakes import FakeClock
 from tests.unit.tenancy.conftest import (

@@ -1,0 +1,277 @@
+"""What a tenant's request costs in weighted tokens, and the token weights that price it.
+
+Pure numbers (no I/O; the prediction service is only read): ``request_cost`` is what a tenant's
+token budget is charged for one request, ``predicted_output_tokens`` the output it reserves for,
+and the weights come from ``limits.token_weights`` when set (``configured_weights``), else from
+the replicas' step models (``fleet_token_weights``). The tenancy middleware
+(``gateway.tenants.live``) reserves and settles with them; admission's fairness reads the same
+weights.
+
+The weights: ``limits.token_weights`` when set. Otherwise a weighted token is a prompt token's worth of GPU
+time on the replicas as they run: ``w_in = 1``, ``w_out`` is the GPU time of one output token
+over one prompt token and ``w_ctx`` what each token of context an output token reads adds
+(its KV read), at the decode batch each replica's engine steps really carried over its latest
+scrape window (``fleet_token_weights``, ``replica_prices``), averaged over the replicas that
+have a valid step model (the middleware recomputes them at most every ``WEIGHTS_REFRESH_S``
+seconds); 2 (VTC's 1 : 2) and no context part until one has. A reservation is settled with the
+weights it was made with, so a refit between the two never shifts a tenant's balance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Final
+
+from gateway.admission.fairness import TokenWeights
+from gateway.api.openai import ParsedRequest
+from gateway.config.settings import ReplicaSettings
+from gateway.limits.config import LimitsSettings
+from gateway.prediction.service import PredictionService
+from predictor import StepModel
+from predictor.step_model import StepBatch
+
+#: Default weights until a step model exists: VTC's 1 : 2 (Sheng et al., OSDI 2024).
+DEFAULT_WEIGHTS: Final = TokenWeights(input=1.0, output=2.0)
+#: The decode step a decode token's GPU time is taken from, until the replica's own batch is
+#: observed: this many sequences (at most ``max_num_seqs``) with this many tokens of context each.
+DECODE_BATCH_SEQS: Final = 256
+DECODE_CONTEXT_TOKENS: Final = 1024
+#: Defaults of the engine limits a replica's YAML may leave out (vLLM's, and the predictor's).
+DEFAULT_MAX_NUM_SEQS: Final = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS: Final = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class TokenPrices:
+    """GPU seconds of one prompt (``prefill_s``) and one output token (``decode_s``) on a replica;
+    ``context_s``: what each token of the context an output token reads adds to it (its KV read;
+    0 when ``decode_s`` is already the price at the batch's mean context)."""
+
+    prefill_s: float
+    decode_s: float
+    context_s: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        """``decode_s / prefill_s``: what ``w_out`` is with ``w_in = 1``."""
+        return self.decode_s / self.prefill_s
+
+    @property
+    def context_ratio(self) -> float:
+        """``context_s / prefill_s``: what ``w_ctx`` is with ``w_in = 1``."""
+        return self.context_s / self.prefill_s
+
+
+def step_model_prices(
+    model: StepModel,
+    *,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    decode_seqs: float | None = None,
+    context_tokens: float | None = None,
+    prompt_tokens: float | None = None,
+) -> TokenPrices | None:
+    """A prompt and an output token's GPU seconds per ``model``, at the batch the replica runs.
+
+    A step costs a fixed part whatever it carries (``base``: overheads, reading the weights),
+    shared by the sequences it serves, plus what each token and each sequence's attention add.
+
+    * Decode: one step of the decode batch, per sequence: ``t(D decodes, D x C KV tokens) / D``,
+      with ``D = decode_seqs`` (the replica's observed output tokens per step; default
+      ``min(max_num_seqs, DECODE_BATCH_SEQS)``), at least 1 and at most ``max_num_seqs``, and
+      ``C = context_tokens`` KV tokens each (observed; default ``DECODE_CONTEXT_TOKENS``).
+    * Prefill: what a full chunk of ``max_num_batched_tokens`` tokens of a fresh prompt adds to
+      that step, per token: ``(t(batch + chunk) - t(batch)) / chunk`` (a prompt rides in a step
+      that runs anyway: the fixed part is the decodes'), but never less than ``t(batch) / chunk``:
+      a full chunk at least doubles a decode step on any real engine (thousands of tokens of
+      compute against a few dozen), and a fit whose per-token prefill term is still near zero (a
+      replica that has seen few prompts) must not make prompts free and price an output token
+      at hundreds of thousands of prompt tokens. The chunk's attention: ``prompt_tokens / 2``
+      pairs per token when the replica's mean prompt (``prompt_tokens``) is known, the pairs per
+      prompt token the fit itself saw (``predictor.calibrate.observation_from_window``); a
+      fresh prompt filling the chunk (``chunk / 2`` per token) otherwise. The fit cannot tell
+      the linear slope from attention when the prompts' lengths do not vary, and only prices at
+      the features it was fitted at are what its step times bear out: extrapolating its
+      attention coefficient to a longer prompt than the replica runs swings the price.
+
+    ``None`` when the model is not valid or either time is not a positive finite number.
+    """
+    if not model.valid:
+        return None
+    cap = float(max(1, max_num_seqs))
+    seqs = float(min(max_num_seqs, DECODE_BATCH_SEQS)) if decode_seqs is None else decode_seqs
+    seqs = min(max(seqs, 1.0), cap)
+    context = DECODE_CONTEXT_TOKENS if context_tokens is None else max(context_tokens, 1.0)
+    batch = StepBatch(decode_seqs=seqs, kv_tokens_read=seqs * context)
+    step = model.step_time(batch)
+    chunk = float(max_num_batched_tokens)
+    pairs_per_token = chunk / 2.0 if prompt_tokens is None or prompt_tokens <= 0.0 else prompt_tokens / 2.0
+    with_chunk = dataclasses.replace(batch, prefill_tokens=chunk, prefill_attn_pairs=chunk * pairs_per_token)
+    prefill = max(model.step_time(with_chunk) - step, step) / chunk
+    decode = step / seqs
+    if not (math.isfinite(prefill) and math.isfinite(decode) and prefill > 0 and decode > 0):
+        return None
+    return TokenPrices(prefill_s=prefill, decode_s=decode)
+
+
+def decode_to_prefill_ratio(
+    model: StepModel,
+    *,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    decode_seqs: float | None = None,
+    context_tokens: float | None = None,
+) -> float | None:
+    """``step_model_prices(...).ratio``: GPU seconds of one decode token over one prefill token,
+    per ``model``; ``None`` when it has none."""
+    prices = step_model_prices(
+        model,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        decode_seqs=decode_seqs,
+        context_tokens=context_tokens,
+    )
+    return None if prices is None else prices.ratio
+
+
+def replica_prices(
+    service: PredictionService, replica: ReplicaSettings, model: StepModel
+) -> TokenPrices | None:
+    """The GPU seconds of a prompt token, an output token and an output token's context token on
+    ``replica``; ``None`` when ``model`` (its step model) gives no prices.
+
+    ``step_model_prices``'s prices at the decode batch ``service`` saw the replica run over its
+    latest scrape window (its defaults before one): output tokens per step, KV tokens in use per
+    running request, and for the prompt's attention the replica's mean prompt, the point the fit
+    was made at. The output token's price is then split (``split_context``) into a part per
+    token and a part per token of context it reads (its KV read: the step model's
+    ``per_kv_token_s``, or its roofline prior's where the fit left it at 0), so that an output
+    token after a 4000-token document costs what it does, not the batch's mean.
+    """
+    hardware = replica.hardware
+    seqs: float | None = None
+    context: float | None = None
+    prompt: float | None = None
+    window = service.latest_window(replica.name)
+    if window is not None:
+        snapshot, gauges = window
+        prompt = snapshot.mean_prompt_tokens_per_request
+        steps, output = snapshot.steps_per_s, snapshot.generation_tokens_per_s
+        if steps is not None and output is not None and steps > 0.0 and output > 0.0:
+            seqs = output / steps
+        if gauges.running > 0.0 and gauges.kv_tokens > 0.0:
+            context = gauges.kv_tokens / gauges.running
+    prices = step_model_prices(
+        model,
+        max_num_batched_tokens=hardware.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        max_num_seqs=hardware.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+        decode_seqs=seqs,
+        context_tokens=context,
+        prompt_tokens=prompt,
+    )
+    if prices is None or window is None:
+        return prices
+    per_kv = model.params.per_kv_token_s
+    if per_kv <= 0.0:
+        report = service.report(replica.name)
+        per_kv = 0.0 if report is None or report.prior is None else report.prior.per_kv_token_s
+    return split_context(prices.decode_s, per_kv, context or 0.0, prices.prefill_s)
+
+
+def split_context(
+    decode_s: float, per_kv_token_s: float, context_tokens: float, prefill_s: float
+) -> TokenPrices:
+    """``TokenPrices`` with an output token at ``decode_s`` on average over outputs read after
+    ``context_tokens`` of context each, of which ``per_kv_token_s`` per context token: the part
+    per output token is ``decode_s - per_kv_token_s x context_tokens``. When that would be below
+    half of ``decode_s`` (a KV price the window's times do not bear out), no split: the mean
+    price per output token, nothing per context token."""
+    per_kv = max(per_kv_token_s, 0.0) if math.isfinite(per_kv_token_s) else 0.0
+    own = decode_s - per_kv * max(context_tokens, 0.0)
+    if own < 0.5 * decode_s:
+        return TokenPrices(prefill_s=prefill_s, decode_s=decode_s)
+    return TokenPrices(prefill_s=prefill_s, decode_s=own, context_s=per_kv)
+
+
+def fleet_token_weights(service: PredictionService, replicas: Iterable[ReplicaSettings]) -> TokenWeights:
+    """``w_in = 1`` and ``w_out`` = the mean over ``replicas`` with a valid step model in
+    ``service`` of their output token's GPU time over their prompt token's, rounded to 0.01;
+    ``DEFAULT_WEIGHTS`` when none has one.
+
+    Per replica (``replica_prices``): the step model's prices (``step_model_prices``) at the
+    decode batch its engine steps really carried over its latest scrape window (output tokens
+    per step, KV tokens in use per running request), not at a nominal one. ``context``
+    (``w_ctx``): the mean over the same replicas of their output token's KV read per token of
+    context over their prompt token's price, to 3 significant digits.
+    """
+    ratios: list[float] = []
+    contexts: list[float] = []
+    for replica in replicas:
+        model = service.step_model(replica.name)
+        if model is None:
+            continue
+        prices = replica_prices(service, replica, model)
+        if prices is not None:
+            ratios.append(prices.ratio)
+            contexts.append(prices.context_ratio)
+    if not ratios:
+        return DEFAULT_WEIGHTS
+    output = max(round(sum(ratios) / len(ratios), 2), 0.01)
+    return TokenWeights(input=1.0, output=output, context=float(f"{sum(contexts) / len(contexts):.3g}"))
+
+
+def configured_weights(limits: LimitsSettings) -> TokenWeights | None:
+    """``limits.token_weights`` as ``TokenWeights``; ``None`` when they come from the step model."""
+    pinned = limits.token_weights
+    return None if pinned is None else TokenWeights(input=pinned.prompt, output=pinned.output)
+
+
+def request_cost(
+    weights: TokenWeights, prompt_tokens: float, output_tokens: float, choices: int = 1
+) -> float:
+    """Weighted tokens a tenant's token budget is charged for one request (no per-request term):
+    one prompt, and ``output_tokens`` in all, decoded as ``choices`` (the body's ``n``) sequences
+    of equal length, each reading the prompt as its context. With one choice that is
+    ``weights.cost(prompt_tokens, output_tokens, 0.0)``."""
+    if choices <= 1:
+        return weights.cost(prompt_tokens, output_tokens, 0.0)
+    each = output_tokens / choices
+    return weights.cost(prompt_tokens, each, 0.0) + (choices - 1) * weights.output_cost(each, prompt_tokens)
+
+
+def predicted_output_tokens(
+    service: PredictionService, parsed: ParsedRequest, tenant: str, prompt_tokens: int
+) -> int:
+    """The prediction service's output length for this request, capped by ``max_tokens`` (>= 1),
+    times its choices (``n``): every choice is a sequence of its own.
+
+    Asked of no replica (``""`` is never a replica's name): the forecast is then invalid, but its
+    ``output_tokens_used`` is the model's (or tenant's) learned length, capped. With a
+    ``max_tokens`` (the usual case) that length is ``PredictionService.expected_output``'s, the
+    same prediction at the same cap, memoised between two learned lengths and without building
+    a forecast; without one the forecast's own cap (the context left) applies.
+    """
+    cap = parsed.max_tokens
+    if cap is not None and cap >= 1:
+        expected, _ = service.expected_output(parsed.model, tenant, cap)
+        # What ``forecast`` makes of it (``output_tokens_used``): at least 1, at most the cap.
+        output = min(max(expected, 1.0), float(cap))
+        if not math.isfinite(output):
+            return cap * parsed.choices
+        return max(math.ceil(output), 1) * parsed.choices
+    forecast = service.forecast(
+        "",
+        model=parsed.model,
+        tenant=tenant,
+        prompt_tokens=prompt_tokens,
+        max_tokens=parsed.max_tokens,
+        in_flight=(),
+        now=0.0,
+    )
+    output = forecast.output_tokens_used
+    if not math.isfinite(output):
+        return max(parsed.max_tokens or 1, 1) * parsed.choices
+    return max(math.ceil(output), 1) * parsed.choices
