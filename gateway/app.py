@@ -52,7 +52,8 @@ from gateway.observability.logs import (
 from gateway.observability.metrics import METRICS
 from gateway.observability.metrics.endpoints import install as install_metrics
 from gateway.prediction.service import PredictionConfig, PredictionService
-from gateway.proxy import DISCONNECTS, PROXY, DisconnectMonitor, Proxy
+from gateway.proxy.disconnects import DISCONNECTS, DisconnectMonitor
+from gateway.proxy.forward import PROXY, Proxy
 from gateway.replicas.auth import replica_auth
 from gateway.replicas.emulators import start_emulators, stop_emulators
 from gateway.replicas.health import HealthChecker
@@ -147,7 +148,7 @@ async def _flush_logs(_app: web.Application) -> None:
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
     """The one upstream session: proxied requests, health checks, model lists, scrapes. Its
     middleware adds a replica's own API key (``replicas[].api_key_env``) to the requests that are
-    not proxied; the proxy sets it itself and skips the middleware (``gateway.proxy._send``)."""
+    not proxied; the proxy sets it itself and skips the middleware (``gateway.proxy.forward.Proxy._send``)."""
     connector = aiohttp.TCPConnector(
         limit=0, limit_per_host=CONNECTIONS_PER_REPLICA, keepalive_timeout=KEEPALIVE_S
     )

@@ -9,7 +9,7 @@ turns the collapsed stacks into shares of the samples:
 * **self**: the function on top of the stack (where the CPU was);
 * **inclusive**: every function on the stack (what it and its callees cost), counted once per
   sample;
-* **by package**: the self samples grouped by where the code lives (``gateway/proxy.py`` for
+* **by package**: the self samples grouped by where the code lives (``gateway/proxy/forward.py`` for
   Sluice's own files, the top-level package for libraries: ``aiohttp``, ``redis``, ``json``...).
 
 Shares are fractions (0-1) of all the process's samples.

@@ -125,7 +125,8 @@ def _install() -> None:
 
     import gateway.app
     import gateway.observability.logs as logs
-    import gateway.proxy as proxy
+    import gateway.proxy.forward as proxy
+    import gateway.proxy.relay as relay_module
     import gateway.tenants.live as tenancy
     from gateway.admission.live import LiveAdmission
 
@@ -133,7 +134,7 @@ def _install() -> None:
     _wrap_async(aiohttp.ClientSession, "_request", "ClientSession._request")
     _wrap_async(aiohttp.BaseConnector, "connect", "connector.connect")
     _wrap_async(aiohttp.ClientRequest, "send", "ClientRequest.send")
-    _wrap_sync(proxy, "_forwarded", "_forwarded (headers)")
+    _wrap_sync(proxy, "forwarded", "forwarded (headers)")
     _wrap_sync(proxy, "upstream_body", "upstream_body")
     _wrap_async(proxy.Proxy, "handle", "Proxy.handle")
     _wrap_async(proxy.Proxy, "_forward", "Proxy._forward")
@@ -150,18 +151,18 @@ def _install() -> None:
             _stamp("Proxy._send <")
 
     proxy.Proxy._send = send_marked  # type: ignore[method-assign]
-    _wrap_async(proxy.Proxy, "_read_upstream", "Proxy._read_upstream")
-    relay = proxy.Proxy._relay_body
+    _wrap_async(relay_module.Relay, "read_upstream", "Relay.read_upstream")
+    relay = relay_module.Relay.relay_body
 
     async def relay_marked(self: Any, ex: Any, upstream: Any) -> Any:
-        _stamp("Proxy._relay_body >")
+        _stamp("Relay.relay_body >")
         try:
             return await relay(self, ex, upstream)
         finally:
             _IN_REQUEST[0] = False
-            _stamp("Proxy._relay_body <")
+            _stamp("Relay.relay_body <")
 
-    proxy.Proxy._relay_body = relay_marked  # type: ignore[method-assign]
+    relay_module.Relay.relay_body = relay_marked  # type: ignore[method-assign]
     _wrap_sync(proxy.Proxy, "_notify", "Proxy._notify (outcome listeners)")
     _wrap_async(proxy, "read_request", "read_request (proxy)")
     _wrap_async(tenancy, "read_request", "read_request (tenancy)")

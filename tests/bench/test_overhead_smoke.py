@@ -127,7 +127,7 @@ def test_a_baseline_tree_without_a_gateway_is_refused_before_anything_starts(tmp
 
 def test_profile_summary_counts_self_inclusive_packages_and_callers() -> None:
     site = "/x/.venv/lib/python3.11/site-packages"
-    handle = f"handle ({ROOT}/gateway/proxy.py)"
+    handle = f"handle ({ROOT}/gateway/proxy/forward.py)"
     raw = "\n".join(
         [
             f"<module> ({ROOT}/gateway/cli.py);{handle};write ({site}/aiohttp/http_writer.py) 6",
@@ -139,18 +139,18 @@ def test_profile_summary_counts_self_inclusive_packages_and_callers() -> None:
     assert profile.samples == 10
     top = profile.top_self[0]
     assert (top.name, top.share) == ("write (aiohttp/http_writer.py)", 0.6)
-    assert (top.caller, top.caller_part) == ("handle (gateway/proxy.py)", 1.0)
+    assert (top.caller, top.caller_part) == ("handle (gateway/proxy/forward.py)", 1.0)
     assert {c.name: c.share for c in profile.by_package} == {
         "aiohttp": 0.6,
         "gateway/api/openai.py": 0.3,
-        "gateway/proxy.py": 0.1,
+        "gateway/proxy/forward.py": 0.1,
     }
     assert {c.name: c.share for c in profile.by_sluice_frame} == {
-        "handle (gateway/proxy.py)": 0.7,
+        "handle (gateway/proxy/forward.py)": 0.7,
         "parse (gateway/api/openai.py)": 0.3,
     }
     inclusive = {c.name: c.share for c in profile.top_inclusive}
-    assert inclusive["handle (gateway/proxy.py)"] == 1.0
+    assert inclusive["handle (gateway/proxy/forward.py)"] == 1.0
     assert "<module> (gateway/cli.py)" not in inclusive  # the root chain is left out
 
 

@@ -25,7 +25,7 @@ from gateway.config.settings import HealthSettings, ReplicaSettings, ServerSetti
 from gateway.config.store import SettingsStore
 from gateway.keys import OUTCOME_LISTENERS, REGISTRY
 from gateway.observability.logs import RequestOutcome
-from gateway.proxy import MAX_PLACEMENTS
+from gateway.proxy.forward import MAX_PLACEMENTS
 from simulator.profile import load_profile
 from simulator.server import build_app as build_emulator
 

@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 import aiohttp
 from aiohttp import web
 
-from gateway.proxy import PROXY
+from gateway.proxy.forward import PROXY
 from tests.unit.gateway.conftest import StartReplica
 from tests.unit.gateway.fakes import MODEL, FakeReplica, gateway_settings, make_app, wait_for
 
