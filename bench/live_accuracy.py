@@ -44,9 +44,14 @@ from gateway.api.openai import carries_tokens
 from gateway.app import build_app
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
-from gateway.forecasts import PREDICTED_TPOT_HEADER, PREDICTED_TTFT_HEADER, PREDICTION_HEADER, REPLICA_HEADER
 from gateway.keys import OUTCOME_LISTENERS
 from gateway.observability.logs import RequestOutcome
+from gateway.prediction.live import (
+    PREDICTED_TPOT_HEADER,
+    PREDICTED_TTFT_HEADER,
+    PREDICTION_HEADER,
+    REPLICA_HEADER,
+)
 
 #: (median, p90) absolute-percentage-error targets of issue 3, as fractions.
 TARGETS: Mapping[str, tuple[float, float]] = {"ttft": (0.15, 0.35), "tpot": (0.10, 0.25)}

@@ -27,7 +27,6 @@ from gateway.admission.live import ADMISSION, LiveAdmission
 from gateway.api.openai import ENGINE_MODELS, models_list
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
-from gateway.forecasts import LivePredictions, add_prediction_headers
 from gateway.http.admin import ADMIN_LISTENER, AdminGate, install_admin
 from gateway.http.middleware import gateway_middleware
 from gateway.http.openapi import install_openapi
@@ -51,6 +50,7 @@ from gateway.observability.logs import (
 )
 from gateway.observability.metrics import METRICS
 from gateway.observability.metrics.endpoints import install as install_metrics
+from gateway.prediction.live import LivePredictions, add_prediction_headers
 from gateway.prediction.service import PredictionConfig, PredictionService
 from gateway.proxy.disconnects import DISCONNECTS, DisconnectMonitor
 from gateway.proxy.forward import PROXY, Proxy

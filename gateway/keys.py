@@ -15,8 +15,8 @@ import aiohttp
 from aiohttp import web
 
 from gateway.config.store import SettingsStore
-from gateway.forecasts import LivePredictions
 from gateway.observability.logs import RequestOutcome
+from gateway.prediction.live import LivePredictions
 from gateway.prediction.service import PredictionService
 from gateway.replicas.emulators import EmulatorProcess
 from gateway.replicas.health import HealthChecker

@@ -6,7 +6,7 @@ clock. Per request (``LiveAdmission.admit``), after the body is parsed:
 1. **class and deadline** from the tenant's policy and the request's headers
    (``admission.choose_class``, ``client_deadline_s``: it only ever tightens the class's TTFT
    target; a malformed one is a 400);
-2. **sizes**: the request's one prompt estimate (``gateway.sizing``), then
+2. **sizes**: the request's one prompt estimate (``gateway.admission.sizing``), then
    ``AdmissionEngine.request`` (the output predicted, capped by ``max_tokens``);
 3. **the decision** (``AdmissionEngine.submit``): admitted -> a ``Ticket`` for the replica it
    was sent to; queued -> the handler awaits a future that a ``Resolution`` of a later
@@ -59,16 +59,10 @@ from gateway.admission.engine import (
 )
 from gateway.admission.fairness import TokenWeights
 from gateway.admission.retry_after import RefusalReason
+from gateway.admission.sizing import estimated_prompt_tokens
 from gateway.api.openai import ParsedRequest
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
-from gateway.forecasts import (
-    PREDICTION_HEADER,
-    PREDICTION_HEADERS,
-    REPLICA_HEADER,
-    LivePredictions,
-    forecast_headers,
-)
 from gateway.http.errors import (
     ClientClosedRequest,
     InvalidRequest,
@@ -78,9 +72,15 @@ from gateway.http.errors import (
     refusal_reason_headers,
 )
 from gateway.observability.logs import RequestOutcome
+from gateway.prediction.live import (
+    PREDICTION_HEADER,
+    PREDICTION_HEADERS,
+    REPLICA_HEADER,
+    LivePredictions,
+    forecast_headers,
+)
 from gateway.replicas.registry import LiveRequest, Replica, ReplicaRegistry
 from gateway.replicas.snapshot import ReplicaSnapshot
-from gateway.sizing import estimated_prompt_tokens
 from gateway.tenants import Tenant
 from gateway.tenants.live import TENANT
 from predictor import Forecast, ForecastReason
@@ -481,7 +481,7 @@ def _refusal(saturated: Saturated) -> Refused:
 
 
 def _forecast_headers(replica: str, forecast: Forecast | None) -> dict[str, str]:
-    """``gateway.forecasts.forecast_headers``; without a forecast the admitter had no step model
+    """``gateway.prediction.live.forecast_headers``; without a forecast the admitter had no step model
     for the replica (``no_step_model``)."""
     if forecast is None:
         return {REPLICA_HEADER: replica, PREDICTION_HEADER: ForecastReason.NO_STEP_MODEL.value}

@@ -19,7 +19,7 @@ What it does:
 * notices a client that went away (``gateway.proxy.disconnects``) and then closes the upstream
   response (``close``, not ``release``) so the replica aborts the request and frees its KV cache.
 
-The headers that cross each way are ``gateway.proxy.headers``'.
+The headers that cross each way are ``gateway.proxy.headers``'s job.
 
 Failures: refused connection or a replica dying before the headers -> 502; after the headers of a
 stream -> a final ``data: {"error": ...}`` event and the connection closes (never a fake
@@ -44,16 +44,16 @@ from gateway.admission.retry_after import UNMEASURED_WAIT_S, RefusalReason, retr
 from gateway.api.openai import Endpoint, read_request, upstream_body, upstream_path
 from gateway.api.sse import Event, EventSplitter
 from gateway.config.store import SettingsStore
-from gateway.forecasts import (
+from gateway.http.errors import GatewayError, Refused, UpstreamError
+from gateway.keys import OutcomeListener
+from gateway.observability.logs import OUTCOME, RequestOutcome
+from gateway.prediction.live import (
     PREDICTED_TTFT_HEADER,
     PREDICTION_HEADERS,
     Admitted,
     LivePredictions,
     ttft_header_value,
 )
-from gateway.http.errors import GatewayError, Refused, UpstreamError
-from gateway.keys import OutcomeListener
-from gateway.observability.logs import OUTCOME, RequestOutcome
 from gateway.proxy.disconnects import DisconnectMonitor, connection_gone
 from gateway.proxy.exchange import (
     CLIENT_CLOSED_REQUEST,

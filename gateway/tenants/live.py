@@ -14,7 +14,7 @@ What it does
     2. reserves, in ONE limiter call, ``w_in x prompt tokens + w_out x predicted output`` weighted
        tokens (``gateway.tenants.pricing``: the weights and ``request_cost``), one request and
        one concurrency slot. Prompt tokens are the request's one estimate
-       (``gateway.sizing``, which admission reuses; exact for token-id prompts), the
+       (``gateway.admission.sizing``, which admission reuses; exact for token-id prompts), the
        output is the prediction service's output-length estimate capped by ``max_tokens``. A
        rejection is a 429 (``Refused``, ``rate_limit_exceeded``: exact ``Retry-After``, OpenAI's
        ``x-ratelimit-*`` headers); a tenant known to be over its limit is answered from the
@@ -61,6 +61,7 @@ from aiohttp.typedefs import Handler
 
 from gateway.admission.fairness import TokenWeights
 from gateway.admission.retry_after import UNMEASURED_WAIT_S, RefusalReason, retry_after
+from gateway.admission.sizing import estimated_prompt_tokens
 from gateway.api.openai import COMPLETION_ROUTES, Endpoint, read_request
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
@@ -83,7 +84,6 @@ from gateway.limits.factory import build_limiter
 from gateway.observability.logs import OUTCOME, RequestOutcome, new_request_id
 from gateway.observability.metrics import METRICS, SluiceMetrics
 from gateway.prediction.service import PredictionService
-from gateway.sizing import estimated_prompt_tokens
 from gateway.tenants import Authenticator, AuthError, Tenant
 from gateway.tenants.pricing import (
     configured_weights,

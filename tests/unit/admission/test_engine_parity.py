@@ -26,9 +26,9 @@ from gateway.admission import Outcome
 from gateway.admission.live import LiveAdmission, Ticket
 from gateway.api.openai import ParsedRequest
 from gateway.config.store import SettingsStore
-from gateway.forecasts import LivePredictions
 from gateway.http.errors import GatewayError, Refused
 from gateway.observability.logs import RequestOutcome
+from gateway.prediction.live import LivePredictions
 from gateway.prediction.service import PredictionService
 from gateway.replicas.registry import ReplicaRegistry, ReplicaState
 from gateway.replicas.scraper import MetricsScraper

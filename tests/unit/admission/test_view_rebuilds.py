@@ -15,7 +15,7 @@ from gateway.admission.live import LiveAdmission
 from gateway.admission.views import TrackedStream
 from gateway.app import LIVE_PREDICTION
 from gateway.config.store import SettingsStore
-from gateway.forecasts import LivePredictions
+from gateway.prediction.live import LivePredictions
 from gateway.prediction.service import PredictionService
 from gateway.replicas.registry import LiveRequest, ReplicaRegistry
 from gateway.replicas.scraper import MetricsScraper

@@ -18,15 +18,15 @@ from aiohttp import web
 from aiohttp.pytest_plugin import AiohttpClient
 
 from gateway.config.settings import HardwareSettings, ReplicaSettings, ScrapeSettings
-from gateway.forecasts import (
+from gateway.keys import PREDICTION_SERVICE, PREDICTIONS, REGISTRY, SCRAPER
+from gateway.prediction import PredictionService
+from gateway.prediction.live import (
     PREDICTED_TPOT_HEADER,
     PREDICTED_TTFT_HEADER,
     PREDICTION_HEADER,
     REPLICA_HEADER,
     forecast_headers,
 )
-from gateway.keys import PREDICTION_SERVICE, PREDICTIONS, REGISTRY, SCRAPER
-from gateway.prediction import PredictionService
 from predictor import Forecast, ForecastReason
 from tests.unit.gateway.conftest import StartGateway, StartReplica
 from tests.unit.gateway.fakes import (

@@ -1,4 +1,4 @@
-"""A request's prompt is sized once (``gateway.sizing``): the tenancy middleware's estimate is the
+"""A request's prompt is sized once (``gateway.admission.sizing``): the tenancy middleware's estimate is the
 one admission judges, and a tenant without a budget is sized by admission alone."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
+from gateway.admission.sizing import prompt_tokens_of
 from gateway.api.openai import ParsedRequest
 from gateway.prediction.service import PredictionService
-from gateway.sizing import prompt_tokens_of
 from tests.unit.tenancy.conftest import COMPLETION, KEY_A, KEY_B, Scripted, StartTenantGateway
 
 #: A text prompt: its tokens are estimated from its characters (token ids would be exact).
