@@ -239,6 +239,17 @@ class PredictionService:
 
         Stale snapshots are kept (their in-flight and staleness matter) but teach nothing.
         Snapshots of unknown replicas are ignored.
+
+        **An idle replica forgets its recent traffic** (``_idle``: the scrape saw nothing running
+        or waiting and the caller has nothing in flight there): the load a newcomer is forecast
+        to share steps with (others' prefill share and tokens per step, arriving prompts) becomes
+        none, and the prefill-share history restarts from that idle window. Those terms are
+        measured from inter-token latencies and token rates, which an idle window does not have:
+        without this, what a burst taught stayed in every forecast after it, and a caller that
+        refused on those forecasts never sent the traffic that could correct them (a lock-out).
+        What the step model and the dispatch overhead learned is kept (they describe the engine,
+        not its traffic), and so is the steady state (``PredictionConfig.steady_state``), whose
+        finishes age out of ``arrival_memory_s`` by themselves.
         """
         r = self._replicas.get(snapshot.name)
         if r is None:
@@ -252,6 +263,15 @@ class PredictionService:
         if snapshot.stale:
             r.stale_snapshots += 1
             return
+        self._learn(r, snapshot)
+        if _idle(snapshot):
+            at = snapshot.metrics_at if snapshot.metrics_at is not None else snapshot.taken_at
+            r.shares.clear()
+            r.shares.append((at, 1.0))
+            r.load = Load(0.0, 0.0, snapshot.requests_finished_per_s, r.load.steady_step_s, 0.0)
+
+    def _learn(self, r: _Replica, snapshot: ReplicaSnapshot) -> None:
+        """``on_snapshot``'s learning from a fresh ``snapshot`` of ``r``: gauges, overhead, load, fit."""
         self._remember_gauges(r, snapshot)
         self._observe_overhead(r, snapshot)
         gauges = self._gauge_means(r, snapshot.taken_at - snapshot.window_s)
@@ -788,6 +808,12 @@ class PredictionService:
                 },
             }
         return {"output_quantile": self._quantile, "replicas": replicas}
+
+
+def _idle(snapshot: ReplicaSnapshot) -> bool:
+    """The replica was idle at ``snapshot``: its metrics say nothing is running or waiting (both
+    known) and the caller had nothing in flight there."""
+    return snapshot.num_running == 0 and snapshot.num_waiting == 0 and not snapshot.in_flight
 
 
 def _no_model(request: CandidateRequest) -> Forecast:
