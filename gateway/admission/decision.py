@@ -40,14 +40,20 @@ would correct its fit (an emulated vLLM served 3 of 754 requests beside a TGI an
 A replica with no step model yet is used only when no modelled one can take the request, below
 ``unmodelled_max_in_flight``.
 
+A request of one output token (``max_tokens`` 1) has no TPOT: its ``tpot`` slack is infinite.
+
 When no replica can take it now, each replica's *wait* is estimated (``retry_after``: drain times
-of the failing constraints) and its predicted first token is ``now + wait + TTFT``. If even the
-earliest of these is after the first-token deadline the request is rejected at once (before any
-GPU work): ``deadline_exceeded`` when the client's deadline binds (or it was queued), else
+of the failing constraints, never longer than the replica's predicted drain to idle, where the
+request fits unless retrying is hopeless) and its predicted first token is ``now + wait + TTFT``.
+If even the earliest of these is after the first-token deadline and the request could wait in the
+queue (or its TTFT fails already) it is rejected at once (before any GPU work):
+``deadline_exceeded`` when the client's deadline binds (or it was queued), else
 ``slo_unattainable``. Otherwise it is queued when its class queues and the wait fits its queue
 deadline, else rejected ``overloaded`` (streams or shares block) or ``slo_unattainable`` (its
 own TPOT target). Retry-After is the earliest replica's drain time, jittered; ``None`` when even an
-idle replica could not meet the targets (retrying cannot help).
+idle replica could not meet the targets (retrying cannot help). A refusal's message cites the
+forecast that failed with its target, in the numbers its ``forecast`` carries (the TTFT as judged:
+margins and dispatch overhead in), which the prediction headers print.
 
 Cost: one forecast (``predictor.forecast.forecast_values``) per healthy replica (plus one per
 yielded-to class for classes that yield, on replicas where the other rules hold), and O(classes)
@@ -67,7 +73,13 @@ from typing import Final, Protocol
 
 from gateway.admission.config import AdmissionSettings, ClassSettings, ShadowSettings
 from gateway.admission.request import AdmissionRequest
-from gateway.admission.retry_after import RetryAfter, RetryAfterPolicy, decode_drain_s, ttft_excess_s
+from gateway.admission.retry_after import (
+    DEFAULT_REMAINING_TOKENS,
+    RetryAfter,
+    RetryAfterPolicy,
+    decode_drain_s,
+    ttft_excess_s,
+)
 from gateway.admission.shares import decode_slot_capacity, kv_share_limit, slot_share_limit
 from gateway.admission.views import ReplicaView, with_queued
 from predictor import (
@@ -158,6 +170,7 @@ _LOAD_BLOCKERS: Final = frozenset(
     | {Blocker.CONCURRENCY, Blocker.SATURATED}
 )
 _INF: Final = math.inf
+_EULER: Final = 0.5772156649015329
 #: Most idle replica states kept (distinct replica limits; cleared when exceeded).
 _IDLE_STATES_KEPT: Final = 64
 #: Most forecasts on idle replicas kept for ``_hopeless`` (cleared when exceeded).
@@ -366,6 +379,21 @@ def _after(f: ForecastValues, elapsed_s: float) -> ForecastValues:
     )
 
 
+def _idle_after_s(state: ReplicaState, step_s: float) -> float:
+    """Predicted seconds until every request on the replica in ``state`` has finished, its decode
+    steps taking ``step_s`` each: the step in progress, then the last of its running and queued
+    requests to finish, each with memoryless remaining output of the state's mean (``n`` of them
+    all finish after ``mean x H_n`` steps). 0 for an idle replica; ``inf`` when ``step_s`` is not
+    a number."""
+    n = state.decode_seqs + state.queued_requests
+    if n <= 0:
+        return state.step_remaining_s
+    if not step_s >= 0.0:
+        return _INF
+    rest = state.mean_remaining_output_tokens or DEFAULT_REMAINING_TOKENS
+    return state.step_remaining_s + rest * (math.log(n + 0.5) + _EULER) * step_s
+
+
 def _idle(state: ReplicaState) -> ReplicaState:
     """The same replica with nothing running or waiting."""
     return ReplicaState(
@@ -378,6 +406,27 @@ def _idle(state: ReplicaState) -> ReplicaState:
         state.max_num_batched_tokens,
         state.max_model_len,
     )
+
+
+def _as_judged(c: _Candidate, now: float) -> Forecast | None:
+    """``c``'s forecast with the TTFT admission held against the deadline (margins and the
+    replica's dispatch overhead in): what a refusal's prediction headers and message both cite."""
+    f = c.forecast
+    if f is None or not math.isfinite(c.ttft_s) or c.ttft_s == f.ttft_s:
+        return f
+    return f.with_overhead(c.ttft_s, f.overhead_s + c.ttft_s - f.ttft_s, now)
+
+
+def _blocker_story(cls: ClassSettings, c: _Candidate, blocker: Blocker) -> str:
+    """The failing forecast behind ``blocker`` with its target, in the prediction headers' units
+    (its own TPOT), or the constraint's name."""
+    f = c.forecast
+    if blocker == Blocker.TPOT and f is not None:
+        return (
+            f"its predicted time per output token {f.tpot_s * 1e3:.2f} ms exceeds the "
+            f"{cls.tpot_target_s * 1e3:.3g} ms target"
+        )
+    return f"the replica's load ({blocker}) blocks it"
 
 
 def _enforced_slots(shadow: ShadowSettings) -> tuple[int, ...]:
@@ -612,6 +661,8 @@ class SloAdmitter:
         if cls.stall_budget_horizon is not None and 0.0 < step < tpot:
             own_tpot = step
         s_tpot = (cls.tpot_target_s - own_tpot) / cls.tpot_target_s
+        if request.max_tokens_on(state.max_model_len) <= 1:
+            s_tpot = _INF  # one output token: no time per output token to hold to a target
         probes: list[_Probe] = _NO_PROBES
         plan = self._probes[name]
         # The probes cost a forecast each: skip them where another enforced rule already fails.
@@ -778,17 +829,26 @@ class SloAdmitter:
         blocker = self._blocker(best, slots)
         forecast = best.forecast
         checks_slo = _TTFT in slots
-        if checks_slo and best_first > deadline:
+        assert best.slacks is not None
+        can_queue = queued or (cls.queue_capacity > 0 and cls.max_queue_wait_s > 0.0)
+        late_now = best.slacks[_TTFT] < 0.0
+        # Late even after the wait: refused at once. A request that cannot wait in the queue is
+        # refused anyway; it is refused for its first token only when that forecast fails now,
+        # else for the constraint that does (below), so that the message, the reason and the
+        # prediction headers name the forecast that failed.
+        if checks_slo and best_first > deadline and (can_queue or late_now):
             reason = RejectReason.DEADLINE_EXCEEDED
             if not queued and not request.client_bound(cls):
                 reason = RejectReason.SLO_UNATTAINABLE
             hopeless = not math.isfinite(best_retry) or self._hopeless(request, cls, best)
             after = None if hopeless else self._retry.after(best_retry)
+            wait = best_wait if can_queue else 0.0
+            first = now + wait + best.ttft_s
             return Reject(
                 reason,
                 after,
-                forecast,
-                self._late_message(request, cls, best, best_first, deadline, hopeless),
+                _as_judged(best, now),
+                self._late_message(request, cls, best, blocker, wait, first, deadline, hopeless),
                 blocker,
                 best.view.name,
             )
@@ -816,7 +876,7 @@ class SloAdmitter:
         return Reject(
             reason,
             None if hopeless else self._retry.after(best_retry),
-            forecast,
+            _as_judged(best, now),
             self._blocked_message(cls, best, blocker, hopeless),
             blocker,
             best.view.name,
@@ -864,6 +924,18 @@ class SloAdmitter:
         retry = wait
         if _TTFT in slots and c.slacks[_TTFT] < 0.0:
             retry = max(retry, ttft_excess_s(c.ttft_s, request.fresh_ttft_budget_s(cls)))
+        # Once everything on the replica now has finished, it is idle, where the request fits
+        # unless even an idle copy would miss (``_hopeless``, the reason an estimate is ``inf``):
+        # no finite estimate is longer than that. The gateway's own streams there are known one
+        # by one (``max_finish_s``), the rest from the state's mean, at the forecast's TPOT.
+        idle = _idle_after_s(c.view.state, c.tpot_s)
+        for load in c.view.loads.values():
+            if load.max_finish_s > idle:
+                idle = load.max_finish_s
+        if wait > idle and math.isfinite(wait):
+            wait = idle
+        if retry > idle and math.isfinite(retry):
+            retry = idle
         return wait, retry
 
     def _wait_for(self, slot: int, request: AdmissionRequest, cls: ClassSettings, c: _Candidate) -> float:
@@ -936,10 +1008,13 @@ class SloAdmitter:
         return rest * tpot_s
 
     def _hopeless(self, request: AdmissionRequest, cls: ClassSettings, c: _Candidate) -> bool:
-        """Whether even an idle copy of the replica would miss the TTFT budget or TPOT target."""
+        """Whether even an idle copy of the replica would miss the TTFT budget or TPOT target (a
+        request of one output token has no TPOT)."""
         ttft, tpot = self._idle_forecast(request, c)
         if math.isnan(ttft):
             return False
+        if request.max_tokens_on(c.view.state.max_model_len) <= 1:
+            tpot = 0.0
         return ttft > request.fresh_ttft_budget_s(cls) or tpot > cls.tpot_target_s
 
     def _idle_forecast(self, request: AdmissionRequest, c: _Candidate) -> tuple[float, float]:
@@ -982,10 +1057,15 @@ class SloAdmitter:
         request: AdmissionRequest,
         cls: ClassSettings,
         c: _Candidate,
+        blocker: Blocker,
+        wait: float,
         first: float,
         deadline: float,
         hopeless: bool,
     ) -> str:
+        """Why the first token would be late: the predicted TTFT (the ``x-sluice-predicted-ttft-ms``
+        header's number, as judged: margins and dispatch overhead in), after ``wait`` seconds
+        for ``blocker`` when it must wait for one."""
         target = (
             "the client's deadline"
             if request.client_bound(cls)
@@ -995,16 +1075,16 @@ class SloAdmitter:
         if not math.isfinite(first):
             return f"no replica can take this request within its limits before {target}{tail}"
         late = first - deadline
-        return f"first token predicted {late:.3g} s after {target} (best replica {c.view.name}){tail}"
+        ttft = f"predicted TTFT {c.ttft_s * 1e3:.1f} ms"
+        if wait > 0.0:
+            ttft = f"{_blocker_story(cls, c, blocker)} for about {wait:.3g} s more, then a {ttft}"
+        return f"first token predicted {late:.3g} s after {target}: {ttft} (best replica {c.view.name}){tail}"
 
     @staticmethod
     def _blocked_message(cls: ClassSettings, c: _Candidate, blocker: Blocker, hopeless: bool) -> str:
-        f = c.forecast
-        assert f is not None
+        """Why no replica takes it now: the forecast that failed, with its target (its numbers as
+        the prediction headers print them)."""
         if blocker == Blocker.TPOT:
             tail = "; not attainable even on an idle replica" if hopeless else ""
-            return (
-                f"predicted time per output token {f.tpot_s * 1e3:.3g} ms exceeds the "
-                f"{cls.tpot_target_s * 1e3:.3g} ms target{tail}"
-            )
+            return f"{_blocker_story(cls, c, blocker)} (best replica {c.view.name}){tail}"
         return f"no replica can take this request now without breaking its limits ({blocker})"
