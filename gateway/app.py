@@ -280,7 +280,7 @@ async def _generate_stream(request: web.Request) -> web.StreamResponse:
 
 
 async def _models(request: web.Request) -> web.Response:
-    """The union of the healthy replicas' models (see ``openai_api.models_list``)."""
+    """The union of the healthy replicas' models (see ``gateway.api.openai.models_list``)."""
     return web.json_response(models_list(request.app[REGISTRY].healthy_models()))
 
 
