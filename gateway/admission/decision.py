@@ -1073,7 +1073,8 @@ class SloAdmitter:
         )
         tail = "; not attainable even on an idle replica" if hopeless else ""
         if not math.isfinite(first):
-            return f"no replica can take this request within its limits before {target}{tail}"
+            why = _blocker_story(cls, c, blocker)
+            return f"{why}: no replica can take this request within its limits before {target}{tail}"
         late = first - deadline
         ttft = f"predicted TTFT {c.ttft_s * 1e3:.1f} ms"
         if wait > 0.0:

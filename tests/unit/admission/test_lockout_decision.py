@@ -74,6 +74,10 @@ def test_one_output_token_is_never_refused_on_tpot() -> None:
     refused = decide([view("a", state())], hopeless, max_tokens=2)
     assert isinstance(refused, Reject)
     assert refused.retry_after is None
+    # Its class queues, yet no wait helps: the body still names the TPOT that fails.
+    tpot = decision_headers(refused, "plain", hopeless)[PREDICTED_TPOT_MS]
+    assert _ms(refused.message, "time per output token") == tpot
+    assert "idle replica" in refused.message
 
 
 def test_a_refusal_on_tpot_names_its_tpot_in_the_body_and_the_headers() -> None:
