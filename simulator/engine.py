@@ -6,7 +6,10 @@ monotonic origin). The driver loop is ``plan = schedule(now)`` (``None``: nothin
 ``add_request`` raises ``ValueError`` for a request that can never run (``validate_request``).
 Scheduling follows ``vllm/v1/core/sched/scheduler.py``: decodes first, then FCFS prefill chunks
 within ``max_num_batched_tokens`` and ``max_num_seqs``; when KV blocks run out the last running
-request is preempted by recompute. The rules in full are in docs/emulator.md.
+request is preempted by recompute. The profile's ``api_server`` costs (``simulator.apiserver``;
+none by default) put the API server's tokenisation and streaming work in front of the engine: a
+request then reaches WAITING only once tokenised, and on a shared CPU that work lengthens steps.
+The rules in full are in docs/emulator.md.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Literal
 
 import numpy as np
 
+from simulator.apiserver import ApiServerQueue
 from simulator.costmodel import CostModel, StepShape, jitter_factor
 from simulator.profile import Profile
 
@@ -74,11 +78,16 @@ class StepPlan:
     num_decode_seqs: int
     #: KV-cache tokens read by the attention of this step (context of every scheduled sequence).
     num_kv_tokens_read: int
-    #: Step duration from the cost model (jitter included), in seconds.
+    #: Step duration in seconds: the API server's prelude (``api_server_s``) + the cost model's
+    #: step time (jitter included).
     duration_s: float
     #: Requests preempted (by recompute) while building this step.
     preempted: tuple[str, ...] = ()
+    #: When ``schedule`` built the step (the prelude, if any, starts then).
     started_at: float = 0.0
+    #: Seconds at the start of ``duration_s`` before the engine computes: API-server work on the
+    #: shared CPU, or (``separate``) the idle wait for a prompt to be tokenised. 0 without costs.
+    api_server_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +127,8 @@ class _Request:
     max_tokens: int
     #: The output length at which the emulated model samples EOS (<= max_tokens).
     output_tokens: int
+    #: When it reached the engine (after the API server's tokenisation, if modelled): what vLLM's
+    #: engine counts its request intervals from.
     arrival_s: float
     num_computed_tokens: int = 0
     num_output_tokens: int = 0
@@ -204,6 +215,10 @@ class Engine:
         self._running: list[_Request] = []
         self._in_flight: StepPlan | None = None
         self._in_flight_requests: dict[str, _Request] = {}
+        #: The API server's work in front of the engine; None when the profile models none.
+        self._api: ApiServerQueue | None = (
+            ApiServerQueue(profile.api_server) if profile.api_server.enabled else None
+        )
         self.stats = EngineCounters()
 
     # ----------------------------------------------------------------- introspection
@@ -217,6 +232,12 @@ class Engine:
     def num_waiting(self) -> int:
         """Requests in WAITING (new or preempted), as vllm:num_requests_waiting."""
         return len(self._waiting)
+
+    @property
+    def num_tokenising(self) -> int:
+        """Requests added but still in the API server's tokenisation (not yet WAITING); 0 when
+        the profile models no API-server costs."""
+        return 0 if self._api is None else len(self._api)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -276,13 +297,17 @@ class Engine:
     def add_request(
         self, request_id: str, prompt_tokens: int, max_tokens: int, output_tokens: int, now: float
     ) -> None:
-        """Enqueue a request in WAITING. ``ValueError`` if it can never fit or its id is live."""
+        """Enqueue a request in WAITING (or, with API-server costs, in the API server's
+        tokenisation first). ``ValueError`` if it can never fit or its id is live."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already in the engine")
         self.validate_request(prompt_tokens, max_tokens, output_tokens)
         req = _Request(request_id, prompt_tokens, max_tokens, output_tokens, arrival_s=now)
         self._requests[request_id] = req
-        self._waiting.append(req)
+        if self._api is None:
+            self._waiting.append(req)
+        else:
+            self._api.admit(request_id, prompt_tokens, now)
 
     def abort_request(self, request_id: str, now: float) -> bool:
         """Remove a request wherever it is and free its blocks; False if unknown or finished.
@@ -297,7 +322,9 @@ class Engine:
         req = self._requests.get(request_id)
         if req is None:
             return None
-        if req in self._waiting:
+        if self._api is not None and self._api.drop(request_id):
+            pass
+        elif req in self._waiting:
             self._waiting.remove(req)
         else:
             self._running.remove(req)
@@ -317,15 +344,18 @@ class Engine:
         """Build the next step: RUNNING first, then WAITING FCFS; None when there is nothing to run."""
         if self._in_flight is not None:
             raise RuntimeError("a step is in flight: call complete(plan, now) before scheduling again")
+        start = now if self._api is None else self._run_api_server(now)
         scheduled: dict[str, int] = {}
         preempted: list[str] = []
         budget = self._schedule_running(self._limits.max_num_batched_tokens, scheduled, preempted)
         # As vLLM: a step that had to preempt admits nobody new (blocks are short).
         if not preempted:
-            self._schedule_waiting(budget, scheduled, now)
+            self._schedule_waiting(budget, scheduled, start)
         if not scheduled:
+            if self._api is not None:
+                self._api.idle()
             return None
-        plan = self._make_plan(scheduled, tuple(preempted), now)
+        plan = self._make_plan(scheduled, tuple(preempted), now, api_server_s=start - now)
         self._in_flight = plan
         self._in_flight_requests = {rid: self._requests[rid] for rid in scheduled}
         return plan
@@ -348,6 +378,8 @@ class Engine:
             self._emit_token(req, now, out)
         if out.finished:
             self._running = [r for r in self._running if not r.finished]
+        if self._api is not None:
+            self._api.streamed(len(out.events), now)
         self.stats.prompt_tokens += out.prompt_tokens
         self.stats.generation_tokens += len(out.events)
         return StepResult(
@@ -360,6 +392,17 @@ class Engine:
         )
 
     # ----------------------------------------------------------------- scheduling helpers
+
+    def _run_api_server(self, now: float) -> float:
+        """Run the API server's prelude of a step built at ``now``: the requests it tokenised join
+        WAITING, arriving when their tokenisation ended. Returns when the step's computation starts."""
+        assert self._api is not None
+        prelude = self._api.prelude(now, engine_busy=bool(self._running or self._waiting))
+        for request_id, ready_s in prelude.ready:
+            req = self._requests[request_id]
+            req.arrival_s = ready_s
+            self._waiting.append(req)
+        return prelude.start_s
 
     def _schedule_running(self, budget: int, scheduled: dict[str, int], preempted: list[str]) -> int:
         """Give RUNNING requests their tokens in order; returns the budget left."""
@@ -410,8 +453,11 @@ class Engine:
             budget -= num_new
         return budget
 
-    def _make_plan(self, scheduled: dict[str, int], preempted: tuple[str, ...], now: float) -> StepPlan:
-        """The step's composition and its duration from the cost model, jitter included."""
+    def _make_plan(
+        self, scheduled: dict[str, int], preempted: tuple[str, ...], now: float, *, api_server_s: float
+    ) -> StepPlan:
+        """The step's composition and its duration: the API server's prelude, then the cost
+        model's step time, jitter included (the jitter applies to the step alone)."""
         shape = self._shape(scheduled)
         duration = self.cost_model.step_time_s(shape) * jitter_factor(self._jitter_rng, self.jitter)
         return StepPlan(
@@ -419,9 +465,10 @@ class Engine:
             num_prefill_tokens=shape.num_prefill_tokens,
             num_decode_seqs=shape.num_decode_seqs,
             num_kv_tokens_read=shape.num_kv_tokens_read,
-            duration_s=duration,
+            duration_s=duration + api_server_s if api_server_s else duration,
             preempted=preempted,
             started_at=now,
+            api_server_s=api_server_s,
         )
 
     def _shape(self, scheduled: dict[str, int]) -> StepShape:

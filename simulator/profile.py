@@ -1,8 +1,9 @@
 """Replica profiles: one GPU x model x engine configuration, loaded from ``config/profiles/*.yaml``.
 
 A profile holds the GPU and model facts, the engine limits (vLLM's ``SchedulerConfig`` /
-``CacheConfig``), the measured per-layer linear timing table (Vidur) and the output-length
-distribution. Every model is frozen and rejects unknown keys. Units are in the field names
+``CacheConfig``), the measured per-layer linear timing table (Vidur), the output-length
+distribution and the API server's work in front of the engine (``api_server``, none by
+default). Every model is frozen and rejects unknown keys. Units are in the field names
 (``_s`` seconds, ``_bytes`` bytes, ``_Bps`` bytes per second, ``_flops`` FLOP/s, ``_ms`` ms).
 """
 
@@ -14,6 +15,8 @@ from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from simulator.apiserver import ApiServerCosts
 
 #: Where bare profile names are looked up: ``<repo>/config/profiles``.
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "config" / "profiles"
@@ -127,6 +130,11 @@ class Profile(_Frozen):
     engine: EngineLimits
     cost: CostParams
     output_lengths: OutputLengths
+    api_server: ApiServerCosts = Field(
+        default_factory=ApiServerCosts,
+        description="The API server's tokenisation and streaming work and whose CPU it shares "
+        "(simulator/apiserver.py); all 0 by default: none modelled.",
+    )
 
     @model_validator(mode="after")
     def _fits_in_memory(self) -> Profile:
@@ -177,6 +185,10 @@ class Profile(_Frozen):
         data = self.model_dump()
         data["engine"] = {**data["engine"], **changes}
         return Profile.model_validate(data)
+
+    def with_api_server(self, costs: ApiServerCosts) -> Profile:
+        """A copy whose API server does ``costs``' work (``ApiServerCosts()``: none)."""
+        return self.model_copy(update={"api_server": costs})
 
 
 def kv_blocks_that_fit(profile: Profile) -> int:

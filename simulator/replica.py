@@ -80,9 +80,11 @@ def system_fingerprint(profile: Profile) -> str:
     """vLLM's default (``full``) fingerprint: ``vllm-<version>[-tp<N>]-<hash8>``.
 
     vLLM hashes its whole config; the emulator hashes the profile, so a replica's fingerprint
-    changes exactly when what it emulates does.
+    changes exactly when what it emulates does (a profile without API-server costs hashes as it
+    did before they could be modelled).
     """
-    digest = hashlib.sha256(profile.model_dump_json().encode()).hexdigest()[:8]
+    exclude = None if profile.api_server.enabled else {"api_server"}
+    digest = hashlib.sha256(profile.model_dump_json(exclude=exclude).encode()).hexdigest()[:8]
     tp = f"-tp{profile.tensor_parallel}" if profile.tensor_parallel > 1 else ""
     return f"vllm-{VLLM_VERSION}{tp}-{digest}"
 
