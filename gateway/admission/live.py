@@ -8,13 +8,17 @@ clock. Per request (``LiveAdmission.admit``), after the body is parsed:
    target; a malformed one is a 400);
 2. **sizes**: the request's one prompt estimate (``gateway.admission.sizing``), then
    ``AdmissionEngine.request`` (the output predicted, capped by ``max_tokens``);
-3. **the decision** (``AdmissionEngine.submit``): admitted -> a ``Ticket`` for the replica it
+3. **the tenant's budget**, with a ``LiveBudget``: the limiter (Redis or memory, async) is asked
+   for the cost the engine names (``AdmissionEngine.budget_cost``) and its answer handed to the
+   engine, which decides on it (the engine's budget port is synchronous);
+4. **the decision** (``AdmissionEngine.submit``): admitted -> a ``Ticket`` for the replica it
    was sent to; queued -> the handler awaits a future that a ``Resolution`` of a later
    re-evaluation completes; refused -> a typed error (``gateway.http.errors``).
 
 The engine is told of every event (a finish, a scrape snapshot, a health or settings change),
 and the loop's timer is armed for ``AdmissionEngine.next_wakeup``. A client that goes away while
-queued is dropped from the queue.
+queued is dropped from the queue. When a request ends, ``finished`` hands the engine its usage
+(``AdmissionEngine.finish``: fairness charge, budget settle, re-evaluation, learning).
 """
 
 from __future__ import annotations
@@ -43,11 +47,14 @@ from gateway.admission import (
     client_deadline_s,
     decision_headers,
 )
+from gateway.admission.budget import BudgetAnswer
 from gateway.admission.engine import (
     MAX_TICK_S,
     MIN_TICK_S,
     AdmissionEngine,
     AdmissionReplica,
+    BudgetRefused,
+    Ending,
     Resolution,
     Saturated,
     UnknownModel,
@@ -58,7 +65,7 @@ from gateway.admission.engine import (
     split_route,
 )
 from gateway.admission.fairness import TokenWeights
-from gateway.admission.retry_after import RefusalReason
+from gateway.admission.retry_after import RefusalReason, retry_after
 from gateway.admission.sizing import estimated_prompt_tokens
 from gateway.api.openai import ParsedRequest
 from gateway.config.settings import Settings
@@ -71,7 +78,8 @@ from gateway.http.errors import (
     admission_error,
     refusal_reason_headers,
 )
-from gateway.observability.logs import RequestOutcome
+from gateway.limits.base import Limiter, LimiterUnavailable, Reservation, TenantLimits, rejection_reason
+from gateway.observability.logs import RequestOutcome, new_request_id
 from gateway.prediction.live import (
     PREDICTION_HEADER,
     PREDICTION_HEADERS,
@@ -82,7 +90,7 @@ from gateway.prediction.live import (
 from gateway.replicas.registry import LiveRequest, Replica, ReplicaRegistry
 from gateway.replicas.snapshot import ReplicaSnapshot
 from gateway.tenants import Tenant
-from gateway.tenants.live import TENANT
+from gateway.tenants.live import TENANT, is_unlimited, rejection_message
 from predictor import Forecast, ForecastReason
 
 __all__ = [
@@ -90,6 +98,7 @@ __all__ = [
     "MAX_TICK_S",
     "MIN_TICK_S",
     "LiveAdmission",
+    "LiveBudget",
     "Ticket",
     "expected_output",
     "mark_saturated",
@@ -116,7 +125,8 @@ class Ticket:
     ``live``: its in-flight entry (already counted in admission's accounting; the proxy leases
     it on ``replica``). ``forecast``: the forecast on ``replica`` when it was dispatched (stale
     margin applied; ``None`` without a step model). ``headers``: the ``x-sluice-*`` headers.
-    ``key``: the engine's handle on it.
+    ``key``: the engine's handle on it. ``prompt_chars``/``api``: what the prediction service
+    learns from at its end (``None``: a token-id prompt, no characters to count).
     """
 
     request: AdmissionRequest
@@ -129,6 +139,72 @@ class Ticket:
     tenant: str | None
     key: int = -1
     finished: bool = False
+    prompt_chars: int | None = None
+    api: str | None = None
+    refused: bool = False
+
+
+class LiveBudget:
+    """The engine's ``TenantBudget`` over the gateway's (async: Redis or memory) limiter.
+
+    The engine's port is synchronous, so the adapter fetches the limiter's answer first
+    (``fetch``, for the cost ``AdmissionEngine.budget_cost`` names) and ``reserve`` hands it to
+    the engine; ``settle`` starts the limiter's settle as a task of its own (not awaited: a
+    response is never delayed by a Redis round trip; ``drain`` awaits the outstanding ones).
+    ``weights``: the token weights a reservation is priced with now."""
+
+    def __init__(self, limiter: Limiter, weights: Callable[[], TokenWeights]) -> None:
+        self.limiter = limiter
+        self._weights = weights
+        self._fetched: dict[int, Reservation] = {}
+        self._pending: set[asyncio.Task[None]] = set()
+        #: Settles whose limiter call raised.
+        self.settle_failures = 0
+
+    def weights(self) -> TokenWeights:
+        return self._weights()
+
+    async def fetch(
+        self, request: AdmissionRequest, tenant: str, cost_tokens: float, limits: TenantLimits
+    ) -> None:
+        """Reserve ``cost_tokens`` of ``tenant``'s budget under ``limits`` for the engine's next
+        ``reserve`` of ``request``. Raises ``LimiterUnavailable`` when the limiter's storage is
+        down and it fails closed."""
+        answer = await self.limiter.reserve(
+            tenant, cost_tokens=cost_tokens, limits=limits, request_id=new_request_id()
+        )
+        self._fetched[id(request)] = answer
+
+    def forget(self, request: AdmissionRequest) -> None:
+        """Drop an answer fetched for ``request`` that the engine did not take."""
+        self._fetched.pop(id(request), None)
+
+    def reserve(self, request: AdmissionRequest, cost_tokens: float, now: float) -> BudgetAnswer | None:
+        return self._fetched.pop(id(request), None)
+
+    def settle(self, answer: BudgetAnswer, actual_cost_tokens: float, now: float) -> None:
+        if not isinstance(answer, Reservation):
+            raise TypeError(f"not a limiter's reservation: {answer!r}")
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop left (the app is gone): the lease expires on its own
+        task = loop.create_task(self._settle(answer, actual_cost_tokens))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _settle(self, answer: Reservation, actual_cost_tokens: float) -> None:
+        try:
+            await self.limiter.settle(answer, actual_cost_tokens=actual_cost_tokens)
+        except Exception:
+            self.settle_failures += 1
+            if self.settle_failures % 1000 == 1:
+                log.exception("settle failed for tenant %s (%d so far)", answer.tenant, self.settle_failures)
+
+    async def drain(self) -> None:
+        """Wait for every settle started so far."""
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
 
 
 class _Registry:
@@ -158,7 +234,8 @@ class LiveAdmission:
 
     ``clock``: monotonic seconds, the clock of ``RequestOutcome.received_at``, ``LiveRequest``
     and the scraper. ``rng``: the Retry-After jitter source (seeded in tests). ``call_later``:
-    arms the re-evaluation timer (default: the running loop's).
+    arms the re-evaluation timer (default: the running loop's). ``budget``: the tenants' budgets
+    the engine reserves and settles (``None``: admission charges no budget).
     """
 
     def __init__(
@@ -171,9 +248,12 @@ class LiveAdmission:
         rng: UniformSource | None = None,
         view_max_age_s: float = 0.1,
         call_later: CallLater | None = None,
+        budget: LiveBudget | None = None,
     ) -> None:
         settings = store.current
+        self._store = store
         self._registry = registry
+        self._budget = budget
         self._clock = clock
         self._rng: UniformSource = rng if rng is not None else random.Random()
         self._call_later = call_later
@@ -185,6 +265,7 @@ class LiveAdmission:
             new_entry=_new_entry,
             view_max_age_s=view_max_age_s,
             log=log,
+            budget=budget,
         )
         self._service = predictions.service
         #: Queued handlers by the engine's key.
@@ -225,7 +306,7 @@ class LiveAdmission:
             if not future.done():
                 future.cancel()
         self._waiting.clear()
-        self.engine.clear()
+        self.engine.clear(self._clock())
 
     def _on_swap(self, old: Settings, new: Settings) -> None:
         if self._closed:
@@ -312,7 +393,14 @@ class LiveAdmission:
             deadline_s=deadline,
             tenant=tenant_name,
         )
-        submitted = self.engine.submit(areq, route, self._clock(), streamed=parsed.stream)
+        await self._fetch_budget(areq, tenant, outcome)
+        try:
+            submitted = self.engine.submit(areq, route, self._clock(), streamed=parsed.stream)
+        finally:
+            if self._budget is not None:
+                self._budget.forget(areq)
+        if isinstance(submitted, BudgetRefused):
+            raise _over_budget(submitted, outcome)
         if isinstance(submitted, UnknownModel):
             raise ModelNotFound(f"the model `{submitted.model}` does not exist", param="model")
         if isinstance(submitted, Saturated):
@@ -364,25 +452,77 @@ class LiveAdmission:
             headers = {**_forecast_headers(replica.name, forecast), **headers}
         request[PREDICTION_HEADERS] = headers
         live = resolution.entry
-        return Ticket(areq, parsed.model, replica, live, decision, forecast, headers, tenant, resolution.key)
+        chars = parsed.prompt_chars if parsed.prompt_token_ids is None else None
+        return Ticket(
+            areq,
+            parsed.model,
+            replica,
+            live,
+            decision,
+            forecast,
+            headers,
+            tenant,
+            resolution.key,
+            prompt_chars=chars,
+            api=parsed.endpoint,
+        )
 
-    def finished(self, ticket: Ticket, outcome: RequestOutcome) -> None:
-        """The request's response (or stream) is over: forget it, charge its tenant's output,
-        re-evaluate the queue. Idempotent."""
+    def finished(self, ticket: Ticket, outcome: RequestOutcome, *, forecast: Forecast | None = None) -> None:
+        """The request's response (or stream) is over: ``AdmissionEngine.finish`` forgets it,
+        charges its tenant's output, settles its budget, re-evaluates the queue and teaches the
+        prediction service (against ``forecast``, the one its TTFT is measured against: with the
+        dispatch overhead; ``None``: the decision's). Idempotent."""
         if ticket.finished:
             return
         ticket.finished = True
-        self._apply(self.engine.finished(ticket.key, outcome.completion_tokens, self._clock()))
+        ending = Ending(
+            outcome.completion_tokens,
+            outcome.prompt_tokens,
+            finished_at=ticket.live.last_token_at,
+            ttft_s=outcome.ttft_s,
+            forecast=forecast,
+            prompt_chars=ticket.prompt_chars,
+            api=ticket.api,
+            learn=not ticket.refused,
+        )
+        self._apply(self.engine.finish(ticket.key, ending, self._clock()))
 
-    def replica_refused(self, ticket: Ticket, back_off_s: float, why: str) -> None:
-        """``ticket``'s replica refused it as overloaded: the next placement avoids it."""
-        self.engine.replica_refused(ticket.key, back_off_s, why, self._clock())
+    def replica_refused(
+        self, ticket: Ticket, back_off_s: float, why: str, *, placed_again: bool = False
+    ) -> None:
+        """``ticket``'s replica refused it as overloaded: the next placement avoids it.
+        ``placed_again``: the request is admitted anew after ``finished`` (its budget stays held
+        for that placement); else it is refused (``saturated``)."""
+        ticket.refused = True
+        self.engine.replica_refused(ticket.key, back_off_s, why, self._clock(), placed_again=placed_again)
 
     def saturated(self, model: str, wait_s: float, *, placed: bool = False) -> Refused:
         """The refusal for a request on ``model`` whose replicas refused as overloaded, the first
         expected to take requests again in ``wait_s`` seconds (jittered: load-driven).
         ``placed``: this request itself was refused by every replica it was placed on."""
         return _refusal(self.engine.saturated(model, wait_s, placed=placed))
+
+    # -- the tenant's budget ------------------------------------------------------------------------
+    async def _fetch_budget(
+        self, areq: AdmissionRequest, tenant: Tenant | None, outcome: RequestOutcome
+    ) -> None:
+        """Ask the limiter for ``areq``'s budget before the engine decides (the engine's port is
+        synchronous; see ``LiveBudget``): only when the engine will reserve (``budget_cost``) and
+        the tenant has a budget. Storage down under ``fail_closed``: a 503."""
+        budget = self._budget
+        if budget is None or tenant is None or is_unlimited(tenant.limits):
+            return
+        cost = self.engine.budget_cost(areq)
+        if cost is None:
+            return
+        try:
+            await budget.fetch(areq, str(tenant.name), cost, tenant.limits)
+        except LimiterUnavailable as exc:
+            outcome.reason = "limiter_unavailable"
+            reason = RefusalReason.LIMITER_UNAVAILABLE
+            retry = retry_after(reason, self._store.current.limits.retry_backoff_s)
+            outcome.retry_after_s = retry.delay_s
+            raise Refused(reason, f"{exc}; retry later", retry_after=retry) from None
 
     # -- the queue ----------------------------------------------------------------------------------
     async def _wait(
@@ -474,6 +614,18 @@ def mark_saturated(request: web.Request, request_class: str, settings: Admission
     replica refused, if any."""
     refused = refusal_reason_headers(request_class, RefusalReason.REPLICAS_SATURATED, settings)
     request[PREDICTION_HEADERS] = {**request.get(PREDICTION_HEADERS, {}), **refused}
+
+
+def _over_budget(refused: BudgetRefused, outcome: RequestOutcome) -> Refused:
+    """The 429 for a request whose tenant's budget is spent, recorded on the outcome."""
+    answer = refused.answer
+    assert isinstance(answer, Reservation)
+    outcome.decision, outcome.reason = "rejected", rejection_reason(answer)
+    error = Refused(
+        refused.reason, rejection_message(answer), retry_after=refused.retry_after, reservation=answer
+    )
+    outcome.retry_after_s = error.retry_after_s
+    return error
 
 
 def _refusal(saturated: Saturated) -> Refused:

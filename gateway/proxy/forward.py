@@ -140,7 +140,9 @@ class Proxy:
                     outcome.replica = replica.name
                     return await self._forward(exchange)
             except ReplicaOverloaded as over:
-                self._admission.replica_refused(ticket, over.back_off_s, over.why)
+                self._admission.replica_refused(
+                    ticket, over.back_off_s, over.why, placed_again=exchange.may_retry
+                )
                 if not exchange.may_retry:
                     # Out of placements: Sluice's own 429, never the replica's raw refusal.
                     exchange.overloaded = False
@@ -164,9 +166,9 @@ class Proxy:
                     outcome.finished_at = self._clock()
                     outcome.tokens_streamed = live.tokens_streamed
                     if ticket is not None:
-                        self._admission.finished(ticket, outcome)
-                    if self._predictions is not None:
-                        self._predictions.finished(parsed, outcome, admitted)
+                        # Settles the budget and teaches the prediction service too, against
+                        # the forecast with the dispatch overhead (what the TTFT measures).
+                        self._admission.finished(ticket, outcome, forecast=admitted.forecast)
                     self._notify(outcome)
         raise AssertionError("unreachable")  # pragma: no cover
 

@@ -1,13 +1,16 @@
 """Parity: the live gateway's adapter and the replay's drive one ``AdmissionEngine`` alike.
 
 One scripted sequence of events (bursts of arrivals with prompts and tenants, replica snapshots,
-tokens landing, finishes, a replica's own 429 with re-placement and without, timers) is fed to
-both adapters: ``gateway.admission.live.LiveAdmission`` (real aiohttp requests, futures, its
-timer armed through an injected ``call_later`` on a scripted clock) and
+tokens landing, finishes, a replica's own 429 with re-placement and without, a tenant over its
+budget, timers) is fed to both adapters: ``gateway.admission.live.LiveAdmission`` (real aiohttp
+requests, futures, its timer armed through an injected ``call_later`` on a scripted clock) and
 ``replay.policies.SluicePolicy`` (over a replay fleet whose engines never step: the script is the
-world). Both get their own prediction service with the same facts and the same snapshots, and
-Retry-After jitter seeded alike. The test asserts the same decision, replica, Retry-After and
-queue order after every event; it fails if either adapter drifts.
+world). Both get their own prediction service with the same facts and the same snapshots,
+Retry-After jitter seeded alike, and the gateway's in-memory limiter for tenant budgets, each on
+its own clock (the live adapter fetches from it asynchronously, the replay asks it directly).
+Each adapter's finish teaches its service, as the gateway does. The test asserts the same
+decision, replica, Retry-After and queue order after every event; it fails if either adapter
+drifts.
 """
 
 from __future__ import annotations
@@ -19,14 +22,17 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, cast
 
+import pytest
 from aiohttp.test_utils import make_mocked_request
 
 from bench.goodput.core import FACTS, PROFILE, admission_settings
 from gateway.admission import Outcome
-from gateway.admission.live import LiveAdmission, Ticket
+from gateway.admission.live import LiveAdmission, LiveBudget, Ticket
 from gateway.api.openai import ParsedRequest
 from gateway.config.store import SettingsStore
 from gateway.http.errors import GatewayError, Refused
+from gateway.limits.base import TenantLimits
+from gateway.limits.memory import MemoryLimiter
 from gateway.observability.logs import RequestOutcome
 from gateway.prediction.live import LivePredictions
 from gateway.prediction.service import PredictionService
@@ -34,6 +40,7 @@ from gateway.replicas.registry import ReplicaRegistry, ReplicaState
 from gateway.replicas.scraper import MetricsScraper
 from gateway.replicas.snapshot import ReplicaSnapshot
 from gateway.tenants.live import TENANT
+from replay.budget import DEFAULT_WEIGHTS
 from replay.loop import FleetConfig, GatewayRequest, VirtualTimeLoop
 from replay.policies import SluicePolicy
 from simulator.engine import FinishedRequestStats
@@ -44,12 +51,20 @@ SEED = 7
 #: A class that queues: the bench's, with a 3-s TTFT target and queue wait.
 SETTINGS = admission_settings((("class.ttft_target_s", 3.0), ("class.max_queue_wait_s", 3.0)))
 REPLICAS = 2
+#: Tenant budgets: ``small`` holds 3,000 weighted tokens, refilled at 1,000 a second (at 1 : 2, a
+#: request of 800 prompt and 100 output tokens costs 1,000); the others have none.
+BUDGETS = {"small": TenantLimits(tokens_per_minute=60_000.0, token_burst=3000.0)}
 #: (time, prompt tokens, max tokens, tenant) per request; index = position.
 ARRIVALS: list[tuple[float, int, int, str]] = [
     *[(0.0, 2000, 300, f"t{i % 3}") for i in range(30)],
     *[(0.05, 1500, 300, f"t{i % 3}") for i in range(10)],
     (0.3, 500, 200, "t1"),
     (0.6, 1200, 300, "t2"),
+    # The small tenant: three fit its budget, the fourth and fifth do not (Retry-After: the
+    # bucket's refill, 1 s and 0.9 s); the last, after a while, fits again.
+    *[(0.02, 800, 100, "small") for _ in range(4)],
+    (0.12, 800, 100, "small"),
+    (0.75, 500, 50, "small"),
 ]
 
 
@@ -64,7 +79,8 @@ class Event:
 def script() -> list[Event]:
     """The scripted events (besides timers): arrivals, snapshots, tokens, finishes, 429s."""
     events = [Event(at, i, "arrive", (i,)) for i, (at, *_) in enumerate(ARRIVALS)]
-    events += [Event(0.2, 100, "snapshot"), Event(0.7, 100, "snapshot")]
+    # The last snapshot comes after the queue's 3-s wait: timers expire what still waits.
+    events += [Event(0.2, 100, "snapshot"), Event(0.7, 100, "snapshot"), Event(3.5, 100, "snapshot")]
     events += [
         Event(0.1, 200, "tokens", (1,)),
         Event(0.15, 200, "tokens", (3,)),
@@ -125,6 +141,7 @@ class LiveSide:
     def __init__(self, model: str) -> None:
         self.model = model
         self.clock = Clock()
+        self.limiter = MemoryLimiter(clock=self.clock)
         self.timers = Timers(self.clock)
         settings = gateway_settings({f"r{k}": "http://127.0.0.1:9" for k in range(REPLICAS)})
         settings = settings.model_copy(update={"admission": SETTINGS})
@@ -145,6 +162,7 @@ class LiveSide:
             clock=self.clock,
             rng=random.Random(SEED),
             call_later=self.timers.call_later,
+            budget=LiveBudget(self.limiter, lambda: DEFAULT_WEIGHTS),
         )
         self.decisions: dict[int, tuple[str, str | None, float | None]] = {}
         self.tickets: dict[int, Ticket] = {}
@@ -155,8 +173,9 @@ class LiveSide:
         at, prompt, max_tokens, tenant = ARRIVALS[i]
         if i not in self.requests:
             request = make_mocked_request("POST", "/v1/chat/completions")
+            limits = BUDGETS.get(tenant, TenantLimits())
             request[TENANT] = cast(
-                Any, SimpleNamespace(name=tenant, default_class=None, allowed_classes=None)
+                Any, SimpleNamespace(name=tenant, default_class=None, allowed_classes=None, limits=limits)
             )
             self.requests[i] = request
             self.outcomes[i] = RequestOutcome(
@@ -193,16 +212,20 @@ class LiveSide:
             live.first_token_at = self.clock.now
 
     async def finish(self, i: int, produced: int) -> None:
+        """As the proxy: the usage and timings on the outcome, the last token landing now; the
+        adapter settles the budget and teaches the service."""
         ticket = self.tickets.pop(i)
         outcome = self.outcomes[i]
         outcome.completion_tokens = produced
+        outcome.prompt_tokens = ticket.request.prompt_tokens
+        outcome.dispatched_at, outcome.first_token_at = 0.0, 0.2
+        ticket.live.last_token_at = self.clock.now
         self.admission.finished(ticket, outcome)
-        self.service.on_finished(**learned(ticket.replica.name, ticket, produced, self.clock.now, self.model))
         await settle()
 
     async def refused(self, i: int, back_off_s: float, retry: bool) -> None:
         ticket = self.tickets.pop(i)
-        self.admission.replica_refused(ticket, back_off_s, "overloaded")
+        self.admission.replica_refused(ticket, back_off_s, "overloaded", placed_again=retry)
         if not retry:
             err = self.admission.saturated(self.model, back_off_s, placed=True)
             told = None if err.retry_after is None else err.retry_after.delay_s
@@ -222,26 +245,12 @@ class LiveSide:
         return self.admission.engine.queue_order()
 
 
-def learned(replica: str, ticket: Any, produced: int, now: float, model: str) -> dict[str, Any]:
-    return {
-        "replica": replica,
-        "model": model,
-        "tenant": None,
-        "prompt_chars": None,
-        "prompt_tokens": ticket.request.prompt_tokens,
-        "completion_tokens": produced,
-        "finished_at": now,
-        "forecast": ticket.forecast,
-        "ttft_s": 0.2,
-    }
-
-
 class ReplaySide:
     """``SluicePolicy`` over a replay fleet whose engines never step (the script is the world)."""
 
     def __init__(self) -> None:
         self.config = FleetConfig(load_profile(PROFILE), FACTS, replicas=REPLICAS, jitter=0.0, max_tokens=800)
-        self.policy = SluicePolicy(SETTINGS, seed=SEED)
+        self.policy = SluicePolicy(SETTINGS, seed=SEED, budgets=BUDGETS)
         self.loop = VirtualTimeLoop(self.config, self.policy)
         self.requests = [
             GatewayRequest(i, tenant, at, prompt, max_tokens)
@@ -309,6 +318,14 @@ async def settle() -> None:
 
 async def run(*, drift: Callable[[ReplaySide], None] | None = None) -> list[tuple[Any, ...]]:
     """Play the script on both sides; a list of (event, live state, replay state) that differ."""
+    differences, _ = await play(drift=drift)
+    return differences
+
+
+async def play(
+    *, drift: Callable[[ReplaySide], None] | None = None
+) -> tuple[list[tuple[Any, ...]], LiveSide]:
+    """``run``, and the live side as the script left it."""
     replay = ReplaySide()
     if drift is not None:
         drift(replay)
@@ -363,7 +380,7 @@ async def run(*, drift: Callable[[ReplaySide], None] | None = None) -> list[tupl
             differences.append((event, state, other))
             break
     live.admission.close()
-    return differences
+    return differences, live
 
 
 def kinds(decisions: dict[int, tuple[str, str | None, float | None]]) -> set[str]:
@@ -375,7 +392,8 @@ async def test_live_and_replay_adapters_decide_alike() -> None:
 
 
 async def test_the_script_covers_queueing_refusals_and_re_placement() -> None:
-    live = await _played_live()
+    differences, live = await play()
+    assert differences == []
     decided = live.decisions
     assert {r for _, r, _ in decided.values() if r is not None} == {"r0", "r1"}
     assert any(k.startswith("rejected") for k in kinds(decided))
@@ -386,19 +404,21 @@ async def test_the_script_covers_queueing_refusals_and_re_placement() -> None:
     assert stats.count(outcome=Outcome.DISPATCHED) > 0  # dispatched from the queue
 
 
-async def _played_live() -> LiveSide:
-    replay = ReplaySide()
-    live = LiveSide(replay.model)
-    for event in script():
-        live.clock.now = event.at
-        if event.kind == "arrive":
-            await live.arrive(*event.args)
-        elif event.kind == "finish" and event.args[0] in live.tickets:
-            await live.finish(*event.args)
-        elif event.kind == "refused" and event.args[0] in live.tickets:
-            await live.refused(*event.args)
-    live.admission.close()
-    return live
+async def test_the_tenant_over_budget_is_told_the_buckets_exact_wait() -> None:
+    _, live = await play()
+    small = {i: live.decisions[i] for i, (*_, tenant) in enumerate(ARRIVALS) if tenant == "small"}
+    assert [d for d, _, _ in small.values()] == [
+        "admitted",
+        "admitted",
+        "admitted",
+        "rejected: rate_limit_exceeded",
+        "rejected: rate_limit_exceeded",
+        "admitted",
+    ]
+    over = [retry for d, _, retry in small.values() if d.startswith("rejected")]
+    # Nothing left after three at 0.02 s, refilled at 1,000 a second: 1,000 more in 1 s, and
+    # in 0.9 s from 0.12 s. Exact, not jittered.
+    assert over == pytest.approx([1.0, 0.9])
 
 
 async def test_a_drifting_adapter_is_caught() -> None:
@@ -407,3 +427,10 @@ async def test_a_drifting_adapter_is_caught() -> None:
         side.policy.engine._rng = random.Random(SEED + 1)
 
     assert await run(drift=reseed) != []
+
+
+async def test_a_replay_without_the_budgets_is_caught() -> None:
+    def unbudgeted(side: ReplaySide) -> None:
+        side.policy.engine._budget = None
+
+    assert await run(drift=unbudgeted) != []
