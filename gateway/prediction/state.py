@@ -226,6 +226,11 @@ def step_in_progress(
     and ``max_num_seqs`` sequences; an idle engine starts when the first request arrives. Each
     step's duration comes from the step model. ``pending`` must be in dispatch order.
 
+    At the boundary itself (``now`` no later than ``last_boundary``, as when a finished request's
+    slot is refilled on its last token) the step starting then is not under way yet for a request
+    arriving now: it joins it, after the decodes and the prompts before it, and nothing is left
+    to wait for (``remaining_s`` 0).
+
     Without a known boundary the phase is unknown: half a decode step is assumed left (the mean
     residual of a uniformly random arrival) and no prefill is assumed under way.
     """
@@ -253,6 +258,11 @@ def step_in_progress(
         start = last_boundary
     else:
         start = queue[0].request.started_at  # idle until the first of them arrived
+    if start == last_boundary and now <= start:
+        # The step starting at the boundary is being scheduled at this instant: a request
+        # arriving now is one of those "arrived by then" and joins it, so none is under way yet
+        # to wait for. (An idle engine woken now started its step on the arrival that woke it.)
+        return _progress(0.0, [], queue)
     completed: list[InFlight] = []
     for _ in range(_MAX_STEPS_FOLLOWED):
         decodes = n + len(completed)

@@ -92,6 +92,9 @@ DECODES = [flight(f"d{i}", 100, 5, 0.0, 1.0) for i in range(10)]  # 10 decodes, 
         (DECODES, [], 1.0, 1.004, 8192, 0.0061, (), (), ()),
         # Arrived during the previous step: prefilled in this one (10 ms + 1010 tokens x 10 us).
         (DECODES, [flight("p", 1000, 0, 0.995)], 1.0, 1.004, 8192, 0.0161, ("p",), (), ()),
+        # Asked at the boundary itself: the step starting now is being scheduled, a newcomer
+        # joins it behind "p" (which it prefills), and nothing is under way to wait for.
+        (DECODES, [flight("p", 1000, 0, 0.995)], 1.0, 1.0, 8192, 0.0, (), (), ("p",)),
         # Arrived during the step: waits for the next one with the newcomer.
         (DECODES, [flight("p", 1000, 0, 1.002)], 1.0, 1.004, 8192, 0.0061, (), (), ("p",)),
         # Idle engine woken by an arrival at 1.000: its step started then.
@@ -110,6 +113,7 @@ DECODES = [flight(f"d{i}", 100, 5, 0.0, 1.0) for i in range(10)]  # 10 decodes, 
         "idle",
         "decode-step",
         "prefill-in-this-step",
+        "at-the-boundary",
         "arrived-during-the-step",
         "idle-then-woken",
         "chunked-second-step",
