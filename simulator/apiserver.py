@@ -35,7 +35,7 @@ NonNegative = Annotated[float, Field(ge=0)]
 
 
 class ApiServerCosts(BaseModel):
-    """CPU seconds of the API server's work per request and per token (all 0: none modelled).
+    """CPU seconds of the API server's work per request, per token and per step (all 0: none).
 
     Frozen; unknown keys are refused (it is the ``api_server`` section of a profile).
     """
@@ -54,6 +54,11 @@ class ApiServerCosts(BaseModel):
         default=0.0,
         description="Detokenisation and SSE framing work per streamed output token, seconds per token.",
     )
+    per_step_s: NonNegative = Field(
+        default=0.0,
+        description="Work per engine step that produced tokens, whatever their number: receiving and "
+        "decoding the engine's outputs (vLLM's output handler wakes once per step), seconds.",
+    )
     contention: Contention = Field(
         default="shared",
         description="'shared': the work runs on the engine's CPU and delays its steps; "
@@ -63,15 +68,19 @@ class ApiServerCosts(BaseModel):
     @property
     def enabled(self) -> bool:
         """Whether any work is modelled (False: the engine behaves exactly as without this)."""
-        return self.per_request_s > 0 or self.per_prompt_token_s > 0 or self.per_output_token_s > 0
+        costs = (self.per_request_s, self.per_prompt_token_s, self.per_output_token_s, self.per_step_s)
+        return any(c > 0 for c in costs)
 
     def intake_s(self, prompt_tokens: int) -> float:
         """Seconds of work before a request of ``prompt_tokens`` tokens reaches the engine."""
         return self.per_request_s + self.per_prompt_token_s * prompt_tokens
 
     def stream_s(self, num_tokens: int) -> float:
-        """Seconds of work to detokenise and frame ``num_tokens`` streamed tokens."""
-        return self.per_output_token_s * num_tokens
+        """Seconds of work for one step's ``num_tokens`` output tokens: the step's share (none
+        for a step without tokens) plus detokenising and framing each."""
+        if num_tokens <= 0:
+            return 0.0
+        return self.per_step_s + self.per_output_token_s * num_tokens
 
 
 @dataclass(slots=True)

@@ -85,6 +85,7 @@ def test_default_costs_are_off_and_shipped_profiles_have_none() -> None:
     assert BASE.api_server == ApiServerCosts()
     assert costs().enabled
     assert ApiServerCosts(per_output_token_s=1e-4).enabled
+    assert ApiServerCosts(per_step_s=1e-4).enabled
 
 
 def test_profile_section_parses_and_is_validated() -> None:
@@ -109,6 +110,9 @@ def test_intake_and_stream_arithmetic() -> None:
     c = costs()
     assert c.intake_s(500) == pytest.approx(REQ_S + 500 * PROMPT_S)
     assert c.stream_s(7) == pytest.approx(7 * OUT_S)
+    stepped = ApiServerCosts(per_output_token_s=OUT_S, per_step_s=0.003)
+    assert stepped.stream_s(7) == pytest.approx(0.003 + 7 * OUT_S)
+    assert stepped.stream_s(0) == 0.0
 
 
 # --------------------------------------------------------------------------- costs off: unchanged
@@ -156,6 +160,16 @@ def test_shared_streaming_slows_every_decode_step_per_running_stream() -> None:
     assert tpot_off is not None
     assert tpot_on is not None
     assert tpot_on == pytest.approx(tpot_off + 3 * OUT_S, abs=1e-12)
+
+
+def test_shared_per_step_work_is_paid_once_per_step_whatever_the_streams() -> None:
+    step_s = 0.004
+    arrivals = [(0.0, f"r{i}", p, 4) for i, p in enumerate((100, 200, 300))]
+    plain = run(engine(), arrivals)
+    shared = run(engine(ApiServerCosts(per_step_s=step_s, per_output_token_s=OUT_S)), arrivals)
+    for (_, off), (_, on) in zip(plain.plans[1:], shared.plans[1:], strict=True):
+        assert on.api_server_s == pytest.approx(step_s + 3 * OUT_S, abs=1e-12)
+        assert on.duration_s == pytest.approx(off.duration_s + step_s + 3 * OUT_S, abs=1e-12)
 
 
 def test_shared_burst_of_arrivals_delays_the_running_requests_next_step() -> None:
