@@ -36,6 +36,7 @@ __all__ = [
     "Observation",
     "ObservationSource",
     "Reject",
+    "SourceKind",
     "StepCalibrator",
     "WindowStats",
     "mean_excess_tokens",
@@ -64,6 +65,25 @@ class ObservationSource(StrEnum):
     STEP = "step"  # one measured step (TGI forward duration, emulator, synthetic)
     WINDOW_PERIOD = "window_period"  # window length / engine steps: the engine was busy throughout
     WINDOW_ITL = "window_itl"  # mean inter-token latency: decode steps only, robust to idle gaps
+
+
+class SourceKind(StrEnum):
+    """The two views of a replica's steps the fit learns from, which it weighs equally.
+
+    Each has its own bias (a window's mean batch approximates its mixed steps; a step timed from
+    outside the engine, e.g. a prefill from a request's TTFT, carries the model of the wait
+    before it) and its own rate (a TTFT per finished request, a window per scrape), so its rows'
+    errors are correlated: a thousand rows of one are not a thousand times the evidence of one
+    row of the other, and must not drown it.
+    """
+
+    STEP = "step"  # ``ObservationSource.STEP``: one step (or one kind of step) timed
+    WINDOW = "window"  # ``WINDOW_PERIOD`` and ``WINDOW_ITL``: a scrape window's mean step
+
+    @staticmethod
+    def of(source: ObservationSource) -> SourceKind:
+        """The kind ``source`` is of."""
+        return SourceKind.STEP if source == ObservationSource.STEP else SourceKind.WINDOW
 
 
 class Reject(StrEnum):
@@ -229,7 +249,8 @@ class CalibrationConfig:
     """Knobs of the online fit.
 
     ``half_life_s``: age (s) at which an observation counts half.
-    ``capacity``: observations kept (ring buffer); older ones are dropped.
+    ``capacity``: observations kept per kind of source (``SourceKind``: a ring buffer each);
+    older ones are dropped.
     ``prior_strength``: the prior's weight with no data, in observations-with-100%-error.
     ``prior_half_count``: effective observation count at which the prior's weight has halved.
     ``prior_floor``: the prior's weight never drops below this (keeps unexercised terms put).
@@ -239,6 +260,9 @@ class CalibrationConfig:
     ``huber_k``: Huber threshold in robust standard deviations of the relative residuals.
     ``irls_iterations``: reweighting passes.
     ``error_window``: most recent observations the reported median error is computed over.
+    ``balance_sources``: every kind of source (``SourceKind``) present weighs as much in the fit as
+    each other, however many observations it holds (its rows' forgetting weights scaled to an equal
+    share of their total); ``False``: every observation weighs by its age alone.
     """
 
     half_life_s: float = 600.0
@@ -252,6 +276,7 @@ class CalibrationConfig:
     huber_k: float = 1.345
     irls_iterations: int = 10
     error_window: int = 32
+    balance_sources: bool = True
 
     def __post_init__(self) -> None:
         if self.half_life_s <= 0 or self.capacity < 1 or self.irls_iterations < 1 or self.error_window < 1:
@@ -265,7 +290,7 @@ class FitReport:
     """What a dashboard shows about one replica's step model.
 
     ``params``: the coefficients in use. ``prior``: the roofline prior's, or ``None`` without one.
-    ``observations_total``: accepted since start; ``observations_kept``: in the ring now;
+    ``observations_total``: accepted since start; ``observations_kept``: in the rings now;
     ``effective_observations``: sum of forgetting weights at fit time.
     ``prior_weight``: the prior's current strength (observations-with-100%-error).
     ``mdape``: median |predicted - observed| / observed over the last ``error_window`` observations
@@ -304,15 +329,9 @@ class StepCalibrator:
     def __init__(self, prior: StepModel, config: CalibrationConfig | None = None) -> None:
         self._prior = prior
         self._config = config or CalibrationConfig()
-        cap = self._config.capacity
-        self._x = np.zeros((cap, _NF))
         # Without a prior the knee is learned: each row's mean excess tokens past every candidate.
         self._knees = (prior.params.knee_tokens,) if prior.valid else _CANDIDATE_KNEES
-        self._excess = np.zeros((cap, len(self._knees)))
-        self._y = np.zeros(cap)
-        self._t = np.zeros(cap)
-        self._next = 0
-        self._kept = 0
+        self._rings = {kind: _Ring(self._config.capacity, len(self._knees)) for kind in SourceKind}
         self._total = 0
         self._rejected: dict[Reject, int] = {}
 
@@ -360,25 +379,21 @@ class StepCalibrator:
         # mean min(N, knee) = mean N - mean max(0, N - knee)
         to_knee = max(0.0, b.tokens - obs.excess_tokens)
         row = (1.0, to_knee, b.decode_seqs, obs.excess_tokens, b.kv_tokens_read, b.prefill_attn_pairs)
-        i = self._next
-        self._x[i] = row
-        self._y[i] = obs.step_s
-        self._t[i] = obs.at_s
         if excess_by_knee is None or len(excess_by_knee) != len(self._knees):
             excess_by_knee = tuple(max(0.0, b.tokens - k) for k in self._knees)
-        self._excess[i] = excess_by_knee
-        self._next = (i + 1) % self._config.capacity
-        self._kept = min(self._kept + 1, self._config.capacity)
+        self._rings[SourceKind.of(obs.source)].add(row, excess_by_knee, obs.step_s, obs.at_s)
         self._total += 1
 
     def fit(self, now_s: float) -> Calibration:
         """Fit on the kept observations as of ``now_s`` (caller's monotonic clock, seconds)."""
         cfg, prior = self._config, self._prior
-        x, y, t = self._recent_first()
+        x, y, t, kinds = self._recent_first()
         if len(y) == 0:
             return self._prior_only()
         weights = np.power(0.5, np.maximum(0.0, now_s - t) / cfg.half_life_s)
         n_eff = float(weights.sum())
+        if cfg.balance_sources:
+            weights = _balanced(weights, kinds)
         if prior.valid:
             target = np.array(prior.params.coefficients())
             strength = max(
@@ -422,17 +437,23 @@ class StepCalibrator:
         assert best is not None  # at least one knee
         return best[1], best[2]
 
-    def _recent_first(self) -> tuple[Vec, Vec, Vec]:
-        """Kept rows, most recent first."""
-        n, cap = self._kept, self._config.capacity
-        order = (self._next - 1 - np.arange(n)) % cap
-        return self._x[order], self._y[order], self._t[order]
+    def _recent_first(self) -> tuple[Vec, Vec, Vec, npt.NDArray[np.int_]]:
+        """Kept rows of every ring (features, step times, times, each row's ring as its index in
+        ``SourceKind``), most recent first."""
+        parts = [ring.recent_first() for ring in self._rings.values()]
+        t = np.concatenate([p[2] for p in parts])
+        order = np.argsort(-t, kind="stable")
+        x = np.concatenate([p[0] for p in parts])[order]
+        y = np.concatenate([p[1] for p in parts])[order]
+        kinds = np.concatenate([np.full(len(p[1]), i) for i, p in enumerate(parts)])[order]
+        return x, y, t[order], kinds
 
     def _recent_excess(self) -> Vec:
-        """Kept rows' excess tokens per candidate knee, most recent first."""
-        n, cap = self._kept, self._config.capacity
-        order = (self._next - 1 - np.arange(n)) % cap
-        return self._excess[order]
+        """Kept rows' excess tokens per candidate knee, in ``_recent_first``'s order."""
+        parts = [ring.recent_first() for ring in self._rings.values()]
+        t = np.concatenate([p[2] for p in parts])
+        order = np.argsort(-t, kind="stable")
+        return np.concatenate([p[3] for p in parts])[order]
 
     def _prior_only(self) -> Calibration:
         prior = self._prior
@@ -461,6 +482,47 @@ class StepCalibrator:
             valid=model.valid,
             reason=model.reason,
         )
+
+
+class _Ring:
+    """One source kind's kept observations: a ring buffer of ``capacity`` rows."""
+
+    def __init__(self, capacity: int, knees: int) -> None:
+        self.x = np.zeros((capacity, _NF))
+        self.excess = np.zeros((capacity, knees))
+        self.y = np.zeros(capacity)
+        self.t = np.zeros(capacity)
+        self.next = 0
+        self.kept = 0
+
+    def add(self, row: tuple[float, ...], excess: tuple[float, ...], step_s: float, at_s: float) -> None:
+        """Keep one row (features, excess tokens per knee, step time, time), dropping the oldest
+        when full."""
+        i, capacity = self.next, len(self.y)
+        self.x[i], self.excess[i], self.y[i], self.t[i] = row, excess, step_s, at_s
+        self.next = (i + 1) % capacity
+        self.kept = min(self.kept + 1, capacity)
+
+    def recent_first(self) -> tuple[Vec, Vec, Vec, Vec]:
+        """Kept features, step times, times and excess tokens, most recent first."""
+        order = (self.next - 1 - np.arange(self.kept)) % len(self.y)
+        return self.x[order], self.y[order], self.t[order], self.excess[order]
+
+
+def _balanced(weights: Vec, kinds: npt.NDArray[np.int_]) -> Vec:
+    """``weights`` rescaled so that every kind present in ``kinds`` totals the same, their sum
+    unchanged (each kind's rows keep their relative weights)."""
+    present = np.unique(kinds)
+    if len(present) < 2:
+        return weights
+    share = float(weights.sum()) / len(present)
+    out = weights.copy()
+    for kind in present:
+        mask = kinds == kind
+        total = float(weights[mask].sum())
+        if total > 0.0:
+            out[mask] *= share / total
+    return out
 
 
 def _mdape(params: StepParams, x: Vec, y: Vec) -> float:

@@ -9,6 +9,7 @@ import pytest
 
 from predictor.calibrate import (
     CalibrationConfig,
+    Observation,
     ObservationSource,
     Reject,
     StepCalibrator,
@@ -401,3 +402,47 @@ def test_without_a_prior_the_knee_is_learned(true_knee: float, chosen: float) ->
     assert fit.model.params.knee_tokens == chosen
     assert fit.report.mdape is not None
     assert fit.report.mdape < 0.1  # the weak pull toward a constant step time costs a little
+
+
+def _window_row(at_s: float, batch: StepBatch, step_s: float) -> Observation:
+    excess = max(0.0, batch.tokens - PRIOR_8B.params.knee_tokens)
+    return Observation(at_s, batch, excess, step_s, ObservationSource.WINDOW_PERIOD)
+
+
+@pytest.mark.parametrize(
+    ("balance", "low", "high"),
+    [(True, 1.04, 1.14), (False, 1.17, 1.21)],
+    ids=["each-source-weighs-alike", "by-count"],
+)
+def test_a_source_with_few_rows_is_not_drowned_by_one_with_many(
+    balance: bool, low: float, high: float
+) -> None:
+    """600 timed steps that read 20 % slow and 20 windows that read true: balanced, the fit
+    lands halfway (each view of the engine one vote); by count, the many rows decide."""
+    truth = truth_like(PRIOR_8B, (0.009, 2e-6, 1.2e-5, 2.6e-5, 6e-8, 8.5e-10))
+    rng = np.random.default_rng(4)
+    cal = StepCalibrator(PRIOR_8B, CalibrationConfig(balance_sources=balance))
+    for i in range(20):
+        batch = random_batch(rng, 256, 8192, 4096)
+        cal.observe(_window_row(float(i), batch, truth.step_time(batch)))
+    for i in range(600):
+        batch = random_batch(rng, 256, 8192, 4096)
+        cal.observe_step(20.0 + i * 0.01, batch, 1.2 * truth.step_time(batch))
+    fitted = cal.fit(now_s=26.0).model
+    ratios = [
+        fitted.step_time(b) / truth.step_time(b)
+        for b in (random_batch(rng, 256, 8192, 4096) for _ in range(200))
+    ]
+    assert low < float(np.median(ratios)) < high
+
+
+def test_each_source_keeps_its_own_ring() -> None:
+    """Timed steps, however many, never push the windows out of the fit."""
+    cal = StepCalibrator(PRIOR_8B, CalibrationConfig(capacity=16))
+    rng = np.random.default_rng(1)
+    for i in range(5):
+        batch = random_batch(rng, 256, 8192, 4096)
+        cal.observe(_window_row(float(i), batch, PRIOR_8B.step_time(batch)))
+    last = feed(cal, PRIOR_8B, rng, 40, start_s=10.0)
+    report = cal.fit(now_s=last).report
+    assert (report.observations_total, report.observations_kept) == (45, 21)
