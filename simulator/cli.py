@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from aiohttp import web
 
 from simulator import sglang, tgi
+from simulator.apiserver import CONTENTION_MODES, ApiServerCosts
 from simulator.profile import Profile, load_profile
 from simulator.replica import ENGINES, VLLM_VERSION, EngineKind
 from simulator.server import build_app
@@ -53,7 +54,56 @@ def _parser() -> argparse.ArgumentParser:
         "--jitter", type=float, default=0.0, help="relative step-time noise, e.g. 0.05 (default 0)"
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    api = parser.add_argument_group(
+        "API-server costs",
+        "the API server's own work in front of the engine (docs/emulator.md); each flag replaces the "
+        "profile's api_server value, which is 0 (none) in the shipped profiles",
+    )
+    api.add_argument(
+        "--api-per-request-s", type=float, default=None, metavar="S", help="fixed work per request, seconds"
+    )
+    api.add_argument(
+        "--api-per-prompt-token-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="tokenisation work per prompt token, seconds",
+    )
+    api.add_argument(
+        "--api-per-output-token-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="detokenisation and framing work per streamed token, seconds",
+    )
+    api.add_argument(
+        "--api-per-step-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="work per engine step that streamed tokens (receiving the engine's outputs), seconds",
+    )
+    api.add_argument(
+        "--api-contention",
+        choices=CONTENTION_MODES,
+        default=None,
+        help="'shared': the work delays the engine's steps (one CPU); 'separate': it runs beside them",
+    )
     return parser
+
+
+def api_server_costs(args: argparse.Namespace, profile: Profile) -> ApiServerCosts:
+    """The profile's ``api_server`` costs with the ``--api-*`` flags given on the command line
+    replacing theirs. ``ValueError`` for a negative cost."""
+    flags = {
+        "per_request_s": args.api_per_request_s,
+        "per_prompt_token_s": args.api_per_prompt_token_s,
+        "per_output_token_s": args.api_per_output_token_s,
+        "per_step_s": args.api_per_step_s,
+        "contention": args.api_contention,
+    }
+    given = {k: v for k, v in flags.items() if v is not None}
+    return ApiServerCosts.model_validate({**profile.api_server.model_dump(), **given})
 
 
 async def serve(
@@ -129,6 +179,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"sluice sim: cannot load profile {args.profile!r}: {exc}", file=sys.stderr)
         return 2
+    try:
+        profile = profile.with_api_server(api_server_costs(args, profile))
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        print(f"sluice sim: bad --api-* value: {exc}", file=sys.stderr)
+        return 2
 
     if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
         print("sluice sim: --max-concurrent-requests must be >= 1", file=sys.stderr)
@@ -148,6 +203,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             profile.name,
             what[engine],
         )
+        if profile.api_server.enabled:
+            costs = profile.api_server
+            log.info(
+                "API-server costs: %g s per request, %g s per prompt token, %g s per streamed token, "
+                "%g s per step, %s CPU",
+                costs.per_request_s,
+                costs.per_prompt_token_s,
+                costs.per_output_token_s,
+                costs.per_step_s,
+                costs.contention,
+            )
 
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
