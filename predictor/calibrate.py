@@ -263,6 +263,12 @@ class CalibrationConfig:
     ``balance_sources``: every kind of source (``SourceKind``) present weighs as much in the fit as
     each other, however many observations it holds (its rows' forgetting weights scaled to an equal
     share of their total); ``False``: every observation weighs by its age alone.
+    ``knee_factors``: with a prior, the knees the fit chooses from (by fit quality, as without
+    one) are the prior's times these (each > 0; the first is the one reported before any fit).
+    The prior's knee is the datasheet ridge at the assumed efficiencies; measured GEMMs leave
+    their flat region earlier (their time steps up with every tile of tokens well before the
+    ridge), and a knee too high makes the fit explain that rise with a steep slope below the
+    knee, which it then extrapolates down to decode steps' few tokens.
     """
 
     half_life_s: float = 600.0
@@ -277,12 +283,15 @@ class CalibrationConfig:
     irls_iterations: int = 10
     error_window: int = 32
     balance_sources: bool = True
+    knee_factors: tuple[float, ...] = (1.0, 0.5, 0.25)
 
     def __post_init__(self) -> None:
         if self.half_life_s <= 0 or self.capacity < 1 or self.irls_iterations < 1 or self.error_window < 1:
             raise ValueError("half_life_s, capacity, irls_iterations and error_window must be positive")
         if min(self.prior_strength, self.prior_half_count, self.prior_floor, self.no_prior_strength) <= 0:
             raise ValueError("prior strengths must be positive")
+        if not self.knee_factors or min(self.knee_factors) <= 0.0:
+            raise ValueError(f"knee_factors must be positive and at least one: {self.knee_factors}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,7 +339,11 @@ class StepCalibrator:
         self._prior = prior
         self._config = config or CalibrationConfig()
         # Without a prior the knee is learned: each row's mean excess tokens past every candidate.
-        self._knees = (prior.params.knee_tokens,) if prior.valid else _CANDIDATE_KNEES
+        self._knees = (
+            tuple(prior.params.knee_tokens * f for f in self._config.knee_factors)
+            if prior.valid
+            else _CANDIDATE_KNEES
+        )
         self._rings = {kind: _Ring(self._config.capacity, len(self._knees)) for kind in SourceKind}
         self._total = 0
         self._rejected: dict[Reject, int] = {}

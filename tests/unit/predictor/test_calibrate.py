@@ -404,6 +404,28 @@ def test_without_a_prior_the_knee_is_learned(true_knee: float, chosen: float) ->
     assert fit.report.mdape < 0.1  # the weak pull toward a constant step time costs a little
 
 
+@pytest.mark.parametrize(
+    ("flat_to", "chosen"),
+    [(1.0, 1.0), (0.25, 0.25)],
+    ids=["flat-to-the-prior-knee", "flat-to-a-quarter-of-it"],
+)
+def test_with_a_prior_the_knee_is_chosen_at_or_below_it(flat_to: float, chosen: float) -> None:
+    """Steps flat up to ``flat_to`` x the prior's knee, then at the prior's compute slope: the
+    fit takes that knee, not a steep slope below the prior's that decode steps would inherit."""
+    calibrator = StepCalibrator(PRIOR_8B)
+    knee = PRIOR_8B.params.knee_tokens
+    assert calibrator.knees == (knee, knee / 2, knee / 4)
+    slope = PRIOR_8B.params.per_compute_token_s
+    for i, tokens in enumerate([1, 16, 40, 80, 120, 160, 200, 300, 600, 1000, 2000, 4000, 8000] * 3):
+        batch = StepBatch(prefill_tokens=float(tokens), decode_seqs=0.0, kv_tokens_read=0.0)
+        step_s = 0.007 + slope * max(0.0, tokens - flat_to * knee)
+        calibrator.observe_step(float(i), batch, step_s)
+    fit = calibrator.fit(50.0)
+    assert fit.model.params.knee_tokens == pytest.approx(chosen * knee)
+    one_token = StepBatch(prefill_tokens=1.0)
+    assert fit.model.step_time(one_token) == pytest.approx(0.007, rel=0.05)
+
+
 def _window_row(at_s: float, batch: StepBatch, step_s: float) -> Observation:
     excess = max(0.0, batch.tokens - PRIOR_8B.params.knee_tokens)
     return Observation(at_s, batch, excess, step_s, ObservationSource.WINDOW_PERIOD)
