@@ -7,9 +7,8 @@ What it does:
   ``hardware:`` settings plus ``max_model_len`` from its ``/v1/models`` (``facts_of``);
 * ``Admitted``: what the proxy keeps of a dispatched request (its ``LiveRequest``, admission's
   forecast with the dispatch overhead, the ``x-sluice-*`` headers that carry it);
-* when a request is over (``finished``): hands the service its usage (characters per token,
-  output lengths), when its last token landed (a step boundary), and its forecast with the TTFT
-  the gateway measured (dispatch -> first token), from which the service learns prefill steps;
+* what a finished request teaches the service is handed over by the admission engine
+  (``AdmissionEngine.finish``, driven by ``gateway.admission.live``);
 * ``describe`` is the body of the admin endpoint ``GET /sluice/v1/replicas``.
 
 Nothing here does I/O on the request path: a forecast reads only what the scraper's tasks already
@@ -28,8 +27,6 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.api.openai import ParsedRequest
-from gateway.observability.logs import RequestOutcome
 from gateway.prediction.facts import ReplicaFacts
 from gateway.prediction.service import PredictionService
 from gateway.replicas.registry import LiveRequest, Replica, ReplicaRegistry
@@ -190,30 +187,6 @@ class LivePredictions:
             self.service.set_replica(replica.name, facts_of(replica))
         except Exception:
             log.exception("prediction service refused the facts of replica %s", replica.name)
-
-    # -- one request ----------------------------------------------------------------------------------
-
-    def finished(self, parsed: ParsedRequest, outcome: RequestOutcome, admitted: Admitted) -> None:
-        """Teach the service from a finished request: its usage (output length, characters per
-        token), for a stream when its last token landed (a step boundary of the replica), and
-        its forecast with the TTFT the gateway measured (``RequestOutcome.ttft_s``)."""
-        if outcome.replica is None:
-            return
-        try:
-            self.service.on_finished(
-                replica=outcome.replica,
-                model=parsed.model,
-                tenant=None,
-                prompt_chars=parsed.prompt_chars if parsed.prompt_token_ids is None else None,
-                prompt_tokens=outcome.prompt_tokens,
-                completion_tokens=outcome.completion_tokens,
-                finished_at=admitted.live.last_token_at,
-                forecast=admitted.forecast,
-                ttft_s=outcome.ttft_s,
-                api=parsed.endpoint,
-            )
-        except Exception:
-            log.exception("prediction service failed on a finished request of replica %s", outcome.replica)
 
     # -- the admin view -------------------------------------------------------------------------------
 
