@@ -56,16 +56,10 @@ from bench.live_accuracy import (
     wait_until_ready,
 )
 from gateway.admission.config import AdmissionSettings, ClassSettings
-from gateway.config.settings import (
-    HardwareSettings,
-    HealthSettings,
-    LoggingSettings,
-    ReplicaSettings,
-    ServerSettings,
-    Settings,
-)
+from gateway.config.settings import LoggingSettings, ServerSettings, Settings
 from gateway.keys import PREDICTION_SERVICE, REGISTRY
 from gateway.prediction import PredictionService
+from gateway.replicas.config import HardwareSettings, HealthSettings, ReplicaSettings
 from gateway.replicas.registry import ReplicaState
 
 ROOT = Path(__file__).resolve().parents[1]

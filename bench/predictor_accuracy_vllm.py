@@ -52,14 +52,8 @@ from bench.live_accuracy import (
     wait_until_ready,
 )
 from gateway.admission.config import AdmissionSettings
-from gateway.config.settings import (
-    HardwareSettings,
-    HealthSettings,
-    LoggingSettings,
-    ReplicaSettings,
-    ServerSettings,
-    Settings,
-)
+from gateway.config.settings import LoggingSettings, ServerSettings, Settings
+from gateway.replicas.config import HardwareSettings, HealthSettings, ReplicaSettings
 
 #: What the operator who launched the e2e vLLM knows: --max-num-seqs 4, vLLM's CPU default budget.
 HARDWARE = HardwareSettings(max_num_seqs=4, max_num_batched_tokens=2048)

@@ -21,8 +21,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from gateway.config.settings import EmulatorSettings, HardwareSettings, Settings, SettingsViolations
+from gateway.config.settings import Settings, SettingsViolations
 from gateway.config.source import ConfigError, StrictSafeLoader, read_text
+from gateway.replicas.config import EmulatorSettings, HardwareSettings
 from gateway.tenants import apply_keys_file, demo_tenants
 
 __all__ = ["MAX_VALUE_CHARS", "ConfigError", "default_settings", "load_settings", "parse_settings"]

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import aiohttp
 
-from gateway.config.settings import EmulatorSettings
+from gateway.replicas.config import EmulatorSettings
 
 log = logging.getLogger("sluice.emulators")
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.api.openai import ModelCard
-from gateway.config.settings import HealthSettings, ReplicaSettings, Settings
+from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
+from gateway.replicas.config import HealthSettings, ReplicaSettings
 from gateway.replicas.snapshot import InFlight
 
 log = logging.getLogger("sluice.replicas")

@@ -27,9 +27,9 @@ from typing import Final
 
 from gateway.admission.fairness import TokenWeights
 from gateway.api.openai import ParsedRequest
-from gateway.config.settings import ReplicaSettings
 from gateway.limits.config import LimitsSettings
 from gateway.prediction.service import PredictionService
+from gateway.replicas.config import ReplicaSettings
 from predictor import StepModel
 from predictor.step_model import StepBatch
 

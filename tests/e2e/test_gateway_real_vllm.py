@@ -16,8 +16,9 @@ import pytest
 from aiohttp import web
 
 from gateway.app import build_app
-from gateway.config.settings import HealthSettings, ReplicaSettings, ServerSettings, Settings
+from gateway.config.settings import ServerSettings, Settings
 from gateway.config.store import SettingsStore
+from gateway.replicas.config import HealthSettings, ReplicaSettings
 from tests.e2e.vllm_cpu import SERVED_MODEL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120, func_only=True)]

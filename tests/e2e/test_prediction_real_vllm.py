@@ -50,14 +50,8 @@ from bench.live_accuracy import (
     wait_until_ready,
 )
 from gateway.admission.config import AdmissionSettings
-from gateway.config.settings import (
-    HardwareSettings,
-    HealthSettings,
-    LoggingSettings,
-    ReplicaSettings,
-    ServerSettings,
-    Settings,
-)
+from gateway.config.settings import LoggingSettings, ServerSettings, Settings
+from gateway.replicas.config import HardwareSettings, HealthSettings, ReplicaSettings
 from tests.e2e.vllm_cpu import MAX_NUM_SEQS, SERVED_MODEL
 from tests.support import speed
 

@@ -22,10 +22,11 @@ from aiohttp import web
 
 from gateway.admission.config import ShadowSettings
 from gateway.app import build_app
-from gateway.config.settings import ReplicaSettings, ServerSettings, Settings
+from gateway.config.settings import ServerSettings, Settings
 from gateway.config.store import SettingsStore
 from gateway.http.openapi import OPENAPI_PATH, install_openapi
 from gateway.http.parse_errors import install as install_parse_errors
+from gateway.replicas.config import ReplicaSettings
 from gateway.tenants import AuthSettings, TenantSettings, TenantsSettings, hash_api_key
 from simulator.profile import load_profile
 from simulator.server import build_app as build_emulator

@@ -13,10 +13,11 @@ from types import ModuleType
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.config.settings import ReplicaSettings, Settings
+from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.limits.base import BucketState, ConcurrencyState, LimiterStats, Reservation, TenantLimits
 from gateway.observability.metrics import SluiceMetrics
+from gateway.replicas.config import ReplicaSettings
 from gateway.replicas.registry import ReplicaRegistry
 from gateway.replicas.snapshot import ReplicaSnapshot
 from predictor import FitReport, ModelSource, StepParams

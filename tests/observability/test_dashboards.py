@@ -50,15 +50,10 @@ from aiohttp import web
 
 from gateway.admission.config import AdmissionSettings, ClassSettings, HeaderSettings, ShadowSettings
 from gateway.app import build_app
-from gateway.config.settings import (
-    HardwareSettings,
-    HealthSettings,
-    ReplicaSettings,
-    ServerSettings,
-    Settings,
-)
+from gateway.config.settings import ServerSettings, Settings
 from gateway.config.store import SettingsStore
 from gateway.limits.config import LimitsSettings, RedisSettings, TenantLimitSettings
+from gateway.replicas.config import HardwareSettings, HealthSettings, ReplicaSettings
 from gateway.tenants.config import TenantSettings, TenantsSettings
 from gateway.tenants.keys import hash_api_key
 from tests.observability.prometheus import CONFIG, DASHBOARDS, RULES, tool

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import build_app
 from gateway.config.load import default_settings
-from gateway.config.settings import HealthSettings, ReplicaSettings, ServerSettings, Settings
+from gateway.config.settings import ServerSettings, Settings
 from gateway.config.store import SettingsStore
 from gateway.keys import OUTCOME_LISTENERS
 from gateway.limits.base import (
@@ -27,6 +27,7 @@ from gateway.observability.metrics import METRICS, SluiceMetrics
 from gateway.observability.metrics.endpoints import replica_targets
 from gateway.observability.metrics.labels import code_label, configured_classes, configured_tenants, limited
 from gateway.observability.metrics.outcomes import decision_of, proxy_overhead_s, relative_error, slo_result
+from gateway.replicas.config import HealthSettings, ReplicaSettings
 from gateway.replicas.registry import ReplicaRegistry
 from gateway.replicas.snapshot import ReplicaSnapshot
 from predictor import FitReport, ModelSource, StepParams

@@ -24,10 +24,11 @@ import aiohttp
 import pytest
 
 from gateway.app import build_app
-from gateway.config.settings import EmulatorSettings, HealthSettings, Settings
+from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.keys import EMULATORS, OUTCOME_LISTENERS
 from gateway.observability.logs import RequestOutcome
+from gateway.replicas.config import EmulatorSettings, HealthSettings
 from gateway.replicas.emulators import (
     EmulatorStartError,
     emulator_command,
@@ -201,7 +202,8 @@ RUN_GATEWAY = textwrap.dedent(
     import sys
     from gateway.app import run_gateway
     from gateway.observability.logs import configure_logging
-    from gateway.config.settings import EmulatorSettings, ServerSettings, Settings
+    from gateway.config.settings import ServerSettings, Settings
+    from gateway.replicas.config import EmulatorSettings
     from gateway.config.store import SettingsStore
 
     settings = Settings(

@@ -18,14 +18,9 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.admission.config import AdmissionSettings
 from gateway.app import build_app
-from gateway.config.settings import (
-    HardwareSettings,
-    HealthSettings,
-    ReplicaSettings,
-    ServerSettings,
-    Settings,
-)
+from gateway.config.settings import ServerSettings, Settings
 from gateway.config.store import SettingsStore
+from gateway.replicas.config import HardwareSettings, HealthSettings, ReplicaSettings
 from simulator.profile import load_profile
 from simulator.server import build_app as build_emulator
 

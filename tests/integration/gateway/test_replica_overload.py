@@ -21,11 +21,12 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.admission.config import AdmissionSettings
 from gateway.app import build_app
-from gateway.config.settings import HealthSettings, ReplicaSettings, ServerSettings, Settings
+from gateway.config.settings import ServerSettings, Settings
 from gateway.config.store import SettingsStore
 from gateway.keys import OUTCOME_LISTENERS, REGISTRY
 from gateway.observability.logs import RequestOutcome
 from gateway.proxy.forward import MAX_PLACEMENTS
+from gateway.replicas.config import HealthSettings, ReplicaSettings
 from simulator.profile import load_profile
 from simulator.server import build_app as build_emulator
 

@@ -17,10 +17,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from gateway.app import build_app
-from gateway.config.settings import EmulatorSettings, HealthSettings, Settings
+from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.keys import OUTCOME_LISTENERS
 from gateway.observability.logs import RequestOutcome
+from gateway.replicas.config import EmulatorSettings, HealthSettings
 from tests.support.procs import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

@@ -36,8 +36,8 @@ import pytest
 
 import replay.emulated
 from gateway.admission import AdmissionSettings, TokenWeights
-from gateway.config.settings import HardwareSettings, ReplicaSettings
 from gateway.prediction.facts import ReplicaFacts
+from gateway.replicas.config import HardwareSettings, ReplicaSettings
 from gateway.tenants.pricing import fleet_token_weights
 from replay import FleetConfig, GatewayRequest, Targets, TraceRequest, run_gateway_replay
 from replay.policies import SluicePolicy

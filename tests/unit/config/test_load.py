@@ -11,7 +11,8 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from gateway.config.load import ConfigError, default_settings, load_settings, parse_settings
-from gateway.config.settings import EmulatorSettings, HealthSettings, ReplicaSettings, Settings
+from gateway.config.settings import Settings
+from gateway.replicas.config import EmulatorSettings, HealthSettings, ReplicaSettings
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]

@@ -18,17 +18,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import build_app
-from gateway.config.settings import (
-    HardwareSettings,
-    HealthSettings,
-    ReplicaSettings,
-    ScrapeSettings,
-    ServerSettings,
-    Settings,
-)
+from gateway.config.settings import ServerSettings, Settings
 from gateway.config.store import SettingsStore
 from gateway.keys import OUTCOME_LISTENERS
 from gateway.observability.logs import RequestOutcome
+from gateway.replicas.config import HardwareSettings, HealthSettings, ReplicaSettings, ScrapeSettings
 
 MODEL = "test-model"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

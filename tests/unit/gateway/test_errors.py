@@ -20,7 +20,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway.admission.retry_after import RefusalReason, retry_after
-from gateway.config.settings import HealthSettings, ServerSettings
+from gateway.config.settings import ServerSettings
 from gateway.http.errors import (
     BodyTooLarge,
     GatewayError,
@@ -31,6 +31,7 @@ from gateway.http.errors import (
     sse_error_event,
 )
 from gateway.keys import REGISTRY
+from gateway.replicas.config import HealthSettings
 from gateway.replicas.registry import ReplicaState
 from tests.unit.gateway.conftest import StartGateway, StartReplica
 from tests.unit.gateway.fakes import MODEL, FakeReplica, gateway_settings, wait_for

@@ -11,8 +11,9 @@ import time
 import aiohttp
 from aiohttp import web
 
-from gateway.config.settings import HealthSettings, ReplicaSettings, Settings
+from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
+from gateway.replicas.config import HealthSettings, ReplicaSettings
 from gateway.replicas.health import HealthChecker
 from gateway.replicas.registry import ReplicaRegistry, ReplicaState
 from tests.support.procs import free_port

@@ -17,7 +17,6 @@ import pytest
 from aiohttp import web
 from aiohttp.pytest_plugin import AiohttpClient
 
-from gateway.config.settings import HardwareSettings, ReplicaSettings, ScrapeSettings
 from gateway.keys import PREDICTION_SERVICE, PREDICTIONS, REGISTRY, SCRAPER
 from gateway.prediction import PredictionService
 from gateway.prediction.live import (
@@ -27,6 +26,7 @@ from gateway.prediction.live import (
     REPLICA_HEADER,
     forecast_headers,
 )
+from gateway.replicas.config import HardwareSettings, ReplicaSettings, ScrapeSettings
 from predictor import Forecast, ForecastReason
 from tests.unit.gateway.conftest import StartGateway, StartReplica
 from tests.unit.gateway.fakes import (

@@ -7,8 +7,9 @@ import time
 import pytest
 
 from gateway.api.openai import ModelCard
-from gateway.config.settings import HealthSettings, ReplicaSettings, Settings
+from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
+from gateway.replicas.config import HealthSettings, ReplicaSettings
 from gateway.replicas.registry import NoReplica, Replica, ReplicaRegistry, ReplicaState
 
 H = ReplicaState.HEALTHY

@@ -13,8 +13,8 @@ import pytest
 from aiohttp import web
 from pydantic import ValidationError
 
-from gateway.config.settings import ReplicaSettings
 from gateway.keys import REGISTRY
+from gateway.replicas.config import ReplicaSettings
 from gateway.replicas.registry import ReplicaState
 from tests.unit.gateway.conftest import StartGateway, StartReplica
 from tests.unit.gateway.fakes import MODEL, FakeReplica, gateway_settings

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from gateway.app import LIVE_PREDICTION, build_app
-from gateway.config.settings import ReplicaSettings, Settings
+from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.keys import PREDICTION_SERVICE
 from gateway.prediction import PredictionConfig, PredictionService, ReplicaFacts
+from gateway.replicas.config import ReplicaSettings
 from gateway.replicas.snapshot import ReplicaSnapshot
 from predictor import Forecast, StepBatch
 from predictor.overhead import steps_waited_s

@@ -21,7 +21,8 @@ import pytest
 from pytest_aiohttp import AiohttpServer
 
 from gateway.cli import main as cli_main
-from gateway.config.settings import EmulatorSettings, Settings
+from gateway.config.settings import Settings
+from gateway.replicas.config import EmulatorSettings
 from gateway.replicas.emulators import emulator_command
 from simulator import tgi
 from simulator.cli import _parser

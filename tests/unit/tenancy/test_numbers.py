@@ -8,13 +8,13 @@ import math
 import pytest
 
 from gateway.admission.fairness import TokenWeights
-from gateway.config.settings import HardwareSettings, ReplicaSettings
 from gateway.http.errors import go_duration, rate_limit_headers
 from gateway.limits.base import TenantLimits
 from gateway.limits.memory import MemoryLimiter
 from gateway.observability.logs import RequestOutcome
 from gateway.prediction.facts import ReplicaFacts
 from gateway.prediction.service import PredictionService
+from gateway.replicas.config import HardwareSettings, ReplicaSettings
 from gateway.replicas.snapshot import ReplicaSnapshot
 from gateway.tenants.live import Held, is_admin_path, is_unlimited, rejection_error, settled_usage
 from gateway.tenants.pricing import (
