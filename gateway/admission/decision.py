@@ -181,6 +181,9 @@ _IDLE_FORECASTS_KEPT: Final = 1024
 #: error (``forecast_margin`` defaults to 15 % of the forecast) while a replica is far from its
 #: targets; near them, slacks differ by more and the most slack decides.
 _SLACK_TIE: Final = 0.01
+#: Seconds an idle replica refuses requests on their own targets (its forecast of them misses)
+#: before it takes the next such one anyway, and between two such probes (``SloAdmitter._probe``).
+PROBE_AFTER_S: Final = 2.0
 #: Most forecasts kept per replica state in ``_evaluate``'s memo (cleared when exceeded).
 _FORECASTS_KEPT: Final = 256
 #: A probe's outcome on one candidate: (the protected class, its probe's TTFT, its TPOT), seconds,
@@ -195,7 +198,8 @@ class Admit:
     """Send the request to ``replica`` now.
 
     ``forecast``: the prediction there, stale margin applied (for the prediction headers).
-    ``slack``: the replica's slack, >= 0 (NaN on a replica with no step model yet).
+    ``slack``: the replica's slack, >= 0 (NaN on a replica with no step model yet; < 0 for a
+    probe of an idle replica, ``SloAdmitter._probe``).
     """
 
     replica: str
@@ -408,6 +412,19 @@ def _idle(state: ReplicaState) -> ReplicaState:
     )
 
 
+def _is_idle(view: ReplicaView) -> bool:
+    """Nothing runs or waits on ``view``'s replica, none of the gateway's requests is there, and
+    its metrics are fresh."""
+    state = view.state
+    return (
+        not view.stale
+        and view.gateway_streams == 0
+        and state.num_running == 0
+        and state.num_waiting == 0
+        and state.queued_requests == 0
+    )
+
+
 def _as_judged(c: _Candidate, now: float) -> Forecast | None:
     """``c``'s forecast with the TTFT admission held against the deadline (margins and the
     replica's dispatch overhead in): what a refusal's prediction headers and message both cite."""
@@ -481,6 +498,9 @@ class SloAdmitter:
         #: decisions (an engine step; ``gateway.admission.live``), so alike requests (a flood)
         #: share one forecast and one ``Forecast`` object per view instead of one each.
         self._forecasts: dict[str, _Forecasts] = {}
+        #: ``_probe``'s history: per idle replica name, since when it has refused requests on
+        #: their own targets (or when it was last probed), seconds.
+        self._refusing_since: dict[str, float] = {}
         self._default_limits = (
             self._default.tpot_target_s,
             self._default.max_stall_s,
@@ -557,7 +577,9 @@ class SloAdmitter:
         if best_all is not None and prompt_reject is None:
             return self._admit(best_all)
         if self._all_enforced and prompt_reject is None:
-            return self._blocked(request, cls, candidates, now, deadline, queued, self._all)
+            return self._probe(
+                candidates, now, self._blocked(request, cls, candidates, now, deadline, queued, self._all)
+            )
         best_enforced = self._pick(candidates, enforced=True)
         if best_enforced is not None:
             full: Queue | Reject
@@ -568,7 +590,36 @@ class SloAdmitter:
             return replace(
                 full, enforced=False, replica=best_enforced.view.name, forecast=best_enforced.forecast
             )
-        return self._blocked(request, cls, candidates, now, deadline, queued, self._enforced)
+        return self._probe(
+            candidates, now, self._blocked(request, cls, candidates, now, deadline, queued, self._enforced)
+        )
+
+    def _probe(self, candidates: list[_Candidate], now: float, blocked: Queue | Reject) -> Decision:
+        """``blocked``, or an ``Admit`` to its replica when that replica is idle (``_is_idle``),
+        the request fails only its own targets there (TTFT or TPOT), and the replica has refused
+        such requests for ``PROBE_AFTER_S`` since it went idle or since its last probe.
+
+        On an idle replica a forecast is the step model's alone, and the fit learns only from
+        traffic: one taught by a burst (a host too busy to step at speed) can refuse everything
+        for good, without a Retry-After, on a replica that would serve it. A probe every few
+        seconds lets the replica's own steps correct it; it costs an idle replica one request at
+        a time. The history is per replica name; an admission or a busy view there resets it."""
+        name = blocked.replica
+        if not blocked.enforced or name is None or blocked.blocker not in (Blocker.TTFT, Blocker.TPOT):
+            return blocked
+        for c in candidates:
+            if c.view.name == name:
+                break
+        else:
+            return blocked
+        if c.slacks is None or not _is_idle(c.view):
+            self._refusing_since.pop(name, None)
+            return blocked
+        since = self._refusing_since.setdefault(name, now)
+        if now - since < PROBE_AFTER_S:
+            return blocked
+        self._refusing_since[name] = now
+        return Admit(name, c.forecast, c.slack)
 
     def _class_prompt_check(self, request: AdmissionRequest, cls: ClassSettings) -> Reject | None:
         """``prompt_too_large`` (never retryable) over the class's ``max_prompt_tokens`` (``enforced``
@@ -799,6 +850,8 @@ class SloAdmitter:
         return best
 
     def _admit(self, c: _Candidate) -> Admit:
+        if self._refusing_since:
+            self._refusing_since.pop(c.view.name, None)
         return Admit(c.view.name, c.forecast, c.slack if c.slacks is not None else math.nan)
 
     # -- blocked: queue or reject ------------------------------------------------------------

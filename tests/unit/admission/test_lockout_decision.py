@@ -130,3 +130,28 @@ def test_retry_after_is_bounded_by_the_replica_draining_to_idle() -> None:
     assert busy.forecast is not None
     bound = 20.0 * (math.log(4.5) + 0.5773) * busy.forecast.tpot_s
     assert 0.0 < busy.retry_after.base_s <= bound
+
+
+def test_an_idle_replica_that_keeps_refusing_is_probed_every_few_seconds() -> None:
+    """A fit a burst taught can make even an idle replica's forecast miss the targets, and only
+    the replica's own steps can correct it: an idle replica refusing requests on their own
+    targets takes one anyway every ``PROBE_AFTER_S``; a busy one never."""
+    slow = AdmissionSettings.model_validate(
+        {"classes": {"plain": {"tpot_target_s": 0.005}}, "default_class": "plain"}  # idle step ~7 ms
+    )
+    admitter = SloAdmitter(slow, RetryAfterPolicy(slow.retry_after, random.Random(3)))
+
+    def at(t: float, replica: ReplicaView) -> Admit | Queue | Reject:
+        asked = request(20, 16.0, request_class="plain", arrival=t, max_tokens=16)
+        return admitter.decide(asked, [replica], t)
+
+    idle = view("a", state())
+    got = [type(at(NOW + t, idle)).__name__ for t in (0.0, 1.0, 2.0, 2.5, 3.9, 4.0, 4.1)]
+    assert got == ["Reject", "Reject", "Admit", "Reject", "Reject", "Admit", "Reject"]
+    probe = at(NOW + 6.0, idle)
+    assert isinstance(probe, Admit)
+    assert probe.forecast is not None
+    assert probe.slack < 0.0  # the forecast still says it misses
+    # A replica with anything running is never probed: its forecast has load to go by.
+    busy = view("b", state(1))
+    assert all(isinstance(at(NOW + t, busy), Reject) for t in (0.0, 3.0, 6.0, 9.0))
