@@ -49,7 +49,7 @@ def install(
     serve_on: web.Application | None = None,
 ) -> SluiceMetrics:
     """Add ``/metrics`` and ``/metrics/replicas`` to ``serve_on`` (default ``app``; the admin
-    listener's application when ``admin.port`` is set, see ``gateway.admin``) and feed ``metrics``
+    listener's application when ``admin.port`` is set, see ``gateway.http.admin``) and feed ``metrics``
     from ``app``.
 
     Call at the end of ``build_app`` (or after it), before the app starts. Wires what the app
