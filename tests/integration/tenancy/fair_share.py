@@ -279,6 +279,19 @@ class LoadRun:
         total = sum(charged.values())
         return {t: v / total if total > 0 else 0.0 for t, v in charged.items()}
 
+    def one_request(self, start_s: float, end_s: float) -> float:
+        """The share (0-1) of the window's charged tokens that one request of the costlier tenant
+        settles on average: ``charged``'s granularity. Charges land when a request settles, so a
+        window edge between two settlements moves a share by up to one request's worth, and on
+        a slow machine the window holds fewer requests."""
+        window = self.window(start_s, end_s)
+        first, last = window[0], window[-1]
+        charged = {t: last.charged[t] - first.charged[t] for t in SHAPES}
+        total = sum(charged.values())
+        counts = self.counts(start_s, end_s)
+        per_request = [charged[t] / counts[t] for t in SHAPES if counts[t] > 0]
+        return max(per_request) / total if per_request and total > 0 else 1.0
+
     def counts(self, start_s: float, end_s: float) -> dict[str, int]:
         """Each tenant's requests finished in the window."""
         out = dict.fromkeys(SHAPES, 0)

@@ -12,15 +12,14 @@ Each tenant's GPU time is measured on the replica (``fair_share.GpuTimeEngine``)
 step's time, from its start until the next, split among the sequences in it, added up per
 tenant over the measured window (``Scenario.window``, until the clients stop). What must hold:
 
-* with ``fairness: tokens`` (the default), each tenant's share of the weighted tokens the
-  gateway charged is within 10 % (relative: ``|share - target| / target <= 0.10``) of its
-  weighted share ``weight / sum of weights``, for weights 1 : 1 and 2 : 1, and when the
-  documents arrive after the chats have had the replica to themselves for a while (no banked
-  credit either way: the newcomer starts level). Its share of the replica's time on a shared
-  2-core machine is as much the machine as the policy, so live it is held to a sanity bound
-  only (``GPU_SANITY``; the weighted tenant gets more); ``-s`` prints the figure. The issue's
-  10 % of GPU time is checked on the same dispatch in virtual time
-  (``test_fairness_virtual_time``);
+* with ``fairness: tokens`` (the default), each tenant's share of the weighted tokens the gateway
+  charged is within 10 % (relative: ``|share - target| / target <= 0.10``) of its weighted share
+  ``weight / sum of weights``, give or take one request's charge, for weights 1 : 1 and 2 : 1, and
+  when the documents arrive after the chats have had the replica to themselves for a while (no
+  banked credit either way: the newcomer starts level). Its share of the replica's time on a
+  shared 2-core machine is as much the machine as the policy, so live it is held to a sanity bound
+  only (``GPU_SANITY``; the weighted tenant gets more); ``-s`` prints the figure. The issue's 10 %
+  of GPU time is checked on the same dispatch in virtual time (``test_fairness_virtual_time``);
 * with ``fairness: requests`` and the same workload, both tenants get about as many requests
   served, and the documents therefore clearly more of the replica's time.
 
@@ -59,7 +58,9 @@ WARMUP_S = 8.0
 #: Seconds of load in all.
 LOAD_S = 20.0
 #: Largest relative distance of a tenant's share of the weighted tokens the gateway charged
-#: (what its queue controls) from its weighted share (the issue's "within 10 %").
+#: (what its queue controls) from its weighted share (the issue's "within 10 %"), give or take
+#: one request's charge (``LoadRun.one_request``: live, the window holds as many requests as the
+#: machine's speed allows; the exact 10 % is ``test_fairness_virtual_time``'s).
 TOLERANCE = 0.10
 #: Least fraction of its weighted share of the replica's time a tenant gets live: a starved
 #: tenant, or a dispatch that ignores weights or tokens, falls below it; the machine's noise
@@ -190,10 +191,16 @@ def test_each_tenant_gets_its_weighted_share_of_gpu_time(
 ) -> None:
     run = runs[scenario]
     charged = run.charged(*scenario.window)
+    rounding = run.one_request(*scenario.window)
     shares = run.shares(*scenario.window)
     for tenant in SHAPES:
         target = scenario.target(tenant)
-        assert abs(charged[tenant] - target) / target <= TOLERANCE, (tenant, charged, scenario)
+        assert abs(charged[tenant] - target) <= TOLERANCE * target + rounding, (
+            tenant,
+            charged,
+            rounding,
+            scenario,
+        )
         assert shares[tenant] >= GPU_SANITY * target, (tenant, shares, scenario)
     if scenario.docs_weight != scenario.chat_weight:
         heavier = max(SHAPES, key=scenario.target)
