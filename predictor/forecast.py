@@ -302,6 +302,10 @@ class Forecast:
     transport and the replica server's own work, learned by the caller: on a busy engine, the
     step the request misses on its way in, if any); ``forecast_request`` itself always gives 0.
     ``made_at``: the caller's clock (s) when the forecast was made, if it says; ``None`` here.
+    ``base_ttft_s`` / ``base_tpot_s``: the engine's TTFT and TPOT as the step model forecast them,
+    before any margin or correction (NaN: not said, read ``ttft_s`` / ``tpot_s``);
+    ``ttft_factor`` / ``tpot_factor``: the measured correction the caller applied to them
+    (``predictor.correction``; 1: none). What the caller's correction learns against.
     """
 
     ttft_s: float
@@ -318,6 +322,10 @@ class Forecast:
     prefill_batch: StepBatch | None = None
     overhead_s: float = 0.0
     made_at: float | None = None
+    base_ttft_s: float = math.nan
+    base_tpot_s: float = math.nan
+    ttft_factor: float = 1.0
+    tpot_factor: float = 1.0
 
     def with_overhead(self, ttft_s: float, overhead_s: float, made_at: float) -> Forecast:
         """This forecast with ``ttft_s``, ``overhead_s`` and ``made_at`` replaced: what
@@ -338,6 +346,10 @@ class Forecast:
             self.prefill_batch,
             overhead_s,
             made_at,
+            self.base_ttft_s,
+            self.base_tpot_s,
+            self.ttft_factor,
+            self.tpot_factor,
         )
 
 
@@ -364,15 +376,21 @@ def _invalid(request: CandidateRequest, reason: str, output: float = math.nan) -
     return (nan, nan, nan, False, reason, output, request.output_quantile, nan, nan, 0, 0.0, None)
 
 
-def forecast_of(values: ForecastValues, scale: float = 1.0) -> Forecast:
+def forecast_of(
+    values: ForecastValues, scale: float = 1.0, ttft_factor: float = 1.0, tpot_factor: float = 1.0
+) -> Forecast:
     """The ``Forecast`` of ``forecast_values``' tuple, its times (TTFT, TPOT, inflicted TPOT and
-    stall, admission wait) multiplied by ``scale`` (a caller's margin; 1: as forecast)."""
+    stall, admission wait) multiplied by ``scale`` (a caller's margin; 1: as forecast), its TTFT
+    also by ``ttft_factor`` and its TPOT and inflicted TPOT by ``tpot_factor`` (a measured
+    correction, ``predictor.correction``; 1: none). The tuple's own TTFT and TPOT are kept as
+    ``base_ttft_s`` / ``base_tpot_s``."""
     (ttft, tpot, inflicted, valid, reason, output, quantile, stall, wait, steps, step_wait, batch) = values
-    if scale != 1.0:
+    base_ttft, base_tpot = ttft, tpot
+    if scale != 1.0 or ttft_factor != 1.0 or tpot_factor != 1.0:
         ttft, tpot, inflicted, stall, wait = (
-            ttft * scale,
-            tpot * scale,
-            inflicted * scale,
+            ttft * scale * ttft_factor,
+            tpot * scale * tpot_factor,
+            inflicted * scale * tpot_factor,
             stall * scale,
             wait * scale,
         )
@@ -389,6 +407,12 @@ def forecast_of(values: ForecastValues, scale: float = 1.0) -> Forecast:
         steps,
         step_wait,
         None if batch is None else StepBatch(*batch),
+        0.0,
+        None,
+        base_ttft,
+        base_tpot,
+        ttft_factor,
+        tpot_factor,
     )
 
 

@@ -28,7 +28,9 @@ replica's current decode step, plus what requests admitted since the view was bu
 The first-token deadline is arrival + TTFT target, or the client's earlier deadline, so time spent
 in Sluice's queue counts. Every TTFT held against a deadline includes the replica's learned
 dispatch overhead (``ReplicaView.dispatch_overhead_s``, added after the margins: all of it on an
-idle engine, the steps it misses on a busy one, ``predictor.overhead``). The replica's slack is
+idle engine, the steps it misses on a busy one, ``predictor.overhead``). Before the margins, the
+engine's TTFT and TPOTs are multiplied by the replica's measured correction for the request's
+regime (``ReplicaView.correction``, ``predictor.correction``). The replica's slack is
 the minimum; the request goes to the replica with
 the most slack among those where it is >= 0. A long prompt that would push running streams past
 their targets is therefore sent where it hurts least, or held. Slacks within ``_SLACK_TIE`` (1 %
@@ -294,7 +296,8 @@ class _Candidate:
     ``inflicted_stall_s``: its numbers with the margins applied (NaN without a step model).
     ``output_tokens``: the output length the forecast assumed. The ``Forecast`` object (margins
     applied) is built only when a decision carries it (``forecast``): one per decision, not one
-    per replica.
+    per replica. ``ttft_factor`` / ``tpot_factor``: the replica's measured correction for this
+    request's regime (``ReplicaView.correction``), applied to its TTFT and to its TPOTs.
     """
 
     view: ReplicaView
@@ -312,30 +315,34 @@ class _Candidate:
     _forecast: Forecast | None = None
     #: The memo entry ``raw`` came from (``_Known``), which keeps the ``Forecast`` built from it.
     known: _Known | None = None
+    ttft_factor: float = 1.0
+    tpot_factor: float = 1.0
 
     @property
     def forecast(self) -> Forecast | None:
         """The forecast with the margins applied (``None`` without a step model)."""
         if self._forecast is None and self.raw is not None:
             known = self.known
-            if known is not None and known.forecast is not None and known.scale == self.scale:
+            key = (self.scale, self.ttft_factor, self.tpot_factor)
+            if known is not None and known.forecast is not None and known.scale == key:
                 self._forecast = known.forecast
             else:
-                self._forecast = forecast_of(self.raw, self.scale)
+                self._forecast = forecast_of(self.raw, self.scale, self.ttft_factor, self.tpot_factor)
                 if known is not None:
-                    known.scale, known.forecast = self.scale, self._forecast
+                    known.scale, known.forecast = key, self._forecast
         return self._forecast
 
 
 class _Known:
     """One memoised forecast (``SloAdmitter._forecast``): the predictor's numbers and the
-    ``Forecast`` object last built from them, with the scale it was built at."""
+    ``Forecast`` object last built from them, with the (scale, TTFT factor, TPOT factor) it was
+    built at."""
 
     __slots__ = ("forecast", "scale", "values")
 
     def __init__(self, values: ForecastValues) -> None:
         self.values = values
-        self.scale = math.nan
+        self.scale: tuple[float, float, float] | None = None
         self.forecast: Forecast | None = None
 
 
@@ -665,7 +672,13 @@ class SloAdmitter:
         # margins; ``predictor.overhead``, as the response's forecast gets it).
         d = view.dispatch_overhead_s
         overhead = _overhead_s(d, f, view.model)
-        ttft, tpot, infl = f[0] * scale + overhead, f[1] * scale, f[2] * scale
+        # The replica's measured correction for this request's regime (its prompt, the batch its
+        # prefill joins): what the gateway measured there over what the step model forecast.
+        batch = f[11]
+        ct, cp = view.correction.factors(
+            request.prompt_tokens, state.decode_seqs if batch is None else batch[1]
+        )
+        ttft, tpot, infl = f[0] * scale * ct + overhead, f[1] * scale * cp, f[2] * scale * cp
         stall = f[7] * scale
         output = f[5]
         streams = stalls = _INF
@@ -709,8 +722,8 @@ class SloAdmitter:
         # share the replica had recently (the forecast's): its decode step with it seated, when
         # that is lower.
         own_tpot = tpot
-        if cls.stall_budget_horizon is not None and 0.0 < step < tpot:
-            own_tpot = step
+        if cls.stall_budget_horizon is not None and 0.0 < step * cp < tpot:
+            own_tpot = step * cp
         s_tpot = (cls.tpot_target_s - own_tpot) / cls.tpot_target_s
         if request.max_tokens_on(state.max_model_len) <= 1:
             s_tpot = _INF  # one output token: no time per output token to hold to a target
@@ -723,8 +736,12 @@ class SloAdmitter:
             keep = 1.0 - self._settings.yield_margin
             for protected, probe in plan:
                 pf = forecast_values(probe, after, view.model, self._fc)
-                p_ttft = (pf[0] - elapsed) * scale + _overhead_s(d, pf, view.model)
-                p_tpot = pf[1] * scale
+                pb = pf[11]
+                pt, pp = view.correction.factors(
+                    probe.prompt_tokens, after.decode_seqs if pb is None else pb[1]
+                )
+                p_ttft = (pf[0] - elapsed) * scale * pt + _overhead_s(d, pf, view.model)
+                p_tpot = pf[1] * scale * pp
                 probes.append((protected, p_ttft, p_tpot))
                 t, p = protected.ttft_target_s, protected.tpot_target_s
                 yttft = min(yttft, (keep * t - p_ttft) / t)
@@ -742,7 +759,22 @@ class SloAdmitter:
         slack = min(slacks)
         enforced = slack if self._all_enforced else min((slacks[i] for i in self._enforced), default=_INF)
         return _Candidate(
-            view, f, scale, ttft, tpot, infl, stall, output, slacks, slack, enforced, probes, None, known
+            view,
+            f,
+            scale,
+            ttft,
+            tpot,
+            infl,
+            stall,
+            output,
+            slacks,
+            slack,
+            enforced,
+            probes,
+            None,
+            known,
+            ct,
+            cp,
         )
 
     def _forecast(self, candidate: CandidateRequest, view: ReplicaView) -> _Known:
@@ -1094,7 +1126,8 @@ class SloAdmitter:
                 self._idle_forecasts.clear()
             self._idle_forecasts[key] = (model, ttft, tpot)
         scale = self._scale(view)
-        return ttft * scale + view.dispatch_overhead_s, tpot * scale
+        ct, cp = view.correction.factors(request.prompt_tokens, 0.0)
+        return ttft * scale * ct + view.dispatch_overhead_s, tpot * scale * cp
 
     def _idle(self, state: ReplicaState, key: tuple[int, int, int, int]) -> ReplicaState:
         """``_idle(state)``, kept per set of limits (``key``; a replica's limits rarely change)."""

@@ -54,6 +54,7 @@ from gateway.admission.retry_after import (
 from gateway.admission.stats import AdmissionStats
 from gateway.admission.views import LiveEntry, ReplicaView, TrackedStream
 from predictor import Forecast, ReplicaState, StepModel, unknown_step_model
+from predictor.correction import Correction
 
 __all__ = [
     "MAX_TICK_S",
@@ -142,6 +143,8 @@ class PredictionInputs(Protocol):
 
     def dispatch_overhead_s(self, replica: str) -> float: ...
 
+    def correction(self, replica: str, now: float) -> Correction: ...
+
     def on_finished(
         self,
         *,
@@ -155,6 +158,8 @@ class PredictionInputs(Protocol):
         forecast: Forecast | None = None,
         ttft_s: float | None = None,
         api: str | None = None,
+        relayed_ttft_s: float | None = None,
+        relayed_tpot_s: float | None = None,
     ) -> None: ...
 
 
@@ -623,6 +628,7 @@ class AdmissionEngine:
     def _learn(self, sent: _Sent, ending: Ending) -> None:
         model, _ = split_route(sent.route)
         forecast = sent.forecast if ending.forecast is None else ending.forecast
+        ttft, tpot = _relayed(sent.entry, ending)
         try:
             self._predictions.on_finished(
                 replica=sent.replica,
@@ -635,6 +641,8 @@ class AdmissionEngine:
                 forecast=forecast,
                 ttft_s=ending.ttft_s,
                 api=ending.api,
+                relayed_ttft_s=ttft,
+                relayed_tpot_s=tpot,
             )
         except Exception:
             self._log.exception("prediction service failed on a finished request of replica %s", sent.replica)
@@ -902,6 +910,7 @@ class AdmissionEngine:
             stale=state.stale,
             built_at=now,
             dispatch_overhead_s=self._predictions.dispatch_overhead_s(replica),
+            correction=self._predictions.correction(replica, now),
         )
 
     def _note_staleness(self, name: str, stale: bool) -> None:
@@ -932,6 +941,23 @@ def labels(decision: Decision) -> tuple[str, str]:
     if decision.enforced:
         return "rejected", decision.reason.value
     return "shadow_rejected", decision.reason.value
+
+
+def _relayed(entry: LiveEntry[Any], ending: Ending) -> tuple[float | None, float | None]:
+    """(TTFT, TPOT) of a finished request as its adapter relayed it, seconds: dispatch to first
+    token, and the mean gap per output token after the first (the last token's time from
+    ``ending``, else the entry's; its output tokens from ``ending``, else those streamed).
+    ``None`` where not measured (no token; fewer than two)."""
+    first = entry.first_token_at
+    if first is None:
+        return None, None
+    ttft = first - entry.started_at
+    last = ending.finished_at if ending.finished_at is not None else entry.last_token_at
+    tokens = ending.produced_tokens if ending.produced_tokens is not None else entry.tokens_streamed
+    tpot = None
+    if last is not None and tokens is not None and tokens >= 2 and last > first:
+        tpot = (last - first) / (tokens - 1)
+    return (ttft if ttft >= 0.0 else None), tpot
 
 
 def _fallback_state(in_flight: Sequence[Any]) -> ReplicaState:

@@ -15,6 +15,7 @@ from typing import Generic, Protocol, TypeVar
 from gateway.admission.request import AdmissionRequest
 from gateway.admission.shares import EMPTY_LOAD, ClassLoad, StreamingRequest, class_loads, decode_elapsed_s
 from predictor import Forecast, ReplicaState, StepBatch, StepModel
+from predictor.correction import NO_CORRECTION, Correction
 
 __all__ = ["LiveEntry", "ReplicaView", "TrackedStream", "current_step_s", "with_queued"]
 
@@ -180,6 +181,9 @@ class ReplicaView:
     there (the HTTP hop and the replica server's own work, learned from its TTFTs: the live
     gateway's ``PredictionService``); admission adds it to every TTFT it holds against a deadline.
     0 where nothing is learned (virtual time).
+    ``correction``: the factors admission multiplies the engine's TTFT and TPOT forecasts by there,
+    per load regime, learned from what the gateway measured (``predictor.correction``; every
+    factor 1 when nothing is learned).
     """
 
     name: str
@@ -192,6 +196,7 @@ class ReplicaView:
     extra_tpot_s: float = 0.0
     built_at: float = math.nan
     dispatch_overhead_s: float = 0.0
+    correction: Correction = NO_CORRECTION
 
     @classmethod
     def build(
@@ -205,12 +210,13 @@ class ReplicaView:
         stale: bool = False,
         built_at: float = math.nan,
         dispatch_overhead_s: float = 0.0,
+        correction: Correction = NO_CORRECTION,
     ) -> ReplicaView:
         """Aggregate ``streams`` (the gateway's requests running there) once: O(k log k).
 
         ``stale`` or ``state.stale`` marks the view stale. Each stream's TPOT is floored at the
         replica's current decode step time (``current_step_s``). ``built_at``,
-        ``dispatch_overhead_s``: see the class.
+        ``dispatch_overhead_s``, ``correction``: see the class.
         """
         items = list(streams)
         loads = class_loads(items, current_step_s(model, state))
@@ -225,6 +231,7 @@ class ReplicaView:
             0.0,
             built_at,
             dispatch_overhead_s,
+            correction,
         )
 
     @property

@@ -191,14 +191,15 @@ class LivePredictions:
     # -- the admin view -------------------------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
-        """JSON-ready: every replica (state, requests, last snapshot) and the service's fits."""
+        """JSON-ready: every replica (state, requests, last snapshot) and the service's fits and
+        forecast corrections (``prediction.replicas.<name>.correction``)."""
         now = self._clock()
         replicas = []
         for entry in self.registry.describe():
             snapshot = self.scraper.latest(entry["name"])
             replicas.append({**entry, "metrics": snapshot_summary(snapshot, now)})
         try:
-            prediction: Mapping[str, object] = self.service.describe()
+            prediction: Mapping[str, object] = self.service.describe(now)
         except Exception as exc:
             log.exception("prediction service describe() failed")
             prediction = {"error": f"{exc.__class__.__name__}: {exc}"}

@@ -55,6 +55,7 @@ from predictor import (
     prefill_share,
     unknown_step_model,
 )
+from predictor.correction import Correction, CorrectionConfig, CorrectionLearner
 from predictor.forecast import SteadyState, TrafficMix, steady_state
 from predictor.overhead import added_overhead_s
 
@@ -101,6 +102,8 @@ class PredictionConfig:
     default: recent traffic predicts the next seconds' worse than the batch does (measured in
     docs/predictor-accuracy.md).
     ``arrival_min_span_s``: seconds of that history needed before a rate is trusted.
+    ``correction``: the measured correction of each replica's TTFT and TPOT forecasts
+    (``predictor.correction``: learned in ``on_finished``, read with ``correction``).
     """
 
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
@@ -122,6 +125,7 @@ class PredictionConfig:
     steady_state: bool = False
     arrival_memory_s: float = 60.0
     arrival_min_span_s: float = 10.0
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
 
     def __post_init__(self) -> None:
         if self.refit_interval_s < 0 or self.stale_after_s <= 0 or self.prefill_share_memory_s <= 0:
@@ -194,6 +198,7 @@ class PredictionService:
         self._replicas: dict[str, _Replica] = {}
         self._outputs = OutputLengthPredictor(self._config.output_length)
         self._prompts = PromptTokenEstimator(self._config.prompt_tokens)
+        self._corrections = CorrectionLearner(self._config.correction)
         #: Per-request estimates (``expected_output``, ``estimate_prompt_tokens``) depend only on
         #: what ``on_finished`` taught: kept until it teaches something that changes an answer
         #: (``OutputLengthPredictor.observe`` says when: about one finish in ``resort_every``;
@@ -219,10 +224,12 @@ class PredictionService:
         calibrator = StepCalibrator(prior, self._config.calibration)
         fitted = calibrator.fit(0.0)
         self._replicas[name] = _Replica(facts, calibrator, fitted.model, fitted.report)
+        self._corrections.forget(name)
 
     def remove_replica(self, name: str) -> None:
         """Forget ``name`` and its fit; unknown names are ignored."""
         self._replicas.pop(name, None)
+        self._corrections.forget(name)
 
     def replicas(self) -> tuple[str, ...]:
         """Names of the replicas the service knows, in insertion order."""
@@ -396,8 +403,11 @@ class PredictionService:
         forecast: Forecast | None = None,
         ttft_s: float | None = None,
         api: str | None = None,
+        relayed_ttft_s: float | None = None,
+        relayed_tpot_s: float | None = None,
     ) -> None:
-        """Learn from a finished request: its output length, chars per prompt token, its prefill.
+        """Learn from a finished request: its output length, chars per prompt token, its prefill,
+        and how far its measured latencies were from its forecast (the correction).
 
         ``None`` means the response carried no such number (no usage block, a non-text prompt).
         ``finished_at``: monotonic seconds its last token landed, when known (a step boundary of
@@ -407,8 +417,21 @@ class PredictionService:
         observation for ``replica``'s fit. Scrape windows are dominated by decode steps; these are
         the prefill-heavy steps the forecast needs most, measured where they happen. ``api``: the
         API it came through (the proxy's endpoint), for that API's residual (``api_residual_s``).
+        ``relayed_ttft_s`` / ``relayed_tpot_s``: its TTFT (dispatch to first token relayed) and
+        mean time per output token after the first as the caller relayed them, seconds (``None``:
+        not measured; the TTFT then defaults to ``ttft_s``): with ``forecast`` (its uncorrected
+        numbers, ``Forecast.base_ttft_s``), one sample of the replica's correction.
         """
         r = self._replicas.get(replica)
+        if r is not None and forecast is not None and finished_at is not None:
+            self._observe_correction(
+                replica,
+                forecast,
+                prompt_tokens,
+                ttft_s if relayed_ttft_s is None else relayed_ttft_s,
+                relayed_tpot_s,
+                finished_at,
+            )
         if r is not None and finished_at is not None:
             r.last_token_at = finished_at if r.last_token_at is None else max(r.last_token_at, finished_at)
             if (
@@ -447,6 +470,49 @@ class PredictionService:
         if prompt_chars is not None and prompt_tokens is not None:
             self._prompts.observe(model, prompt_chars, prompt_tokens)
             self._prompts_memo.clear()
+
+    def _observe_correction(
+        self,
+        replica: str,
+        forecast: Forecast,
+        prompt_tokens: int | None,
+        ttft_s: float | None,
+        tpot_s: float | None,
+        at: float,
+    ) -> None:
+        """One sample of ``replica``'s correction: the measured TTFT (less the dispatch overhead the
+        forecast added, which is learned apart) and TPOT over the forecast's uncorrected ones, in
+        the regime the forecast was made in (its prompt, the batch its prefill joined)."""
+        if not forecast.valid:
+            return
+        batch = forecast.prefill_batch
+        decodes = batch.decode_seqs if batch is not None else 0.0
+        prompt = prompt_tokens if prompt_tokens is not None else 0
+        ttft = None
+        if ttft_s is not None and math.isfinite(forecast.base_ttft_s):
+            ttft = (ttft_s - forecast.overhead_s, forecast.base_ttft_s, forecast.ttft_factor)
+        tpot = None
+        if tpot_s is not None and math.isfinite(forecast.base_tpot_s):
+            tpot = (tpot_s, forecast.base_tpot_s, forecast.tpot_factor)
+        self._corrections.observe(
+            replica, at=at, prompt_tokens=prompt, decode_seqs=decodes, ttft=ttft, tpot=tpot
+        )
+
+    def correction(self, replica: str, now: float) -> Correction:
+        """The factors admission multiplies ``replica``'s engine TTFT and TPOT forecasts by at
+        ``now``, per load regime (``predictor.correction``; every factor 1 when nothing is learned
+        or ``PredictionConfig.correction`` is off)."""
+        return self._corrections.correction(replica, now)
+
+    @property
+    def corrections(self) -> CorrectionLearner:
+        """The correction learner (its state, for reports and metrics)."""
+        return self._corrections
+
+    def configure_correction(self, config: CorrectionConfig) -> None:
+        """Take new correction knobs (a reload); what was learned is kept."""
+        self._config = dataclasses.replace(self._config, correction=config)
+        self._corrections.configure(config)
 
     def _observe_overhead(self, r: _Replica, snapshot: ReplicaSnapshot) -> None:
         """Update ``r.overhead_ewma_s`` from one scrape window.
@@ -772,11 +838,13 @@ class PredictionService:
         r = self._replicas.get(replica)
         return None if r is None else r.report
 
-    def describe(self) -> dict[str, object]:
-        """JSON-ready state for an admin endpoint: per replica its facts, fit and freshness."""
+    def describe(self, now: float | None = None) -> dict[str, object]:
+        """JSON-ready state for an admin endpoint: per replica its facts, fit, freshness and
+        forecast correction as of ``now`` (the caller's seconds; ``None``: its latest snapshot)."""
         replicas: dict[str, object] = {}
         for name, r in self._replicas.items():
             s = r.snapshot
+            at = now if now is not None else (s.taken_at if s is not None else 0.0)
             obs = r.last_observation
             replicas[name] = {
                 "facts": dataclasses.asdict(r.facts),
@@ -799,6 +867,7 @@ class PredictionService:
                 "prefill_share": r.load.prefill_share,
                 "dispatch_overhead_s": r.overhead_s,
                 "api_ttft_residuals_s": {a: self.api_residual_s(name, a) for a in sorted(r.api_requests)},
+                "correction": self._corrections.describe(name, at),
                 "steady_state": None
                 if r.steady is None
                 else {

@@ -35,6 +35,7 @@ from gateway.admission.policies import (
 )
 from gateway.replicas.registry import LiveRequest
 from predictor import ReplicaState, StepModel
+from predictor.correction import NO_CORRECTION, Correction
 from tests.unit.admission.fleet import MODEL, SETTINGS, request, state, streams, view
 
 
@@ -286,6 +287,9 @@ class Predictions:
 
     def dispatch_overhead_s(self, replica: str) -> float:
         return 0.0
+
+    def correction(self, replica: str, now: float) -> Correction:
+        return NO_CORRECTION
 
     def on_finished(self, **facts: Any) -> None:
         """Learns nothing: these replicas' load is what the test sets."""

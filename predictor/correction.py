@@ -1,0 +1,435 @@
+"""Forecasts corrected by measurement: per replica, what the caller measured over what was forecast.
+
+The step model prices engine steps; a real replica's API server (tokenisation, detokenisation,
+streaming, contention for the host's cores) adds time no step model sees, and on a slow host it
+can double a TTFT. The caller measures every admitted request's TTFT and TPOT as it relays the
+stream, so no systematic error needs to survive for long: ``CorrectionLearner`` keeps, per
+replica, a robust time-weighted estimate of ``log(measured / forecast)`` for TTFT and for TPOT, by
+**load regime** (``regime``: the prompt's size and the batch the request joined), and
+``Correction`` is the immutable snapshot a forecast multiplies its TTFT and TPOT by.
+
+* **Robust and quick**: the estimate is a weighted median of the samples, each weighing
+  ``2^(-age / half_life_s)``. After a step change the new level holds half the weight one
+  half-life later, so the median moves there then, all at once and within the data's range: no
+  overshoot, and no single outlier moves it.
+* **Pooled**: a regime's estimate is shrunk toward the replica-wide one by ``prior_weight``
+  (pseudo-samples), so a regime with few samples borrows from the others.
+* **Forgetting**: the replica-wide estimate is shrunk toward no correction by ``forget_weight``
+  pseudo-samples against the samples' decayed weight now, so a replica that stops finishing
+  requests (refused on a large correction, or idle) drifts back to its model's forecast over a
+  few half-lives instead of keeping what a burst taught (a lock-out guard).
+* **Against the model**: samples compare the measured latency with the *uncorrected* forecast
+  (``Forecast.base_ttft_s``), so the estimate does not feed on itself; its residual (the error
+  left after the correction the forecast carried) is kept apart for reporting.
+
+Pure and synchronous: times are the caller's seconds. Not thread-safe.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Final
+
+__all__ = [
+    "BATCH_EDGES",
+    "NO_CORRECTION",
+    "PROMPT_EDGES",
+    "Correction",
+    "CorrectionConfig",
+    "CorrectionLearner",
+    "Residuals",
+    "regime",
+    "regime_label",
+]
+
+#: Prompt-size bins (tokens): below 256, 256-1023, 1024-4095, 4096 and more. Tokenisation and
+#: prefill grow with the prompt; an API server's per-request work does not, so the ratio differs.
+PROMPT_EDGES: Final = (256, 1024, 4096)
+#: Batch bins (decode sequences the request joins): 0 (idle), 1-3, 4-15, 16 and more. The host's
+#: contention grows with the streams it relays.
+BATCH_EDGES: Final = (1, 4, 16)
+_N_BATCH: Final = len(BATCH_EDGES) + 1
+_N_REGIMES: Final = (len(PROMPT_EDGES) + 1) * _N_BATCH
+_LN2: Final = math.log(2.0)
+
+
+def regime(prompt_tokens: float, decode_seqs: float) -> int:
+    """The load regime (0 .. 15) of a request of ``prompt_tokens`` joining ``decode_seqs`` decodes."""
+    p = bisect.bisect_right(PROMPT_EDGES, prompt_tokens)
+    b = bisect.bisect_right(BATCH_EDGES, decode_seqs)
+    return p * _N_BATCH + b
+
+
+def regime_label(index: int) -> str:
+    """A regime's name for reports: ``prompt<256,batch=0``-style."""
+    p, b = divmod(index, _N_BATCH)
+    return f"prompt{_bin(PROMPT_EDGES, p)},batch{_bin(BATCH_EDGES, b)}"
+
+
+def _bin(edges: tuple[int, ...], i: int) -> str:
+    if i == 0:
+        return f"<{edges[0]}" if edges[0] > 1 else "=0"
+    if i == len(edges):
+        return f">={edges[-1]}"
+    return f"{edges[i - 1]}-{edges[i] - 1}"
+
+
+@dataclass(frozen=True, slots=True)
+class CorrectionConfig:
+    """Knobs of the correction.
+
+    ``enabled``: learn and apply it (off: every factor 1, nothing learned).
+    ``half_life_s``: seconds after which a sample weighs half (a step change is followed about
+    one half-life later). ``memory_half_lives``: samples older than this many half-lives are
+    dropped. ``max_samples``: most samples kept per regime and per replica-wide estimate.
+    ``prior_weight``: pseudo-samples pulling a regime toward the replica-wide estimate.
+    ``forget_weight``: pseudo-samples pulling the replica-wide estimate toward no correction
+    (its decayed sample weight is compared with it: a replica with recent finishes keeps its
+    estimate, one without drifts back to 1). ``min_factor`` / ``max_factor``: the range a factor is
+    clamped to; a sample whose ratio falls outside it is not learned from (counted apart).
+    ``residual_window_s``: seconds of residuals kept for ``Residuals``.
+    """
+
+    enabled: bool = True
+    half_life_s: float = 15.0
+    memory_half_lives: float = 4.0
+    max_samples: int = 256
+    prior_weight: float = 4.0
+    forget_weight: float = 1.0
+    min_factor: float = 0.25
+    max_factor: float = 10.0
+    residual_window_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.half_life_s > 0 or not self.memory_half_lives >= 1 or self.max_samples < 1:
+            raise ValueError("half_life_s must be > 0, memory_half_lives >= 1, max_samples >= 1")
+        if self.prior_weight < 0 or self.forget_weight < 0:
+            raise ValueError("prior_weight and forget_weight must be >= 0")
+        if not 0.0 < self.min_factor <= 1.0 <= self.max_factor:
+            raise ValueError("min_factor must be in (0, 1] and max_factor >= 1")
+        if not self.residual_window_s > 0:
+            raise ValueError("residual_window_s must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Correction:
+    """The factors to multiply a replica's forecasts by, per regime (``regime``); immutable.
+
+    ``ttft`` / ``tpot``: one factor per regime (``len == 16``), or empty for no correction.
+    """
+
+    ttft: tuple[float, ...] = ()
+    tpot: tuple[float, ...] = ()
+
+    def factors(self, prompt_tokens: float, decode_seqs: float) -> tuple[float, float]:
+        """(TTFT factor, TPOT factor) for a request of ``prompt_tokens`` joining ``decode_seqs``."""
+        if not self.ttft:
+            return 1.0, 1.0
+        i = regime(prompt_tokens, decode_seqs)
+        return self.ttft[i], self.tpot[i]
+
+    @property
+    def active(self) -> bool:
+        """Whether any factor differs from 1."""
+        return any(f != 1.0 for f in self.ttft) or any(f != 1.0 for f in self.tpot)
+
+
+#: No correction: every factor 1.
+NO_CORRECTION: Final = Correction()
+
+
+@dataclass(slots=True)
+class _Samples:
+    """Samples of one log-ratio, newest last: (time, value), and the weighted median of them."""
+
+    points: deque[tuple[float, float]] = field(default_factory=deque)
+    median: float = 0.0
+    #: Sum of the samples' weights at the newest sample's time (each ``2^(-age / half-life)``).
+    weight: float = 0.0
+
+    def add(self, at: float, value: float, cfg: CorrectionConfig) -> None:
+        points = self.points
+        points.append((at, value))
+        horizon = at - cfg.memory_half_lives * cfg.half_life_s
+        while points and (points[0][0] < horizon or len(points) > cfg.max_samples):
+            points.popleft()
+        newest = points[-1][0]
+        ordered = sorted((v, 2.0 ** ((t - newest) / cfg.half_life_s)) for t, v in points)
+        total = sum(w for _, w in ordered)
+        self.weight = total
+        self.median = _weighted_median(ordered, total)
+
+    def weight_at(self, now: float, half_life_s: float) -> float:
+        """The samples' total weight at ``now`` (decayed since the newest)."""
+        if not self.points:
+            return 0.0
+        age = max(0.0, now - self.points[-1][0])
+        return self.weight * math.exp(-_LN2 * age / half_life_s)
+
+
+def _weighted_median(ordered: list[tuple[float, float]], total: float) -> float:
+    """The weighted median of (value, weight) pairs sorted by value (the mean of the two middle
+    values where the halves meet exactly)."""
+    half = total / 2.0
+    run = 0.0
+    for i, (v, w) in enumerate(ordered):
+        run += w
+        if run > half + 1e-12:
+            return v
+        if abs(run - half) <= 1e-12 and i + 1 < len(ordered):
+            return (v + ordered[i + 1][0]) / 2.0
+    return ordered[-1][0] if ordered else 0.0
+
+
+@dataclass(slots=True)
+class _Metric:
+    """One latency's (TTFT's or TPOT's) estimates for one replica: replica-wide (reported), per
+    batch bin (what a regime is pooled toward) and per regime."""
+
+    overall: _Samples = field(default_factory=_Samples)
+    batches: dict[int, _Samples] = field(default_factory=dict)
+    regimes: dict[int, _Samples] = field(default_factory=dict)
+    #: Samples ever taken, and refused as out of range (for reports).
+    count: int = 0
+    rejected: int = 0
+
+    def add(self, at: float, index: int, value: float, cfg: CorrectionConfig) -> None:
+        self.overall.add(at, value, cfg)
+        self.batches.setdefault(index % _N_BATCH, _Samples()).add(at, value, cfg)
+        self.regimes.setdefault(index, _Samples()).add(at, value, cfg)
+        self.count += 1
+
+    def overall_log(self, now: float, cfg: CorrectionConfig) -> float:
+        """The replica-wide log factor at ``now``: the median shrunk toward 0 by ``forget_weight``."""
+        return _forgetting(self.overall, now, cfg)
+
+    def factors(self, now: float, cfg: CorrectionConfig) -> tuple[float, ...]:
+        """Each regime's factor at ``now``: its median shrunk toward its batch bin's by
+        ``prior_weight``, that one toward no correction by ``forget_weight``. Not toward the
+        replica-wide median: the error a burst teaches its busy regimes (the load admitted after
+        a request slows it) must not close an idle replica to light requests."""
+        lo, hi = math.log(cfg.min_factor), math.log(cfg.max_factor)
+        pooled = {b: _forgetting(s, now, cfg) for b, s in self.batches.items()}
+        out = []
+        for i in range(_N_REGIMES):
+            base = pooled.get(i % _N_BATCH, 0.0)
+            s = self.regimes.get(i)
+            value = base
+            if s is not None and s.points:
+                w = s.weight_at(now, cfg.half_life_s)
+                value = (w * s.median + cfg.prior_weight * base) / (w + cfg.prior_weight)
+            out.append(math.exp(min(hi, max(lo, value))))
+        return tuple(out)
+
+
+def _forgetting(s: _Samples, now: float, cfg: CorrectionConfig) -> float:
+    """``s``'s weighted median at ``now``, shrunk toward 0 (no correction) by ``forget_weight``
+    pseudo-samples against its decayed weight."""
+    w = s.weight_at(now, cfg.half_life_s)
+    if w <= 0.0:
+        return 0.0
+    return s.median * w / (w + cfg.forget_weight)
+
+
+@dataclass(frozen=True, slots=True)
+class Residuals:
+    """Relative errors (``measured / forecast - 1``) of one latency over the residual window.
+
+    ``before_*``: against the uncorrected forecast; ``after_*``: against the forecast as corrected
+    when it was made. ``median``: signed (negative: forecasts were too high); ``p90_abs``: the
+    90th percentile of the absolute error. ``None``: no sample in the window.
+    """
+
+    samples: int
+    before_median: float | None
+    before_p90_abs: float | None
+    after_median: float | None
+    after_p90_abs: float | None
+
+
+@dataclass(slots=True)
+class _Replica:
+    ttft: _Metric = field(default_factory=_Metric)
+    tpot: _Metric = field(default_factory=_Metric)
+    #: (time, before, after) relative errors, for ``Residuals``.
+    ttft_errors: deque[tuple[float, float, float]] = field(default_factory=deque)
+    tpot_errors: deque[tuple[float, float, float]] = field(default_factory=deque)
+    #: The snapshot last built and the time it was built for (rebuilt when stale by a sample or
+    #: by more than a tenth of a half-life of decay).
+    cached: Correction | None = None
+    cached_at: float = -math.inf
+
+
+class CorrectionLearner:
+    """Per-replica correction factors learned from measured latencies (see the module docstring)."""
+
+    def __init__(self, config: CorrectionConfig | None = None) -> None:
+        self._config = config or CorrectionConfig()
+        self._replicas: dict[str, _Replica] = {}
+
+    @property
+    def config(self) -> CorrectionConfig:
+        return self._config
+
+    def configure(self, config: CorrectionConfig) -> None:
+        """Take new knobs (a reload); what was learned is kept, the snapshots are rebuilt."""
+        self._config = config
+        for r in self._replicas.values():
+            r.cached = None
+
+    def forget(self, replica: str) -> None:
+        """Drop everything learned about ``replica`` (removed, or its configuration changed)."""
+        self._replicas.pop(replica, None)
+
+    def observe(
+        self,
+        replica: str,
+        *,
+        at: float,
+        prompt_tokens: float,
+        decode_seqs: float,
+        ttft: tuple[float, float, float] | None = None,
+        tpot: tuple[float, float, float] | None = None,
+    ) -> None:
+        """One finished request on ``replica`` at ``at`` (seconds), dispatched into the regime of
+        ``prompt_tokens`` and ``decode_seqs``. ``ttft`` / ``tpot``: (measured, uncorrected
+        forecast, factor the forecast carried), seconds, seconds, ratio; ``None`` or a
+        non-positive or non-finite number: not measured. Does nothing when disabled."""
+        cfg = self._config
+        if not cfg.enabled:
+            return
+        r = self._replicas.get(replica)
+        if r is None:
+            r = self._replicas[replica] = _Replica()
+        index = regime(prompt_tokens, decode_seqs)
+        learned = False
+        for sample, metric, errors in ((ttft, r.ttft, r.ttft_errors), (tpot, r.tpot, r.tpot_errors)):
+            if sample is None:
+                continue
+            measured, base, factor = sample
+            if not (_positive(measured) and _positive(base) and _positive(factor)):
+                continue
+            if not cfg.min_factor <= measured / base <= cfg.max_factor:
+                # Not a bias a factor in range could remove: a step model far off (a fit gone
+                # wrong, which the next refit replaces) or a request that stalled. Learned from,
+                # it would hold the clamp against the next model too.
+                metric.rejected += 1
+                continue
+            log_ratio = math.log(measured / base)
+            metric.add(at, index, log_ratio, cfg)
+            errors.append((at, measured / base - 1.0, measured / (base * factor) - 1.0))
+            while errors and errors[0][0] < at - cfg.residual_window_s:
+                errors.popleft()
+            learned = True
+        if learned:
+            r.cached = None
+
+    def correction(self, replica: str, now: float) -> Correction:
+        """The factors to apply to ``replica``'s forecasts at ``now`` (``NO_CORRECTION`` when
+        disabled or nothing learned). Cheap: rebuilt only after a sample or a tenth of a
+        half-life of decay."""
+        cfg = self._config
+        r = self._replicas.get(replica)
+        if not cfg.enabled or r is None or (r.ttft.count == 0 and r.tpot.count == 0):
+            return NO_CORRECTION
+        if r.cached is None or abs(now - r.cached_at) > 0.1 * cfg.half_life_s:
+            r.cached = Correction(r.ttft.factors(now, cfg), r.tpot.factors(now, cfg))
+            r.cached_at = now
+        return r.cached
+
+    def residuals(self, replica: str, metric: str, now: float) -> Residuals:
+        """``metric``'s (``"ttft"`` or ``"tpot"``) relative errors on ``replica`` over the last
+        ``residual_window_s`` seconds before ``now``."""
+        r = self._replicas.get(replica)
+        if metric not in ("ttft", "tpot"):
+            raise ValueError(f"metric must be 'ttft' or 'tpot', got {metric!r}")
+        if r is None:
+            return Residuals(0, None, None, None, None)
+        errors = r.ttft_errors if metric == "ttft" else r.tpot_errors
+        since = now - self._config.residual_window_s
+        kept = [(b, a) for t, b, a in errors if t >= since]
+        if not kept:
+            return Residuals(0, None, None, None, None)
+        before = [b for b, _ in kept]
+        after = [a for _, a in kept]
+        return Residuals(
+            len(kept),
+            _quantile(before, 0.5),
+            _quantile([abs(b) for b in before], 0.9),
+            _quantile(after, 0.5),
+            _quantile([abs(a) for a in after], 0.9),
+        )
+
+    def describe(self, replica: str, now: float) -> dict[str, object]:
+        """JSON-ready state of ``replica``'s correction at ``now``: the knobs that matter, each
+        latency's replica-wide factor, samples and decayed weight, and per regime with samples its
+        factor, samples and weight; the residuals."""
+        cfg = self._config
+        r = self._replicas.get(replica)
+        out: dict[str, object] = {"enabled": cfg.enabled, "half_life_s": cfg.half_life_s}
+        correction = self.correction(replica, now)
+        for name in ("ttft", "tpot"):
+            metric = None if r is None else (r.ttft if name == "ttft" else r.tpot)
+            factors = correction.ttft if name == "ttft" else correction.tpot
+            res = self.residuals(replica, name, now)
+            regimes: dict[str, object] = {}
+            if metric is not None:
+                for i in sorted(metric.regimes):
+                    s = metric.regimes[i]
+                    regimes[regime_label(i)] = {
+                        "factor": factors[i] if factors else 1.0,
+                        "samples": len(s.points),
+                        "weight": s.weight_at(now, cfg.half_life_s),
+                    }
+            overall = 0.0 if metric is None else metric.overall_log(now, cfg)
+            out[name] = {
+                "factor": math.exp(min(math.log(cfg.max_factor), max(math.log(cfg.min_factor), overall))),
+                "samples_total": 0 if metric is None else metric.count,
+                "samples_out_of_range": 0 if metric is None else metric.rejected,
+                "samples": 0 if metric is None else len(metric.overall.points),
+                "weight": 0.0 if metric is None else metric.overall.weight_at(now, cfg.half_life_s),
+                "regimes": regimes,
+                "residual": {
+                    "samples": res.samples,
+                    "before_median": res.before_median,
+                    "before_p90_abs": res.before_p90_abs,
+                    "after_median": res.after_median,
+                    "after_p90_abs": res.after_p90_abs,
+                },
+            }
+        return out
+
+    def overall_factor(self, replica: str, metric: str, now: float) -> float:
+        """``metric``'s (``"ttft"`` or ``"tpot"``) replica-wide factor on ``replica`` at ``now``
+        (1 when nothing is learned or disabled), clamped as the regimes' are."""
+        cfg = self._config
+        r = self._replicas.get(replica)
+        if r is None or not cfg.enabled:
+            return 1.0
+        m = r.ttft if metric == "ttft" else r.tpot
+        value = m.overall_log(now, cfg)
+        return math.exp(min(math.log(cfg.max_factor), max(math.log(cfg.min_factor), value)))
+
+    def samples(self, replica: str, metric: str) -> int:
+        """Samples ``metric`` (``"ttft"`` or ``"tpot"``) ever took on ``replica``."""
+        r = self._replicas.get(replica)
+        if r is None:
+            return 0
+        return (r.ttft if metric == "ttft" else r.tpot).count
+
+
+def _positive(x: float) -> bool:
+    return math.isfinite(x) and x > 0.0
+
+
+def _quantile(values: Iterable[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (linear between order statistics); ``values`` not empty."""
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
