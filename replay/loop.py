@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -50,6 +51,7 @@ __all__ = [
     "GatewayRequest",
     "IdleHooks",
     "Outcome",
+    "PromptText",
     "ReplicaHandle",
     "Targets",
     "VirtualTimeLoop",
@@ -82,6 +84,37 @@ class GatewayRequest:
     arrival_s: float
     prompt_tokens: int
     max_tokens: int
+    prompt_chars: int | None = None
+
+    @property
+    def sized_from_text(self) -> bool:
+        """The gateway estimates the prompt's tokens from ``prompt_chars`` (its characters), as it
+        does for a text prompt live; ``False``: sent as token ids, ``prompt_tokens`` is exact."""
+        return self.prompt_chars is not None
+
+
+@dataclass(frozen=True, slots=True)
+class PromptText:
+    """Prompts sent as text: request ``i``'s characters are its true tokens times a
+    characters-per-token ratio drawn for it, log-normal with median ``chars_per_token`` and
+    log-space standard deviation ``spread`` (a real tokeniser's ratio varies with the text:
+    prose, code, other languages), seeded by ``seed`` and ``i``. The gateway sees only the
+    characters and sizes the prompt from them at its learned ratio, as live."""
+
+    chars_per_token: float = 4.0
+    spread: float = 0.2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.chars_per_token <= 0 or self.spread < 0:
+            raise ValueError("chars_per_token must be > 0 and spread >= 0")
+
+    def chars(self, index: int, tokens: int) -> int:
+        """Characters of request ``index``'s ``tokens``-token prompt (>= 1)."""
+        ratio = self.chars_per_token * math.exp(
+            self.spread * random.Random(f"{self.seed}:{index}").gauss(0.0, 1.0)
+        )
+        return max(1, round(tokens * ratio))
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +169,8 @@ class FleetConfig:
     ``tenants``: tenants the requests are assigned to, round robin by arrival order.
     ``jitter``: engines' step-time noise; engine ``i`` is seeded ``seed + i``.
     ``scrape_interval_s`` / ``window_s``: as the live scraper's ``interval`` and ``window``.
+    ``text``: prompts sent as text, sized by the gateway from their characters (``None``: sent
+    as token ids, sized exactly).
     """
 
     profile: Profile
@@ -147,6 +182,7 @@ class FleetConfig:
     seed: int = 0
     tenants: int = 4
     window_s: float = DEFAULT_WINDOW_S
+    text: PromptText | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.max_tokens < 1 or self.tenants < 1:
@@ -229,7 +265,10 @@ def gateway_requests(
         if check_fit and t.prompt_tokens + t.output_tokens > limit:
             raise ValueError(f"request {i} does not fit max_model_len {limit}: use fit_to_model_len")
         max_tokens = max(t.output_tokens, min(config.max_tokens, limit - t.prompt_tokens))
-        requests.append(GatewayRequest(i, f"t{i % config.tenants}", t.arrival_s, t.prompt_tokens, max_tokens))
+        chars = None if config.text is None else config.text.chars(i, t.prompt_tokens)
+        requests.append(
+            GatewayRequest(i, f"t{i % config.tenants}", t.arrival_s, t.prompt_tokens, max_tokens, chars)
+        )
     return requests
 
 

@@ -301,12 +301,20 @@ class SluicePolicy(_Base):
     def on_arrival(self, request: GatewayRequest, now: float) -> None:
         self._submit(request, now)
 
+    def _sized(self, request: GatewayRequest) -> int:
+        """``request``'s prompt tokens as the gateway judges them: exact when sent as token ids,
+        else estimated from its characters at the service's learned ratio (as
+        ``gateway.admission.sizing.prompt_tokens_of`` does live)."""
+        if request.prompt_chars is None:
+            return request.prompt_tokens
+        return max(self.service.estimate_prompt_tokens(self._model, request.prompt_chars), 1)
+
     def _submit(self, request: GatewayRequest, now: float) -> None:
         """Decide ``request`` (arrived at ``request.arrival_s``) now, as ``LiveAdmission.admit``."""
         areq = self.engine.request(
             str(request.index),
             self._model,
-            prompt_tokens=request.prompt_tokens,
+            prompt_tokens=self._sized(request),
             max_tokens=request.max_tokens,
             request_class=self.request_class,
             arrival_s=request.arrival_s,
@@ -358,7 +366,13 @@ class SluicePolicy(_Base):
     ) -> None:
         # As the live adapter: one ``finish`` forgets, charges, settles, learns, re-evaluates.
         key = self._sent.pop(request.index, -1)
-        ending = Ending(stats.generation_tokens, stats.prompt_tokens, finished_at=now, ttft_s=stats.ttft_s)
+        ending = Ending(
+            stats.generation_tokens,
+            stats.prompt_tokens,
+            finished_at=now,
+            ttft_s=stats.ttft_s,
+            prompt_chars=request.prompt_chars,
+        )
         self._apply(self.engine.finish(key, ending, now), now)
 
     def replica_refused(self, request: GatewayRequest, back_off_s: float, now: float, *, retry: bool) -> None:
