@@ -55,6 +55,8 @@ BATCH_EDGES: Final = (1, 4, 16)
 _N_BATCH: Final = len(BATCH_EDGES) + 1
 _N_REGIMES: Final = (len(PROMPT_EDGES) + 1) * _N_BATCH
 _LN2: Final = math.log(2.0)
+#: Least time between two rebuilds of a replica's ``Correction``, in half-lives (0.75 s at 15 s).
+_REBUILD_HALF_LIVES: Final = 0.05
 
 
 def regime(prompt_tokens: float, decode_seqs: float) -> int:
@@ -144,12 +146,15 @@ NO_CORRECTION: Final = Correction()
 
 @dataclass(slots=True)
 class _Samples:
-    """Samples of one log-ratio, newest last: (time, value), and the weighted median of them."""
+    """Samples of one log-ratio, newest last: (time, value), and the weighted median of them
+    (computed when read after a change: ``refresh``)."""
 
     points: deque[tuple[float, float]] = field(default_factory=deque)
-    median: float = 0.0
+    _median: float = 0.0
     #: Sum of the samples' weights at the newest sample's time (each ``2^(-age / half-life)``).
-    weight: float = 0.0
+    _weight: float = 0.0
+    _dirty: bool = False
+    _half_life_s: float = 1.0
 
     def add(self, at: float, value: float, cfg: CorrectionConfig) -> None:
         points = self.points
@@ -157,18 +162,37 @@ class _Samples:
         horizon = at - cfg.memory_half_lives * cfg.half_life_s
         while points and (points[0][0] < horizon or len(points) > cfg.max_samples):
             points.popleft()
+        self._dirty = True
+        self._half_life_s = cfg.half_life_s
+
+    def _refresh(self) -> None:
+        if not self._dirty:
+            return
+        self._dirty = False
+        points = self.points
+        if not points:
+            self._median = self._weight = 0.0
+            return
         newest = points[-1][0]
-        ordered = sorted((v, 2.0 ** ((t - newest) / cfg.half_life_s)) for t, v in points)
+        k = _LN2 / self._half_life_s
+        ordered = sorted((v, math.exp(k * (t - newest))) for t, v in points)
         total = sum(w for _, w in ordered)
-        self.weight = total
-        self.median = _weighted_median(ordered, total)
+        self._weight = total
+        self._median = _weighted_median(ordered, total)
+
+    @property
+    def median(self) -> float:
+        """The samples' weighted median (0 without samples)."""
+        self._refresh()
+        return self._median
 
     def weight_at(self, now: float, half_life_s: float) -> float:
         """The samples' total weight at ``now`` (decayed since the newest)."""
         if not self.points:
             return 0.0
+        self._refresh()
         age = max(0.0, now - self.points[-1][0])
-        return self.weight * math.exp(-_LN2 * age / half_life_s)
+        return self._weight * math.exp(-_LN2 * age / half_life_s)
 
 
 def _weighted_median(ordered: list[tuple[float, float]], total: float) -> float:
@@ -258,10 +282,11 @@ class _Replica:
     #: (time, before, after) relative errors, for ``Residuals``.
     ttft_errors: deque[tuple[float, float, float]] = field(default_factory=deque)
     tpot_errors: deque[tuple[float, float, float]] = field(default_factory=deque)
-    #: The snapshot last built and the time it was built for (rebuilt when stale by a sample or
-    #: by more than a tenth of a half-life of decay).
+    #: The snapshot last built and the time it was built for (``CorrectionLearner.correction``).
     cached: Correction | None = None
     cached_at: float = -math.inf
+    #: A sample came since it was built.
+    changed: bool = False
 
 
 class CorrectionLearner:
@@ -326,19 +351,22 @@ class CorrectionLearner:
                 errors.popleft()
             learned = True
         if learned:
-            r.cached = None
+            r.changed = True
 
     def correction(self, replica: str, now: float) -> Correction:
         """The factors to apply to ``replica``'s forecasts at ``now`` (``NO_CORRECTION`` when
-        disabled or nothing learned). Cheap: rebuilt only after a sample or a tenth of a
-        half-life of decay."""
+        disabled or nothing learned). Cheap: rebuilt at most every ``_REBUILD_HALF_LIVES`` of a
+        half-life, and then only if a sample came or a tenth of a half-life of decay passed (a
+        request's forecast can thus miss the samples of the last fraction of a second)."""
         cfg = self._config
         r = self._replicas.get(replica)
         if not cfg.enabled or r is None or (r.ttft.count == 0 and r.tpot.count == 0):
             return NO_CORRECTION
-        if r.cached is None or abs(now - r.cached_at) > 0.1 * cfg.half_life_s:
+        age = abs(now - r.cached_at)
+        due = age >= _REBUILD_HALF_LIVES * cfg.half_life_s and (r.changed or age > 0.1 * cfg.half_life_s)
+        if r.cached is None or due:
             r.cached = Correction(r.ttft.factors(now, cfg), r.tpot.factors(now, cfg))
-            r.cached_at = now
+            r.cached_at, r.changed = now, False
         return r.cached
 
     def residuals(self, replica: str, metric: str, now: float) -> Residuals:
