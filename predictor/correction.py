@@ -28,6 +28,7 @@ Pure and synchronous: times are the caller's seconds. Not thread-safe.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Iterable
@@ -41,6 +42,9 @@ __all__ = [
     "Correction",
     "CorrectionConfig",
     "CorrectionLearner",
+    "CorrectionState",
+    "LatencyState",
+    "RegimeState",
     "Residuals",
     "regime",
     "regime_label",
@@ -275,6 +279,45 @@ class Residuals:
     after_p90_abs: float | None
 
 
+@dataclass(frozen=True, slots=True)
+class RegimeState:
+    """One load regime's factor (``regime_label``), samples kept and their decayed weight now."""
+
+    regime: str
+    factor: float
+    samples: int
+    weight: float
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyState:
+    """One latency's (TTFT's or TPOT's) correction on one replica, for reports.
+
+    ``factor``: the replica-wide factor (what a regime without samples of its batch bin would
+    not use: reported for the overview). ``samples_total`` / ``out_of_range_total``: samples
+    learned from and refused since start; ``samples`` / ``weight``: those kept now and their
+    decayed weight (effective samples). ``regimes``: each regime with samples kept.
+    """
+
+    factor: float
+    samples_total: int
+    out_of_range_total: int
+    samples: int
+    weight: float
+    regimes: tuple[RegimeState, ...]
+    residuals: Residuals
+
+
+@dataclass(frozen=True, slots=True)
+class CorrectionState:
+    """A replica's correction (``CorrectionLearner.state``): the knobs that matter and each latency's."""
+
+    enabled: bool
+    half_life_s: float
+    ttft: LatencyState
+    tpot: LatencyState
+
+
 @dataclass(slots=True)
 class _Replica:
     ttft: _Metric = field(default_factory=_Metric)
@@ -392,44 +435,40 @@ class CorrectionLearner:
             _quantile([abs(a) for a in after], 0.9),
         )
 
-    def describe(self, replica: str, now: float) -> dict[str, object]:
-        """JSON-ready state of ``replica``'s correction at ``now``: the knobs that matter, each
-        latency's replica-wide factor, samples and decayed weight, and per regime with samples its
-        factor, samples and weight; the residuals."""
+    def state(self, replica: str, now: float) -> CorrectionState:
+        """``replica``'s correction at ``now``, for reports: per latency its replica-wide factor,
+        samples and weight, each regime with samples kept, and the residuals."""
         cfg = self._config
         r = self._replicas.get(replica)
-        out: dict[str, object] = {"enabled": cfg.enabled, "half_life_s": cfg.half_life_s}
         correction = self.correction(replica, now)
+        latencies = []
         for name in ("ttft", "tpot"):
             metric = None if r is None else (r.ttft if name == "ttft" else r.tpot)
             factors = correction.ttft if name == "ttft" else correction.tpot
-            res = self.residuals(replica, name, now)
-            regimes: dict[str, object] = {}
+            regimes: list[RegimeState] = []
             if metric is not None:
                 for i in sorted(metric.regimes):
                     s = metric.regimes[i]
-                    regimes[regime_label(i)] = {
-                        "factor": factors[i] if factors else 1.0,
-                        "samples": len(s.points),
-                        "weight": s.weight_at(now, cfg.half_life_s),
-                    }
-            overall = 0.0 if metric is None else metric.overall_log(now, cfg)
-            out[name] = {
-                "factor": math.exp(min(math.log(cfg.max_factor), max(math.log(cfg.min_factor), overall))),
-                "samples_total": 0 if metric is None else metric.count,
-                "samples_out_of_range": 0 if metric is None else metric.rejected,
-                "samples": 0 if metric is None else len(metric.overall.points),
-                "weight": 0.0 if metric is None else metric.overall.weight_at(now, cfg.half_life_s),
-                "regimes": regimes,
-                "residual": {
-                    "samples": res.samples,
-                    "before_median": res.before_median,
-                    "before_p90_abs": res.before_p90_abs,
-                    "after_median": res.after_median,
-                    "after_p90_abs": res.after_p90_abs,
-                },
-            }
-        return out
+                    if s.points:
+                        factor = factors[i] if factors else 1.0
+                        weight = s.weight_at(now, cfg.half_life_s)
+                        regimes.append(RegimeState(regime_label(i), factor, len(s.points), weight))
+            latencies.append(
+                LatencyState(
+                    factor=self.overall_factor(replica, name, now),
+                    samples_total=0 if metric is None else metric.count,
+                    out_of_range_total=0 if metric is None else metric.rejected,
+                    samples=0 if metric is None else len(metric.overall.points),
+                    weight=0.0 if metric is None else metric.overall.weight_at(now, cfg.half_life_s),
+                    regimes=tuple(regimes),
+                    residuals=self.residuals(replica, name, now),
+                )
+            )
+        return CorrectionState(cfg.enabled, cfg.half_life_s, latencies[0], latencies[1])
+
+    def describe(self, replica: str, now: float) -> dict[str, object]:
+        """``state`` as JSON-ready data (the admin view's ``correction``)."""
+        return dataclasses.asdict(self.state(replica, now))
 
     def overall_factor(self, replica: str, metric: str, now: float) -> float:
         """``metric``'s (``"ttft"`` or ``"tpot"``) replica-wide factor on ``replica`` at ``now``

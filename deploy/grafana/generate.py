@@ -427,6 +427,35 @@ REPLICAS = Dashboard(
             red_above=0.3,
         ),
         Panel(
+            "Forecast correction",
+            "Factor Sluice multiplies each replica's engine TTFT and TPOT forecasts by, learned from what "
+            "it measured while relaying admitted requests (replica-wide; per load regime in "
+            "/sluice/v1/replicas). 1: the step model alone is right; 2: latencies come out twice the "
+            "model's.",
+            (
+                Target(
+                    f'max by (replica, kind) (sluice_forecast_correction_factor{{regime="all", {REP}}})',
+                    "{{replica}} {{kind}}",
+                ),
+            ),
+            amber=3,
+        ),
+        Panel(
+            "Forecast error, corrected vs not",
+            "Signed median of measured / forecast - 1 over the last minute's requests per replica: "
+            "against the forecast as corrected when it was made, and as the step model alone gave it. "
+            "Near 0 when corrected: the correction removes the bias. Red beyond 15 %.",
+            (
+                Target(
+                    "max by (replica, kind, forecast) "
+                    f'(sluice_forecast_residual_ratio{{stat="median", {REP}}})',
+                    "{{replica}} {{kind}} {{forecast}}",
+                ),
+            ),
+            unit="percentunit",
+            red_above=0.15,
+        ),
+        Panel(
             "Scrape parse CPU",
             "Share of a core Sluice spends parsing each replica's /metrics, by parser: kept_layout (the "
             "values only, the scrape laid out as the last one) or library (prometheus_client's full "

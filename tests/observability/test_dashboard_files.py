@@ -7,6 +7,7 @@ import importlib.util
 import json
 import re
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -21,6 +22,7 @@ from gateway.replicas.config import ReplicaSettings
 from gateway.replicas.registry import ReplicaRegistry
 from gateway.replicas.snapshot import ReplicaSnapshot
 from predictor import FitReport, ModelSource, StepParams
+from predictor.correction import CorrectionLearner
 from tests.observability.prometheus import DASHBOARDS, RULES
 from tests.observability.test_metrics import outcome
 from tests.support.procs import ROOT
@@ -81,6 +83,10 @@ def _exported_sample_names() -> set[str]:
     metrics.track_step_models(
         lambda _name: FitReport(params, params, ModelSource.FITTED, 1, 1, 1.0, 1.0, 0.1, 0.2, (), True, None)
     )
+    corrections = CorrectionLearner()
+    now = time.monotonic()  # the metrics clock: the residual window ends there
+    corrections.observe("emu-0", at=now, prompt_tokens=100, decode_seqs=0, ttft=(0.2, 0.1, 1.0))
+    metrics.track_corrections(corrections.state)
     metrics.track_queue(lambda: {"interactive": 1})
     metrics.track_limiter(LimiterStats())
     reservation = Reservation(

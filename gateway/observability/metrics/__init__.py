@@ -27,7 +27,13 @@ from gateway.observability.logs import RequestOutcome
 from gateway.observability.metrics.children import Children
 from gateway.observability.metrics.labels import LabelLimits, configured_classes, configured_tenants
 from gateway.observability.metrics.outcomes import text_field
-from gateway.observability.metrics.prediction import FitSource, PredictionMetrics, StepModelCollector
+from gateway.observability.metrics.prediction import (
+    CorrectionCollector,
+    CorrectionSource,
+    FitSource,
+    PredictionMetrics,
+    StepModelCollector,
+)
 from gateway.observability.metrics.process import ReloadMetrics, register_build_info, register_runtime
 from gateway.observability.metrics.replicas import ReplicaCollector, ReplicaMetrics, ReplicaSource
 from gateway.observability.metrics.requests import QueueCollector, QueueSource, RequestMetrics
@@ -68,9 +74,16 @@ class SluiceMetrics:
         self.reloads = ReloadMetrics(r)
         # Read at scrape time from live objects, once their producers are wired (``track_*``).
         self._step_models = StepModelCollector(self._replica_state.live_names)
+        self._corrections = CorrectionCollector(self._replica_state.live_names, clock)
         self._queue = QueueCollector(self.labels)
         self._limiter = LimiterCollector()
-        for collector in (self._replica_state, self._step_models, self._queue, self._limiter):
+        for collector in (
+            self._replica_state,
+            self._step_models,
+            self._corrections,
+            self._queue,
+            self._limiter,
+        ):
             r.register(collector)
         register_runtime(r)
 
@@ -107,6 +120,10 @@ class SluiceMetrics:
     def track_step_models(self, report_of: FitSource) -> None:
         """Read each replica's step-model fit (``report_of(name)``) at every scrape of /metrics."""
         self._step_models.source = report_of
+
+    def track_corrections(self, state_of: CorrectionSource) -> None:
+        """Read each replica's forecast correction (``state_of(name, now)``) at every scrape."""
+        self._corrections.source = state_of
 
     def track_queue(self, lengths: QueueSource) -> None:
         """Read the queue's waiting requests per class (``lengths()``) at every scrape."""

@@ -55,7 +55,8 @@ def install(
     Call at the end of ``build_app`` (or after it), before the app starts. Wires what the app
     already has: ``app[STORE]`` (label limits follow every reload), ``app[OUTCOME_LISTENERS]``
     (``observe_outcome``) and, at startup, ``app[REGISTRY]`` (``track_replicas``),
-    ``app[PREDICTION_SERVICE].report`` (``track_step_models``) and ``app[SCRAPER]``
+    ``app[PREDICTION_SERVICE].report`` (``track_step_models``), its ``corrections.state``
+    (``track_corrections``) and ``app[SCRAPER]``
     (``observe_snapshot`` on every scrape, ``observe_parse`` on every parse). Returns the metrics
     (also at ``app[METRICS]``) for the producers that are not in the app yet (queue, limiter,
     reloader: see ``SluiceMetrics``).
@@ -71,6 +72,7 @@ def install(
         # on_startup runs after every cleanup_ctx has set up, so these objects exist by now.
         chosen.track_replicas(app[REGISTRY])
         chosen.track_step_models(app[PREDICTION_SERVICE].report)
+        chosen.track_corrections(app[PREDICTION_SERVICE].corrections.state)
         app[SCRAPER].subscribe(chosen.observe_snapshot)
         app[SCRAPER].on_parse(chosen.observe_parse)
 

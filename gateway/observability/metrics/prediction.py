@@ -4,7 +4,9 @@ read at scrape time.
 
 ``PredictionMetrics.observe`` runs once per finished request (after ``RequestMetrics``);
 ``StepModelCollector`` asks ``FitSource`` for each live replica's ``FitReport`` when /metrics is
-scraped, and yields no samples for a replica without one.
+scraped, and yields no samples for a replica without one; ``CorrectionCollector`` asks
+``CorrectionSource`` for each live replica's measured forecast correction
+(``predictor.correction``) the same way.
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ from gateway.observability.metrics.outcomes import (
     relative_error,
 )
 from predictor import FEATURE_NAMES, FitReport
+from predictor.correction import CorrectionState
 
 #: A replica's step-model fit by replica name; ``None`` when it has none.
 FitSource = Callable[[str], FitReport | None]
+#: A replica's forecast correction by replica name at a time (the clock's seconds).
+CorrectionSource = Callable[[str, float], CorrectionState | None]
 
 
 class PredictionMetrics:
@@ -190,3 +195,76 @@ class StepModelCollector(Collector):
         yield from (coefficient, error, valid, effective)
         # A counter family is named without ``_total``; it is exposed with it.
         yield accepted
+
+
+class CorrectionCollector(Collector):
+    """Each live replica's measured forecast correction (``predictor.correction``), read from
+    ``source`` at every scrape at ``clock()``; ``names`` lists the live replicas. No samples while
+    ``source`` is ``None``.
+
+    ``sluice_forecast_correction_factor{replica, kind, regime}``: the factor admission multiplies
+    the engine's forecast by (``regime="all"``: the replica-wide one; else each load regime with
+    samples). ``..._samples_total``: samples learned from since start; ``..._weight``: the samples
+    kept, as effective samples (decayed); ``sluice_forecast_residual_ratio{replica, kind,
+    forecast, stat}``: the relative error (measured / forecast - 1) of the requests that finished in
+    the residual window, against the forecast ``uncorrected`` or as ``corrected`` when it was made,
+    as its signed ``median`` and the ``p90_abs`` of its absolute value.
+    """
+
+    def __init__(self, names: Callable[[], list[str]], clock: Callable[[], float]) -> None:
+        self._names = names
+        self._clock = clock
+        self.source: CorrectionSource | None = None
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, CounterMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily(
+                "sluice_forecast_correction_factor",
+                "Factor admission multiplies the replica's engine forecast by (measured / forecast).",
+                labels=["replica", "kind", "regime"],
+            ),
+            CounterMetricFamily(
+                "sluice_forecast_correction_samples",
+                "Finished requests the replica's forecast correction learned from since start.",
+                labels=["replica", "kind"],
+            ),
+            GaugeMetricFamily(
+                "sluice_forecast_correction_weight",
+                "Samples the correction holds now, as effective samples (decayed by their age).",
+                labels=["replica", "kind"],
+            ),
+            GaugeMetricFamily(
+                "sluice_forecast_residual_ratio",
+                "Relative error measured/forecast - 1 of recent requests, uncorrected or as corrected.",
+                labels=["replica", "kind", "forecast", "stat"],
+            ),
+        )
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        factor, samples, weight, residual = self._families()
+        source = self.source
+        now = self._clock()
+        for name in self._names() if source is not None else []:
+            state = source(name, now) if source is not None else None
+            if state is None or not state.enabled:
+                continue
+            for kind, latency in (("ttft", state.ttft), ("tpot", state.tpot)):
+                factor.add_metric([name, kind, "all"], latency.factor)
+                for regime in latency.regimes:
+                    factor.add_metric([name, kind, regime.regime], regime.factor)
+                samples.add_metric([name, kind], float(latency.samples_total))
+                weight.add_metric([name, kind], latency.weight)
+                res = latency.residuals
+                for forecast, median, p90 in (
+                    ("uncorrected", res.before_median, res.before_p90_abs),
+                    ("corrected", res.after_median, res.after_p90_abs),
+                ):
+                    if median is not None:
+                        residual.add_metric([name, kind, forecast, "median"], median)
+                    if p90 is not None:
+                        residual.add_metric([name, kind, forecast, "p90_abs"], p90)
+        yield from (factor, samples, weight, residual)

@@ -102,7 +102,7 @@ def test_a_sample_out_of_range_is_not_learned() -> None:
     before = learner.correction("r", 10.0).factors(100, 0)
     learner.observe("r", at=10.0, prompt_tokens=100, decode_seqs=0, ttft=(30.0, 1.0, 1.0))
     assert learner.correction("r", 10.0).factors(100, 0) == before
-    assert learner.describe("r", 10.0)["ttft"]["samples_out_of_range"] == 1  # type: ignore[index]
+    assert learner.state("r", 10.0).ttft.out_of_range_total == 1
 
 
 def test_a_regime_with_few_samples_borrows_from_its_batch_bin() -> None:
