@@ -123,6 +123,8 @@ def _install() -> None:
     """Patch the stamps in (the serving child only)."""
     import aiohttp
 
+    import gateway.admission.live as admission_live
+    import gateway.admission.live_budget as live_budget
     import gateway.app
     import gateway.observability.logs as logs
     import gateway.proxy.forward as proxy
@@ -165,16 +167,14 @@ def _install() -> None:
     relay_module.Relay.relay_body = relay_marked  # type: ignore[method-assign]
     _wrap_sync(proxy.Proxy, "_notify", "Proxy._notify (outcome listeners)")
     _wrap_async(proxy, "read_request", "read_request (proxy)")
-    _wrap_async(tenancy, "read_request", "read_request (tenancy)")
-    _wrap_async(tenancy.Tenancy, "_reserve", "Tenancy._reserve")
-    _wrap_sync(tenancy.Tenancy, "_settle_later", "Tenancy._settle_later")
+    _wrap_async(live_budget.LiveBudget, "fetch", "LiveBudget.fetch")
+    _wrap_sync(live_budget.LiveBudget, "settle", "LiveBudget.settle")
     _wrap_async(LiveAdmission, "admit", "LiveAdmission.admit")
     _wrap_sync(logs, "log_access", "log_access")
     _wrap_sync(tenancy.Tenancy, "_authenticate", "Tenancy._authenticate")
     _wrap_sync(tenancy.Tenancy, "weights", "Tenancy.weights")
-    _wrap_sync(tenancy, "estimated_prompt_tokens", "estimated_prompt_tokens")
-    _wrap_sync(tenancy, "predicted_output_tokens", "predicted_output_tokens")
-    _wrap_sync(tenancy, "new_request_id", "new_request_id")
+    _wrap_sync(admission_live, "estimated_prompt_tokens", "estimated_prompt_tokens")
+    _wrap_sync(live_budget, "new_request_id", "new_request_id")
     _wrap_sync(proxy.Proxy, "_with_overhead", "Proxy._with_overhead")
     _wrap_async(aiohttp.ClientResponse, "start", "ClientResponse.start")
     import gateway.limits.pipelined as pipelined

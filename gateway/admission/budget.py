@@ -23,7 +23,15 @@ from gateway.admission.fairness import TokenWeights
 from gateway.admission.request import AdmissionRequest
 from gateway.admission.retry_after import UNMEASURED_WAIT_S, RefusalReason, RetryAfter, retry_after
 
-__all__ = ["BudgetAnswer", "BudgetRefused", "TenantBudget", "budget_cost", "budget_retry_after"]
+__all__ = [
+    "BudgetAnswer",
+    "BudgetRefused",
+    "TenantBudget",
+    "budget_cost",
+    "budget_retry_after",
+    "request_cost",
+    "reserved_output",
+]
 
 
 class BudgetAnswer(Protocol):
@@ -83,14 +91,33 @@ class BudgetRefused:
         return RefusalReason.RATE_LIMITED
 
 
-def budget_cost(weights: TokenWeights, request: AdmissionRequest) -> float:
-    """Weighted tokens ``request`` reserves: its prompt and its predicted output (at least 1,
-    at most ``max_tokens``, rounded up to whole tokens)."""
+def request_cost(
+    weights: TokenWeights, prompt_tokens: float, output_tokens: float, choices: int = 1
+) -> float:
+    """Weighted tokens a tenant's token budget is charged for one request (no per-request term):
+    one prompt, and ``output_tokens`` in all, decoded as ``choices`` (the body's ``n``) sequences
+    of equal length, each reading the prompt as its context. With one choice that is
+    ``weights.cost(prompt_tokens, output_tokens, 0.0)``."""
+    if choices <= 1:
+        return weights.cost(prompt_tokens, output_tokens, 0.0)
+    each = output_tokens / choices
+    return weights.cost(prompt_tokens, each, 0.0) + (choices - 1) * weights.output_cost(each, prompt_tokens)
+
+
+def reserved_output(request: AdmissionRequest) -> int:
+    """Output tokens ``request`` reserves, all its choices together: its predicted output (at
+    least 1, at most ``max_tokens``, rounded up to whole tokens) for each choice."""
     output = max(request.expected_output_tokens, 1.0)
     if request.max_tokens is not None:
         output = min(output, float(request.max_tokens))
     whole = max(math.ceil(output), 1) if math.isfinite(output) else max(request.max_tokens or 1, 1)
-    return weights.cost(request.prompt_tokens, whole, 0.0)
+    return whole * request.choices
+
+
+def budget_cost(weights: TokenWeights, request: AdmissionRequest) -> float:
+    """Weighted tokens ``request`` reserves: its prompt and its predicted output
+    (``reserved_output``), priced by ``request_cost``."""
+    return request_cost(weights, request.prompt_tokens, reserved_output(request), request.choices)
 
 
 def budget_retry_after(answer: BudgetAnswer) -> RetryAfter | None:

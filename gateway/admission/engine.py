@@ -38,6 +38,8 @@ from gateway.admission.budget import (
     TenantBudget,
     budget_cost,
     budget_retry_after,
+    request_cost,
+    reserved_output,
 )
 from gateway.admission.config import AdmissionSettings
 from gateway.admission.core import AdmissionController
@@ -256,7 +258,9 @@ class Ending:
     ``ttft_s``: its measured time to first token, seconds. ``forecast``: the forecast to learn
     against (``None``: the one it was dispatched with). ``prompt_chars``/``api``: for the
     characters-per-token and per-API learning (``None``: not known). ``learn``: teach the
-    prediction service (``False``: only forget, charge and settle)."""
+    prediction service (``False``: only forget, charge and settle). ``answered``: output did
+    come (a token, or a complete non-streamed answer) though neither a usage count nor the
+    tokens seen say how much: its budget is charged the output it reserved."""
 
     produced_tokens: int | None = None
     prompt_tokens: int | None = None
@@ -266,16 +270,20 @@ class Ending:
     prompt_chars: int | None = None
     api: str | None = None
     learn: bool = True
+    answered: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class _Hold:
-    """An allowed budget reservation: the limiter's answer, the weights it was priced with and
-    the prompt estimate it reserved (settled with the same weights)."""
+    """An allowed budget reservation: the limiter's answer, the weights it was priced with, the
+    prompt estimate and output (all choices) it reserved, and the request's choices (settled
+    with the same weights)."""
 
     answer: BudgetAnswer
     weights: TokenWeights
     prompt_tokens: int
+    output_tokens: int
+    choices: int
 
 
 @dataclass(slots=True)
@@ -476,9 +484,11 @@ class AdmissionEngine:
         arrival_s: float,
         deadline_s: float | None = None,
         tenant: str | None = None,
+        choices: int = 1,
     ) -> AdmissionRequest:
         """The request sized for admission: its output predicted at the service's quantile,
-        capped by ``max_tokens`` (the cap itself, at quantile 1, when the prediction fails)."""
+        capped by ``max_tokens`` (the cap itself, at quantile 1, when the prediction fails).
+        ``choices``: the sequences it decodes (the body's ``n``; its budget pays for each)."""
         model, _ = split_route(route)
         try:
             output, quantile = self._predictions.expected_output(model, None, max_tokens)
@@ -495,6 +505,7 @@ class AdmissionEngine:
             output_quantile=quantile,
             deadline_s=deadline_s,
             tenant=tenant,
+            choices=choices,
         )
 
     def submit(
@@ -575,7 +586,7 @@ class AdmissionEngine:
             return None
         if not answer.allowed:
             return BudgetRefused(tenant, answer, budget_retry_after(answer))
-        return _Hold(answer, weights, request.prompt_tokens)
+        return _Hold(answer, weights, request.prompt_tokens, reserved_output(request), request.choices)
 
     def _refund(self, hold: _Hold | None, now: float) -> None:
         """Give a refused (or never sent) request's reservation back whole."""
@@ -611,8 +622,7 @@ class AdmissionEngine:
         if hold is not None and sent.placed_again:
             self._parked.setdefault((hold.answer.tenant, request.request_id), []).append(hold)
         elif hold is not None:
-            prompt = hold.prompt_tokens if ending.prompt_tokens is None else ending.prompt_tokens
-            self._settle(hold, hold.weights.cost(prompt, produced, 0.0), now)
+            self._settle(hold, _spent(hold, ending, produced), now)
         resolutions = self.reevaluate(now)
         # Learned after the re-evaluation, as the live gateway always has: the queue is judged on
         # what was known while the request ran.
@@ -927,6 +937,16 @@ class AdmissionEngine:
             )
         else:
             self._log.info("replica %s: metrics fresh again; admission uses them", name)
+
+
+def _spent(hold: _Hold, ending: Ending, produced: int) -> float:
+    """Weighted tokens a request that reached its replica really cost: the replica's prompt
+    count, else the estimate reserved; its output tokens (usage, else the tokens seen); when
+    neither says and output did come (``ending.answered``), the output reserved."""
+    prompt = hold.prompt_tokens if ending.prompt_tokens is None else ending.prompt_tokens
+    if ending.produced_tokens is None and produced == 0 and ending.answered:
+        produced = hold.output_tokens
+    return request_cost(hold.weights, prompt, produced, hold.choices)
 
 
 def labels(decision: Decision) -> tuple[str, str]:

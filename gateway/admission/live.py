@@ -47,7 +47,6 @@ from gateway.admission import (
     client_deadline_s,
     decision_headers,
 )
-from gateway.admission.budget import BudgetAnswer
 from gateway.admission.engine import (
     MAX_TICK_S,
     MIN_TICK_S,
@@ -65,7 +64,8 @@ from gateway.admission.engine import (
     split_route,
 )
 from gateway.admission.fairness import TokenWeights
-from gateway.admission.retry_after import RefusalReason, retry_after
+from gateway.admission.live_budget import LiveBudget, is_unlimited, over_budget
+from gateway.admission.retry_after import RefusalReason
 from gateway.admission.sizing import estimated_prompt_tokens
 from gateway.api.openai import ParsedRequest
 from gateway.config.settings import Settings
@@ -78,8 +78,7 @@ from gateway.http.errors import (
     admission_error,
     refusal_reason_headers,
 )
-from gateway.limits.base import Limiter, LimiterUnavailable, Reservation, TenantLimits, rejection_reason
-from gateway.observability.logs import RequestOutcome, new_request_id
+from gateway.observability.logs import RequestOutcome
 from gateway.prediction.live import (
     PREDICTION_HEADER,
     PREDICTION_HEADERS,
@@ -90,7 +89,7 @@ from gateway.prediction.live import (
 from gateway.replicas.registry import LiveRequest, Replica, ReplicaRegistry
 from gateway.replicas.snapshot import ReplicaSnapshot
 from gateway.tenants import Tenant
-from gateway.tenants.live import TENANT, is_unlimited, rejection_message
+from gateway.tenants.live import TENANT
 from predictor import Forecast, ForecastReason
 
 __all__ = [
@@ -98,7 +97,6 @@ __all__ = [
     "MAX_TICK_S",
     "MIN_TICK_S",
     "LiveAdmission",
-    "LiveBudget",
     "Ticket",
     "expected_output",
     "mark_saturated",
@@ -142,69 +140,6 @@ class Ticket:
     prompt_chars: int | None = None
     api: str | None = None
     refused: bool = False
-
-
-class LiveBudget:
-    """The engine's ``TenantBudget`` over the gateway's (async: Redis or memory) limiter.
-
-    The engine's port is synchronous, so the adapter fetches the limiter's answer first
-    (``fetch``, for the cost ``AdmissionEngine.budget_cost`` names) and ``reserve`` hands it to
-    the engine; ``settle`` starts the limiter's settle as a task of its own (not awaited: a
-    response is never delayed by a Redis round trip; ``drain`` awaits the outstanding ones).
-    ``weights``: the token weights a reservation is priced with now."""
-
-    def __init__(self, limiter: Limiter, weights: Callable[[], TokenWeights]) -> None:
-        self.limiter = limiter
-        self._weights = weights
-        self._fetched: dict[int, Reservation] = {}
-        self._pending: set[asyncio.Task[None]] = set()
-        #: Settles whose limiter call raised.
-        self.settle_failures = 0
-
-    def weights(self) -> TokenWeights:
-        return self._weights()
-
-    async def fetch(
-        self, request: AdmissionRequest, tenant: str, cost_tokens: float, limits: TenantLimits
-    ) -> None:
-        """Reserve ``cost_tokens`` of ``tenant``'s budget under ``limits`` for the engine's next
-        ``reserve`` of ``request``. Raises ``LimiterUnavailable`` when the limiter's storage is
-        down and it fails closed."""
-        answer = await self.limiter.reserve(
-            tenant, cost_tokens=cost_tokens, limits=limits, request_id=new_request_id()
-        )
-        self._fetched[id(request)] = answer
-
-    def forget(self, request: AdmissionRequest) -> None:
-        """Drop an answer fetched for ``request`` that the engine did not take."""
-        self._fetched.pop(id(request), None)
-
-    def reserve(self, request: AdmissionRequest, cost_tokens: float, now: float) -> BudgetAnswer | None:
-        return self._fetched.pop(id(request), None)
-
-    def settle(self, answer: BudgetAnswer, actual_cost_tokens: float, now: float) -> None:
-        if not isinstance(answer, Reservation):
-            raise TypeError(f"not a limiter's reservation: {answer!r}")
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return  # no loop left (the app is gone): the lease expires on its own
-        task = loop.create_task(self._settle(answer, actual_cost_tokens))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
-
-    async def _settle(self, answer: Reservation, actual_cost_tokens: float) -> None:
-        try:
-            await self.limiter.settle(answer, actual_cost_tokens=actual_cost_tokens)
-        except Exception:
-            self.settle_failures += 1
-            if self.settle_failures % 1000 == 1:
-                log.exception("settle failed for tenant %s (%d so far)", answer.tenant, self.settle_failures)
-
-    async def drain(self) -> None:
-        """Wait for every settle started so far."""
-        if self._pending:
-            await asyncio.gather(*self._pending, return_exceptions=True)
 
 
 class _Registry:
@@ -376,12 +311,6 @@ class LiveAdmission:
             deadline = client_deadline_s(arrival, request.headers.get(header), header=header)
         except InvalidHeader as err:
             raise InvalidRequest(err.message, param=header) from None
-        cls = settings.classes[choice.name]
-        outcome.request_class = choice.name
-        outcome.ttft_target_s = (
-            cls.ttft_target_s if deadline is None else min(cls.ttft_target_s, deadline - arrival)
-        )
-        outcome.tpot_target_s = cls.tpot_target_s
         route = route_of(parsed.model, parsed.engine)
         areq = self.engine.request(
             outcome.request_id,
@@ -392,15 +321,23 @@ class LiveAdmission:
             arrival_s=arrival,
             deadline_s=deadline,
             tenant=tenant_name,
+            choices=parsed.choices,
         )
-        await self._fetch_budget(areq, tenant, outcome)
+        await self._fetch_budget(request, areq, tenant, outcome)
         try:
             submitted = self.engine.submit(areq, route, self._clock(), streamed=parsed.stream)
         finally:
             if self._budget is not None:
                 self._budget.forget(areq)
         if isinstance(submitted, BudgetRefused):
-            raise _over_budget(submitted, outcome)
+            # Refused by the tenant's budget before any class was judged (the outcome says none).
+            raise over_budget(submitted, outcome)
+        cls = settings.classes[choice.name]
+        outcome.request_class = choice.name
+        outcome.ttft_target_s = (
+            cls.ttft_target_s if deadline is None else min(cls.ttft_target_s, deadline - arrival)
+        )
+        outcome.tpot_target_s = cls.tpot_target_s
         if isinstance(submitted, UnknownModel):
             raise ModelNotFound(f"the model `{submitted.model}` does not exist", param="model")
         if isinstance(submitted, Saturated):
@@ -484,6 +421,8 @@ class LiveAdmission:
             prompt_chars=ticket.prompt_chars,
             api=ticket.api,
             learn=not ticket.refused,
+            answered=outcome.first_token_at is not None
+            or (not outcome.stream and outcome.status == 200 and outcome.error is None),
         )
         self._apply(self.engine.finish(ticket.key, ending, self._clock()))
 
@@ -504,25 +443,17 @@ class LiveAdmission:
 
     # -- the tenant's budget ------------------------------------------------------------------------
     async def _fetch_budget(
-        self, areq: AdmissionRequest, tenant: Tenant | None, outcome: RequestOutcome
+        self, request: web.Request, areq: AdmissionRequest, tenant: Tenant | None, outcome: RequestOutcome
     ) -> None:
         """Ask the limiter for ``areq``'s budget before the engine decides (the engine's port is
-        synchronous; see ``LiveBudget``): only when the engine will reserve (``budget_cost``) and
-        the tenant has a budget. Storage down under ``fail_closed``: a 503."""
+        synchronous; see ``gateway.admission.live_budget``): only when the engine will reserve
+        (``budget_cost``) and the tenant has a budget. Storage down under ``fail_closed``: a 503."""
         budget = self._budget
         if budget is None or tenant is None or is_unlimited(tenant.limits):
             return
         cost = self.engine.budget_cost(areq)
-        if cost is None:
-            return
-        try:
-            await budget.fetch(areq, str(tenant.name), cost, tenant.limits)
-        except LimiterUnavailable as exc:
-            outcome.reason = "limiter_unavailable"
-            reason = RefusalReason.LIMITER_UNAVAILABLE
-            retry = retry_after(reason, self._store.current.limits.retry_backoff_s)
-            outcome.retry_after_s = retry.delay_s
-            raise Refused(reason, f"{exc}; retry later", retry_after=retry) from None
+        if cost is not None:
+            await budget.fetch(request, areq, cost, tenant.limits, outcome)
 
     # -- the queue ----------------------------------------------------------------------------------
     async def _wait(
@@ -614,18 +545,6 @@ def mark_saturated(request: web.Request, request_class: str, settings: Admission
     replica refused, if any."""
     refused = refusal_reason_headers(request_class, RefusalReason.REPLICAS_SATURATED, settings)
     request[PREDICTION_HEADERS] = {**request.get(PREDICTION_HEADERS, {}), **refused}
-
-
-def _over_budget(refused: BudgetRefused, outcome: RequestOutcome) -> Refused:
-    """The 429 for a request whose tenant's budget is spent, recorded on the outcome."""
-    answer = refused.answer
-    assert isinstance(answer, Reservation)
-    outcome.decision, outcome.reason = "rejected", rejection_reason(answer)
-    error = Refused(
-        refused.reason, rejection_message(answer), retry_after=refused.retry_after, reservation=answer
-    )
-    outcome.retry_after_s = error.retry_after_s
-    return error
 
 
 def _refusal(saturated: Saturated) -> Refused:

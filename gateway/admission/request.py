@@ -23,7 +23,9 @@ class AdmissionRequest:
     ``arrival_s``: when it reached the gateway, on the admission clock (seconds).
     ``deadline_s``: the client's own first-token deadline on the same clock (from the deadline
     header, ``classes.client_deadline_s``), or ``None``; it only ever tightens the class target.
-    ``cached_prompt_tokens``: prompt tokens expected to hit the prefix cache.
+    ``cached_prompt_tokens``: prompt tokens expected to hit the prefix cache. ``tenant``: whose
+    request it is (``None``: nobody's). ``choices`` (>= 1): the sequences it decodes (the body's
+    ``n``); only the tenant's budget prices them (``gateway.admission.budget``).
     """
 
     request_id: str
@@ -36,6 +38,7 @@ class AdmissionRequest:
     deadline_s: float | None = None
     cached_prompt_tokens: int = 0
     tenant: str | None = None
+    choices: int = 1
     _candidate: CandidateRequest | None = field(default=None, init=False, repr=False, compare=False)
     #: Smallest ``max_model_len`` and KV capacity (tokens) a replica needs to hold it at all.
     min_model_len: int = field(default=0, init=False, repr=False, compare=False)

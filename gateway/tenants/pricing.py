@@ -1,20 +1,19 @@
 """What a tenant's request costs in weighted tokens, and the token weights that price it.
 
-Pure numbers (no I/O; the prediction service is only read): ``request_cost`` is what a tenant's
-token budget is charged for one request, ``predicted_output_tokens`` the output it reserves for,
-and the weights come from ``limits.token_weights`` when set (``configured_weights``), else from
-the replicas' step models (``fleet_token_weights``). The tenancy middleware
-(``gateway.tenants.live``) reserves and settles with them; admission's fairness reads the same
-weights.
+Pure numbers (no I/O; the prediction service is only read): the weights come from
+``limits.token_weights`` when set (``configured_weights``), else from the replicas' step models
+(``fleet_token_weights``). The admission engine prices, reserves and settles a tenant's budget
+with them (``gateway.admission.budget.request_cost``); its fairness reads the same weights.
 
 The weights: ``limits.token_weights`` when set. Otherwise a weighted token is a prompt token's worth of GPU
 time on the replicas as they run: ``w_in = 1``, ``w_out`` is the GPU time of one output token
 over one prompt token and ``w_ctx`` what each token of context an output token reads adds
 (its KV read), at the decode batch each replica's engine steps really carried over its latest
 scrape window (``fleet_token_weights``, ``replica_prices``), averaged over the replicas that
-have a valid step model (the middleware recomputes them at most every ``WEIGHTS_REFRESH_S``
-seconds); 2 (VTC's 1 : 2) and no context part until one has. A reservation is settled with the
-weights it was made with, so a refit between the two never shifts a tenant's balance.
+have a valid step model (``gateway.tenants.live.Tenancy`` recomputes them at most every
+``WEIGHTS_REFRESH_S`` seconds); 2 (VTC's 1 : 2) and no context part until one has. A
+reservation is settled with the weights it was made with, so a refit between the two never
+shifts a tenant's balance.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from dataclasses import dataclass
 from typing import Final
 
 from gateway.admission.fairness import TokenWeights
-from gateway.api.openai import ParsedRequest
 from gateway.limits.config import LimitsSettings
 from gateway.prediction.service import PredictionService
 from gateway.replicas.config import ReplicaSettings
@@ -227,51 +225,3 @@ def configured_weights(limits: LimitsSettings) -> TokenWeights | None:
     """``limits.token_weights`` as ``TokenWeights``; ``None`` when they come from the step model."""
     pinned = limits.token_weights
     return None if pinned is None else TokenWeights(input=pinned.prompt, output=pinned.output)
-
-
-def request_cost(
-    weights: TokenWeights, prompt_tokens: float, output_tokens: float, choices: int = 1
-) -> float:
-    """Weighted tokens a tenant's token budget is charged for one request (no per-request term):
-    one prompt, and ``output_tokens`` in all, decoded as ``choices`` (the body's ``n``) sequences
-    of equal length, each reading the prompt as its context. With one choice that is
-    ``weights.cost(prompt_tokens, output_tokens, 0.0)``."""
-    if choices <= 1:
-        return weights.cost(prompt_tokens, output_tokens, 0.0)
-    each = output_tokens / choices
-    return weights.cost(prompt_tokens, each, 0.0) + (choices - 1) * weights.output_cost(each, prompt_tokens)
-
-
-def predicted_output_tokens(
-    service: PredictionService, parsed: ParsedRequest, tenant: str, prompt_tokens: int
-) -> int:
-    """The prediction service's output length for this request, capped by ``max_tokens`` (>= 1),
-    times its choices (``n``): every choice is a sequence of its own.
-
-    Asked of no replica (``""`` is never a replica's name): the forecast is then invalid, but its
-    ``output_tokens_used`` is the model's (or tenant's) learned length, capped. With a
-    ``max_tokens`` (the usual case) that length is ``PredictionService.expected_output``'s, the
-    same prediction at the same cap, memoised between two learned lengths and without building
-    a forecast; without one the forecast's own cap (the context left) applies.
-    """
-    cap = parsed.max_tokens
-    if cap is not None and cap >= 1:
-        expected, _ = service.expected_output(parsed.model, tenant, cap)
-        # What ``forecast`` makes of it (``output_tokens_used``): at least 1, at most the cap.
-        output = min(max(expected, 1.0), float(cap))
-        if not math.isfinite(output):
-            return cap * parsed.choices
-        return max(math.ceil(output), 1) * parsed.choices
-    forecast = service.forecast(
-        "",
-        model=parsed.model,
-        tenant=tenant,
-        prompt_tokens=prompt_tokens,
-        max_tokens=parsed.max_tokens,
-        in_flight=(),
-        now=0.0,
-    )
-    output = forecast.output_tokens_used
-    if not math.isfinite(output):
-        return max(parsed.max_tokens or 1, 1) * parsed.choices
-    return max(math.ceil(output), 1) * parsed.choices

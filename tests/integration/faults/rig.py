@@ -324,7 +324,7 @@ class Call:
 
 
 def expected_charge(call: Call) -> float:
-    """Weighted tokens ``gateway.tenants.live.settled_usage`` charges for ``call`` (see the module)."""
+    """Weighted tokens the engine's settle charges for ``call`` (``AdmissionEngine.finish``)."""
     if call.status is None or (call.status != 200 and call.status != 502):
         return 0.0
     if call.usage is not None:

@@ -7,16 +7,18 @@ so the bucket arithmetic is the real one. Weights are 1 : 2 (prompt : output); t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
 import pytest
 
-from gateway.admission.budget import BudgetRefused
+from gateway.admission.budget import BudgetRefused, request_cost
 from gateway.admission.engine import AdmissionEngine, Ending, Saturated, Submitted, UnknownModel
 from gateway.admission.retry_after import RefusalReason
 from gateway.limits.base import Reservation, TenantLimits
-from replay.budget import MemoryBudget
+from gateway.replicas.registry import LiveRequest
+from replay.budget import DEFAULT_WEIGHTS, MemoryBudget
 from tests.unit.admission.test_policies import Fleet, Predictions, new_entry, policy_settings
 
 #: One request at a time on the replica; the rest wait (or are refused when the queue is off).
@@ -155,3 +157,43 @@ def test_a_placement_the_replica_refused_keeps_its_budget_for_the_next() -> None
     assert budget.stats.reserves_total == 1
     assert level(engine, budget, 10.2) == pytest.approx(1000.0 - COST + 20.0)  # 0.2 s of refill
     assert math.isfinite(level(engine, budget, 10.2))
+
+
+@pytest.mark.parametrize(
+    ("ending", "streamed", "charged"),
+    [
+        pytest.param(Ending(produced_tokens=4, prompt_tokens=90), 0, 90 + 2 * 4, id="usage"),
+        pytest.param(Ending(), 0, 100, id="replica-error-prompt-only"),
+        pytest.param(Ending(), 7, 100 + 2 * 7, id="cut-charges-the-tokens-seen"),
+        pytest.param(Ending(answered=True), 0, COST, id="answer-without-usage-charges-the-reservation"),
+        pytest.param(Ending(answered=True), 3, 100 + 2 * 3, id="tokens-seen-beat-the-reservation"),
+        pytest.param(Ending(produced_tokens=0, answered=True), 0, 100, id="usage-of-nothing"),
+    ],
+)
+def test_the_settle_charges_what_the_ending_says(ending: Ending, streamed: int, charged: float) -> None:
+    """The prompt is the replica's count, else the estimate; the output its usage, else the tokens
+    seen, else (output came, uncounted: ``answered``) the 50 reserved, else nothing."""
+    engine, budget = engine_and_budget()
+    sent = submit(engine, "a", 10.0)
+    assert isinstance(sent, Submitted)
+    assert isinstance(sent.entry, LiveRequest)
+    sent.entry.tokens_streamed = streamed
+    engine.finish(sent.key, dataclasses.replace(ending, learn=False), 10.0)
+    assert level(engine, budget, 10.0) == pytest.approx(1000.0 - charged)
+
+
+def test_each_choice_reserves_its_own_output() -> None:
+    """``n`` choices decode ``n`` sequences: the reservation holds the capped prediction of each."""
+    engine, _ = engine_and_budget()
+    req = engine.request(
+        "a",
+        "m",
+        prompt_tokens=100,
+        max_tokens=50,
+        request_class="interactive",
+        arrival_s=0.0,
+        tenant="acme",
+        choices=3,
+    )
+    assert engine.budget_cost(req) == pytest.approx(request_cost(DEFAULT_WEIGHTS, 100, 150, 3))
+    assert engine.budget_cost(req) == pytest.approx(100 + 2 * 150)

@@ -27,7 +27,8 @@ from aiohttp.test_utils import make_mocked_request
 
 from bench.goodput.core import FACTS, PROFILE, admission_settings
 from gateway.admission import Outcome
-from gateway.admission.live import LiveAdmission, LiveBudget, Ticket
+from gateway.admission.live import LiveAdmission, Ticket
+from gateway.admission.live_budget import LiveBudget
 from gateway.api.openai import ParsedRequest
 from gateway.config.store import SettingsStore
 from gateway.http.errors import GatewayError, Refused

@@ -114,7 +114,7 @@ async def test_the_key_alone_names_the_tenant(
     gw = await start_tenant_gateway(Scripted().answer)
 
     resp = await gw.post(KEY_A, body={**COMPLETION, "user": "team-b"}, headers=spoof)
-    await gw.tenancy.drain()
+    await gw.tenancy.budget.drain()
 
     assert resp.status == 200
     assert gw.outcomes[-1].tenant == "team-a"
@@ -145,7 +145,7 @@ async def test_without_tenants_any_key_passes_through(start_tenant_gateway: Star
 
     assert resp.status == 200
     assert gw.replica.seen[0].headers["authorization"] == "Bearer EMPTY"
-    assert gw.tenancy.settles_started == 0  # nothing reserved, nothing to settle
+    assert gw.tenancy.budget.settles_started == 0  # nothing reserved, nothing to settle
 
 
 async def test_tenant_key_never_reaches_the_replica(start_tenant_gateway: StartTenantGateway) -> None:
@@ -189,9 +189,9 @@ async def test_429_headers_are_exact(start_tenant_gateway: StartTenantGateway) -
     gw = await start_tenant_gateway(Scripted().answer, settings=tight)
 
     first = await gw.post()
-    await gw.tenancy.drain()
+    await gw.tenancy.budget.drain()
     second = await gw.post()
-    await gw.tenancy.drain()
+    await gw.tenancy.budget.drain()
     third = await gw.post()
 
     assert (first.status, second.status, third.status) == (200, 200, 429)
@@ -250,7 +250,7 @@ async def test_each_choice_reserves_its_own_output(
 
     assert resp.status == 200
     assert _ratelimit(resp)["x-ratelimit-remaining-tokens"] == remaining
-    await gw.tenancy.drain()
+    await gw.tenancy.budget.drain()
     assert await gw.level(limits=TIGHT.to_limits()) == pytest.approx(100.0 - 40.0)  # usage 20 + 10
 
 
@@ -276,7 +276,7 @@ async def test_concurrency_limit_then_release(start_tenant_gateway: StartTenantG
     refused = await gw.post()
     script.release.set()
     first = await held
-    await gw.tenancy.drain()
+    await gw.tenancy.budget.drain()
 
     assert refused.status == 429
     assert (refused.headers["Retry-After"], refused.headers["retry-after-ms"]) == ("1", "1000")
@@ -319,8 +319,8 @@ def _streamed_charge(outcome: RequestOutcome, streamed: int) -> int:
 
 
 async def _assert_settled_once(gw: Any, charged: float) -> None:
-    await gw.tenancy.drain()
-    assert gw.tenancy.settles_started == 1
+    await gw.tenancy.budget.drain()
+    assert gw.tenancy.budget.settles_started == 1
     assert (gw.stats.settles_total, gw.stats.settles_noop_total) == (1, 0)
     assert await gw.limiter.in_flight("team-a") == 0
     assert await gw.level() == pytest.approx(1000.0 - charged)
@@ -378,7 +378,7 @@ async def test_client_disconnect_mid_stream_settles_once(start_tenant_gateway: S
     await asyncio.wait_for(script.arrived.wait(), 10)
     resp.close()
 
-    await wait_for(lambda: len(gw.outcomes) == 1 and gw.tenancy.settles_started == 1, timeout_s=20)
+    await wait_for(lambda: len(gw.outcomes) == 1 and gw.tenancy.budget.settles_started == 1, timeout_s=20)
     await _assert_settled_once(gw, _streamed_charge(gw.outcomes[0], 2))
     script.release.set()
 
@@ -411,8 +411,8 @@ async def test_disconnect_noticed_by_the_monitor_settles_once(aiohttp_server: An
         )
         await resp.content.readuntil(b"\n\n")
         resp.close()
-        await wait_for(lambda: len(outcomes) == 1 and tenancy.settles_started == 1, timeout_s=20)
-        await tenancy.drain()
+        await wait_for(lambda: len(outcomes) == 1 and tenancy.budget.settles_started == 1, timeout_s=20)
+        await tenancy.budget.drain()
         assert outcomes[0].error == "client_disconnected"
         assert (limiter.stats.settles_total, limiter.stats.settles_noop_total) == (1, 0)
         assert await limiter.in_flight("team-a") == 0
@@ -439,7 +439,7 @@ async def test_shutdown_cancels_the_handler_and_still_settles_once(aiohttp_serve
 
         await server.close()
 
-        assert tenancy.settles_started == 1
+        assert tenancy.budget.settles_started == 1
         assert (limiter.stats.settles_total, limiter.stats.settles_noop_total) == (1, 0)
         script.release.set()
         pending.cancel()
@@ -496,7 +496,7 @@ async def test_keys_never_reach_logs_or_metrics(
     await gw.client.post("/v1/completions", json=COMPLETION, headers={"Authorization": f"Token {KEY_A}"})
     await gw.client.get("/sluice/v1/replicas", headers=bearer(KEY_A))
     metrics = await (await gw.client.get("/metrics", headers=bearer(ADMIN_TOKEN))).text()
-    await gw.tenancy.drain()
+    await gw.tenancy.budget.drain()
 
     assert statuses == [200, 200, 429, 200, 401]
     secrets = [KEY_A, KEY_B, ADMIN_TOKEN, "sk-typo-of-a-key"]
@@ -520,7 +520,7 @@ async def test_access_line_says_who_what_and_why_without_the_prompt(
 
     with caplog.at_level(logging.INFO, logger="sluice.access"):
         statuses = [(await gw.post(KEY_A, body=body)).status for _ in range(3)]
-        await gw.tenancy.drain()
+        await gw.tenancy.budget.drain()
 
     assert statuses == [200, 200, 429]
     lines = [json.loads(JsonFormatter().format(r)) for r in caplog.records if r.name == "sluice.access"]

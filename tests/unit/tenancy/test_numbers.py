@@ -1,5 +1,6 @@
 """The pure parts of tenancy: durations, headers, token weights (``gateway.tenants.pricing``),
-settled usage (``gateway.tenants.live``)."""
+what a request costs (``gateway.admission.budget``). What a finished request is charged is the
+engine's (``tests/unit/admission/test_engine_budget.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import math
 
 import pytest
 
+from gateway.admission.budget import BudgetRefused, budget_retry_after, request_cost
 from gateway.admission.fairness import TokenWeights
+from gateway.admission.live_budget import is_unlimited, over_budget
 from gateway.http.errors import go_duration, rate_limit_headers
 from gateway.limits.base import TenantLimits
 from gateway.limits.memory import MemoryLimiter
@@ -16,14 +19,13 @@ from gateway.prediction.facts import ReplicaFacts
 from gateway.prediction.service import PredictionService
 from gateway.replicas.config import HardwareSettings, ReplicaSettings
 from gateway.replicas.snapshot import ReplicaSnapshot
-from gateway.tenants.live import Held, is_admin_path, is_unlimited, rejection_error, settled_usage
+from gateway.tenants.live import is_admin_path
 from gateway.tenants.pricing import (
     DEFAULT_WEIGHTS,
     TokenPrices,
     decode_to_prefill_ratio,
     fleet_token_weights,
     replica_prices,
-    request_cost,
     split_context,
     step_model_prices,
 )
@@ -84,7 +86,8 @@ def test_rate_limit_headers_never_show_a_debt() -> None:
     headers = rate_limit_headers(refused)
     assert headers["x-ratelimit-remaining-tokens"] == "0"
     assert headers["x-ratelimit-reset-tokens"] == "15s"  # 150 tokens short at 10 per second
-    assert rejection_error(refused).headers()["Retry-After"] == "6"  # 60 short of 10
+    error = over_budget(BudgetRefused("t", refused, budget_retry_after(refused)), _outcome())
+    assert error.headers()["Retry-After"] == "6"  # 60 short of 10
 
 
 @pytest.mark.parametrize(
@@ -310,74 +313,8 @@ def test_split_context_keeps_the_mean_price_when_the_kv_price_is_not_borne_out()
     assert split_context(1.0e-3, 1.0e-6, 1000.0, 20.0e-6) == TokenPrices(20.0e-6, 1.0e-3)
 
 
-# -- settled usage -----------------------------------------------------------------------------------
-
-HELD = Held(
-    reservation=MemoryLimiter().reserve_now("t", cost_tokens=40.0, limits=TenantLimits(), request_id="r"),
-    weights=TokenWeights(1.0, 2.0),
-    prompt_tokens=20,
-    output_tokens=10,
-)
-
-
-def _outcome(**fields: object) -> RequestOutcome:
-    outcome = RequestOutcome(request_id="r", method="POST", path="/v1/completions", received_at=0.0)
-    for name, value in fields.items():
-        setattr(outcome, name, value)
-    return outcome
-
-
-@pytest.mark.parametrize(
-    ("fields", "usage"),
-    [
-        pytest.param({}, (0, 0), id="never-dispatched"),
-        pytest.param({"status": 404, "error": "model_not_found"}, (0, 0), id="refused-early"),
-        pytest.param(
-            {"dispatched_at": 1.0, "status": 200, "prompt_tokens": 18, "completion_tokens": 4},
-            (18, 4),
-            id="usage",
-        ),
-        pytest.param(
-            {"dispatched_at": 1.0, "status": 502, "error": "upstream_error"}, (20, 0), id="replica-error"
-        ),
-        pytest.param(
-            {"dispatched_at": 1.0, "stream": True, "status": 200, "error": "client_disconnected"},
-            (20, 0),
-            id="stream-cut-before-first-token",
-        ),
-        pytest.param(
-            {
-                "dispatched_at": 1.0,
-                "stream": True,
-                "status": 200,
-                "first_token_at": 2.0,
-                "error": "upstream_error",
-            },
-            (20, 10),
-            id="stream-cut-after-first-token",
-        ),
-        pytest.param(
-            {
-                "dispatched_at": 1.0,
-                "stream": True,
-                "status": 200,
-                "first_token_at": 2.0,
-                "tokens_streamed": 7,
-                "error": "client_disconnected",
-            },
-            (20, 7),
-            id="stream-cut-charges-what-streamed",
-        ),
-        pytest.param({"dispatched_at": 1.0, "status": 200}, (20, 10), id="answer-without-usage"),
-        pytest.param(
-            {"dispatched_at": 1.0, "status": 499, "error": "client_disconnected"},
-            (20, 0),
-            id="json-client-gone",
-        ),
-    ],
-)
-def test_settled_usage(fields: dict[str, object], usage: tuple[int, int]) -> None:
-    assert settled_usage(_outcome(**fields), HELD) == usage
+def _outcome() -> RequestOutcome:
+    return RequestOutcome(request_id="r", method="POST", path="/v1/completions", received_at=0.0)
 
 
 @pytest.mark.parametrize(

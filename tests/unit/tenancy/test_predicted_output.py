@@ -1,18 +1,22 @@
-"""``predicted_output_tokens``: the output a reservation is charged for is the prediction a forecast
-of the request would assume (``Forecast.output_tokens_used``), capped by ``max_tokens``, times its
-choices, whether the request has a cap (the memoised ``expected_output`` path) or not (the
-forecast itself), before and after the service learned output lengths."""
+"""``reserved_output``: the output a tenant's reservation holds for a request the engine sized is
+the prediction a forecast of it would assume (``Forecast.output_tokens_used``), capped by
+``max_tokens``, times its choices, with a cap or without, before and after the service learned
+output lengths (the live gateway learns them per model: ``AdmissionEngine`` teaches no tenant)."""
 
 from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 
+from gateway.admission import AdmissionSettings
+from gateway.admission.budget import reserved_output
+from gateway.admission.engine import AdmissionEngine
 from gateway.api.openai import ParsedRequest, parse_request
 from gateway.prediction.service import PredictionService
-from gateway.tenants.pricing import predicted_output_tokens
+from tests.unit.admission.test_policies import Fleet, new_entry
 
 MODEL = "m"
 
@@ -26,7 +30,27 @@ def parsed(max_tokens: int | None, n: int = 1) -> ParsedRequest:
     return parse_request("chat", json.dumps(body).encode())
 
 
-def forecast_based(service: PredictionService, request: ParsedRequest, tenant: str, prompt: int) -> int:
+def reserved(service: PredictionService, request: ParsedRequest, prompt: int) -> int:
+    """What the engine reserves for ``request`` with a prompt of ``prompt`` tokens."""
+    engine = AdmissionEngine(
+        AdmissionSettings(), Fleet(["r1"]), service, rng=random.Random(1), new_entry=new_entry
+    )
+    sized = engine.request(
+        "a",
+        request.model,
+        prompt_tokens=prompt,
+        max_tokens=request.max_tokens,
+        request_class="interactive",
+        arrival_s=0.0,
+        tenant="acme",
+        choices=request.choices,
+    )
+    return reserved_output(sized)
+
+
+def forecast_based(
+    service: PredictionService, request: ParsedRequest, tenant: str | None, prompt: int
+) -> int:
     """The charge as the forecast of a request on no replica states it (the reference)."""
     forecast = service.forecast(
         "",
@@ -62,7 +86,6 @@ def learn(service: PredictionService, tenant: str | None, lengths: list[int]) ->
     [
         pytest.param((), id="prior"),
         pytest.param(((None, [40] * 60),), id="model-lengths"),
-        pytest.param(((None, [40] * 60), ("acme", [3] * 60)), id="tenant-lengths"),
         pytest.param(((None, [0] * 60),), id="empty-answers"),
     ],
 )
@@ -74,8 +97,8 @@ def test_the_charge_is_the_forecasts_output(
         learn(service, tenant, lengths)
     request = parsed(max_tokens, n)
     for prompt in (1, 50, 3000):
-        got = predicted_output_tokens(service, request, "acme", prompt)
-        assert got == forecast_based(service, request, "acme", prompt)
+        got = reserved(service, request, prompt)
+        assert got == forecast_based(service, request, None, prompt)
         assert got >= n
         if max_tokens is not None:
             assert got <= max_tokens * n
@@ -85,9 +108,9 @@ def test_a_newly_learned_length_changes_the_charge_at_once() -> None:
     """The memoised prediction follows what the service learns (no stale charge)."""
     service = PredictionService()
     request = parsed(1000)
-    learn(service, "acme", [900] * 60)
-    long = predicted_output_tokens(service, request, "acme", 10)
-    learn(service, "acme", [5] * 400)
-    short = predicted_output_tokens(service, request, "acme", 10)
+    learn(service, None, [900] * 60)
+    long = reserved(service, request, 10)
+    learn(service, None, [5] * 400)
+    short = reserved(service, request, 10)
     assert short < long
-    assert short == forecast_based(service, request, "acme", 10)
+    assert short == forecast_based(service, request, None, 10)

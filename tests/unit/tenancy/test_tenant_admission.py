@@ -138,8 +138,8 @@ async def test_client_gone_while_queued_is_dropped_and_its_reservation_settled(a
         with contextlib.suppress(asyncio.CancelledError):
             await leaving
         await wait_for(lambda: admission.queued() == 0, timeout_s=5.0)
-        await wait_for(lambda: tenancy.settles_started == 1, timeout_s=5.0)
-        await tenancy.drain()
+        await wait_for(lambda: tenancy.budget.settles_started == 1, timeout_s=5.0)
+        await tenancy.budget.drain()
 
         # Dropped from the queue, never sent, its reservation given back in full.
         assert len(replica.seen) == 1
@@ -155,6 +155,6 @@ async def test_client_gone_while_queued_is_dropped_and_its_reservation_settled(a
         script.release.set()
         async with await first as resp:
             assert resp.status == 200
-        await wait_for(lambda: tenancy.settles_started == 2, timeout_s=5.0)
-        await tenancy.drain()
+        await wait_for(lambda: tenancy.budget.settles_started == 2, timeout_s=5.0)
+        await tenancy.budget.drain()
         assert await limiter.in_flight("team-a") == 0

@@ -1,0 +1,222 @@
+"""The tenants' budgets on the live path: the engine's ``TenantBudget`` over the async limiter.
+
+The engine's budget port is synchronous (``gateway.admission.budget``); the gateway's limiter
+(Redis or memory) is not. So ``LiveAdmission.admit`` asks the engine what it will reserve
+(``AdmissionEngine.budget_cost``), awaits the limiter for it here (``LiveBudget.fetch``: a
+storage failure under ``fail_closed`` is the 503 ``limiter_unavailable``), and hands the answer
+to the engine, which decides on it; a refused answer comes back as ``BudgetRefused`` and becomes
+the 429 (``over_budget``). An allowed reservation is kept on the request (``RESERVATION``): its
+buckets give every response of that request OpenAI's ``x-ratelimit-*`` headers
+(``add_rate_limit_headers``), a later refusal's included.
+
+Settles start as tasks of their own, synchronously, from the engine's ``finish``/refund (no
+``await`` in between, so no cancellation can skip one) and are not awaited: a response is never
+delayed by a Redis round trip. ``drain`` awaits the outstanding ones before the limiter closes.
+Each reservation has a fresh id (``new_request_id``), never the request's: a client-chosen
+``x-request-id`` repeated on concurrent requests must not look like one retried call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable
+from typing import Final, Protocol
+
+from aiohttp import web
+
+from gateway.admission.budget import BudgetAnswer, BudgetRefused
+from gateway.admission.fairness import TokenWeights
+from gateway.admission.request import AdmissionRequest
+from gateway.admission.retry_after import RefusalReason, retry_after
+from gateway.http.errors import Refused, rate_limit_headers
+from gateway.limits.base import Limiter, LimiterUnavailable, Reservation, TenantLimits, rejection_reason
+from gateway.observability.logs import RequestOutcome, new_request_id
+
+__all__ = [
+    "DRAIN_TIMEOUT_S",
+    "RESERVATION",
+    "BudgetMetrics",
+    "LiveBudget",
+    "add_rate_limit_headers",
+    "is_unlimited",
+    "over_budget",
+    "rejection_message",
+]
+
+log = logging.getLogger("sluice.tenancy")
+
+#: Seconds ``drain`` waits for outstanding settles (at shutdown, before the limiter closes).
+DRAIN_TIMEOUT_S: Final = 10.0
+#: The allowed reservation of a request (its buckets as reserved): its ``x-ratelimit-*`` headers.
+RESERVATION: Final = web.RequestKey("tenant_reservation", Reservation)
+_UNLIMITED: Final = TenantLimits()
+
+
+class BudgetMetrics(Protocol):
+    """What the budget reports (``gateway.observability.metrics.SluiceMetrics`` fits)."""
+
+    def observe_reservation(self, reservation: Reservation) -> None: ...
+
+    def observe_settle(self, reservation: Reservation, actual_cost_tokens: float) -> None: ...
+
+
+def is_unlimited(limits: TenantLimits) -> bool:
+    """True when ``limits`` bound nothing (no bucket and no concurrency limit)."""
+    return limits == _UNLIMITED or (
+        limits.tokens_per_minute is None
+        and limits.requests_per_minute is None
+        and limits.max_concurrent is None
+    )
+
+
+class LiveBudget:
+    """The engine's ``TenantBudget`` over the gateway's limiter (see the module).
+
+    ``weights``: the token weights a reservation is priced with now (``Tenancy.weights``).
+    ``metrics``: where reservations and settles are reported (``None``: nowhere).
+    ``retry_backoff_s``: the Retry-After base of a 503 when the limiter's storage is down."""
+
+    def __init__(
+        self,
+        limiter: Limiter,
+        weights: Callable[[], TokenWeights],
+        *,
+        metrics: BudgetMetrics | None = None,
+        retry_backoff_s: Callable[[], float] = lambda: 1.0,
+    ) -> None:
+        self.limiter = limiter
+        self._weights = weights
+        self.metrics = metrics
+        self._retry_backoff_s = retry_backoff_s
+        self._fetched: dict[int, Reservation] = {}
+        self._pending: set[asyncio.Task[None]] = set()
+        #: Settles started (one per allowed reservation) and the ones whose limiter call raised.
+        self.settles_started = 0
+        self.settle_failures = 0
+
+    @property
+    def pending_settles(self) -> int:
+        """Settles started and not finished yet."""
+        return len(self._pending)
+
+    # -- before the engine decides ------------------------------------------------------------------
+    async def fetch(
+        self,
+        request: web.Request,
+        areq: AdmissionRequest,
+        cost_tokens: float,
+        limits: TenantLimits,
+        outcome: RequestOutcome,
+    ) -> None:
+        """Reserve ``cost_tokens`` of ``areq.tenant``'s budget under ``limits`` for the engine's
+        next ``reserve`` of ``areq``; an allowed answer is kept on ``request`` (``RESERVATION``).
+        Raises the 503 ``limiter_unavailable`` (recorded on ``outcome``) when the limiter's
+        storage is down and it fails closed."""
+        tenant = areq.tenant
+        assert tenant is not None
+        try:
+            answer = await self.limiter.reserve(
+                tenant, cost_tokens=cost_tokens, limits=limits, request_id=new_request_id()
+            )
+        except LimiterUnavailable as exc:
+            reason = RefusalReason.LIMITER_UNAVAILABLE
+            retry = retry_after(reason, self._retry_backoff_s())
+            outcome.decision, outcome.reason = "rejected", "limiter_unavailable"
+            outcome.retry_after_s = retry.delay_s
+            raise Refused(reason, f"{exc}; retry later", retry_after=retry) from None
+        if self.metrics is not None:
+            self.metrics.observe_reservation(answer)
+        if answer.allowed:
+            request[RESERVATION] = answer
+        self._fetched[id(areq)] = answer
+
+    def forget(self, areq: AdmissionRequest) -> None:
+        """Drop an answer fetched for ``areq`` that the engine did not take."""
+        self._fetched.pop(id(areq), None)
+
+    # -- the port -----------------------------------------------------------------------------------
+    def weights(self) -> TokenWeights:
+        return self._weights()
+
+    def reserve(self, request: AdmissionRequest, cost_tokens: float, now: float) -> BudgetAnswer | None:
+        return self._fetched.pop(id(request), None)
+
+    def settle(self, answer: BudgetAnswer, actual_cost_tokens: float, now: float) -> None:
+        if not isinstance(answer, Reservation):
+            raise TypeError(f"not a limiter's reservation: {answer!r}")
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop left (the app is gone): the lease expires on its own
+        self.settles_started += 1
+        task = loop.create_task(self._settle(answer, actual_cost_tokens), name="sluice-settle")
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _settle(self, answer: Reservation, actual_cost_tokens: float) -> None:
+        try:
+            await self.limiter.settle(answer, actual_cost_tokens=actual_cost_tokens)
+        except Exception:
+            self.settle_failures += 1
+            # Once, then every 1000th: a broken limiter must not flood the log at request rate.
+            if self.settle_failures % 1000 == 1:
+                log.exception("settle failed for tenant %s (%d so far)", answer.tenant, self.settle_failures)
+            return
+        if self.metrics is not None:
+            self.metrics.observe_settle(answer, actual_cost_tokens)
+
+    async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        """Wait until every settle started so far has finished (at most ``timeout_s`` seconds)."""
+        if self._pending:
+            await asyncio.wait(set(self._pending), timeout=timeout_s)
+
+
+# -- the 429 -----------------------------------------------------------------------------------------
+
+
+def rejection_message(reservation: Reservation) -> str:
+    """The 429 message: which budget, what the request needs, when to retry (never a key)."""
+    name = reservation.tenant
+    tokens = reservation.tokens
+    if reservation.oversize and tokens is not None:
+        return (
+            f"Request too large for tenant {name}: it needs {reservation.cost_tokens:.0f} weighted tokens, "
+            f"more than its token budget can ever hold ({tokens.capacity:.0f}). Lower max_tokens or "
+            "shorten the prompt."
+        )
+    reason = rejection_reason(reservation)
+    what = {
+        "tokens": "weighted tokens per minute",
+        "requests": "requests per minute",
+        "concurrency": "concurrent requests",
+    }.get(reason, reason)
+    retry = reservation.retry_after_s
+    when = (
+        f" Please try again in {retry:.3g}s."
+        if retry is not None and math.isfinite(retry)
+        else " Please try again when one of your requests has finished."
+    )
+    return f"Rate limit reached for tenant {name} on {what}.{when}"
+
+
+def over_budget(refused: BudgetRefused, outcome: RequestOutcome) -> Refused:
+    """The 429 for a request whose tenant's budget is spent (the engine's exact Retry-After, the
+    refused reservation's ``x-ratelimit-*`` headers), recorded on ``outcome``."""
+    answer = refused.answer
+    assert isinstance(answer, Reservation)
+    outcome.decision, outcome.reason = "rejected", rejection_reason(answer)
+    error = Refused(
+        refused.reason, rejection_message(answer), retry_after=refused.retry_after, reservation=answer
+    )
+    outcome.retry_after_s = error.retry_after_s
+    return error
+
+
+async def add_rate_limit_headers(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """``on_response_prepare`` hook: a request whose budget was reserved carries its
+    ``x-ratelimit-*`` headers, as OpenAI's responses do."""
+    reservation = request.get(RESERVATION)
+    if reservation is not None:
+        response.headers.update(rate_limit_headers(reservation))
