@@ -50,7 +50,7 @@ from gateway.observability.logs import (
 )
 from gateway.observability.metrics import METRICS
 from gateway.observability.metrics.endpoints import install as install_metrics
-from gateway.prediction.live import LivePredictions, add_prediction_headers
+from gateway.prediction.live import LivePredictions, add_prediction_headers, follow_correction
 from gateway.prediction.service import PredictionConfig, PredictionService
 from gateway.proxy.disconnects import DISCONNECTS, DisconnectMonitor
 from gateway.proxy.forward import PROXY, Proxy
@@ -115,12 +115,6 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
         app.cleanup_ctx.append(_emulators)
     app.cleanup_ctx.append(_replicas)
     app.cleanup_ctx.append(_predictions)
-    # Before install_tenancy: the admin guard (in gateway_middleware) runs ahead of the tenants'.
-    admin_app = install_admin(app, store, gate=admin_gate)
-    admin_app.router.add_get("/sluice/v1/replicas", _replicas_view(app))
-    install_metrics(app, serve_on=admin_app)
-    # Before admission: its limiter and budget start before admission and close after it.
-    install_tenancy(app)
     app.cleanup_ctx.append(_admission)
     app.cleanup_ctx.append(_proxy)
     app.router.add_post("/v1/chat/completions", _chat_completions)
@@ -133,6 +127,11 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
     # Always public, never guarded: load balancers probe them without credentials.
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
+    # Before install_tenancy: the admin guard (in gateway_middleware) runs ahead of the tenants'.
+    admin_app = install_admin(app, store, gate=admin_gate)
+    admin_app.router.add_get("/sluice/v1/replicas", _replicas_view(app))
+    install_metrics(app, serve_on=admin_app)
+    install_tenancy(app)
     install_openapi(app)
     listener = app.get(ADMIN_LISTENER)
     if listener is not None:
@@ -205,6 +204,7 @@ async def _predictions(app: web.Application) -> AsyncIterator[None]:
         app[SESSION], interval_s=scrape.interval_s, timeout_s=scrape.timeout_s, window_s=scrape.window_s
     )
     service = app[PREDICTION_SERVICE]
+    follow_correction(service, app[STORE])
     predictions = LivePredictions(app[REGISTRY], scraper, service)
     scraper.subscribe(service.on_snapshot)
     app[REGISTRY].on_reconcile(lambda _: predictions.sync())
@@ -220,11 +220,9 @@ async def _predictions(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _admission(app: web.Application) -> AsyncIterator[None]:
-    """Admission over the registry, the prediction service and the tenants' budgets
-    (``Tenancy.budget``); every scrape re-evaluates its queue."""
+    """Admission over the registry and the prediction service; every scrape re-evaluates its queue."""
+    admission = LiveAdmission(app[STORE], app[REGISTRY], app[PREDICTIONS])
     tenancy = app.get(TENANCY)
-    budget = None if tenancy is None else tenancy.budget
-    admission = LiveAdmission(app[STORE], app[REGISTRY], app[PREDICTIONS], budget=budget)
     if tenancy is not None:
         # Fair shares are shares of what budgets charge: one set of token weights.
         admission.token_weights = tenancy.weights

@@ -32,6 +32,7 @@ from gateway.config.section import (
     Violation,
 )
 from gateway.limits.config import LimitsSettings
+from gateway.prediction.config import PredictionSettings
 from gateway.replicas.config import (
     EmulatorSettings,
     HealthSettings,
@@ -262,6 +263,9 @@ class Settings(Section):
         AdminSettings,
         Field(description="Listener and bearer token of /metrics and the /sluice/v1/* admin endpoints."),
     ] = AdminSettings()
+    prediction: Annotated[
+        PredictionSettings, Field(description="Latency prediction: the measured forecast correction.")
+    ] = PredictionSettings()
 
     @model_validator(mode="after")
     def _replicas_are_consistent(self) -> Settings:

@@ -9,7 +9,9 @@ What it does:
   forecast with the dispatch overhead, the ``x-sluice-*`` headers that carry it);
 * what a finished request teaches the service is handed over by the admission engine
   (``AdmissionEngine.finish``, driven by ``gateway.admission.live``);
-* ``describe`` is the body of the admin endpoint ``GET /sluice/v1/replicas``.
+* ``describe`` is the body of the admin endpoint ``GET /sluice/v1/replicas``;
+* ``follow_correction`` keeps the service's forecast correction on the ``prediction.correction``
+  settings across reloads.
 
 Nothing here does I/O on the request path: a forecast reads only what the scraper's tasks already
 delivered, so a slow, failing or stale scrape never delays or fails a request. A service that
@@ -27,6 +29,8 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.config.settings import Settings
+from gateway.config.store import SettingsStore
 from gateway.prediction.facts import ReplicaFacts
 from gateway.prediction.service import PredictionService
 from gateway.replicas.registry import LiveRequest, Replica, ReplicaRegistry
@@ -44,6 +48,7 @@ __all__ = [
     "LivePredictions",
     "add_prediction_headers",
     "facts_of",
+    "follow_correction",
     "forecast_headers",
 ]
 
@@ -121,6 +126,16 @@ async def add_prediction_headers(request: web.BaseRequest, response: web.StreamR
     headers = request.get(PREDICTION_HEADERS)
     if headers:
         response.headers.update(headers)
+
+
+def follow_correction(service: PredictionService, store: SettingsStore) -> None:
+    """Give ``service`` the ``prediction.correction`` settings now and on every reload."""
+
+    def apply(settings: Settings) -> None:
+        service.configure_correction(settings.prediction.correction.config())
+
+    apply(store.current)
+    store.subscribe(lambda _old, new: apply(new))
 
 
 class LivePredictions:

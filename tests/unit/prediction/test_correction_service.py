@@ -9,6 +9,7 @@ from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.observability.metrics import SluiceMetrics
 from gateway.prediction import ReplicaFacts
+from gateway.prediction.live import follow_correction
 from gateway.prediction.service import PredictionConfig, PredictionService
 from gateway.replicas.config import ReplicaSettings
 from gateway.replicas.registry import ReplicaRegistry
@@ -119,3 +120,16 @@ def test_metrics_export_the_factor_and_the_residuals() -> None:
         "sluice_forecast_correction_samples_total", {"replica": "r0", "kind": "ttft"}
     )
     assert samples == 200.0
+
+
+def test_the_yaml_knobs_follow_reloads() -> None:
+    svc = learned()
+    replicas = [{"name": "r0", "url": "http://127.0.0.1:1"}]
+    off = Settings.model_validate({"replicas": replicas, "prediction": {"correction": {"enabled": False}}})
+    store = SettingsStore(off)
+    follow_correction(svc, store)
+    assert svc.correction("r0", 20.0).factors(100, 0) == (1.0, 1.0)
+    slower = {"correction": {"half_life_s": 30.0}}
+    store.swap(Settings.model_validate({"replicas": replicas, "prediction": slower}))
+    assert svc.corrections.config.half_life_s == 30.0
+    assert svc.correction("r0", 20.0).factors(100, 0)[0] > 1.9
