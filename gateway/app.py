@@ -115,6 +115,12 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
         app.cleanup_ctx.append(_emulators)
     app.cleanup_ctx.append(_replicas)
     app.cleanup_ctx.append(_predictions)
+    # Before install_tenancy: the admin guard (in gateway_middleware) runs ahead of the tenants'.
+    admin_app = install_admin(app, store, gate=admin_gate)
+    admin_app.router.add_get("/sluice/v1/replicas", _replicas_view(app))
+    install_metrics(app, serve_on=admin_app)
+    # Before admission: its limiter and budget start before admission and close after it.
+    install_tenancy(app)
     app.cleanup_ctx.append(_admission)
     app.cleanup_ctx.append(_proxy)
     app.router.add_post("/v1/chat/completions", _chat_completions)
@@ -127,11 +133,6 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
     # Always public, never guarded: load balancers probe them without credentials.
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
-    # Before install_tenancy: the admin guard (in gateway_middleware) runs ahead of the tenants'.
-    admin_app = install_admin(app, store, gate=admin_gate)
-    admin_app.router.add_get("/sluice/v1/replicas", _replicas_view(app))
-    install_metrics(app, serve_on=admin_app)
-    install_tenancy(app)
     install_openapi(app)
     listener = app.get(ADMIN_LISTENER)
     if listener is not None:
@@ -220,9 +221,11 @@ async def _predictions(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _admission(app: web.Application) -> AsyncIterator[None]:
-    """Admission over the registry and the prediction service; every scrape re-evaluates its queue."""
-    admission = LiveAdmission(app[STORE], app[REGISTRY], app[PREDICTIONS])
+    """Admission over the registry, the prediction service and the tenants' budgets
+    (``Tenancy.budget``); every scrape re-evaluates its queue."""
     tenancy = app.get(TENANCY)
+    budget = None if tenancy is None else tenancy.budget
+    admission = LiveAdmission(app[STORE], app[REGISTRY], app[PREDICTIONS], budget=budget)
     if tenancy is not None:
         # Fair shares are shares of what budgets charge: one set of token weights.
         admission.token_weights = tenancy.weights
