@@ -20,6 +20,7 @@ from gateway.config.section import Name, PositiveSeconds, Section, SettingsViola
 __all__ = [
     "INTERACTIVE_STALL_BUDGET_HORIZON",
     "AdmissionSettings",
+    "AttainmentSettings",
     "ClassSettings",
     "ConcurrencyCapSettings",
     "HeaderSettings",
@@ -141,6 +142,16 @@ class ClassSettings(Section):
         int,
         Field(ge=1, description="Output size, in tokens, of the typical request (see probe_prompt_tokens)."),
     ] = 256
+    attainment_target: Annotated[
+        float,
+        Field(
+            gt=0,
+            lt=1,
+            description="Share (0-1) of this class's admitted requests that must meet both targets "
+            "(first token by its deadline, mean TPOT within tpot_target_s), on each replica: the "
+            "attainment controller (admission.attainment) moves the class's margin there to hold it.",
+        ),
+    ] = 0.95
 
 
 #: ``stall_budget_horizon`` of the built-in interactive class (docs/benchmarks.md, goodput).
@@ -335,6 +346,95 @@ class SaturationSettings(Section):
     ] = 0.8
 
 
+class AttainmentSettings(Section):
+    """The attainment controller (``gateway.admission.attainment``): per class and replica, the
+    forecast margin moved to hold the class's ``attainment_target`` over a sliding window."""
+
+    enabled: Annotated[
+        bool,
+        Field(
+            description="Move the margins (false: every margin is forecast_margin; attainment is still "
+            "measured and shown)."
+        ),
+    ] = True
+    window_requests: Annotated[
+        int, Field(ge=1, description="Most outcomes (ended admitted requests) kept per class and replica.")
+    ] = 200
+    window_s: Annotated[
+        PositiveSeconds,
+        Field(
+            description="Oldest outcome kept, in seconds after it ended; also how long a refusal lets "
+            "the margin loosen, and the quiet time after which it decays."
+        ),
+    ] = 60.0
+    min_samples: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="Outcomes of requests admitted since the margin last moved needed before it "
+            "moves again.",
+        ),
+    ] = 20
+    confidence: Annotated[
+        float,
+        Field(
+            ge=0.5,
+            lt=1,
+            description="One-sided confidence of the attainment's Wilson interval: the margin tightens "
+            "only when the interval's upper end is below the target, loosens only when its lower end is "
+            "at or above it.",
+        ),
+    ] = 0.9
+    deadband: Annotated[
+        float,
+        Field(
+            ge=0,
+            lt=1,
+            description="Room to spare, a share of requests: the margin loosens only while the measured "
+            "attainment is at least target + deadband.",
+        ),
+    ] = 0.02
+    gain: Annotated[
+        float,
+        Field(
+            gt=0,
+            description="Step per unit of attainment error: the multiplier 1 + margin changes by "
+            "gain x |target - attainment| (a fraction of itself), at most max_step.",
+        ),
+    ] = 2.0
+    max_step: Annotated[
+        float,
+        Field(gt=0, le=1, description="Largest change of the multiplier 1 + margin in one move, a fraction."),
+    ] = 0.25
+    min_margin: Annotated[
+        float,
+        Field(ge=0, description="Floor of the margin (a fraction); forecast_margin if that is lower."),
+    ] = 0.0
+    max_margin: Annotated[
+        float,
+        Field(gt=0, description="Cap of the margin (a fraction); forecast_margin if that is higher."),
+    ] = 3.0
+    decay_half_life_s: Annotated[
+        PositiveSeconds,
+        Field(
+            description="Half-life, in seconds, of the margin's way back to forecast_margin (in the log "
+            "of 1 + margin) while a class and replica have had no outcome for window_s."
+        ),
+    ] = 30.0
+
+    @model_validator(mode="after")
+    def _floor_below_cap(self) -> AttainmentSettings:
+        if self.min_margin > self.max_margin:
+            raise SettingsViolations(
+                [
+                    Violation(
+                        ("min_margin",), f"must not exceed max_margin ({self.max_margin!r})", self.min_margin
+                    )
+                ]
+            )
+        return self
+
+
 class AdmissionSettings(Section):
     """SLO-aware admission: classes, routing by slack, the queue, Retry-After, shadow mode."""
 
@@ -383,6 +483,10 @@ class AdmissionSettings(Section):
             "admitted requests past them. 0 = trust the forecast as it is.",
         ),
     ] = 0.15
+    attainment: Annotated[
+        AttainmentSettings,
+        Field(description="The controller that moves forecast_margin per class and replica."),
+    ] = AttainmentSettings()
     stale_margin: Annotated[
         float,
         Field(
