@@ -444,7 +444,7 @@ REPLICAS = Dashboard(
             "Forecast error, corrected vs not",
             "Signed median of measured / forecast - 1 over the last minute's requests per replica: "
             "against the forecast as corrected when it was made, and as the step model alone gave it. "
-            "Near 0 when corrected: the correction removes the bias. Red beyond 15 %.",
+            "Positive: forecasts were low. Near 0 when corrected. Red above 15 %.",
             (
                 Target(
                     "max by (replica, kind, forecast) "
