@@ -2,7 +2,11 @@
 
 For a request of class C on replica r (predictions multiplied by ``1 + forecast_margin``, and by
 ``1 + stale_margin`` as well when r's metrics are stale), each constraint has a **slack**, its
-spare capacity as a fraction of its limit (negative = violated):
+spare capacity as a fraction of its limit (negative = violated). Where the attainment controller
+holds a margin of its own for a class on r (``ReplicaView.margins``), that margin replaces
+``forecast_margin`` on the class's own TTFT and TPOT, and on what a newcomer inflicts on the
+class's running streams there; the probes of yielded-to classes and the hopeless check keep
+``forecast_margin``.
 
 =============== ================================================================ ===============
 blocker          slack                                                            rule
@@ -666,7 +670,16 @@ class SloAdmitter:
         if elapsed > 0.0:
             f = _after(f, elapsed)
             known = None  # the memo's ``Forecast`` is the view's as built
-        scale = self._stale_scale if view.stale else self._fresh_scale
+        base = self._stale_scale if view.stale else self._fresh_scale
+        # The class's own margin there (the attainment controller's) in place of forecast_margin:
+        # on its own forecasts, and on what a newcomer inflicts on its running streams.
+        margins = view.margins
+        scale = base
+        if margins:
+            own_margin = margins.get(name)
+            if own_margin is not None:
+                scale = base / self._fresh_scale * (1.0 + own_margin)
+            stale_factor = base / self._fresh_scale
         # The first token reaches the gateway the replica's dispatch overhead after the engine
         # makes it, or the share of it a busy engine's steps leave (learned, not scaled by the
         # margins; ``predictor.overhead``, as the response's forecast gets it).
@@ -692,18 +705,26 @@ class SloAdmitter:
             step = self._step_with_s(view, request.prompt_tokens + output / 2.0)
         for stream_class, load in view.loads.items():
             target, max_stall, horizon = limits.get(stream_class, fallback)
+            # Their class's margin (not the newcomer's) on what the newcomer does to them.
+            k = 1.0
+            if margins:
+                stream_margin = margins.get(stream_class)
+                if stream_margin is not None:
+                    k = stale_factor * (1.0 + stream_margin) / scale
+                else:
+                    k = base / scale
             if horizon is not None:
                 budget = load.min_stall_budget_s(target, horizon, step)
                 if budget < _INF:
-                    s = 1.0 - (pending + stall) / budget if budget > 0.0 else -1.0
+                    s = 1.0 - (pending + stall) * k / budget if budget > 0.0 else -1.0
                     if s < stalls:
                         stalls = s
             else:
-                s = (target - load.max_tpot_s - extra - infl) / target
+                s = (target - load.max_tpot_s - extra - infl * k) / target
                 if s < streams:
                     streams = s
             if max_stall is not None:
-                s = (max_stall - stall) / max_stall
+                s = (max_stall - stall * k) / max_stall
                 if s < stalls:
                     stalls = s
         kv = slot = yttft = ytpot = _INF
@@ -722,8 +743,9 @@ class SloAdmitter:
         # share the replica had recently (the forecast's): its decode step with it seated, when
         # that is lower.
         own_tpot = tpot
-        if cls.stall_budget_horizon is not None and 0.0 < step * cp < tpot:
-            own_tpot = step * cp
+        own_step = step * cp * (scale / base)
+        if cls.stall_budget_horizon is not None and 0.0 < own_step < tpot:
+            own_tpot = own_step
         s_tpot = (cls.tpot_target_s - own_tpot) / cls.tpot_target_s
         if request.max_tokens_on(state.max_model_len) <= 1:
             s_tpot = _INF  # one output token: no time per output token to hold to a target
@@ -740,8 +762,8 @@ class SloAdmitter:
                 pt, pp = view.correction.factors(
                     probe.prompt_tokens, after.decode_seqs if pb is None else pb[1]
                 )
-                p_ttft = (pf[0] - elapsed) * scale * pt + _overhead_s(d, pf, view.model)
-                p_tpot = pf[1] * scale * pp
+                p_ttft = (pf[0] - elapsed) * base * pt + _overhead_s(d, pf, view.model)
+                p_tpot = pf[1] * base * pp
                 probes.append((protected, p_ttft, p_tpot))
                 t, p = protected.ttft_target_s, protected.tpot_target_s
                 yttft = min(yttft, (keep * t - p_ttft) / t)

@@ -10,7 +10,8 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from types import MappingProxyType
+from typing import Final, Generic, Protocol, TypeVar
 
 from gateway.admission.request import AdmissionRequest
 from gateway.admission.shares import EMPTY_LOAD, ClassLoad, StreamingRequest, class_loads, decode_elapsed_s
@@ -18,6 +19,9 @@ from predictor import Forecast, ReplicaState, StepBatch, StepModel
 from predictor.correction import NO_CORRECTION, Correction
 
 __all__ = ["LiveEntry", "ReplicaView", "TrackedStream", "current_step_s", "with_queued"]
+
+#: No class has a margin of its own (every class: ``admission.forecast_margin``).
+NO_MARGINS: Final[Mapping[str, float]] = MappingProxyType({})
 
 _Frozen_co = TypeVar("_Frozen_co", covariant=True)
 _Frozen = TypeVar("_Frozen")
@@ -184,6 +188,9 @@ class ReplicaView:
     ``correction``: the factors admission multiplies the engine's TTFT and TPOT forecasts by there,
     per load regime, learned from what the gateway measured (``predictor.correction``; every
     factor 1 when nothing is learned).
+    ``margins``: per class name, the margin (a fraction) admission applies to that class's
+    forecasts here in place of ``admission.forecast_margin``, held by the attainment controller
+    (``gateway.admission.attainment``); a class absent has ``forecast_margin``.
     """
 
     name: str
@@ -197,6 +204,7 @@ class ReplicaView:
     built_at: float = math.nan
     dispatch_overhead_s: float = 0.0
     correction: Correction = NO_CORRECTION
+    margins: Mapping[str, float] = dataclasses.field(default_factory=lambda: NO_MARGINS)
 
     @classmethod
     def build(
@@ -211,12 +219,13 @@ class ReplicaView:
         built_at: float = math.nan,
         dispatch_overhead_s: float = 0.0,
         correction: Correction = NO_CORRECTION,
+        margins: Mapping[str, float] = NO_MARGINS,
     ) -> ReplicaView:
         """Aggregate ``streams`` (the gateway's requests running there) once: O(k log k).
 
         ``stale`` or ``state.stale`` marks the view stale. Each stream's TPOT is floored at the
         replica's current decode step time (``current_step_s``). ``built_at``,
-        ``dispatch_overhead_s``, ``correction``: see the class.
+        ``dispatch_overhead_s``, ``correction``, ``margins``: see the class.
         """
         items = list(streams)
         loads = class_loads(items, current_step_s(model, state))
@@ -232,6 +241,7 @@ class ReplicaView:
             built_at,
             dispatch_overhead_s,
             correction,
+            margins,
         )
 
     @property
