@@ -39,18 +39,13 @@ from gateway.admission import (
     Reject,
     VirtualTokenCounter,
 )
+from gateway.admission.budget import BudgetRefused
 from gateway.admission.config import SaturationSettings
-from gateway.admission.engine import (
-    AdmissionEngine,
-    AdmissionReplica,
-    BudgetRefused,
-    Ending,
-    Resolution,
-    Saturated,
-    UnknownModel,
-)
+from gateway.admission.engine import AdmissionEngine
 from gateway.admission.fairness import TokenWeights
 from gateway.admission.policies import saturated
+from gateway.admission.ports import AdmissionReplica
+from gateway.admission.results import Ending, Resolution, Saturated, UnknownModel
 from gateway.limits.base import TenantLimits
 from gateway.prediction import PredictionConfig, PredictionService
 from gateway.replicas.registry import LiveRequest

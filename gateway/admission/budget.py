@@ -10,7 +10,10 @@ ends, with nothing (a refund) when admission refuses it or it never reaches a re
 The port is synchronous so that the engine stays sans-I/O: the replay answers from an in-memory
 limiter on its virtual clock; the live gateway, whose limiter may be Redis, fetches the answer
 before it submits (``AdmissionEngine.budget_cost`` says whether and at what cost) and hands it
-over through the port, and starts its settles as tasks of their own.
+over through the port, and starts its settles as tasks of their own. ``BudgetLedger`` is the
+engine's side: what each request holds, from its reservation to its settle, across a
+re-placement (a placement its replica refused hands its hold to the next one, never reserving
+twice).
 """
 
 from __future__ import annotations
@@ -20,12 +23,21 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.admission.fairness import TokenWeights
+from gateway.admission.ports import EngineLog
 from gateway.admission.request import AdmissionRequest
-from gateway.admission.retry_after import UNMEASURED_WAIT_S, RefusalReason, RetryAfter, retry_after
+from gateway.admission.results import Ending
+from gateway.admission.retry_after import (
+    UNMEASURED_WAIT_S,
+    RefusalReason,
+    RetryAfter,
+    retry_after,
+)
 
 __all__ = [
     "BudgetAnswer",
+    "BudgetLedger",
     "BudgetRefused",
+    "Hold",
     "TenantBudget",
     "budget_cost",
     "budget_retry_after",
@@ -128,3 +140,84 @@ def budget_retry_after(answer: BudgetAnswer) -> RetryAfter | None:
         return None
     wait = answer.retry_after_s
     return retry_after(RefusalReason.RATE_LIMITED, UNMEASURED_WAIT_S if wait is None else wait)
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """An allowed reservation: the limiter's answer, the weights it was priced with, the prompt
+    estimate and output (all choices) it reserved, and the request's choices (settled with the
+    same weights)."""
+
+    answer: BudgetAnswer
+    weights: TokenWeights
+    prompt_tokens: int
+    output_tokens: int
+    choices: int
+
+
+class BudgetLedger:
+    """The engine's bookkeeping over a ``TenantBudget``: reserve, refund, settle, and the holds
+    of placements a replica refused, parked for the request's next placement.
+
+    Parked holds are keyed by (tenant, request id): an adapter that places a request again does
+    so before anything else can submit (the live adapter's ``finish`` and next ``submit`` run in
+    one loop step), so requests sharing a client-chosen id never take each other's hold.
+    ``log``: where a settle that raised is reported."""
+
+    def __init__(self, budget: TenantBudget, log: EngineLog) -> None:
+        self.budget = budget
+        self._log = log
+        self._parked: dict[tuple[str, str], list[Hold]] = {}
+
+    def cost(self, request: AdmissionRequest) -> float | None:
+        """The weighted tokens ``reserve`` will take for ``request``; ``None`` when it takes
+        nothing (no tenant, or a hold parked for it)."""
+        if request.tenant is None or self._parked.get((request.tenant, request.request_id)):
+            return None
+        return budget_cost(self.budget.weights(), request)
+
+    def reserve(self, request: AdmissionRequest, now: float) -> Hold | BudgetRefused | None:
+        """Reserve ``request``'s cost of its tenant's budget (or take the hold its previous,
+        refused placement parked); ``None`` when nothing is held for it."""
+        tenant = request.tenant
+        if tenant is None:
+            return None
+        parked = self._parked.get((tenant, request.request_id))
+        if parked:
+            hold = parked.pop(0)
+            if not parked:
+                del self._parked[(tenant, request.request_id)]
+            return hold
+        weights = self.budget.weights()
+        answer = self.budget.reserve(request, budget_cost(weights, request), now)
+        if answer is None:
+            return None
+        if not answer.allowed:
+            return BudgetRefused(tenant, answer, budget_retry_after(answer))
+        return Hold(answer, weights, request.prompt_tokens, reserved_output(request), request.choices)
+
+    def park(self, hold: Hold, request: AdmissionRequest) -> None:
+        """Keep ``hold`` for ``request``'s next placement (its replica refused this one)."""
+        self._parked.setdefault((hold.answer.tenant, request.request_id), []).append(hold)
+
+    def refund(self, hold: Hold | None, now: float) -> None:
+        """Give a refused (or never sent) request's reservation back whole."""
+        self._settle(hold, 0.0, now)
+
+    def settle(self, hold: Hold, ending: Ending, produced: int, now: float) -> None:
+        """Settle a request that reached its replica with what it really cost: the replica's
+        prompt count, else the estimate reserved; its output tokens (``produced``: usage, else
+        the tokens seen); when neither says and output did come (``ending.answered``), the
+        output reserved."""
+        prompt = hold.prompt_tokens if ending.prompt_tokens is None else ending.prompt_tokens
+        if ending.produced_tokens is None and produced == 0 and ending.answered:
+            produced = hold.output_tokens
+        self._settle(hold, request_cost(hold.weights, prompt, produced, hold.choices), now)
+
+    def _settle(self, hold: Hold | None, actual_cost_tokens: float, now: float) -> None:
+        if hold is None:
+            return
+        try:
+            self.budget.settle(hold.answer, actual_cost_tokens, now)
+        except Exception:
+            self._log.exception("settling tenant %r's budget failed", hold.answer.tenant)

@@ -15,22 +15,21 @@ clock. Per request (``LiveAdmission.admit``), after the body is parsed:
    was sent to; queued -> the handler awaits a future that a ``Resolution`` of a later
    re-evaluation completes; refused -> a typed error (``gateway.http.errors``).
 
-The engine is told of every event (a finish, a scrape snapshot, a health or settings change),
-and the loop's timer is armed for ``AdmissionEngine.next_wakeup``. A client that goes away while
-queued is dropped from the queue. When a request ends, ``finished`` hands the engine its usage
-(``AdmissionEngine.finish``: fairness charge, budget settle, re-evaluation, learning).
+The engine is told of every event (a finish, a scrape snapshot, a health or settings change);
+the queued handlers and the loop's timer are ``gateway.admission.live_queue``'s, the budget's
+limiter calls ``gateway.admission.live_budget``'s. When a request ends, ``finished`` hands the
+engine its usage (``AdmissionEngine.finish``: fairness charge, budget settle, re-evaluation,
+learning).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from aiohttp import web
 
@@ -47,31 +46,19 @@ from gateway.admission import (
     client_deadline_s,
     decision_headers,
 )
-from gateway.admission.engine import (
-    MAX_TICK_S,
-    MIN_TICK_S,
-    AdmissionEngine,
-    AdmissionReplica,
-    BudgetRefused,
-    Ending,
-    Resolution,
-    Saturated,
-    UnknownModel,
-    expected_output,
-    labels,
-    replica_inputs,
-    route_of,
-    split_route,
-)
+from gateway.admission.budget import BudgetRefused
+from gateway.admission.engine import AdmissionEngine
 from gateway.admission.fairness import TokenWeights
 from gateway.admission.live_budget import LiveBudget, is_unlimited, over_budget
+from gateway.admission.live_queue import CallLater, LiveQueue, Watch
+from gateway.admission.ports import AdmissionReplica, route_of
+from gateway.admission.results import Ending, Resolution, Saturated, UnknownModel, labels
 from gateway.admission.retry_after import RefusalReason
 from gateway.admission.sizing import estimated_prompt_tokens
 from gateway.api.openai import ParsedRequest
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.http.errors import (
-    ClientClosedRequest,
     InvalidRequest,
     ModelNotFound,
     Refused,
@@ -92,28 +79,9 @@ from gateway.tenants import Tenant
 from gateway.tenants.live import TENANT
 from predictor import Forecast, ForecastReason
 
-__all__ = [
-    "ADMISSION",
-    "MAX_TICK_S",
-    "MIN_TICK_S",
-    "LiveAdmission",
-    "Ticket",
-    "expected_output",
-    "mark_saturated",
-    "replica_inputs",
-    "route_of",
-    "split_route",
-]
+__all__ = ["ADMISSION", "LiveAdmission", "Ticket", "mark_saturated"]
 
 log = logging.getLogger("sluice.admission")
-
-
-class TimerHandle(Protocol):
-    def cancel(self) -> None: ...
-
-
-#: Arms a timer: (delay in seconds, callback) -> its handle (default: the running loop's ``call_later``).
-CallLater = Callable[[float, Callable[[], None]], TimerHandle]
 
 
 @dataclass(slots=True)
@@ -191,7 +159,6 @@ class LiveAdmission:
         self._budget = budget
         self._clock = clock
         self._rng: UniformSource = rng if rng is not None else random.Random()
-        self._call_later = call_later
         self.engine = AdmissionEngine(
             settings.admission,
             _Registry(registry),
@@ -203,11 +170,7 @@ class LiveAdmission:
             budget=budget,
         )
         self._service = predictions.service
-        #: Queued handlers by the engine's key.
-        self._waiting: dict[int, asyncio.Future[Resolution]] = {}
-        self._timer: TimerHandle | None = None
-        self._timer_at = math.inf
-        self._closed = False
+        self._queue = LiveQueue(self.engine, clock, call_later, self.reevaluate)
         self._apply_tenants(settings)
         store.subscribe(self._on_swap)
 
@@ -234,17 +197,13 @@ class LiveAdmission:
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the timer and answer every queued request's handler (the app is stopping)."""
-        self._closed = True
-        self._cancel_timer()
-        for future in self._waiting.values():
-            if not future.done():
-                future.cancel()
-        self._waiting.clear()
+        """Stop the timer and answer every queued request's handler (the app is stopping); their
+        budgets are refunded."""
+        self._queue.close()
         self.engine.clear(self._clock())
 
     def _on_swap(self, old: Settings, new: Settings) -> None:
-        if self._closed:
+        if self._queue.closed:
             return
         self.engine.reconfigure(new.admission)
         self._apply_tenants(new)
@@ -266,18 +225,18 @@ class LiveAdmission:
     # -- events -------------------------------------------------------------------------------------
     def changed(self) -> None:
         """A replica's load or health changed: views are rebuilt, the queue re-evaluated."""
-        if not self._closed:
-            self._apply(self.engine.changed(self._clock()))
+        if not self._queue.closed:
+            self._queue.apply(self.engine.changed(self._clock()))
 
     def on_snapshot(self, snapshot: ReplicaSnapshot) -> None:
         """Scraper subscriber: a new snapshot changes that replica's view (only that one's)."""
-        if not self._closed:
-            self._apply(self.engine.on_snapshot(snapshot.name, self._clock()))
+        if not self._queue.closed:
+            self._queue.apply(self.engine.on_snapshot(snapshot.name, self._clock()))
 
     def reevaluate(self) -> None:
         """Offer every route's queued requests to its replicas again; resolve decided handlers."""
-        if not self._closed:
-            self._apply(self.engine.reevaluate(self._clock()))
+        if not self._queue.closed:
+            self._queue.apply(self.engine.reevaluate(self._clock()))
 
     # -- one request --------------------------------------------------------------------------------
     async def admit(
@@ -286,7 +245,7 @@ class LiveAdmission:
         parsed: ParsedRequest,
         outcome: RequestOutcome,
         *,
-        watch: Callable[[web.BaseRequest, Callable[[], object]], Callable[[], None]] | None = None,
+        watch: Watch | None = None,
     ) -> Ticket:
         """Decide ``parsed`` and return where it goes; raises ``GatewayError`` when it is refused
         (after filling the outcome's admission fields and the response's prediction headers).
@@ -344,7 +303,7 @@ class LiveAdmission:
             mark_saturated(request, choice.name, settings)
             raise _refusal(submitted)
         if submitted.queued:
-            resolution = await self._wait(request, outcome, submitted.key, areq, watch)
+            resolution = await self._queue.wait(request, outcome, submitted.key, areq.arrival_s, watch)
             return self._conclude(request, parsed, outcome, areq, resolution, tenant_name, queued=True)
         resolution = Resolution(
             submitted.key, areq.request_id, submitted.decision, submitted.replica, submitted.entry
@@ -424,7 +383,7 @@ class LiveAdmission:
             answered=outcome.first_token_at is not None
             or (not outcome.stream and outcome.status == 200 and outcome.error is None),
         )
-        self._apply(self.engine.finish(ticket.key, ending, self._clock()))
+        self._queue.apply(self.engine.finish(ticket.key, ending, self._clock()))
 
     def replica_refused(
         self, ticket: Ticket, back_off_s: float, why: str, *, placed_again: bool = False
@@ -455,86 +414,6 @@ class LiveAdmission:
         if cost is not None:
             await budget.fetch(request, areq, cost, tenant.limits, outcome)
 
-    # -- the queue ----------------------------------------------------------------------------------
-    async def _wait(
-        self,
-        request: web.Request,
-        outcome: RequestOutcome,
-        key: int,
-        areq: AdmissionRequest,
-        watch: Callable[[web.BaseRequest, Callable[[], object]], Callable[[], None]] | None,
-    ) -> Resolution:
-        """Wait in the queue until a re-evaluation decides; the client going away cancels it."""
-        future: asyncio.Future[Resolution] = asyncio.get_running_loop().create_future()
-        self._waiting[key] = future
-        unwatch = watch(request, lambda: self._client_gone(key)) if watch is not None else None
-        self._schedule()
-        try:
-            return await future
-        except asyncio.CancelledError:
-            self._waiting.pop(key, None)
-            # Still queued: counted as cancelled. Dispatched, but its handler was cancelled
-            # before it ran: forgotten on its replica.
-            self.engine.drop(key, self._clock())
-            self._schedule()
-            if future.cancelled() and _gone(request):
-                outcome.decision, outcome.reason = "cancelled", "client_disconnected"
-                outcome.queue_wait_s = max(0.0, self._clock() - areq.arrival_s)
-                raise ClientClosedRequest("the client went away while its request was queued") from None
-            raise
-        finally:
-            if unwatch is not None:
-                unwatch()
-
-    def _client_gone(self, key: int) -> None:
-        future = self._waiting.pop(key, None)
-        if future is not None and not future.done():
-            self.engine.drop(key, self._clock())
-            self._schedule()
-            future.cancel()
-
-    def _apply(self, resolutions: list[Resolution]) -> None:
-        """Complete the handlers the engine decided; a dispatch whose handler is gone is
-        forgotten again. Then re-arm the timer."""
-        for resolution in resolutions:
-            future = self._waiting.pop(resolution.key, None)
-            if future is None or future.done():
-                self.engine.drop(resolution.key, self._clock())
-            else:
-                future.set_result(resolution)
-        self._schedule()
-
-    def _schedule(self) -> None:
-        """Arm the timer for the engine's next wake-up (none when nothing waits)."""
-        if self._closed:
-            return
-        now = self._clock()
-        when = self.engine.next_wakeup(now)
-        if when is None:
-            self._cancel_timer()
-            return
-        if self._timer is not None and self._timer_at <= when:
-            return
-        self._cancel_timer()
-        self._timer_at = when
-        call_later = self._call_later or asyncio.get_running_loop().call_later
-        self._timer = call_later(max(0.0, when - now), self._tick)
-
-    def _tick(self) -> None:
-        self._timer = None
-        self._timer_at = math.inf
-        try:
-            self.reevaluate()
-        except Exception:
-            log.exception("queue re-evaluation failed")
-            self._schedule()
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = None
-        self._timer_at = math.inf
-
 
 ADMISSION = web.AppKey("admission", LiveAdmission)
 
@@ -557,8 +436,3 @@ def _forecast_headers(replica: str, forecast: Forecast | None) -> dict[str, str]
     if forecast is None:
         return {REPLICA_HEADER: replica, PREDICTION_HEADER: ForecastReason.NO_STEP_MODEL.value}
     return forecast_headers(replica, forecast)
-
-
-def _gone(request: web.BaseRequest) -> bool:
-    transport = request.transport
-    return transport is None or transport.is_closing()

@@ -14,7 +14,8 @@ import random
 import pytest
 
 from gateway.admission.budget import BudgetRefused, request_cost
-from gateway.admission.engine import AdmissionEngine, Ending, Saturated, Submitted, UnknownModel
+from gateway.admission.engine import AdmissionEngine
+from gateway.admission.results import Ending, Saturated, Submitted, UnknownModel
 from gateway.admission.retry_after import RefusalReason
 from gateway.limits.base import Reservation, TenantLimits
 from gateway.replicas.registry import LiveRequest

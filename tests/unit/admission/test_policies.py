@@ -26,13 +26,14 @@ from gateway.admission import (
     RetryAfterPolicy,
     make_admitter,
 )
-from gateway.admission.engine import AdmissionEngine, Submitted
+from gateway.admission.engine import AdmissionEngine
 from gateway.admission.policies import (
     ConcurrencyCapAdmitter,
     PassThroughAdmitter,
     SaturationAdmitter,
     SloAdmitter,
 )
+from gateway.admission.results import Submitted
 from gateway.replicas.registry import LiveRequest
 from predictor import ReplicaState, StepModel
 from predictor.correction import NO_CORRECTION, Correction

@@ -45,7 +45,7 @@ def _decoding(admission: LiveAdmission, clock: Clock, count: int) -> list[LiveRe
         live = LiveRequest(f"req-{i}", 100, clock.now - 0.05, 64)
         live.tokens_streamed, live.last_token_at = 3, clock.now
         tracked = TrackedStream(live, "interactive", 64.0, 0.01, 0.05)
-        admission.engine._streams.setdefault("r1", {})[live] = tracked
+        admission.engine.view_cache.track("r1", live, tracked)
         streams.append(live)
     return streams
 
