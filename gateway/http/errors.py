@@ -320,7 +320,7 @@ def _bucket_headers(kind: str, state: BucketState) -> dict[str, str]:
 
 def rate_limit_headers(reservation: Reservation) -> dict[str, str]:
     """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` for ``reservation``
-    (a refusal's, and an admitted response's: ``gateway.tenants.live.add_rate_limit_headers``).
+    (a refusal's, and an admitted response's: ``gateway.admission.live_budget.add_rate_limit_headers``).
 
     Limit: the budget per minute; remaining: whole units left (never negative); reset: time until
     the bucket is full again. A budget that is unlimited has no headers.
