@@ -37,6 +37,11 @@ def test_best_ape_forecast_beats_every_other_value_on_its_sample() -> None:
         assert mean_ape(best) <= mean_ape(other) + 1e-12, other
 
 
+#: Dispatches whose copied engine is replayed and compared (each replays the whole future after
+#: it, so the cost grows with the count; an exact match on every one of 30 is the behaviour).
+CHECKED = 30
+
+
 @pytest.mark.slow
 def test_the_copied_engine_replays_each_requests_real_latencies_under_the_real_future() -> None:
     name = "llama3-8b-h100"
@@ -58,7 +63,9 @@ def test_the_copied_engine_replays_each_requests_real_latencies_under_the_real_f
         assert stats is not None, snap.index
         assert (stats.ttft_s, stats.tpot_s) == (record.ttft_s, record.tpot_s), snap.index
         checked += 1
-    assert checked >= 20
+        if checked == CHECKED:
+            break
+    assert checked == CHECKED
 
 
 @pytest.mark.parametrize("option", ["--samples", "--futures", "--trace-rows"])
