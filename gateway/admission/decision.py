@@ -5,8 +5,8 @@ For a request of class C on replica r (predictions multiplied by ``1 + forecast_
 spare capacity as a fraction of its limit (negative = violated). Where the attainment controller
 holds a margin of its own for a class on r (``ReplicaView.margins``), that margin replaces
 ``forecast_margin`` on the class's own TTFT and TPOT, and on what a newcomer inflicts on the
-class's running streams there; the probes of yielded-to classes and the hopeless check keep
-``forecast_margin``.
+class's running streams there, unless r is idle (a margin learned under load does not outlive
+it); the probes of yielded-to classes and the hopeless check keep ``forecast_margin``.
 
 =============== ================================================================ ===============
 blocker          slack                                                            rule
@@ -87,7 +87,7 @@ from gateway.admission.retry_after import (
     ttft_excess_s,
 )
 from gateway.admission.shares import decode_slot_capacity, kv_share_limit, slot_share_limit
-from gateway.admission.views import ReplicaView, with_queued
+from gateway.admission.views import NO_MARGINS, ReplicaView, with_queued
 from predictor import (
     CandidateRequest,
     Forecast,
@@ -672,8 +672,11 @@ class SloAdmitter:
             known = None  # the memo's ``Forecast`` is the view's as built
         base = self._stale_scale if view.stale else self._fresh_scale
         # The class's own margin there (the attainment controller's) in place of forecast_margin:
-        # on its own forecasts, and on what a newcomer inflicts on its running streams.
+        # on its own forecasts, and on what a newcomer inflicts on its running streams. Not on an
+        # idle replica: a margin learned under load must not outlive it (no lock-out).
         margins = view.margins
+        if margins and _is_idle(view):
+            margins = NO_MARGINS
         scale = base
         if margins:
             own_margin = margins.get(name)

@@ -4,7 +4,9 @@ The one place that decides: one ``AdmissionController`` per route, the queue and
 re-evaluation, the timer's next instant, fairness (weights, output charges), re-placement when
 a replica refuses a request as overloaded, the tenant's budget (``BudgetLedger``: reserved
 before the decision, refunded on a refusal, settled when the request ends), the replicas' views
-(``ViewCache``: cached, rebuilt on events) and what is learned when a request ends (``finish``).
+(``ViewCache``: cached, rebuilt on events) and what is learned when a request ends (``finish``):
+the prediction service's lessons, and each class's attainment on its replica, which moves the
+margin admission judges that class by there (``AttainmentController``).
 Two adapters drive it: the live gateway (``gateway.admission.live``: futures, the loop's timer,
 headers) and the virtual-time replay (``replay.policies.SluicePolicy``). Times are seconds of
 the adapter's clock, passed in as ``now``; nothing here reads a clock, sleeps, logs on its own or
@@ -20,10 +22,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from gateway.admission.attainment import AttainmentController, met_targets
 from gateway.admission.budget import BudgetLedger, BudgetRefused, Hold, TenantBudget
 from gateway.admission.config import AdmissionSettings
 from gateway.admission.core import AdmissionController
-from gateway.admission.decision import Decision, Queue, Reject, RejectReason
+from gateway.admission.decision import Blocker, Decision, Queue, Reject, RejectReason
 from gateway.admission.fairness import TokenWeights, VirtualTokenCounter
 from gateway.admission.ports import (
     AdmissionReplica,
@@ -58,6 +61,9 @@ __all__ = ["MAX_TICK_S", "MIN_TICK_S", "AdmissionEngine"]
 #: Shortest and longest wait between two timer re-evaluations while requests are queued, seconds.
 MIN_TICK_S: Final = 0.005
 MAX_TICK_S: Final = 0.25
+#: Refusals a looser margin could have avoided: the forecasts held against the request's own
+#: targets and the running streams' (the attainment controller loosens only while they happen).
+_MARGIN_BLOCKERS: Final = frozenset({Blocker.TTFT, Blocker.TPOT, Blocker.STREAMS_TPOT, Blocker.STREAMS_STALL})
 
 
 @dataclass(slots=True)
@@ -115,6 +121,9 @@ class AdmissionEngine:
         self.view_cache = ViewCache(
             predictions, self._log, max_age_s=view_max_age_s, stale_margin=settings.stale_margin
         )
+        #: Each class's margin per replica, held by the attainment admitted requests reach.
+        self.attainment = AttainmentController(settings)
+        self.view_cache.margins = self.attainment.margins
         self.stats = AdmissionStats()
         self.fairness = VirtualTokenCounter(TokenWeights.from_queue_settings(settings.queue))
         #: The token weights tenants' budgets are charged with; with ``queue.fairness: tokens`` the
@@ -137,6 +146,7 @@ class AdmissionEngine:
             return
         self._settings = settings
         self.view_cache.stale_margin = settings.stale_margin
+        self.attainment.reconfigure(settings)
         for controller in self._controllers.values():
             controller.reconfigure(settings)
 
@@ -245,6 +255,7 @@ class AdmissionEngine:
             return candidates
         controller = self.controller(route)
         decision = controller.submit(request, self.view_cache.views_for(route, candidates, now), now)
+        self._note_refusal(request, decision, now)
         key = next(self._keys)
         if isinstance(decision, Queue) and decision.enforced:
             assert decision.entry_id is not None
@@ -317,6 +328,7 @@ class AdmissionEngine:
         # what was known while the request ran.
         if ending.learn and not sent.refused:
             self._learn(sent, ending)
+            self._judge(sent, ending, now)
         return resolutions
 
     def finished(self, key: int, produced_tokens: int | None, now: float) -> list[Resolution]:
@@ -345,6 +357,34 @@ class AdmissionEngine:
             )
         except Exception:
             self._log.exception("prediction service failed on a finished request of replica %s", sent.replica)
+
+    def _judge(self, sent: _Sent, ending: Ending, now: float) -> None:
+        """Tell the attainment controller whether ``sent`` met both its class's targets (not
+        counted without a first token); a margin that moves rebuilds its replica's views."""
+        first = sent.entry.first_token_at
+        if first is None:
+            return
+        request = sent.request
+        settings = self._settings
+        name = request.request_class if request.request_class in settings.classes else settings.default_class
+        cls = settings.classes[name]
+        _, tpot = ending.relayed(sent.entry)
+        met = met_targets(first, request.first_token_deadline_s(cls), tpot, cls.tpot_target_s)
+        before = self.attainment.margin(name, sent.replica, now)
+        self.attainment.observe(name, sent.replica, sent.entry.started_at, now, met)
+        if self.attainment.margin(name, sent.replica, now) != before:
+            self.view_cache.touch(sent.replica)
+
+    def _note_refusal(self, request: AdmissionRequest, decision: Decision, now: float) -> None:
+        """An enforced refusal or hold on a replica's forecasts (its own targets, its streams')
+        lets the margin of the request's class there loosen (``AttainmentController.refused``)."""
+        if not isinstance(decision, Queue | Reject) or not decision.enforced or decision.replica is None:
+            return
+        if decision.blocker not in _MARGIN_BLOCKERS:
+            return
+        settings = self._settings
+        name = request.request_class if request.request_class in settings.classes else settings.default_class
+        self.attainment.refused(name, decision.replica, now)
 
     def replica_refused(
         self, key: int, back_off_s: float, why: str, now: float, *, placed_again: bool = False
@@ -424,6 +464,7 @@ class AdmissionEngine:
                 key = by_entry.get((route, entry.id))
                 queued = self._queued.pop(key, None) if key is not None else None
                 if key is not None and queued is not None:
+                    self._note_refusal(queued.request, reject, now)
                     self._refund(queued.hold, now)
                     out.append(Resolution(key, queued.request.request_id, reject, None, None))
         return out

@@ -15,7 +15,7 @@ Times are seconds of the adapter's clock, passed in as ``now``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -25,7 +25,7 @@ from gateway.admission.ports import (
     PredictionInputs,
     split_route,
 )
-from gateway.admission.views import LiveEntry, ReplicaView, TrackedStream
+from gateway.admission.views import NO_MARGINS, LiveEntry, ReplicaView, TrackedStream
 from predictor import ReplicaState, unknown_step_model
 
 __all__ = ["SAME_STEP_S", "UNSEEN_MAX_AGE_S", "ViewCache"]
@@ -62,6 +62,8 @@ class ViewCache:
     ``log``: where a failed replica state and staleness transitions are reported.
     ``max_age_s``: the oldest a cached view may be used, seconds. ``stale_margin``: the margin
     the staleness warning quotes (the ``admission`` section's; the engine keeps it current).
+    ``margins``: each class's margin on a replica at an instant (``ReplicaView.margins``; the
+    attainment controller's ``margins``), ``None``: none.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class ViewCache:
         self._log = log
         self._max_age_s = max_age_s
         self.stale_margin = stale_margin
+        self.margins: Callable[[str, float], Mapping[str, float]] | None = None
         #: What admission remembers of the requests it sent, per replica.
         self._streams: dict[str, dict[LiveEntry[Any], TrackedStream[Any]]] = {}
         self._views: dict[str, dict[str, _Cached]] = {}
@@ -197,6 +200,7 @@ class ViewCache:
             built_at=now,
             dispatch_overhead_s=self._predictions.dispatch_overhead_s(replica),
             correction=self._predictions.correction(replica, now),
+            margins=NO_MARGINS if self.margins is None else self.margins(replica, now),
         )
 
     def _note_staleness(self, name: str, stale: bool) -> None:

@@ -56,3 +56,11 @@ def test_the_streaming_class_margin_scales_what_a_newcomer_inflicts_on_it() -> N
 
     assert not blocked.admits
     assert blocked.blocker == Blocker.STREAMS_TPOT  # type: ignore[union-attr]
+
+
+def test_an_idle_replica_is_judged_at_forecast_margin() -> None:
+    """A margin learned under load does not outlive it: an idle replica ignores it."""
+    plain = decide(view("a", state()), SETTINGS)
+    tight = decide(replace(view("a", state()), margins={"interactive": 3.0}), SETTINGS)
+    assert isinstance(tight, Admit)
+    assert tight == plain
