@@ -1,8 +1,10 @@
 """Goodput of five admission policies on real traces, replayed in virtual time.
 
 ``replay.run_gateway_replay`` replays a trace through a gateway policy in front of a fleet of
-emulated vLLM engines (``simulator.engine``); Sluice's policy is the real ``AdmissionController``
-and ``PredictionService`` driven as the live gateway drives them. For each trace the bench
+emulated vLLM engines (``simulator.engine``); Sluice's policy is the shipped ``AdmissionEngine``
+and ``PredictionService`` driven as the live gateway drives them: prompts sent as text and sized
+from their characters (``TEXT``), every request reserving and settling its tenant's budget
+(``tenant_budgets``), the view cache and re-placement as live. For each trace the bench
 
 1. measures one replica's capacity for the trace's length mix (``replay.measure_capacity``);
 2. tunes each baseline's one knob for its best goodput at 1x load (a small grid, reported), and
@@ -27,7 +29,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
@@ -48,12 +50,14 @@ from bench.goodput.metrics import (
 )
 from bench.verdicts import Status, Verdict, judge, missing
 from gateway.admission import AdmissionSettings, ClassSettings, Decision
+from gateway.limits.base import TenantLimits
 from gateway.prediction import ReplicaFacts
 from replay import (
     FleetConfig,
     GatewayPolicy,
     GatewayRequest,
     Outcome,
+    PromptText,
     Targets,
     TraceRequest,
     fit_to_model_len,
@@ -83,6 +87,15 @@ FACTS: Final = ReplicaFacts(
     max_model_len=8192,
 )
 #: The interactive class's targets: TTFT from arrival at the gateway, mean TPOT after the first token.
+#: Prompts reach the gateway as text: it sizes each from its characters at its learned ratio
+#: (the trace's true tokens drive the engine).
+TEXT: Final = PromptText()
+#: Each tenant's token budget, as a multiple of its share of the fleet's capacity in weighted
+#: tokens (prompt + 2 x output, the default weights): every Sluice request reserves and settles
+#: through the limiter, and no budget binds below this multiple of capacity, so the comparison
+#: stays one of admission.
+BUDGET_HEADROOM: Final = 4.0
+
 TTFT_TARGET_S: Final = 1.0
 TPOT_TARGET_S: Final = 0.05
 TARGETS: Final = Targets(TTFT_TARGET_S, TPOT_TARGET_S)
@@ -265,8 +278,15 @@ class ForecastRecorder(SluicePolicy):
     views the decision was made on, and changes neither.
     """
 
-    def __init__(self, settings: AdmissionSettings, *, seed: int = 0, name: str = "sluice") -> None:
-        super().__init__(settings, seed=seed, name=name)
+    def __init__(
+        self,
+        settings: AdmissionSettings,
+        *,
+        seed: int = 0,
+        name: str = "sluice",
+        budgets: Mapping[str, TenantLimits] | None = None,
+    ) -> None:
+        super().__init__(settings, seed=seed, name=name, budgets=budgets)
         self._fresh_scale = 1.0 + settings.forecast_margin
         self._stale_scale = self._fresh_scale * (1.0 + settings.stale_margin)
         self.forecasts: dict[int, DispatchForecast] = {}
@@ -280,6 +300,15 @@ class ForecastRecorder(SluicePolicy):
             self.forecasts[request.index] = DispatchForecast(
                 forecast.ttft_s / scale, forecast.tpot_s / scale, scale, stale
             )
+
+
+def tenant_budgets(spec: CellSpec) -> dict[str, TenantLimits]:
+    """Every tenant's budget for ``spec``'s fleet (``BUDGET_HEADROOM``); tenants ``t0``.. as
+    ``replay.gateway_requests`` names them."""
+    tenants = FleetConfig(load_profile(PROFILE), FACTS).tenants
+    weighted_per_request = 2.0 * spec.mean_tokens  # prompt + 2 x output <= 2 x (prompt + output)
+    per_minute = BUDGET_HEADROOM * spec.capacity * spec.replicas * 60.0 * weighted_per_request / tenants
+    return {f"t{i}": TenantLimits(tokens_per_minute=per_minute) for i in range(tenants)}
 
 
 def make_policy(spec: CellSpec) -> GatewayPolicy:
@@ -300,11 +329,12 @@ def make_policy(spec: CellSpec) -> GatewayPolicy:
         rpm = spec.knob * fleet_capacity * 60.0 / tenants
         return TenantRateLimit(rpm, rpm * spec.mean_tokens, label=f"rate limit {spec.knob:g}x")
     sluice = ForecastRecorder if spec.forecast_accuracy else SluicePolicy
+    budgets = tenant_budgets(spec)
     if spec.policy == "sluice":
-        return sluice(admission_settings(spec.sluice_overrides), seed=spec.seed)
+        return sluice(admission_settings(spec.sluice_overrides), seed=spec.seed, budgets=budgets)
     if spec.policy == "sluice-nobudget":
         overrides = (("class.stall_budget_horizon", None), *spec.sluice_overrides)
-        return sluice(admission_settings(overrides), seed=spec.seed, name="sluice-nobudget")
+        return sluice(admission_settings(overrides), seed=spec.seed, name="sluice-nobudget", budgets=budgets)
     raise ValueError(f"unknown policy {spec.policy!r}")
 
 
@@ -318,7 +348,7 @@ def run_cell(spec: CellSpec) -> CellResult:
     total = sum(d for d, _ in spec.phases)
     if not arrivals or arrivals[-1].arrival_s < spec.scored[1]:
         raise RuntimeError(f"{spec.trace}: not enough requests for {total:.0f} s at these loads")
-    config = FleetConfig(load_profile(PROFILE), FACTS, replicas=spec.replicas, seed=spec.seed)
+    config = FleetConfig(load_profile(PROFILE), FACTS, replicas=spec.replicas, seed=spec.seed, text=TEXT)
     policy = make_policy(spec)
     result = run_gateway_replay(arrivals, config, policy, targets=TARGETS, scored=spec.scored)
     first, last = spec.scored
