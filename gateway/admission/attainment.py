@@ -8,14 +8,23 @@ fraction by which the SLO admitter inflates that class's forecasts on that repli
 holds them against the targets (``admission.forecast_margin`` is where it starts and where it
 returns):
 
-* **tighter** when the requests admitted since the margin last moved clearly miss the class's
-  ``attainment_target``: the upper end of their attainment's Wilson interval (``confidence``,
-  one-sided) is below it. The margin's multiplier ``1 + margin`` grows by
-  ``min(max_step, gain x shortfall)``.
+* **tighter** when the requests admitted since the margin last moved clearly fall short of the
+  class's ``attainment_target`` plus ``deadband``: the upper end of their attainment's Wilson
+  interval (``confidence``, one-sided) is below it. The margin's multiplier ``1 + margin``
+  grows by ``min(max_step, gain x shortfall)``. Aiming a deadband above the target keeps the
+  attainment at or above it, not around it.
 * **looser** when they clearly meet it with room to spare (the interval's lower end at or above
   the target and the estimate at least ``deadband`` above it) *while* the class is being refused
-  on that replica on its forecasts (anti-windup: a margin that refuses nothing is not loosened).
+  on that replica on its forecasts, at the margin in force (a refusal since it last moved, within
+  ``window_s``): anti-windup, a margin that refuses nothing is not loosened further. And only
+  once the margin has been in force as long as the longest request of the last ``window_s``
+  took, so that the long requests admitted at it are judged too, not only the short ones that
+  end first, and while the whole window (the misses that caused a tightening included) clearly
+  meets the target as well.
   The multiplier shrinks by ``min(max_step, gain x surplus)``.
+* loosening by a smaller share of a full step each time a loosening went too far (halved at
+  each tightening that follows one, down to an eighth): the margin hunting for the loosest one
+  that holds the target swings less at every turn; tightening always takes full steps;
 * never below ``min_margin``, never above ``max_margin``;
 * back towards ``forecast_margin`` (half-life ``decay_half_life_s``, in the multiplier's log)
   while the window holds no outcome: whatever was learned under a burst does not outlive it, and
@@ -77,7 +86,8 @@ class AttainmentState:
     ``attainment``: share of the window's outcomes that met both targets (``None``: no outcome).
     ``samples``: outcomes in the window. ``lower``/``upper``: the share's Wilson interval
     (``confidence``). ``evidence``: outcomes of requests admitted since the margin last moved.
-    ``refusing``: the class was refused there on its forecasts within ``window_s``.
+    ``refusing``: the class was refused there on its forecasts at the margin in force (since it
+    last moved, within ``window_s``).
     ``target``: the class's ``attainment_target``.
     """
 
@@ -103,13 +113,21 @@ class _Outcome:
 @dataclass(slots=True)
 class _Key:
     """One (class, replica): its window, its margin's log multiplier ``log(1 + margin)``, when it
-    last moved (``moved_at``), when it last decayed to, and when the class was last refused there."""
+    last moved (``moved_at``) and which way (``direction``: +1 tighter, -1 looser, 0 never), the
+    share of a full step its loosenings take now (``damping``), when it last decayed to, and when
+    the class was last refused there."""
 
     log_scale: float
     moved_at: float = -math.inf
+    direction: int = 0
+    damping: float = 1.0
     decayed_to: float = -math.inf
     refused_at: float = -math.inf
     window: deque[_Outcome] = field(default_factory=deque)
+    #: (ended at, admission-to-end seconds) of the outcomes of the last ``window_s``, longest
+    #: first, each longer than every later one (a sliding maximum; the count bound does not
+    #: apply: a busy replica's last 200 outcomes are its short requests).
+    durations: deque[tuple[float, float]] = field(default_factory=deque)
 
 
 class AttainmentController:
@@ -151,6 +169,10 @@ class AttainmentController:
         ``now`` having ``met`` both its targets (``met_targets``); may move the margin there."""
         key = self._key(request_class, replica, now)
         key.window.append(_Outcome(admitted_at, now, met))
+        durations, took = key.durations, now - admitted_at
+        while durations and durations[-1][1] <= took:
+            durations.pop()
+        durations.append((now, took))
         self._prune(key, now)
         if self._a.enabled:
             self._step(key, self._targets.get(request_class, self._default_target()), now)
@@ -189,7 +211,6 @@ class AttainmentController:
 
     def states(self, now: float) -> Iterator[AttainmentState]:
         """Every (class, replica) seen, as of ``now``, ordered by class then replica."""
-        window_s = self._a.window_s
         for (cls, replica), key in sorted(self._keys.items()):
             self._prune(key, now)
             samples = len(key.window)
@@ -205,7 +226,7 @@ class AttainmentController:
                 lower,
                 upper,
                 evidence,
-                now - key.refused_at <= window_s,
+                self._refusing_now(key, now),
                 self._targets.get(cls, self._default_target()),
             )
 
@@ -231,6 +252,9 @@ class AttainmentController:
         oldest = now - a.window_s
         while window and (len(window) > a.window_requests or window[0].finished_at < oldest):
             window.popleft()
+        durations = key.durations
+        while durations and durations[0][0] < oldest:
+            durations.popleft()
 
     def _decay(self, key: _Key, now: float) -> None:
         """Bring the margin back towards ``forecast_margin`` for the time the window has been
@@ -248,6 +272,27 @@ class AttainmentController:
         # Within a thousandth of the multiplier: back where it started.
         key.log_scale = self._base if abs(offset) < 1e-3 else self._base + offset
         key.decayed_to = now
+        if key.log_scale == self._base:  # starts afresh: full steps
+            key.direction, key.damping = 0, 1.0
+
+    @staticmethod
+    def _settled(key: _Key, now: float) -> bool:
+        """Whether requests of every length, admitted at the margin in force, had time to end: as
+        long since it moved as the longest admission-to-end of the last ``window_s``. The short
+        ones end first and meet; judged on them alone, a loosening comes too soon."""
+        longest = key.durations[0][1] if key.durations else 0.0
+        return now - key.moved_at >= longest
+
+    def _window_has_room(self, key: _Key, target: float) -> bool:
+        """Whether the whole window, misses from before the last move included, clearly meets
+        ``target`` (Wilson lower end): a tightening is not undone while its cause is in view."""
+        met = sum(1 for o in key.window if o.met)
+        return wilson_interval(met, len(key.window), self._z)[0] >= target
+
+    def _refusing_now(self, key: _Key, now: float) -> bool:
+        """Whether the margin in force refuses: a refusal since it last moved, within ``window_s``
+        (a looser margin that refuses nothing more would only wind up)."""
+        return key.refused_at >= key.moved_at and now - key.refused_at <= self._a.window_s
 
     def _step(self, key: _Key, target: float, now: float) -> None:
         a = self._a
@@ -259,14 +304,32 @@ class AttainmentController:
         share = met / samples
         lower, upper = wilson_interval(met, samples, self._z)
         low, high = self._bounds
-        if upper < target:
-            step = math.log1p(min(a.max_step, a.gain * (target - share)))
-            moved = min(key.log_scale + step, high)
-        elif lower >= target and share >= target + a.deadband and now - key.refused_at <= a.window_s:
-            step = math.log1p(min(a.max_step, a.gain * (share - target)))
-            moved = max(key.log_scale - step, low)
+        if upper < target + a.deadband:
+            direction, error = 1, max(target + a.deadband - share, 0.0)
+        elif (
+            lower >= target
+            and share >= target + a.deadband
+            and self._refusing_now(key, now)
+            and self._settled(key, now)
+            and self._window_has_room(key, target)
+        ):
+            direction, error = -1, share - target
         else:
             return
+        # Loosening steps shrink each time a loosening went too far (the margin tightens again):
+        # the margin hunting for the loosest one that holds the target swings less at every
+        # turn. Tightening is never damped: a shortfall is met at full speed.
+        damping = key.damping
+        if direction > 0 and key.direction < 0:
+            damping = max(_MIN_DAMPING, damping / 2.0)
+        step = math.log1p(min(a.max_step, a.gain * error) * (damping if direction < 0 else 1.0))
+        moved = min(max(key.log_scale + direction * step, low), high)
         if moved != key.log_scale:
             key.log_scale = moved
             key.moved_at = now
+            key.direction = direction
+            key.damping = damping
+
+
+#: Least share of a full step a loosening takes, however often the margin has turned.
+_MIN_DAMPING = 0.125

@@ -381,17 +381,18 @@ class AttainmentSettings(Section):
             ge=0.5,
             lt=1,
             description="One-sided confidence of the attainment's Wilson interval: the margin tightens "
-            "only when the interval's upper end is below the target, loosens only when its lower end is "
-            "at or above it.",
+            "only when the interval's upper end is below target + deadband, loosens only when its lower "
+            "end is at or above the target.",
         ),
-    ] = 0.9
+    ] = 0.8
     deadband: Annotated[
         float,
         Field(
             ge=0,
             lt=1,
-            description="Room to spare, a share of requests: the margin loosens only while the measured "
-            "attainment is at least target + deadband.",
+            description="Room to spare, a share of requests: the margin aims at target + deadband; it "
+            "loosens only while the measured attainment is at least that, and tightens when it is "
+            "clearly below it.",
         ),
     ] = 0.02
     gain: Annotated[

@@ -62,7 +62,7 @@ def test_starts_and_stays_at_forecast_margin_without_evidence() -> None:
 
 def test_a_few_misses_do_not_tighten() -> None:
     ctl = AttainmentController(settings())
-    feed(ctl, 0.0, [True] * 18 + [False] * 2)  # 90 %: upper bound 0.958 >= 0.95
+    feed(ctl, 0.0, [True] * 19 + [False])  # 95 %: upper bound 0.978 >= 0.95 + 0.02
     assert ctl.margin("interactive", "a", 3.0) == pytest.approx(BASE)
 
 
@@ -99,9 +99,9 @@ def test_never_loosens_while_not_refusing() -> None:
 def test_loosens_with_room_to_spare_while_refusing_down_to_the_floor() -> None:
     ctl = AttainmentController(settings(min_margin=0.0))
     ctl.refused("interactive", "a", 0.0)
-    t = feed(ctl, 0.0, [True] * 31)  # all met, but lower bound 0.950 - just short at 31
+    t = feed(ctl, 0.0, [True] * 19)  # all met, but below min_samples
     assert ctl.margin("interactive", "a", t) == pytest.approx(BASE)
-    t = feed(ctl, t, [True])  # 32: lower bound 0.951 -> gain x 0.05 = 0.1
+    t = feed(ctl, t, [True])  # 20: lower bound 0.966 -> gain x 0.05 = 0.1
     assert ctl.margin("interactive", "a", t) == pytest.approx(1.15 / 1.1 - 1)
     ctl.refused("interactive", "a", t)
     t = feed(ctl, t + 1.0, [True] * 40)
@@ -111,10 +111,10 @@ def test_loosens_with_room_to_spare_while_refusing_down_to_the_floor() -> None:
 def test_deadband_holds_near_the_target() -> None:
     ctl = AttainmentController(settings(min_samples=200, window_requests=200))
     ctl.refused("interactive", "a", 0.0)
-    t = feed(ctl, 0.0, ([True] * 32 + [False]) * 6 + [True] * 2)  # 98.5 %, lower bound > 0.95 ...
+    t = feed(ctl, 0.0, ([True] * 65 + [False]) * 3 + [True] * 2)  # 98.5 %, lower bound > 0.95 ...
     ctl2 = AttainmentController(settings(min_samples=200, window_requests=200, deadband=0.04))
     ctl2.refused("interactive", "a", 0.0)
-    feed(ctl2, 0.0, ([True] * 32 + [False]) * 6 + [True] * 2)
+    feed(ctl2, 0.0, ([True] * 65 + [False]) * 3 + [True] * 2)
     assert ctl.margin("interactive", "a", t) < BASE  # ... and 0.985 >= 0.95 + 0.02: loosens
     assert ctl2.margin("interactive", "a", t) == pytest.approx(BASE)  # 0.985 < 0.95 + 0.04
 
@@ -177,3 +177,37 @@ def test_reload_keeps_state_and_clamps() -> None:
 def test_floor_above_cap_is_refused() -> None:
     with pytest.raises(ValidationError, match="min_margin: must not exceed max_margin"):
         settings(min_margin=2.0, max_margin=1.0)
+
+
+def test_a_loosening_that_went_too_far_halves_the_next_ones() -> None:
+    ctl = AttainmentController(settings(window_requests=20))
+    ctl.refused("interactive", "a", 0.0)
+    t = feed(ctl, 0.0, [True] * 20)  # loosen by gain x 0.05 = 0.1
+    assert ctl.margin("interactive", "a", t) == pytest.approx(1.15 / 1.1 - 1)
+    t = feed(ctl, t + 1.0, [False] * 20)  # tighten, full step 0.25
+    tight = 1.15 / 1.1 * 1.25
+    assert ctl.margin("interactive", "a", t) == pytest.approx(tight - 1)
+    ctl.refused("interactive", "a", t)
+    t = feed(ctl, t + 1.0, [True] * 20)  # the misses pushed out of the window; half a step
+    assert ctl.margin("interactive", "a", t) == pytest.approx(tight / 1.05 - 1)
+
+
+def test_no_loosening_while_the_window_still_holds_the_misses() -> None:
+    ctl = AttainmentController(settings())
+    t = feed(ctl, 0.0, [False] * 20)  # tighten
+    tight = ctl.margin("interactive", "a", t)
+    ctl.refused("interactive", "a", t)
+    t = feed(ctl, t + 1.0, [True] * 40)  # fresh evidence all met, but 20 misses of 60 in view
+    assert ctl.margin("interactive", "a", t) == pytest.approx(tight)
+
+
+def test_loosening_waits_as_long_as_the_longest_request_took() -> None:
+    ctl = AttainmentController(settings(window_requests=25))
+    ctl.observe("interactive", "a", 0.0, 30.0, True)  # a request that took 30 s
+    t = feed(ctl, 30.0, [False] * 20)  # tighten at 32 s
+    tight = ctl.margin("interactive", "a", t)
+    ctl.refused("interactive", "a", t)
+    # All met, the misses out of the 25-outcome window, but not 30 s since the move: hold.
+    assert ctl.margin("interactive", "a", feed(ctl, t, [True] * 40)) == pytest.approx(tight)
+    ctl.refused("interactive", "a", t + 31.0)
+    assert ctl.margin("interactive", "a", feed(ctl, t + 31.0, [True] * 20)) < tight
