@@ -210,6 +210,29 @@ OVERVIEW = Dashboard(
             red_below=0.9,
         ),
         Panel(
+            "Admission margin and attainment by replica",
+            "Per class and replica: the margin the attainment controller holds (admission multiplies "
+            "the class's forecasts there by 1 + margin; starts at forecast_margin), and the share of "
+            "its last ended admitted requests there that met both targets, against the class's "
+            "attainment_target. Red below 90 %.",
+            (
+                Target(
+                    f"max by (class, replica) (sluice_admission_margin{{{CLS}}})",
+                    "{{class}} {{replica}} margin",
+                ),
+                Target(
+                    f"min by (class, replica) (sluice_admission_attainment_ratio{{{CLS}}})",
+                    "{{class}} {{replica}} attainment",
+                ),
+                Target(
+                    f"max by (class) (sluice_admission_attainment_target_ratio{{{CLS}}})",
+                    "{{class}} target",
+                ),
+            ),
+            unit="percentunit",
+            red_below=0.9,
+        ),
+        Panel(
             "SLO misses by kind",
             "Admitted requests per second that missed: TTFT, TPOT, both, the end-to-end budget "
             "(non-streamed), or failed.",

@@ -46,6 +46,7 @@ from gateway.admission import (
     client_deadline_s,
     decision_headers,
 )
+from gateway.admission.attainment import AttainmentState
 from gateway.admission.budget import BudgetRefused
 from gateway.admission.engine import AdmissionEngine
 from gateway.admission.fairness import TokenWeights
@@ -221,6 +222,10 @@ class LiveAdmission:
     def queued(self) -> int:
         """Requests waiting in Sluice's queue, all classes."""
         return self.engine.queued()
+
+    def attainment(self) -> list[AttainmentState]:
+        """The attainment controller's state now: each class's margin and attainment per replica."""
+        return list(self.engine.attainment.states(self._clock()))
 
     # -- events -------------------------------------------------------------------------------------
     def changed(self) -> None:

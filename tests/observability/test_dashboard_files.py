@@ -14,6 +14,8 @@ from types import ModuleType
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.admission.attainment import AttainmentController
+from gateway.admission.config import AdmissionSettings
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.limits.base import BucketState, ConcurrencyState, LimiterStats, Reservation, TenantLimits
@@ -88,6 +90,9 @@ def _exported_sample_names() -> set[str]:
     corrections.observe("emu-0", at=now, prompt_tokens=100, decode_seqs=0, ttft=(0.2, 0.1, 1.0))
     metrics.track_corrections(corrections.state)
     metrics.track_queue(lambda: {"interactive": 1})
+    attainment = AttainmentController(AdmissionSettings())
+    attainment.observe("interactive", "emu-0", 0.0, 1.0, True)
+    metrics.track_attainment(lambda: list(attainment.states(1.0)))
     metrics.track_limiter(LimiterStats())
     reservation = Reservation(
         "r", "acme", True, 10.0, TenantLimits(tokens_per_minute=60, requests_per_minute=6, max_concurrent=2),

@@ -36,7 +36,13 @@ from gateway.observability.metrics.prediction import (
 )
 from gateway.observability.metrics.process import ReloadMetrics, register_build_info, register_runtime
 from gateway.observability.metrics.replicas import ReplicaCollector, ReplicaMetrics, ReplicaSource
-from gateway.observability.metrics.requests import QueueCollector, QueueSource, RequestMetrics
+from gateway.observability.metrics.requests import (
+    AttainmentCollector,
+    AttainmentSource,
+    QueueCollector,
+    QueueSource,
+    RequestMetrics,
+)
 from gateway.observability.metrics.tenants import (
     LimiterCollector,
     LimiterStatsView,
@@ -76,12 +82,14 @@ class SluiceMetrics:
         self._step_models = StepModelCollector(self._replica_state.live_names)
         self._corrections = CorrectionCollector(self._replica_state.live_names, clock)
         self._queue = QueueCollector(self.labels)
+        self._attainment = AttainmentCollector(self.labels)
         self._limiter = LimiterCollector()
         for collector in (
             self._replica_state,
             self._step_models,
             self._corrections,
             self._queue,
+            self._attainment,
             self._limiter,
         ):
             r.register(collector)
@@ -128,6 +136,10 @@ class SluiceMetrics:
     def track_queue(self, lengths: QueueSource) -> None:
         """Read the queue's waiting requests per class (``lengths()``) at every scrape."""
         self._queue.source = lengths
+
+    def track_attainment(self, states: AttainmentSource) -> None:
+        """Read the attainment controller's margins and attainment (``states()``) at every scrape."""
+        self._attainment.source = states
 
     def observe_reservation(self, reservation: ReservationView) -> None:
         """After a ``reserve``: see ``TenantMetrics.observe_reservation``."""

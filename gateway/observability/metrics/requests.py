@@ -1,5 +1,6 @@
 """Requests and admission: decisions, responses, errors, tokens, Retry-After, queue wait,
-latency as clients see it, SLO results, and the queue's length read at scrape time.
+latency as clients see it, SLO results, and, read at scrape time, the queue's length and the
+attainment controller's state (each class's margin and measured attainment per replica).
 
 ``RequestMetrics.observe`` is the hot path (once per finished request); it takes the class and
 tenant labels already limited by ``SluiceMetrics``. ``QueueCollector`` reads the admission
@@ -9,6 +10,7 @@ queue's per-class lengths when /metrics is scraped; with no queue wired it yield
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -34,6 +36,32 @@ from gateway.observability.metrics.outcomes import (
 
 #: The admission queue's waiting requests per class name (any names; limited when exported).
 QueueSource = Callable[[], Mapping[str, int]]
+
+
+class AttainmentRow(Protocol):
+    """One (class, replica) of the attainment controller (``gateway.admission.attainment``)."""
+
+    @property
+    def request_class(self) -> str: ...
+
+    @property
+    def replica(self) -> str: ...
+
+    @property
+    def margin(self) -> float: ...
+
+    @property
+    def attainment(self) -> float | None: ...
+
+    @property
+    def samples(self) -> int: ...
+
+    @property
+    def target(self) -> float: ...
+
+
+#: The attainment controller's rows now.
+AttainmentSource = Callable[[], Iterable[AttainmentRow]]
 
 
 class RequestMetrics:
@@ -191,3 +219,75 @@ class QueueCollector(Collector):
             for label, count in sorted(totals.items()):
                 length.add_metric([label], float(count))
         yield length
+
+
+class AttainmentCollector(Collector):
+    """The attainment controller's state per class label and replica, read from ``source`` at
+    every scrape: ``sluice_admission_margin`` (the margin admission applies to the class's
+    forecasts there, a fraction), ``sluice_admission_attainment_ratio`` (share of the window's
+    ended admitted requests that met both targets; no sample while the window is empty),
+    ``sluice_admission_attainment_samples`` and ``sluice_admission_attainment_target_ratio``.
+    Names that share a class label (``other``) keep the largest margin, the smallest attainment.
+    No samples while ``source`` is ``None``."""
+
+    def __init__(self, labels: LabelLimits) -> None:
+        self._labels = labels
+        self.source: AttainmentSource | None = None
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        by = ["class", "replica"]
+        return (
+            GaugeMetricFamily(
+                "sluice_admission_margin",
+                "Margin admission applies to the class's forecasts on the replica (forecast x (1 + margin)), "
+                "held by the attainment controller.",
+                labels=by,
+            ),
+            GaugeMetricFamily(
+                "sluice_admission_attainment_ratio",
+                "Share of the class's admitted requests on the replica, in the controller's window, that "
+                "met both targets.",
+                labels=by,
+            ),
+            GaugeMetricFamily(
+                "sluice_admission_attainment_samples",
+                "Ended admitted requests in the attainment controller's window.",
+                labels=by,
+            ),
+            GaugeMetricFamily(
+                "sluice_admission_attainment_target_ratio",
+                "The class's attainment_target.",
+                labels=["class"],
+            ),
+        )
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        margin, attained, samples, target = self._families()
+        if self.source is not None:
+            margins: dict[tuple[str, str], float] = {}
+            shares: dict[tuple[str, str], float] = {}
+            counts: dict[tuple[str, str], int] = {}
+            targets: dict[str, float] = {}
+            for row in self.source():
+                label = self._labels.class_label(row.request_class)
+                key = (label, row.replica)
+                margins[key] = max(margins.get(key, row.margin), row.margin)
+                counts[key] = counts.get(key, 0) + row.samples
+                if row.attainment is not None:
+                    shares[key] = min(shares.get(key, row.attainment), row.attainment)
+                targets[label] = max(targets.get(label, row.target), row.target)
+            for key, value in sorted(margins.items()):
+                margin.add_metric(list(key), value)
+                samples.add_metric(list(key), float(counts[key]))
+            for key, value in sorted(shares.items()):
+                attained.add_metric(list(key), value)
+            for label, value in sorted(targets.items()):
+                target.add_metric([label], value)
+        yield margin
+        yield attained
+        yield samples
+        yield target
