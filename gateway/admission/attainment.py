@@ -102,6 +102,21 @@ class AttainmentState:
     refusing: bool
     target: float
 
+    def as_json(self) -> dict[str, object]:
+        """JSON-ready, for the admin view (shares and margin rounded to 4 places)."""
+        return {
+            "class": self.request_class,
+            "replica": self.replica,
+            "margin": round(self.margin, 4),
+            "attainment": None if self.attainment is None else round(self.attainment, 4),
+            "samples": self.samples,
+            "lower": round(self.lower, 4),
+            "upper": round(self.upper, 4),
+            "evidence": self.evidence,
+            "refusing": self.refusing,
+            "target": self.target,
+        }
+
 
 @dataclass(slots=True)
 class _Outcome:

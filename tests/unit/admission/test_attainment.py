@@ -157,6 +157,24 @@ def test_class_target_is_its_own() -> None:
     assert ctl.margin("interactive", "a", t) == pytest.approx(BASE)
 
 
+def test_state_as_json() -> None:
+    ctl = AttainmentController(settings())
+    t = feed(ctl, 0.0, [True] * 10)
+    (state,) = ctl.states(t)
+    assert state.as_json() == {
+        "class": "interactive",
+        "replica": "a",
+        "margin": 0.15,
+        "attainment": 1.0,
+        "samples": 10,
+        "lower": round(10 / (10 + 0.8416212335729143**2), 4),
+        "upper": 1.0,
+        "evidence": 10,
+        "refusing": False,
+        "target": 0.95,
+    }
+
+
 def test_disabled_reports_the_configured_margin_but_measures() -> None:
     ctl = AttainmentController(settings(enabled=False))
     t = feed(ctl, 0.0, [False] * 20)
