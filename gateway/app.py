@@ -51,7 +51,8 @@ from gateway.observability.logs import (
 from gateway.observability.metrics import METRICS
 from gateway.observability.metrics.endpoints import install as install_metrics
 from gateway.prediction.live import LivePredictions, add_prediction_headers, follow_correction
-from gateway.prediction.service import PredictionConfig, PredictionService
+from gateway.prediction.service import PredictionService
+from gateway.prediction.service_config import PredictionConfig
 from gateway.proxy.disconnects import DISCONNECTS, DisconnectMonitor
 from gateway.proxy.forward import PROXY, Proxy
 from gateway.replicas.auth import replica_auth

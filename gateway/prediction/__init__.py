@@ -7,6 +7,7 @@ adapter: it keeps the scraper and the service in step with the fleet and does th
 """
 
 from gateway.prediction.facts import ReplicaFacts
-from gateway.prediction.service import PredictionConfig, PredictionService
+from gateway.prediction.service import PredictionService
+from gateway.prediction.service_config import PredictionConfig
 
 __all__ = ["PredictionConfig", "PredictionService", "ReplicaFacts"]

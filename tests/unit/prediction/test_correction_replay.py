@@ -22,7 +22,7 @@ import pytest
 from bench.goodput.core import FACTS, PROFILE
 from gateway.admission import AdmissionSettings
 from gateway.admission.decision import Decision
-from gateway.prediction.service import PredictionConfig
+from gateway.prediction.service_config import PredictionConfig
 from predictor import Forecast
 from predictor.correction import CorrectionConfig
 from replay import FleetConfig, Outcome, Targets, TraceRequest, run_gateway_replay

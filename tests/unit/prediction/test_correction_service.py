@@ -10,7 +10,8 @@ from gateway.config.store import SettingsStore
 from gateway.observability.metrics import SluiceMetrics
 from gateway.prediction import ReplicaFacts
 from gateway.prediction.live import follow_correction
-from gateway.prediction.service import PredictionConfig, PredictionService
+from gateway.prediction.service import PredictionService
+from gateway.prediction.service_config import PredictionConfig
 from gateway.replicas.config import ReplicaSettings
 from gateway.replicas.registry import ReplicaRegistry
 from predictor import Forecast, StepBatch
