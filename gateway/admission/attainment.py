@@ -207,6 +207,12 @@ class AttainmentController:
         if key is None:
             return self._settings.forecast_margin
         self._decay(key, now)
+        return self._margin_of(key)
+
+    def _margin_of(self, key: _Key) -> float:
+        """``key``'s margin: exactly ``forecast_margin`` where it has not moved (no rounding)."""
+        if key.log_scale == self._base:
+            return self._settings.forecast_margin
         return math.expm1(key.log_scale)
 
     def margins(self, replica: str, now: float) -> Mapping[str, float]:
@@ -214,14 +220,12 @@ class AttainmentController:
         have it), for its view (``ReplicaView.margins``)."""
         if not self._a.enabled:
             return {}
-        base = self._settings.forecast_margin
         found: dict[str, float] = {}
         for (cls, name), key in self._keys.items():
             if name == replica:
                 self._decay(key, now)
-                m = math.expm1(key.log_scale)
-                if m != base:
-                    found[cls] = m
+                if key.log_scale != self._base:
+                    found[cls] = self._margin_of(key)
         return found
 
     def states(self, now: float) -> Iterator[AttainmentState]:
