@@ -238,6 +238,7 @@ async def _admission(app: web.Application) -> AsyncIterator[None]:
     metrics = app.get(METRICS)
     if metrics is not None:
         metrics.track_queue(admission.queue_lengths)
+        metrics.track_attainment(admission.attainment)
     try:
         yield
     finally:
@@ -381,9 +382,14 @@ def _replicas_view(app: web.Application) -> Callable[[web.Request], Awaitable[we
     """Admin ``GET /sluice/v1/replicas`` for ``app`` (served on ``app`` or on the admin listener)."""
 
     async def handler(request: web.Request) -> web.Response:
-        """Every replica's state, in-flight requests, last snapshot summary, and the prediction
-        service's per-replica facts, fitted parameters and fit error."""
-        return web.json_response(app[PREDICTIONS].describe())
+        """Every replica's state, in-flight requests, last snapshot summary, the prediction
+        service's per-replica facts, fitted parameters and fit error, and the attainment
+        controller's margin and attainment per class and replica (``admission.attainment``)."""
+        body = app[PREDICTIONS].describe()
+        admission = app.get(ADMISSION)
+        if admission is not None:
+            body["admission"] = {"attainment": [s.as_json() for s in admission.attainment()]}
+        return web.json_response(body)
 
     return handler
 
