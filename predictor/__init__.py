@@ -16,16 +16,8 @@ from predictor.calibrate import (
     WindowStats,
     observation_from_window,
 )
-from predictor.forecast import (
-    CandidateRequest,
-    Forecast,
-    ForecastConfig,
-    ForecastReason,
-    ReplicaState,
-    RunningSeq,
-    forecast_request,
-    prefill_share,
-)
+from predictor.forecast import Forecast, ForecastConfig, forecast_request, prefill_share
+from predictor.forecast_inputs import CandidateRequest, ForecastReason, ReplicaState, RunningSeq
 from predictor.hardware import GPUS, UNKNOWN_GPU, GpuSpec, gpu_names, lookup_gpu
 from predictor.model import MODELS, ModelArch, llama_style, lookup_model, model_names
 from predictor.output_length import (

@@ -17,7 +17,7 @@ from gateway.prediction.facts import ReplicaFacts
 from gateway.prediction.state import GaugeMeans, Limits, Load
 from gateway.replicas.snapshot import ReplicaSnapshot
 from predictor import FitReport, Observation, StepCalibrator, StepModel
-from predictor.forecast import SteadyState
+from predictor.steady import SteadyState
 
 __all__ = ["UNKNOWN_LIMITS", "ReplicaRecord", "gauge_means", "limits_of"]
 

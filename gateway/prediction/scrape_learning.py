@@ -17,7 +17,7 @@ from gateway.prediction.service_config import PredictionConfig
 from gateway.prediction.state import GaugeMeans, Load, engine_kv_tokens, measured_steps, window_stats
 from gateway.replicas.snapshot import ReplicaSnapshot
 from predictor import WindowStats, observation_from_window, prefill_share
-from predictor.forecast import TrafficMix, steady_state
+from predictor.steady import TrafficMix, steady_state
 
 __all__ = ["observe_overhead", "observe_snapshot"]
 

@@ -38,7 +38,7 @@ class PredictionConfig:
     (``PredictionService.api_residual_s``, a diagnostic: forecasts do not use it);
     ``api_residual_min_requests``: finished requests of an API on a replica before it is reported.
     ``steady_state``: blend each TPOT forecast toward the replica's steady state under its recent
-    traffic (``predictor.forecast.steady_state``: Little's law over the requests the caller saw
+    traffic (``predictor.steady.steady_state``: Little's law over the requests the caller saw
     finish there in the last ``arrival_memory_s`` seconds); off: the batch it joins alone. Off by
     default: recent traffic predicts the next seconds' worse than the batch does (measured in
     docs/predictor-accuracy.md).

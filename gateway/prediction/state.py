@@ -155,7 +155,7 @@ class Load:
     ``None`` until a window with inter-token latencies and a valid step model.
     ``finish_rate_per_s``: requests finished per second over the window (``None``: unknown).
     ``steady_step_s``: mean step time at the steady state of the recent traffic
-    (``predictor.forecast.steady_state``; ``None``: unknown or overloaded).
+    (``predictor.steady.steady_state``; ``None``: unknown or overloaded).
     ``arriving_prompt_tokens_per_s``: prompt tokens the replica took per second over the window
     (computed ones when it says: prefix-cache hits cost no step time), all clients' (0: unknown).
     """

@@ -9,7 +9,7 @@ import pytest
 
 from gateway.prediction import PredictionConfig, PredictionService, ReplicaFacts
 from gateway.replicas.snapshot import InFlight, ReplicaSnapshot
-from predictor.forecast import TrafficMix, steady_state
+from predictor.steady import TrafficMix, steady_state
 
 H100 = ReplicaFacts(
     gpu="H100-SXM",

@@ -8,16 +8,8 @@ import math
 
 import pytest
 
-from predictor.forecast import (
-    CandidateRequest,
-    Forecast,
-    ForecastConfig,
-    ForecastReason,
-    ReplicaState,
-    RunningSeq,
-    forecast_request,
-    prefill_share,
-)
+from predictor.forecast import Forecast, ForecastConfig, forecast_request, prefill_share
+from predictor.forecast_inputs import CandidateRequest, ForecastReason, ReplicaState, RunningSeq
 from predictor.hardware import GPUS
 from predictor.model import MODELS
 from predictor.step_model import StepBatch, StepModel, roofline_prior, unknown_step_model

@@ -8,17 +8,11 @@ import math
 
 import pytest
 
-from predictor.forecast import (
-    CandidateRequest,
-    ReplicaState,
-    SteadyState,
-    TrafficMix,
-    forecast_request,
-    steady_state,
-    steady_weight,
-)
+from predictor.forecast import forecast_request
+from predictor.forecast_inputs import CandidateRequest, ReplicaState
 from predictor.hardware import GPUS
 from predictor.model import MODELS
+from predictor.steady import SteadyState, TrafficMix, steady_state, steady_weight
 from predictor.step_model import StepModel, StepParams, roofline_prior, unknown_step_model
 
 #: 10 ms a step plus 0.5 ms per decoding sequence; prompts cost nothing (no token, KV or
