@@ -394,7 +394,7 @@ class AttainmentSettings(Section):
             "loosens only while the measured attainment is at least that, and tightens when it is "
             "clearly below it.",
         ),
-    ] = 0.02
+    ] = 0.0
     gain: Annotated[
         float,
         Field(

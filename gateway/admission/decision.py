@@ -5,8 +5,9 @@ For a request of class C on replica r (predictions multiplied by ``1 + forecast_
 spare capacity as a fraction of its limit (negative = violated). Where the attainment controller
 holds a margin of its own for a class on r (``ReplicaView.margins``), that margin replaces
 ``forecast_margin`` on the class's own TTFT and TPOT, and on what a newcomer inflicts on the
-class's running streams there, unless r is idle (a margin learned under load does not outlive
-it); the probes of yielded-to classes and the hopeless check keep ``forecast_margin``.
+class's running streams there, unless nothing of the gateway's runs on r and nothing waits there
+(a margin learned under load does not outlive it); the probes of yielded-to classes and the
+hopeless check keep ``forecast_margin``.
 
 =============== ================================================================ ===============
 blocker          slack                                                            rule
@@ -436,6 +437,15 @@ def _is_idle(view: ReplicaView) -> bool:
     )
 
 
+def _unloaded(view: ReplicaView) -> bool:
+    """None of the gateway's requests is on ``view``'s replica and nothing waits there: the load
+    a margin was learned under has gone. Unlike ``_is_idle``, a request the engine still runs by
+    the last scrape counts as gone once the gateway saw it end (scrapes lag by up to an interval,
+    and light traffic would otherwise always find the replica busy)."""
+    state = view.state
+    return view.gateway_streams == 0 and state.num_waiting == 0 and state.queued_requests == 0
+
+
 def _as_judged(c: _Candidate, now: float) -> Forecast | None:
     """``c``'s forecast with the TTFT admission held against the deadline (margins and the
     replica's dispatch overhead in): what a refusal's prediction headers and message both cite."""
@@ -673,9 +683,9 @@ class SloAdmitter:
         base = self._stale_scale if view.stale else self._fresh_scale
         # The class's own margin there (the attainment controller's) in place of forecast_margin:
         # on its own forecasts, and on what a newcomer inflicts on its running streams. Not on an
-        # idle replica: a margin learned under load must not outlive it (no lock-out).
+        # unloaded replica: a margin learned under load must not outlive it (no lock-out).
         margins = view.margins
-        if margins and _is_idle(view):
+        if margins and _unloaded(view):
             margins = NO_MARGINS
         scale = base
         if margins:

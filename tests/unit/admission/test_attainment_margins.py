@@ -23,20 +23,22 @@ def decide(v: ReplicaView, config: AdmissionSettings, request_class: str = "inte
 
 
 def test_no_margins_is_forecast_margin() -> None:
-    plain = decide(view("a", state(16)), SETTINGS)
-    other = decide(replace(view("a", state(16)), margins={"batch": 3.0}), SETTINGS)
+    busy = view("a", state(16), streams(16))
+    plain = decide(busy, SETTINGS)
+    other = decide(replace(busy, margins={"batch": 3.0}), SETTINGS)
     assert plain == other  # another class's margin changes nothing for this one
 
 
 def test_the_class_margin_scales_its_own_forecasts() -> None:
     """A first token forecast within the target at forecast_margin is late at margin 1."""
-    plain = decide(view("a", state(16)), SETTINGS)
+    busy = view("a", state(16), streams(16))
+    plain = decide(busy, SETTINGS)
     assert isinstance(plain, Admit)
     assert plain.forecast is not None
     config = with_class("interactive", ttft_target_s=1.2 * plain.forecast.ttft_s)
-    assert isinstance(decide(view("a", state(16)), config), Admit)
+    assert isinstance(decide(busy, config), Admit)
 
-    tight = decide(replace(view("a", state(16)), margins={"interactive": 1.0}), config)
+    tight = decide(replace(busy, margins={"interactive": 1.0}), config)
 
     assert not tight.admits
     assert tight.blocker == Blocker.TTFT  # type: ignore[union-attr]
@@ -58,8 +60,9 @@ def test_the_streaming_class_margin_scales_what_a_newcomer_inflicts_on_it() -> N
     assert blocked.blocker == Blocker.STREAMS_TPOT  # type: ignore[union-attr]
 
 
-def test_an_idle_replica_is_judged_at_forecast_margin() -> None:
-    """A margin learned under load does not outlive it: an idle replica ignores it."""
+def test_an_unloaded_replica_is_judged_at_forecast_margin() -> None:
+    """A margin learned under load does not outlive it: a replica with none of the gateway's
+    requests and nothing waiting ignores it."""
     plain = decide(view("a", state()), SETTINGS)
     tight = decide(replace(view("a", state()), margins={"interactive": 3.0}), SETTINGS)
     assert isinstance(tight, Admit)

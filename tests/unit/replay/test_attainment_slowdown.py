@@ -146,7 +146,7 @@ def test_blind_forecasts_the_margin_settles_without_oscillating() -> None:
     assert 1.0 + peak <= 1.5 * (1.0 + final)  # overshoot bounded
     assert turns(margins) <= 4
     late = [m for t, m in margins if t >= END_S - 20.0]
-    assert max(late) - min(late) <= 0.15  # the swing has narrowed
+    assert (1.0 + max(late)) / (1.0 + min(late)) <= 1.3  # late on, about one step of swing at most
 
 
 def test_full_prediction_attainment_holds_through_the_slowdown() -> None:
