@@ -25,7 +25,6 @@ from gateway.admission.decision import (
     Reject,
     RejectReason,
     Rule,
-    SloAdmitter,
 )
 from gateway.admission.fairness import TenantKey, TokenWeights, VirtualTokenCounter
 from gateway.admission.headers import decision_headers
@@ -40,6 +39,7 @@ from gateway.admission.retry_after import (
     retry_after,
 )
 from gateway.admission.shares import ClassLoad, StreamingRequest
+from gateway.admission.slo_admitter import SloAdmitter
 from gateway.admission.stats import AdmissionStats, Outcome
 from gateway.admission.views import ReplicaView
 

@@ -1,10 +1,11 @@
-"""``policy: slo`` (``SloAdmitter``, rules in ``gateway.admission.decision``) and ``admit_all``."""
+"""``policy: slo`` (``SloAdmitter``, rules in ``gateway.admission.slo_admitter``) and ``admit_all``."""
 
 from __future__ import annotations
 
 from gateway.admission.config import AdmissionSettings
-from gateway.admission.decision import Admitter, SloAdmitter
+from gateway.admission.decision import Admitter
 from gateway.admission.retry_after import RetryAfterPolicy
+from gateway.admission.slo_admitter import SloAdmitter
 
 __all__ = ["SloAdmitter", "admit_all"]
 

@@ -16,8 +16,8 @@ import random
 import pytest
 
 from gateway.admission import AdmissionRequest, Decision, ReplicaView
-from gateway.admission.decision import SloAdmitter
 from gateway.admission.retry_after import RetryAfterPolicy
+from gateway.admission.slo_admitter import SloAdmitter
 from predictor import GPUS, MODELS, roofline_prior
 from tests.unit.admission.fleet import SETTINGS, FakeClock, request, state, streams, view
 

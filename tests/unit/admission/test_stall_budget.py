@@ -196,6 +196,6 @@ def test_shipped_defaults_admit_only_what_fits_the_budgets(seed: int) -> None:
         load = target.loads.get("interactive")
         if load is None or not target.model.valid or target.stale:
             continue  # (stale: margins scale the numbers; the arithmetic is checked fresh)
-        step = decide._step_with_s(target, r.prompt_tokens + f.output_tokens_used / 2.0)
+        step = decide._slack._step_with_s(target, r.prompt_tokens + f.output_tokens_used / 2.0)
         budget = load.min_stall_budget_s(config.classes["interactive"].tpot_target_s, horizon, step)
-        assert decide._pending_stall_s(target) + f.inflicted_stall_s <= budget + 1e-9
+        assert decide._slack._pending_stall_s(target) + f.inflicted_stall_s <= budget + 1e-9

@@ -17,8 +17,8 @@ import math
 import pytest
 
 from gateway.admission import Admit, Decision, ReplicaView
-from gateway.admission.decision import SloAdmitter
 from gateway.admission.retry_after import RetryAfterPolicy
+from gateway.admission.slo_admitter import SloAdmitter
 from predictor import ReplicaState
 from tests.unit.admission.fleet import MODEL, SETTINGS, request, state, streams
 

@@ -1,0 +1,191 @@
+"""A refusal's story: the wait it cites, the forecast it cites, and its message.
+
+``WaitEstimates.waits`` gives, for a blocked candidate, (seconds until the failing constraints
+could hold, seconds until a fresh retry could be admitted): the first delays the first token, the
+second is the Retry-After; ``inf`` when never (no finite wait is longer than the replica's drain
+to idle). ``_as_judged`` is the forecast a refusal cites (the TTFT as judged: margins and dispatch
+overhead in; ``None`` without a step model); ``late_message`` and ``blocked_message`` say in one
+line which forecast failed against which target, in the prediction headers' numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+from gateway.admission.config import AdmissionSettings, ClassSettings
+from gateway.admission.decision import _KV, _SLOT, _STALL, _STREAMS, _TPOT, _TTFT, _YTPOT, _YTTFT, Blocker
+from gateway.admission.idle import IdleForecasts, _idle_after_s
+from gateway.admission.request import AdmissionRequest
+from gateway.admission.retry_after import decode_drain_s, ttft_excess_s
+from gateway.admission.shares import kv_share_limit
+from gateway.admission.slack import SlackRules, _Candidate
+from predictor import Forecast, ReplicaState
+
+_INF: Final = math.inf
+
+
+def _as_judged(c: _Candidate, now: float) -> Forecast | None:
+    """``c``'s forecast with the TTFT admission held against the deadline (margins and the
+    replica's dispatch overhead in): what a refusal's prediction headers and message both cite."""
+    f = c.forecast
+    if f is None or not math.isfinite(c.ttft_s) or c.ttft_s == f.ttft_s:
+        return f
+    return f.with_overhead(c.ttft_s, f.overhead_s + c.ttft_s - f.ttft_s, now)
+
+
+def _blocker_story(cls: ClassSettings, c: _Candidate, blocker: Blocker) -> str:
+    """The failing forecast behind ``blocker`` with its target, in the prediction headers' units
+    (its own TPOT), or the constraint's name."""
+    f = c.forecast
+    if blocker == Blocker.TPOT and f is not None:
+        return (
+            f"its predicted time per output token {f.tpot_s * 1e3:.2f} ms exceeds the "
+            f"{cls.tpot_target_s * 1e3:.3g} ms target"
+        )
+    return f"the replica's load ({blocker}) blocks it"
+
+
+def late_message(
+    request: AdmissionRequest,
+    cls: ClassSettings,
+    c: _Candidate,
+    blocker: Blocker,
+    wait: float,
+    first: float,
+    deadline: float,
+    hopeless: bool,
+) -> str:
+    """Why the first token would be late: the predicted TTFT (the ``x-sluice-predicted-ttft-ms``
+    header's number, as judged: margins and dispatch overhead in), after ``wait`` seconds
+    for ``blocker`` when it must wait for one."""
+    target = (
+        "the client's deadline" if request.client_bound(cls) else f"the {cls.ttft_target_s:.3g} s TTFT target"
+    )
+    tail = "; not attainable even on an idle replica" if hopeless else ""
+    if not math.isfinite(first):
+        why = _blocker_story(cls, c, blocker)
+        return f"{why}: no replica can take this request within its limits before {target}{tail}"
+    late = first - deadline
+    ttft = f"predicted TTFT {c.ttft_s * 1e3:.1f} ms"
+    if wait > 0.0:
+        ttft = f"{_blocker_story(cls, c, blocker)} for about {wait:.3g} s more, then a {ttft}"
+    return f"first token predicted {late:.3g} s after {target}: {ttft} (best replica {c.view.name}){tail}"
+
+
+def blocked_message(cls: ClassSettings, c: _Candidate, blocker: Blocker, hopeless: bool) -> str:
+    """Why no replica takes it now: the forecast that failed, with its target (its numbers as
+    the prediction headers print them)."""
+    if blocker == Blocker.TPOT:
+        tail = "; not attainable even on an idle replica" if hopeless else ""
+        return f"{_blocker_story(cls, c, blocker)} (best replica {c.view.name}){tail}"
+    return f"no replica can take this request now without breaking its limits ({blocker})"
+
+
+class WaitEstimates:
+    """How long a blocked request would wait on a candidate (see the module docstring).
+
+    ``slack`` gives a class's decode-slot limit on a replica, ``idle`` the forecast on its idle copy.
+    """
+
+    def __init__(self, settings: AdmissionSettings, slack: SlackRules, idle: IdleForecasts) -> None:
+        self._settings = settings
+        self._default = settings.classes[settings.default_class]
+        self._slack = slack
+        self._idle = idle
+
+    def waits(
+        self, request: AdmissionRequest, cls: ClassSettings, c: _Candidate, slots: tuple[int, ...]
+    ) -> tuple[float, float]:
+        """(seconds until the failing non-TTFT constraints could hold, seconds until a fresh retry
+        could be admitted here): the first delays its first token, the second is its Retry-After."""
+        assert c.slacks is not None
+        wait = 0.0
+        for i in slots:
+            if c.slacks[i] < 0.0 and i != _TTFT:
+                wait = max(wait, self._wait_for(i, request, cls, c))
+        retry = wait
+        if _TTFT in slots and c.slacks[_TTFT] < 0.0:
+            retry = max(retry, ttft_excess_s(c.ttft_s, request.fresh_ttft_budget_s(cls)))
+        # Once everything on the replica now has finished, it is idle, where the request fits
+        # unless even an idle copy would miss (``IdleForecasts.hopeless``, the reason an estimate is ``inf``):
+        # no finite estimate is longer than that. The gateway's own streams there are known one
+        # by one (``max_finish_s``), the rest from the state's mean, at the forecast's TPOT.
+        idle = _idle_after_s(c.view.state, c.tpot_s)
+        for load in c.view.loads.values():
+            if load.max_finish_s > idle:
+                idle = load.max_finish_s
+        if wait > idle and math.isfinite(wait):
+            wait = idle
+        if retry > idle and math.isfinite(retry):
+            retry = idle
+        return wait, retry
+
+    def _wait_for(self, slot: int, request: AdmissionRequest, cls: ClassSettings, c: _Candidate) -> float:
+        """Predicted seconds until constraint ``slot`` would hold on ``c`` (drain estimates)."""
+        view = c.view
+        assert c.raw is not None
+        state, model = view.state, view.model
+        tpot, output = c.tpot_s, c.output_tokens
+        name = (
+            request.request_class
+            if request.request_class in self._settings.classes
+            else self._settings.default_class
+        )
+        own = view.loads.get(name)
+        if slot == _TPOT:
+            drain = decode_drain_s(state, model, tpot - cls.tpot_target_s, tpot)
+            if math.isinf(drain) and self._idle.forecast(request, c)[1] <= cls.tpot_target_s:
+                # No number of running decodes leaving brings the TPOT under target, yet an idle
+                # copy meets it: the excess is the replica's load as a whole (the steady state
+                # its recent arrivals settle at, which a burst inflates), not its batch. That
+                # passes as the running requests are replaced: wait a typical one's duration,
+                # not forever (which would refuse the request as hopeless, without Retry-After).
+                return self._or_typical(0.0, state, tpot)
+            return drain
+        if slot == _STREAMS:
+            infl, extra = c.inflicted_tpot_s, view.extra_tpot_s
+            waits = []
+            for stream_class, load in view.loads.items():
+                limit = self._settings.classes.get(stream_class, self._default).tpot_target_s - infl - extra
+                if load.max_tpot_s > limit:
+                    waits.append(load.wait_for_tpot_below_s(limit))
+            return self._or_typical(max(waits, default=0.0), state, tpot)
+        if slot == _STALL:
+            stall = c.inflicted_stall_s
+            waits = []
+            for stream_class, load in view.loads.items():
+                k = self._settings.classes.get(stream_class, self._default)
+                over = k.max_stall_s is not None and k.max_stall_s < stall
+                if over or k.stall_budget_horizon is not None:
+                    waits.append(load.max_finish_s)
+            return self._or_typical(max(waits, default=0.0), state, tpot)
+        if slot == _KV:
+            limit = kv_share_limit(cls.kv_share, state)
+            used = own.kv_tokens if own is not None else 0.0
+            if request.prompt_tokens + output > limit:
+                return _INF  # larger than the whole share: never here
+            need_kv = used + request.prompt_tokens + output - limit
+            return self._or_typical(own.wait_for_kv_s(need_kv) if own is not None else 0.0, state, tpot)
+        if slot == _SLOT and own is not None:
+            limit_seqs = self._slack.slot_limit(cls, view)
+            return self._or_typical(own.wait_for_finishes_s(own.seqs + 1 - limit_seqs), state, tpot)
+        if slot == _YTTFT:
+            keep = 1.0 - self._settings.yield_margin
+            return max((ttft_excess_s(pt, keep * p.ttft_target_s) for p, pt, _ in c.probes), default=0.0)
+        if slot == _YTPOT:
+            keep = 1.0 - self._settings.yield_margin
+            return max(
+                (decode_drain_s(state, model, pp - keep * p.tpot_target_s, pp) for p, _, pp in c.probes),
+                default=0.0,
+            )
+        return self._or_typical(0.0, state, tpot)
+
+    @staticmethod
+    def _or_typical(wait: float, state: ReplicaState, tpot_s: float) -> float:
+        """``wait``, or when the blocking streams are not known individually (admitted since the
+        view was built), the time a typical running request takes to finish at ``tpot_s``."""
+        if wait > 0.0:
+            return wait
+        rest = state.mean_remaining_output_tokens or 256.0
+        return rest * tpot_s
