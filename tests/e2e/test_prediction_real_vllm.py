@@ -49,7 +49,7 @@ from bench.live_accuracy import (
     serve_gateway,
     wait_until_ready,
 )
-from gateway.admission.config import AdmissionSettings
+from gateway.admission.config import AdmissionSettings, ClassSettings
 from gateway.config.settings import LoggingSettings, ServerSettings, Settings
 from gateway.replicas.config import HardwareSettings, HealthSettings, ReplicaSettings
 from tests.e2e.vllm_cpu import MAX_NUM_SEQS, SERVED_MODEL
@@ -117,7 +117,14 @@ def gateway_settings(vllm_base_url: str) -> Settings:
         logging=LoggingSettings(access_log=False),
         # No forecast margin: the headers then carry the predictor's own forecast (admission's
         # default 0.15 is a safety factor on its decisions and would add 15 % to every ratio).
-        admission=AdmissionSettings(forecast_margin=0.0),
+        # Loose targets: every request is admitted however slow the host (the default class's
+        # would refuse some once the measured correction shows how slow a busy host is).
+        admission=AdmissionSettings(
+            forecast_margin=0.0,
+            classes={
+                "interactive": ClassSettings(ttft_target_s=5.0, tpot_target_s=50.0, max_queue_wait_s=30.0)
+            },
+        ),
     )
 
 
