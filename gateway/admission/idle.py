@@ -1,9 +1,12 @@
 """Idle replicas: forecasts on an idle copy of a replica (is retrying hopeless?) and drain times.
 
 ``IdleForecasts.forecast`` gives a request's (TTFT, TPOT) in seconds on an idle copy of a
-candidate's replica, with the margins, correction and dispatch overhead applied as on the replica
-itself (NaN: no step model); ``hopeless`` says whether even that misses the request's targets
-(then a refusal carries no Retry-After). Memoised per request size and replica limits.
+candidate's replica, with the margins and dispatch overhead applied as on the replica itself and
+its measured correction only where that lowers the forecast (NaN: no step model); ``hopeless``
+says whether even that misses the request's targets (then a refusal carries no Retry-After).
+A correction learned under a burst may make a request look possible on an idle replica, never
+hopeless: that verdict tells clients not to retry, and only admitted requests would unlearn it.
+Memoised per request size and replica limits.
 ``_idle_after_s``: seconds until a replica drains to idle (``inf`` when the step is not a number).
 """
 
@@ -99,7 +102,8 @@ class IdleForecasts:
 
     def forecast(self, request: AdmissionRequest, c: _Candidate) -> tuple[float, float]:
         """(TTFT, TPOT) of ``request`` on an idle copy of ``c``'s replica, seconds, with the
-        view's margins and dispatch overhead applied as on the replica itself (NaN: no model)."""
+        view's margins and dispatch overhead applied as on the replica itself, and its correction
+        factors where they are below 1 (see the module docstring; NaN: no model)."""
         view = c.view
         state = view.state
         candidate = request.candidate(state.max_model_len)
@@ -122,7 +126,7 @@ class IdleForecasts:
             self._idle_forecasts[key] = (model, ttft, tpot)
         scale = self._slack.scale(view)
         ct, cp = view.correction.factors(request.prompt_tokens, 0.0)
-        return ttft * scale * ct + view.dispatch_overhead_s, tpot * scale * cp
+        return ttft * scale * min(ct, 1.0) + view.dispatch_overhead_s, tpot * scale * min(cp, 1.0)
 
     def _idle(self, state: ReplicaState, key: tuple[int, int, int, int]) -> ReplicaState:
         """``_idle(state)``, kept per set of limits (``key``; a replica's limits rarely change)."""

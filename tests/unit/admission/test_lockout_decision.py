@@ -24,6 +24,7 @@ from gateway.admission import (
     SloAdmitter,
 )
 from gateway.admission.headers import PREDICTED_TPOT_MS, PREDICTED_TTFT_MS, decision_headers
+from predictor.correction import Correction
 from tests.unit.admission.fleet import MODEL, request, state, streams, view
 
 NOW = 1000.0
@@ -155,3 +156,34 @@ def test_an_idle_replica_that_keeps_refusing_is_probed_every_few_seconds() -> No
     # A replica with anything running is never probed: its forecast has load to go by.
     busy = view("b", state(1))
     assert all(isinstance(at(NOW + t, busy), Reject) for t in (0.0, 3.0, 6.0, 9.0))
+
+
+def test_a_correction_learned_under_load_never_makes_an_idle_replica_hopeless() -> None:
+    """A burst taught the replica's correction that TPOTs run 5x its model; idle again, the
+    corrected forecast misses a 20 ms target that the model's own idle forecast (~7 ms) meets. The
+    refusal carries a Retry-After: "not attainable even on an idle replica" would tell clients to
+    stop retrying, and only admitted requests could unlearn the factor."""
+    learned = Correction(ttft=(1.0,) * 16, tpot=(5.0,) * 16)
+    tight = AdmissionSettings.model_validate(
+        {
+            "classes": {"plain": {"ttft_target_s": 2.0, "tpot_target_s": 0.02, "max_queue_wait_s": 0.0}},
+            "default_class": "plain",
+        }
+    )
+    replica = ReplicaView.build("a", healthy=True, model=MODEL, state=state(), correction=learned)
+    refused = decide([replica], tight)
+    assert isinstance(refused, Reject)
+    assert refused.blocker == Blocker.TPOT
+    assert refused.retry_after is not None
+    assert "idle replica" not in refused.message
+    # A correction below 1 still applies: a model that overstates TPOT 4x admits at a 4 ms
+    # target its own idle forecast (~7 ms) misses.
+    fast = Correction(ttft=(1.0,) * 16, tpot=(0.25,) * 16)
+    tighter = AdmissionSettings.model_validate(
+        {
+            "classes": {"plain": {"ttft_target_s": 2.0, "tpot_target_s": 0.004, "max_queue_wait_s": 0.0}},
+            "default_class": "plain",
+        }
+    )
+    replica = ReplicaView.build("a", healthy=True, model=MODEL, state=state(), correction=fast)
+    assert isinstance(decide([replica], tighter), Admit)
