@@ -91,8 +91,9 @@ class ParsedRequest:
     ``max_tokens`` is ``max_completion_tokens`` or ``max_tokens`` (``None`` when absent).
     ``prompt_chars`` is the prompt's text length in characters (``prompt_size``);
     ``prompt_token_ids`` the prompt's length in tokens when it was sent as token ids, else ``None``.
-    ``choices`` is the body's ``n`` (1 when absent): the sequences the engine decodes for it, each
-    up to ``max_tokens``, sharing one prompt.
+    ``choices`` is the sequences the engine decodes for it, each up to ``max_tokens``: the body's
+    ``n`` (1 when absent) times the prompts it sends (``prompt_sequences``: a completions list of
+    strings or of token-id lists is one prompt per item, as vLLM decodes them).
     """
 
     endpoint: Endpoint
@@ -228,6 +229,7 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
         )
     model, stream, include_usage, max_tokens, choices = fields
     chars, token_ids = prompt_size(endpoint, body)
+    choices *= prompt_sequences(endpoint, body)
     return ParsedRequest(
         endpoint=endpoint,
         model=model,
@@ -323,6 +325,18 @@ def prompt_size(endpoint: Endpoint, body: Mapping[str, Any]) -> tuple[int, int |
     if all(isinstance(p, list) for p in prompt):
         return 0, sum(len(p) for p in prompt)
     return 0, len(prompt)
+
+
+def prompt_sequences(endpoint: Endpoint, body: Mapping[str, Any]) -> int:
+    """How many prompts the body sends (>= 1), each decoded as its own sequence (``n`` times):
+    the items of a completions ``prompt`` that is a list of strings or of token-id lists; 1 for a
+    chat, a string, a flat list of token ids or an empty list. Expects a validated body."""
+    if endpoint != "completions":
+        return 1
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt)
+    return 1
 
 
 def _message_chars(message: object) -> int:

@@ -70,6 +70,27 @@ def test_parse_completion_prompt_shapes(prompt: Any) -> None:
 
 
 @pytest.mark.parametrize(
+    ("endpoint", "fields", "choices"),
+    [
+        pytest.param("chat", {"messages": MSGS}, 1, id="chat"),
+        pytest.param("chat", {"messages": MSGS, "n": 3}, 3, id="chat-n"),
+        pytest.param("completions", {"prompt": "hi"}, 1, id="string"),
+        pytest.param("completions", {"prompt": "hi", "n": 2}, 2, id="string-n"),
+        pytest.param("completions", {"prompt": ["a", "b", "c"]}, 3, id="strings"),
+        pytest.param("completions", {"prompt": ["a", "b", "c"], "n": 2}, 6, id="strings-n"),
+        pytest.param("completions", {"prompt": ["é", "b"]}, 2, id="strings-non-ascii"),
+        pytest.param("completions", {"prompt": [1, 2, 3]}, 1, id="token-ids"),
+        pytest.param("completions", {"prompt": [[1, 2], [3]], "n": 4}, 8, id="token-id-lists-n"),
+        pytest.param("completions", {"prompt": []}, 1, id="empty-list"),
+    ],
+)
+def test_each_prompt_is_a_sequence_of_its_own(endpoint: Any, fields: dict[str, Any], choices: int) -> None:
+    """vLLM decodes one sequence per prompt of a list (``n`` of them each): that is what the
+    request is sized, reserved and admitted as."""
+    assert parse_request(endpoint, json.dumps({"model": "m", **fields}).encode()).choices == choices
+
+
+@pytest.mark.parametrize(
     ("endpoint", "raw", "message_start"),
     [
         pytest.param("chat", b"{", "request body is not valid JSON", id="bad-json"),

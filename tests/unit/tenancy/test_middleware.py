@@ -254,6 +254,40 @@ async def test_each_choice_reserves_its_own_output(
     assert await gw.level(limits=TIGHT.to_limits()) == pytest.approx(100.0 - 40.0)  # usage 20 + 10
 
 
+@pytest.mark.parametrize(
+    ("prompt", "remaining"),
+    [
+        pytest.param([7] * PROMPT_TOKENS, "60", id="one-prompt"),
+        # Two prompts of 10 tokens, two sequences of the predicted 10 tokens: 20 + 2 x 2 x 10 = 60.
+        pytest.param([[7] * 10, [7] * 10], "40", id="two-prompts"),
+        # Four prompts of 5 tokens: 20 + 4 x 2 x 10 = 100, all the bucket holds.
+        pytest.param([[7] * 5] * 4, "0", id="four-prompts"),
+    ],
+)
+async def test_each_prompt_of_a_list_reserves_its_own_output(
+    start_tenant_gateway: StartTenantGateway, prompt: list[Any], remaining: str
+) -> None:
+    """A list of prompts is as many sequences on the engine (vLLM decodes one per prompt): the
+    reservation holds the predicted output of each, the prompts' tokens once."""
+    gw = await start_tenant_gateway(Scripted().answer, settings=tight)
+
+    resp = await gw.post(body={**COMPLETION, "prompt": prompt})
+
+    assert resp.status == 200
+    assert _ratelimit(resp)["x-ratelimit-remaining-tokens"] == remaining
+
+
+async def test_a_list_of_prompts_over_the_budget_is_refused(start_tenant_gateway: StartTenantGateway) -> None:
+    """Five prompts of 4 tokens reserve 20 + 5 x 2 x 10 = 120 > the bucket's 100: never admitted."""
+    gw = await start_tenant_gateway(Scripted().answer, settings=tight)
+
+    resp = await gw.post(body={**COMPLETION, "prompt": [[7] * 4] * 5})
+
+    assert resp.status == 429
+    assert resp.headers["x-should-retry"] == "false"
+    assert len(gw.replica.seen) == 0
+
+
 async def test_oversize_request_is_never_retryable(start_tenant_gateway: StartTenantGateway) -> None:
     gw = await start_tenant_gateway(Scripted().answer, settings=tight)
 
