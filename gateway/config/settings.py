@@ -150,6 +150,19 @@ class LoggingSettings(Section):
             "and at exit."
         ),
     ] = True
+    repeat_window_s: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=3600,
+            allow_inf_nan=False,
+            description="Window of the rate limit on repeated log lines, in seconds: the first line of a "
+            "kind (same logger, level and message, or the same error apart from its request id) is "
+            "written; more of it within the window are counted, then one line says how many "
+            '("... (repeated 1502 times in the last 10 s)"). The access log is never thinned. '
+            "0 writes every line.",
+        ),
+    ] = 10.0
 
 
 #: ``admin.token_sha256``: 64 hex digits, optionally after ``sha256:`` (what ``sluice hash-key`` prints).

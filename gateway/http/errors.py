@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any, ClassVar, Final
@@ -38,6 +39,7 @@ from gateway.admission.headers import ADMISSION, CLASS, REASON
 from gateway.admission.retry_after import RefusalReason, RetryAfter
 from gateway.limits.base import BucketState, Reservation
 from gateway.observability.logs import REQUEST_ID
+from gateway.observability.repeats import repeat_key
 
 log = logging.getLogger("sluice.errors")
 
@@ -387,21 +389,33 @@ def _client_error_for(status: int, reason: str) -> GatewayError:
 
 def log_error(err: GatewayError, request_id: str | None, *, exc_info: bool = False) -> None:
     """Log ``err`` once: WARNING for 5xx (ERROR with traceback when ``exc_info``), INFO for 4xx,
-    or the error's own ``log_level`` (admission's 429s: DEBUG)."""
+    or the error's own ``log_level`` (admission's 429s: DEBUG). Lines that differ only by their
+    request id count as repeats (``repeat_key``; with a traceback: the same exception type raised
+    at the same line)."""
     level = logging.ERROR if exc_info else _log_level(err)
     if not log.isEnabledFor(level):
         return
-    args = (request_id or "-", err.status, err.code or err.error_type, err.message)
+    code = err.code or err.error_type
+    args = (request_id or "-", err.status, code, err.message)
     if exc_info:
-        log.log(level, _FAILED, *args, exc_info=True)
+        failure = sys.exc_info()[1]
+        where = failure.__traceback__ if failure is not None else None
+        while where is not None and where.tb_next is not None:
+            where = where.tb_next
+        place = (where.tb_frame.f_code.co_filename, where.tb_lineno) if where is not None else None
+        key = repeat_key(err.status, code, err.message[:_KEYED_CHARS], type(failure).__name__, place)
+        log.log(level, _FAILED, *args, exc_info=True, extra=key)
         return
     # The record made directly, as ``log_access`` does: ``Logger.log`` would also look up the
     # calling file, line and function (a 4xx flood pays this per request), which no formatter
     # here prints.
-    log.handle(log.makeRecord(log.name, level, __file__, 0, _FAILED, args, None))
+    key = repeat_key(err.status, code, err.message[:_KEYED_CHARS])
+    log.handle(log.makeRecord(log.name, level, __file__, 0, _FAILED, args, None, None, key))
 
 
 _FAILED: Final = "request %s failed: %d %s: %s"
+#: Characters of an error's message that tell two lines apart as repeats (a key holds no more).
+_KEYED_CHARS: Final = 256
 
 
 def _log_level(err: GatewayError) -> int:

@@ -6,6 +6,7 @@ read it. ``request_context_middleware`` gives every request an id and an outcome
 access line when it is done; ``add_request_id_header`` puts the id on every response. Lines below
 WARNING are buffered and written in batches (at most every ``ACCESS_FLUSH_INTERVAL_S``, or past
 ``ACCESS_BUFFER_CHARS``, before a WARNING, and at ``flush``), like nginx's ``access_log buffer=``.
+Repeated lines are rate-limited with a count (``gateway.observability.repeats``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from gateway.config.settings import LoggingSettings
 from gateway.config.store import SettingsStore
+from gateway.observability.repeats import RepeatFilter
 
 #: The access logger's name: its records are the access lines (``log_access``).
 ACCESS_LOGGER = "sluice.access"
@@ -273,7 +275,10 @@ def _direct_handler() -> SluiceLogHandler | None:
     if not logger.isEnabledFor(logging.INFO):  # levels, ``disabled``, ``logging.disable``
         return None
     handlers = _ROOT.handlers
-    if len(handlers) != 1 or handlers[0] is not handler or handler.filters or handler.level > logging.INFO:
+    if len(handlers) != 1 or handlers[0] is not handler or handler.level > logging.INFO:
+        return None
+    # ``configure_logging``'s repeat filter lets every unkeyed INFO record through.
+    if any(not isinstance(f, RepeatFilter) for f in handler.filters):
         return None
     return handler
 
@@ -599,23 +604,33 @@ _INSTALLED: list[SluiceLogHandler | None] = [None]
 
 
 def flush_logs() -> None:
-    """Write every buffered line now (of every ``SluiceLogHandler``)."""
+    """Write every buffered line now (of every ``SluiceLogHandler``), the counts of repeated
+    lines held back (``RepeatFilter.flush``) included."""
     for handler in list(_HANDLERS):
+        for repeats in [f for f in handler.filters if isinstance(f, RepeatFilter)]:
+            repeats.flush()
         handler.write_buffered()
 
 
 def configure_logging(settings: LoggingSettings, *, stream: Any = None) -> None:
-    """Send all logging to ``stream`` (default: ``sys.stderr``) in ``settings``' format and level;
-    safe to call again on reload (the handler it installed before is flushed and replaced)."""
+    """Send all logging to ``stream`` (default: ``sys.stderr``) in ``settings``' format and level,
+    repeated lines rate-limited per ``settings.repeat_window_s`` (``RepeatFilter``); safe to call
+    again on reload (the handler it installed before is flushed and replaced)."""
     root = _ROOT
-    for handler in [h for h in root.handlers if isinstance(h, SluiceLogHandler)]:
+    old = [h for h in root.handlers if isinstance(h, SluiceLogHandler)]
+    for handler in old:
         root.removeHandler(handler)
         handler.flush()
     handler = SluiceLogHandler(sys.stderr if stream is None else stream)
     handler.setFormatter(JsonFormatter() if settings.json_format else TextFormatter())
+    if settings.repeat_window_s > 0:
+        handler.addFilter(RepeatFilter(settings.repeat_window_s))
     root.addHandler(handler)
     _INSTALLED[0] = handler
     root.setLevel(settings.level)
+    for replaced in old:  # the counts it held back, written by the new handler
+        for repeats in [f for f in replaced.filters if isinstance(f, RepeatFilter)]:
+            repeats.flush()
     server_log = logging.getLogger("aiohttp.server")
     if _REDACTOR not in server_log.filters:
         server_log.addFilter(_REDACTOR)
