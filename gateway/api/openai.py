@@ -11,7 +11,6 @@ replica to judge. Malformed input raises ``InvalidRequest`` (400) naming the off
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -19,7 +18,8 @@ from typing import Annotated, Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from gateway.api.tgi import JSON_TOO_COMPLEX, TGI_ENGINE, json_bytes, parse_generate, upstream_generate_body
+from gateway.api.json_body import check_content_type, load_object
+from gateway.api.tgi import TGI_ENGINE, json_bytes, parse_generate, upstream_generate_body
 from gateway.http.errors import BodyTooLarge, ClientClosedRequest, InvalidRequest, ModelNotFound
 
 Endpoint = Literal["chat", "completions", "generate", "generate_stream"]
@@ -129,11 +129,13 @@ async def read_request(request: web.Request, endpoint: Endpoint, limit: int) -> 
 
     The tenancy middleware and the proxy both need it; the first caller pays, later callers get
     the same ``ParsedRequest``. Raises ``BodyTooLarge`` (413), ``ClientClosedRequest`` (a client
-    gone mid-body) or ``InvalidRequest`` (400).
+    gone mid-body) or ``InvalidRequest`` (415 for a body not sent as ``application/json``, else
+    400).
     """
     parsed = request.get(PARSED)
     if parsed is None:
         raw = await _read_body(request, limit)
+        check_content_type(request.headers.get("Content-Type"))
         if endpoint in NATIVE_ENDPOINTS:
             models = request.config_dict.get(ENGINE_MODELS)
             served = models(TGI_ENGINE) if models is not None else []
@@ -200,18 +202,12 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
 
 
 def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
-    """Decode and validate one OpenAI request body; raises ``InvalidRequest`` with the field as
-    ``param``. (Native TGI bodies go through ``parse_native``.)"""
+    """Decode (``gateway.api.json_body.load_object``: finite numbers only) and validate one
+    OpenAI request body; raises ``InvalidRequest`` with the field as ``param``. (Native TGI bodies
+    go through ``parse_native``.)"""
     if endpoint in NATIVE_ENDPOINTS:
         raise ValueError(f"{endpoint} is a native TGI endpoint: use parse_native")
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
-    except (ValueError, RecursionError):  # an integer over 4300 digits, nesting too deep
-        raise InvalidRequest(JSON_TOO_COMPLEX) from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
+    body = load_object(raw)
     fields = _plain_fields(endpoint, body)
     if fields is None:
         try:
@@ -253,7 +249,7 @@ def _plain_fields(endpoint: Endpoint, body: dict[str, Any]) -> tuple[str, bool, 
     Sound, not complete: what it accepts the schema accepts with the same values
     (``tests/fuzz/test_plain_parse.py`` checks it against the schema); it hands the schema any
     doubt (a model name that is not ASCII, a non-ASCII prompt string, an unusual prompt shape).
-    ``body`` is ``json.loads`` output, so a value's type is exactly one of JSON's.
+    ``body`` is ``load_object`` output, so a value's type is exactly one of JSON's.
     """
     model = body.get("model")
     if type(model) is not str or not model or not model.isascii():

@@ -30,15 +30,13 @@ from typing import Annotated, Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+from gateway.api.json_body import load_object
 from gateway.http.errors import InvalidRequest
 
 #: TGI's default output cap when ``parameters.max_new_tokens`` is absent (``default_max_new_tokens``).
 TGI_DEFAULT_MAX_NEW_TOKENS: Final = 100
 #: The engine whose replicas serve the native routes.
 TGI_ENGINE: Final = "tgi"
-#: The 400's message for JSON that Python's decoder refuses beyond syntax: an integer longer than
-#: ``sys.get_int_max_str_digits()`` (4300) digits, or nesting deeper than the recursion limit.
-JSON_TOO_COMPLEX: Final = "request body is not valid JSON: nested too deeply or a number too long"
 
 
 def json_bytes(payload: object) -> bytes:
@@ -97,16 +95,9 @@ def parse_generate(raw: bytes, *, streaming_route: bool) -> tuple[dict[str, Any]
     tokens (TGI's default 100 when absent, ``None`` when the client sent ``null``), whether the
     answer is a stream (always on ``/generate_stream``; ``"stream": true`` on ``/generate``) and
     whether the client itself asked for ``details``. Raises ``InvalidRequest`` (400) naming the
-    field.
+    field (``gateway.api.json_body.load_object``: finite numbers only).
     """
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
-    except (ValueError, RecursionError):  # an integer over 4300 digits, nesting too deep
-        raise InvalidRequest(JSON_TOO_COMPLEX) from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
+    body = load_object(raw)
     try:
         parsed = _GenerateBody.model_validate(body)
     except ValidationError as exc:

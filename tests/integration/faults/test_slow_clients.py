@@ -260,7 +260,9 @@ def _content_length(data: bytes) -> int:
 
 async def _chat(session: aiohttp.ClientSession, url: str, key: str) -> int:
     async with session.post(
-        f"{url}/v1/chat/completions", data=_chat_body(), headers={"Authorization": f"Bearer {key}"}
+        f"{url}/v1/chat/completions",
+        data=_chat_body(),
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
     ) as resp:
         await resp.read()
         return resp.status

@@ -148,7 +148,8 @@ async def _traffic(
             return resp.status
 
     async def malformed() -> int:
-        async with client.post("/v1/chat/completions", data=b"{not json", headers=headers) as resp:
+        sent = {**headers, "Content-Type": "application/json"}
+        async with client.post("/v1/chat/completions", data=b"{not json", headers=sent) as resp:
             await resp.read()
             return resp.status
 

@@ -436,7 +436,9 @@ async def test_errors_ids_and_the_admin_guard_in_one_layer(
     gw = await start_gateway({"r1": url})
     with caplog.at_level(logging.INFO, logger=logs.ACCESS_LOGGER):
         wrong = await gw.client.get("/v1/chat/completions", headers={"x-request-id": "mine-1"})
-        bad = await gw.client.post("/v1/chat/completions", data=b"{not json")
+        bad = await gw.client.post(
+            "/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"}
+        )
     assert wrong.status == 405
     assert wrong.headers["Allow"] == "POST"
     assert wrong.headers["x-request-id"] == "mine-1"

@@ -1,0 +1,140 @@
+"""A request body as JSON, as strictly as the engines read it: an object, finite numbers, sent as
+``application/json``.
+
+Python's ``json`` accepts ``NaN``, ``Infinity`` and ``-Infinity`` (and turns ``1e999`` into
+infinity); JSON (RFC 8259) has no such numbers and the gateway must not forward what it cannot
+price or what an engine may read differently, so each is a 400 naming the field. vLLM's and
+SGLang's OpenAI servers refuse a body whose ``Content-Type`` is not ``application/json``
+(``validate_json_request``: missing, ``text/plain``, a form, anything else; vLLM answers 400) and
+TGI's router answers 415; Sluice answers 415 ``unsupported_media_type`` for the same bodies,
+whatever they hold, before reading them as JSON. Every message here is fixed text (a position at
+most), never a decoder's exception text or the body's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Final
+
+from gateway.http.errors import InvalidRequest
+
+__all__ = [
+    "JSON_TOO_COMPLEX",
+    "NOT_AN_OBJECT",
+    "UNSUPPORTED_MEDIA_TYPE",
+    "check_content_type",
+    "load_object",
+]
+
+#: The 400's message for JSON that Python's decoder refuses beyond syntax: an integer longer than
+#: ``sys.get_int_max_str_digits()`` (4300) digits, or nesting deeper than the recursion limit.
+JSON_TOO_COMPLEX: Final = "request body is not valid JSON: nested too deeply or a number too long"
+#: The 400's message for valid JSON that is not an object.
+NOT_AN_OBJECT: Final = "request body must be a JSON object"
+#: The ``code`` of the 415 for a body not sent as ``application/json``.
+UNSUPPORTED_MEDIA_TYPE: Final = "unsupported_media_type"
+#: The one media type a body may be sent as (parameters such as ``charset`` aside).
+JSON_MEDIA_TYPE: Final = "application/json"
+
+
+def check_content_type(content_type: str | None) -> None:
+    """Return when the raw ``Content-Type`` header value (``None``: absent) names
+    ``application/json`` (any case, parameters allowed); else raise ``InvalidRequest`` 415
+    ``unsupported_media_type`` with ``param`` ``content-type``."""
+    if content_type is not None and content_type.partition(";")[0].strip().lower() == JSON_MEDIA_TYPE:
+        return
+    raise InvalidRequest(
+        "the request body must be sent with Content-Type: application/json",
+        param="content-type",
+        code=UNSUPPORTED_MEDIA_TYPE,
+        status=415,
+    )
+
+
+class _NonFinite(ValueError):
+    """Raised by the strict decoder's hooks at the first non-finite number."""
+
+
+def _refuse_constant(_name: str) -> Any:
+    raise _NonFinite
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999
+        raise _NonFinite
+    return value
+
+
+#: Marks where a non-finite number was, in the second decode that finds its field.
+_MARK: Final = object()
+
+
+def _mark_float(text: str) -> object:
+    value = float(text)
+    return value if math.isfinite(value) else _MARK
+
+
+_STRICT: Final = json.JSONDecoder(parse_float=_finite_float, parse_constant=_refuse_constant)
+_MARKING: Final = json.JSONDecoder(parse_float=_mark_float, parse_constant=lambda _name: _MARK)
+
+
+def load_object(raw: bytes) -> dict[str, Any]:
+    """``raw`` decoded as one JSON object, as ``json.loads`` reads bytes (UTF-8, -16 or -32), with
+    only finite numbers. Raises ``InvalidRequest`` (400): not JSON (the message gives the line and
+    column), ``JSON_TOO_COMPLEX``, a non-finite number (``param``: the top-level field holding
+    it; the message: its path), or ``NOT_AN_OBJECT``."""
+    try:
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+        body = _STRICT.decode(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(
+            f"request body is not valid JSON (line {exc.lineno}, column {exc.colno})"
+        ) from None
+    except UnicodeDecodeError:
+        raise InvalidRequest("request body is not valid JSON: it is not UTF-8 text") from None
+    except _NonFinite:
+        raise _non_finite(text) from None
+    except (ValueError, RecursionError):  # an integer over 4300 digits, nesting too deep
+        raise InvalidRequest(JSON_TOO_COMPLEX) from None
+    if not isinstance(body, dict):
+        raise InvalidRequest(NOT_AN_OBJECT)
+    return body
+
+
+def _non_finite(text: str) -> InvalidRequest:
+    """The 400 for ``text`` (which holds a non-finite number): decoded again with each such
+    number marked, and the first one's path named."""
+    path = _path_to_mark(_MARKING.decode(text))
+    if not path:
+        return InvalidRequest(NOT_AN_OBJECT)
+    where = ".".join(path)
+    return InvalidRequest(f"{where}: must be a finite number (NaN and Infinity are not JSON)", param=path[0])
+
+
+def _path_to_mark(root: object) -> list[str]:
+    """The keys and indices from ``root`` down to the first ``_MARK`` in document order (``[]``:
+    ``root`` itself). Iterative, with parent links, so that depth and size cost linear time."""
+    nodes: list[tuple[object, int, str]] = [(root, -1, "")]  # value, parent's index, key
+    stack = [0]
+    while stack:
+        index = stack.pop()
+        value = nodes[index][0]
+        if value is _MARK:
+            path: list[str] = []
+            while index > 0:
+                _, parent, key = nodes[index]
+                path.append(key)
+                index = parent
+            return path[::-1]
+        if isinstance(value, dict):
+            children = [(child, str(key)) for key, child in value.items()]
+        elif isinstance(value, list):
+            children = [(child, str(i)) for i, child in enumerate(value)]
+        else:
+            continue
+        for child, key in reversed(children):
+            nodes.append((child, index, key))
+            stack.append(len(nodes) - 1)
+    return []
