@@ -29,7 +29,8 @@ class MemoryBudget:
     """``TenantBudget`` over a ``MemoryLimiter`` on the virtual clock (see the module).
 
     ``limits``: each budgeted tenant's limits. ``weights``: what a weighted token is (prompt and
-    output token weights). ``stats``: the limiter's counters (reserves, rejections, settles)."""
+    output token weights). ``stats``: the limiter's counters (reserves, rejections, settles);
+    ``limiter``: the limiter itself, on the same virtual clock."""
 
     def __init__(
         self, limits: Mapping[str, TenantLimits], *, weights: TokenWeights = DEFAULT_WEIGHTS
@@ -39,6 +40,7 @@ class MemoryBudget:
         self._now = 0.0
         self.stats = LimiterStats()
         self._limiter = MemoryLimiter(clock=self._clock, stats=self.stats, name="replay")
+        self.limiter: Final = self._limiter
         self._ids = itertools.count()
 
     def _clock(self) -> float:

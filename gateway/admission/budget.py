@@ -19,7 +19,8 @@ twice).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from gateway.admission.fairness import TokenWeights
@@ -39,10 +40,13 @@ __all__ = [
     "BudgetRefused",
     "Hold",
     "TenantBudget",
+    "TopUp",
     "budget_cost",
     "budget_retry_after",
+    "context_left",
     "request_cost",
     "reserved_output",
+    "sure_output",
 ]
 
 
@@ -116,9 +120,32 @@ def request_cost(
     return weights.cost(prompt_tokens, each, 0.0) + (choices - 1) * weights.output_cost(each, prompt_tokens)
 
 
+def sure_output(
+    max_tokens: int | None, *, min_tokens: int = 0, ignore_eos: bool = False, context_left: int | None = None
+) -> int:
+    """Output tokens per choice a request is sure to produce whatever the model says: with
+    ``ignore_eos`` its whole cap (``max_tokens``, else ``context_left``: the engine's default, the
+    rest of the largest context; ``None`` when unknown, then ``min_tokens`` only), else
+    ``min_tokens`` (vLLM's sampling parameters); never more than ``max_tokens``, never below 0."""
+    sure = max(min_tokens, 0)
+    if ignore_eos:
+        cap = max_tokens if max_tokens is not None else context_left
+        if cap is not None:
+            sure = max(sure, cap)
+    return sure if max_tokens is None else min(sure, max_tokens)
+
+
+def context_left(max_model_lens: Iterable[int], prompt_tokens: int) -> int | None:
+    """The output a request without ``max_tokens`` may produce: the largest of the replicas'
+    ``max_model_len`` less its prompt (at least 1 token); ``None`` when no replica is known."""
+    longest = max(max_model_lens, default=None)
+    return None if longest is None else max(1, longest - prompt_tokens)
+
+
 def reserved_output(request: AdmissionRequest) -> int:
     """Output tokens ``request`` reserves, all its choices together: its predicted output (at
-    least 1, at most ``max_tokens``, rounded up to whole tokens) for each choice."""
+    least 1, at most ``max_tokens``, rounded up to whole tokens) for each choice. The engine
+    raises the prediction to what the request is sure to produce (``sure_output``)."""
     output = max(request.expected_output_tokens, 1.0)
     if request.max_tokens is not None:
         output = min(output, float(request.max_tokens))
@@ -143,16 +170,58 @@ def budget_retry_after(answer: BudgetAnswer) -> RetryAfter | None:
 
 
 @dataclass(frozen=True, slots=True)
+class TopUp:
+    """One step charged ahead of a stream that outran what its budget covers: ``output_tokens``
+    more output (all choices) at ``cost_tokens`` weighted tokens."""
+
+    output_tokens: int
+    cost_tokens: float
+
+
+@dataclass(slots=True)
 class Hold:
     """An allowed reservation: the limiter's answer, the weights it was priced with, the prompt
     estimate and output (all choices) it reserved, and the request's choices (settled with the
-    same weights)."""
+    same weights).
+
+    ``output_cap``: the most output tokens (all choices) the request may produce (``max_tokens``
+    per choice; ``None``: unknown, the replica's context decides). ``covered_output``: output
+    tokens the budget holds for it, the reservation's and every step charged ahead since
+    (``next_top_up``); ``ahead_cost``: the weighted tokens those steps took, already charged for
+    good, so its settle charges only the rest."""
 
     answer: BudgetAnswer
     weights: TokenWeights
     prompt_tokens: int
     output_tokens: int
     choices: int
+    output_cap: int | None = None
+    covered_output: int = field(init=False)
+    ahead_cost: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.covered_output = self.output_tokens
+
+    def next_top_up(self, produced: int) -> TopUp | None:
+        """What to charge ahead once ``produced`` output tokens (all choices) were seen: ``None``
+        while they are covered or once the cover reaches ``output_cap`` (nothing more can come);
+        else one step of the reservation's own output (more when ``produced`` jumped past it),
+        never past ``output_cap``. Steps of the reserved size keep the settle's charge (the cost
+        less ``ahead_cost``) from going below 0: only the last step can go unused."""
+        covered, cap = self.covered_output, self.output_cap
+        if produced <= covered or (cap is not None and covered >= cap):
+            return None
+        step = max(self.output_tokens, produced - covered)
+        if cap is not None:
+            step = min(step, cap - covered)
+        before = request_cost(self.weights, self.prompt_tokens, covered, self.choices)
+        after = request_cost(self.weights, self.prompt_tokens, covered + step, self.choices)
+        return TopUp(step, max(after - before, 0.0))
+
+    def took(self, top_up: TopUp) -> None:
+        """``top_up`` was charged: the budget now covers its output too."""
+        self.covered_output += top_up.output_tokens
+        self.ahead_cost += top_up.cost_tokens
 
 
 class BudgetLedger:
@@ -194,7 +263,10 @@ class BudgetLedger:
             return None
         if not answer.allowed:
             return BudgetRefused(tenant, answer, budget_retry_after(answer))
-        return Hold(answer, weights, request.prompt_tokens, reserved_output(request), request.choices)
+        cap = None if request.max_tokens is None else request.max_tokens * request.choices
+        return Hold(
+            answer, weights, request.prompt_tokens, reserved_output(request), request.choices, output_cap=cap
+        )
 
     def park(self, hold: Hold, request: AdmissionRequest) -> None:
         """Keep ``hold`` for ``request``'s next placement (its replica refused this one)."""
@@ -208,11 +280,13 @@ class BudgetLedger:
         """Settle a request that reached its replica with what it really cost: the replica's
         prompt count, else the estimate reserved; its output tokens (``produced``: usage, else
         the tokens seen); when neither says and output did come (``ending.answered``), the
-        output reserved."""
+        output covered. Steps charged ahead (``Hold.ahead_cost``) are taken off: they were
+        charged already (the charge never goes below 0)."""
         prompt = hold.prompt_tokens if ending.prompt_tokens is None else ending.prompt_tokens
         if ending.produced_tokens is None and produced == 0 and ending.answered:
-            produced = hold.output_tokens
-        self._settle(hold, request_cost(hold.weights, prompt, produced, hold.choices), now)
+            produced = hold.covered_output
+        cost = request_cost(hold.weights, prompt, produced, hold.choices)
+        self._settle(hold, max(cost - hold.ahead_cost, 0.0), now)
 
     def _settle(self, hold: Hold | None, actual_cost_tokens: float, now: float) -> None:
         if hold is None:

@@ -23,7 +23,14 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from gateway.admission.attainment import AttainmentController, met_targets
-from gateway.admission.budget import BudgetLedger, BudgetRefused, Hold, TenantBudget
+from gateway.admission.budget import (
+    BudgetLedger,
+    BudgetRefused,
+    Hold,
+    TenantBudget,
+    context_left,
+    sure_output,
+)
 from gateway.admission.config import AdmissionSettings
 from gateway.admission.core import AdmissionController
 from gateway.admission.decision import Blocker, Decision, Queue, Reject, RejectReason
@@ -214,9 +221,13 @@ class AdmissionEngine:
         deadline_s: float | None = None,
         tenant: str | None = None,
         choices: int = 1,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
     ) -> AdmissionRequest:
         """The request sized for admission: its output predicted at the service's quantile,
-        capped by ``max_tokens`` (the cap itself, at quantile 1, when the prediction fails).
+        capped by ``max_tokens`` (the cap itself, at quantile 1, when the prediction fails), and
+        never below what it is sure to produce (``min_tokens``; with ``ignore_eos`` its whole cap,
+        the rest of the route's largest context when ``max_tokens`` is absent: ``sure_output``).
         ``choices``: the sequences it decodes (the body's ``n``; its budget pays for each)."""
         model, _ = split_route(route)
         try:
@@ -224,6 +235,11 @@ class AdmissionEngine:
         except Exception:
             self._log.exception("output-length prediction failed; assuming the output cap")
             output, quantile = float(max_tokens or 256), 1.0
+        if min_tokens > 0 or ignore_eos:
+            left = None if max_tokens is not None else self._context_left(route, prompt_tokens)
+            sure = sure_output(max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos, context_left=left)
+            if sure >= output:
+                output, quantile = float(sure), 1.0 if ignore_eos else quantile
         return AdmissionRequest(
             request_id=request_id,
             request_class=request_class,
@@ -291,6 +307,20 @@ class AdmissionEngine:
         placement a replica refused). A live adapter whose limiter is remote fetches the answer
         for this cost before it submits."""
         return None if self._budget is None else self._budget.cost(request)
+
+    def held(self, key: int) -> Hold | None:
+        """The budget held for sent request ``key`` (``None``: none, or not in flight), for the
+        live relay to charge ahead (``Hold.next_top_up``) when its stream outruns it."""
+        sent = self._sent.get(key)
+        return None if sent is None else sent.hold
+
+    def _context_left(self, route: str, prompt_tokens: int) -> int | None:
+        lens = []
+        for replica in self._replicas.replicas():
+            view = self.view_cache.cached_view(route, replica.name)
+            if view is not None:
+                lens.append(view.state.max_model_len)
+        return context_left(lens, prompt_tokens)
 
     def _reserve(self, request: AdmissionRequest, now: float) -> Hold | BudgetRefused | None:
         return None if self._budget is None else self._budget.reserve(request, now)

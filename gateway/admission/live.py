@@ -30,8 +30,10 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Final
 
 from aiohttp import web
+from pydantic import TypeAdapter, ValidationError
 
 from gateway.admission import (
     AdmissionRequest,
@@ -47,7 +49,7 @@ from gateway.admission import (
     decision_headers,
 )
 from gateway.admission.attainment import AttainmentState
-from gateway.admission.budget import BudgetRefused
+from gateway.admission.budget import BudgetRefused, TopUp
 from gateway.admission.engine import AdmissionEngine
 from gateway.admission.fairness import TokenWeights
 from gateway.admission.live_budget import LiveBudget, is_unlimited, over_budget
@@ -56,7 +58,7 @@ from gateway.admission.ports import AdmissionReplica, route_of
 from gateway.admission.results import Ending, Resolution, Saturated, UnknownModel, labels
 from gateway.admission.retry_after import RefusalReason
 from gateway.admission.sizing import estimated_prompt_tokens
-from gateway.api.openai import ParsedRequest
+from gateway.api.openai import MAX_TOKENS_LIMIT, ParsedRequest
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.http.errors import (
@@ -127,6 +129,32 @@ class _Registry:
         replica = self._registry.get(name)
         if replica is not None:
             self._registry.saturate(replica, now, back_off_s, why)
+
+
+_LAX_BOOL: Final = TypeAdapter(bool)
+_LAX_COUNT: Final = TypeAdapter(int)
+
+
+def output_floor(parsed: ParsedRequest) -> dict[str, Any]:
+    """vLLM's ``min_tokens`` and ``ignore_eos`` of an OpenAI body, as the engine sizes them
+    (``AdmissionEngine.request``), read as leniently as vLLM's own (pydantic, lax) models read
+    them: a value they would coerce counts. Anything they would refuse counts as absent (the
+    replica answers it with a 400); native TGI bodies have neither."""
+    if parsed.native:
+        return {}
+    body = parsed.body
+    floor: dict[str, Any] = {}
+    for name, adapter in (("min_tokens", _LAX_COUNT), ("ignore_eos", _LAX_BOOL)):
+        value = body.get(name)
+        if value is None:
+            continue
+        try:
+            floor[name] = adapter.validate_python(value)
+        except ValidationError:
+            continue
+    if "min_tokens" in floor:
+        floor["min_tokens"] = min(max(floor["min_tokens"], 0), MAX_TOKENS_LIMIT)
+    return floor
 
 
 def _new_entry(request: AdmissionRequest, now: float, streamed: bool) -> LiveRequest:
@@ -286,6 +314,7 @@ class LiveAdmission:
             deadline_s=deadline,
             tenant=tenant_name,
             choices=parsed.choices,
+            **output_floor(parsed),
         )
         await self._fetch_budget(request, areq, tenant, outcome)
         try:
@@ -406,6 +435,35 @@ class LiveAdmission:
         return _refusal(self.engine.saturated(model, wait_s, placed=placed))
 
     # -- the tenant's budget ------------------------------------------------------------------------
+    def covered_output(self, ticket: Ticket) -> float:
+        """Output tokens (all choices) the tenant's budget covers for ``ticket`` now; ``math.inf``
+        when there is nothing to charge ahead (no budget, no token bucket, or the cover already
+        reaches the request's output cap). A stream relayed past it calls ``charge_ahead``."""
+        hold = self.engine.held(ticket.key)
+        if hold is None or self._budget is None or not self._budget.charges_tokens(hold.answer):
+            return math.inf
+        if hold.output_cap is not None and hold.covered_output >= hold.output_cap:
+            return math.inf
+        return float(hold.covered_output)
+
+    async def charge_ahead(self, ticket: Ticket, produced: int) -> float | None:
+        """``ticket``'s stream has produced ``produced`` output tokens, past what its budget
+        covers: charge its tenant the next step (``Hold.next_top_up``). Returns the output now
+        covered (``covered_output``), or ``None`` when the budget refused the step: the stream
+        must stop. Storage down: the step is covered uncharged, the settle charges it."""
+        hold = self.engine.held(ticket.key)
+        budget = self._budget
+        if hold is None or budget is None:
+            return math.inf
+        top_up = hold.next_top_up(produced)
+        if top_up is None:
+            return self.covered_output(ticket)
+        taken = await budget.charge(hold.answer, top_up.cost_tokens)
+        if taken is False:
+            return None
+        hold.took(top_up if taken else TopUp(top_up.output_tokens, 0.0))
+        return self.covered_output(ticket)
+
     async def _fetch_budget(
         self, request: web.Request, areq: AdmissionRequest, tenant: Tenant | None, outcome: RequestOutcome
     ) -> None:

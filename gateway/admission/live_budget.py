@@ -14,6 +14,10 @@ Settles start as tasks of their own, synchronously, from the engine's ``finish``
 delayed by a Redis round trip. ``drain`` awaits the outstanding ones before the limiter closes.
 Each reservation has a fresh id (``new_request_id``), never the request's: a client-chosen
 ``x-request-id`` repeated on concurrent requests must not look like one retried call.
+
+A stream that outruns what its reservation covers is charged ahead (``charge``): one step of
+tokens taken from the tenant's token bucket alone (no request, no concurrency slot), all or
+none, and charged for good at once (its lease settled at its cost); a refusal stops the stream.
 """
 
 from __future__ import annotations
@@ -166,6 +170,53 @@ class LiveBudget:
             return
         if self.metrics is not None:
             self.metrics.observe_settle(answer, actual_cost_tokens)
+
+    # -- charging a stream ahead ----------------------------------------------------------------------
+    @staticmethod
+    def charges_tokens(answer: BudgetAnswer) -> bool:
+        """Whether ``answer``'s tenant has a token bucket (else nothing is charged ahead)."""
+        return isinstance(answer, Reservation) and answer.limits.tokens_per_minute is not None
+
+    async def charge(self, answer: BudgetAnswer, cost_tokens: float) -> bool | None:
+        """Take ``cost_tokens`` more from the token bucket of ``answer``'s tenant, all or none,
+        for good: True taken (or no token bucket), False refused (the bucket does not hold
+        them), ``None`` when the limiter's storage is down (nothing taken).
+
+        The bucket alone is asked (the tenant's token limits, no request or concurrency
+        budget); the lease the limiter makes is settled at once at ``cost_tokens`` (a task, as
+        every settle). Cancelled while the limiter answers, a step taken is refunded whole."""
+        if not isinstance(answer, Reservation) or answer.limits.tokens_per_minute is None:
+            return True
+        limits = TenantLimits(
+            tokens_per_minute=answer.limits.tokens_per_minute, token_burst=answer.limits.token_burst
+        )
+        task = asyncio.get_running_loop().create_task(
+            self.limiter.reserve(
+                answer.tenant, cost_tokens=cost_tokens, limits=limits, request_id=new_request_id()
+            ),
+            name="sluice-charge-ahead",
+        )
+        try:
+            step = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._refund_step)
+            raise
+        except LimiterUnavailable:
+            return None
+        if self.metrics is not None:
+            self.metrics.observe_reservation(step)
+        if not step.allowed:
+            return False
+        self.settle(step, cost_tokens, 0.0)
+        return True
+
+    def _refund_step(self, task: asyncio.Task[Reservation]) -> None:
+        """A step whose stream was cancelled while the limiter answered: give it back."""
+        if task.cancelled() or task.exception() is not None:
+            return
+        step = task.result()
+        if step.allowed:
+            self.settle(step, 0.0, 0.0)
 
     async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Wait until every settle started so far has finished (at most ``timeout_s`` seconds)."""

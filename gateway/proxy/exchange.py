@@ -9,7 +9,8 @@ reports and the cause it chains.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -53,6 +54,12 @@ class Exchange:
     cancelled: bool = False
     #: Ends the exchange (cancels its handler once); set by ``_forward``.
     end: Callable[[], None] = nothing
+    #: Output tokens its tenant's budget covers (``math.inf``: nothing to charge ahead). A stream
+    #: relayed past it is charged ahead (``charge_ahead``) before the next token is written.
+    paid_output: float = math.inf
+    #: ``charge_ahead(produced)``: charge the next step; the new cover, or ``None`` when the
+    #: tenant's budget refused it (the stream stops). ``LiveAdmission.charge_ahead``.
+    charge_ahead: Callable[[int], Awaitable[float | None]] | None = None
 
 
 class ReplicaOverloaded(Exception):

@@ -135,6 +135,10 @@ class Proxy:
             live = admitted.live
             exchange = Exchange(request, parsed, replica, settings, outcome, live)
             exchange.may_retry = attempt < MAX_PLACEMENTS - 1
+            if parsed.stream:
+                # A stream that outruns its tenant's reservation is charged ahead, or stopped.
+                exchange.paid_output = self._admission.covered_output(ticket)
+                exchange.charge_ahead = functools.partial(self._admission.charge_ahead, ticket)
             try:
                 with self._registry.lease(replica, live):
                     outcome.replica = replica.name

@@ -15,12 +15,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 from collections.abc import Callable, Mapping
 
 import aiohttp
 from aiohttp import web
 
-from gateway.admission.retry_after import UNMEASURED_WAIT_S
+from gateway.admission.retry_after import UNMEASURED_WAIT_S, RefusalReason
 from gateway.api.openai import carries_tokens, is_usage_only_chunk, usage_of
 from gateway.api.sse import DONE, Event, EventSplitter
 from gateway.api.tgi import (
@@ -31,7 +32,7 @@ from gateway.api.tgi import (
     is_token_event,
     without_details,
 )
-from gateway.http.errors import GatewayError, UpstreamError, log_error, sse_error_event
+from gateway.http.errors import GatewayError, Refused, UpstreamError, log_error, sse_error_event
 from gateway.observability.logs import REQUEST_ID, RequestOutcome
 from gateway.proxy.exchange import Exchange, ReplicaOverloaded, describe, detached
 from gateway.proxy.headers import relayed
@@ -189,6 +190,8 @@ class Relay:
                         done = done or event.data == DONE
                         relay = inspect(ex, event)
                     if relay:
+                        if ex.live.tokens_streamed > ex.paid_output and not done:
+                            await self.pay_ahead(ex)
                         await write(ex, response, event.raw)
                 chunk = await self.next_chunk(ex, upstream)
                 if not chunk:
@@ -197,9 +200,19 @@ class Relay:
             if not done:
                 last = "its final event" if native else "[DONE]"
                 raise UpstreamError(f"replica {ex.replica.name} ended the stream before {last}")
-        except UpstreamError as err:
+        except (UpstreamError, Refused) as err:
             await self.end_with_error(ex, response, err)
         return response
+
+    async def pay_ahead(self, ex: Exchange) -> None:
+        """The stream produced more than its tenant's budget covers (``Exchange.paid_output``):
+        charge the next step before its next token is relayed; raises ``Refused`` (429
+        ``rate_limit_exceeded``, ended as an error event) when the budget refuses it."""
+        charge = ex.charge_ahead
+        paid = math.inf if charge is None else await charge(ex.live.tokens_streamed)
+        if paid is None:
+            raise _stream_over_budget(ex.live.tokens_streamed - 1)
+        ex.paid_output = paid
 
     async def next_chunk(self, ex: Exchange, upstream: aiohttp.ClientResponse) -> bytes:
         """The next bytes of the stream as they arrive (``b""`` at its end)."""
@@ -347,6 +360,17 @@ def record_native_usage(outcome: RequestOutcome, payload: object, live: LiveRequ
     if prompt is not None:
         outcome.prompt_tokens = prompt
         live.prompt_tokens = prompt
+
+
+def _stream_over_budget(relayed: int) -> Refused:
+    """The error event that stops a stream whose tenant's token budget refused to cover more."""
+    return Refused(
+        RefusalReason.RATE_LIMITED,
+        f"Rate limit reached on weighted tokens per minute: this stream outran its token "
+        f"reservation and the tenant's token budget holds no more; it was stopped after "
+        f"{relayed} output tokens.",
+        retry_after=None,
+    )
 
 
 def is_overload_event(event: Event) -> bool:
