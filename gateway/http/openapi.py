@@ -68,14 +68,16 @@ _ERROR_SCHEMA: Final[dict[str, Any]] = {
 }
 
 _ERRORS: Final[Mapping[int, str]] = {
-    400: "Invalid request: not JSON, a missing field or a field of the wrong type (``param`` names it), "
-    "a malformed header, or a prompt over every replica's limits (``prompt_too_large``).",
+    400: "Invalid request: not JSON, a missing field, a field of the wrong type or a non-finite number "
+    "(``param`` names it), a malformed header, or a prompt over every replica's limits "
+    "(``prompt_too_large``).",
     401: "Missing, malformed or unknown API key (or admin token); carries ``WWW-Authenticate``.",
     404: "Unknown route, or no replica serves the model (``model_not_found``).",
     405: "Wrong method for this path; carries ``Allow``.",
     408: "The body did not arrive within ``server.client_read_timeout_s`` (``request_timeout``); "
     "the connection is closed.",
     413: "Body over ``server.max_body_bytes`` (``request_too_large``).",
+    415: "Body not sent as ``Content-Type: application/json`` (``unsupported_media_type``).",
     429: "The tenant's budget is spent (``rate_limit_exceeded``) or admission refused the request "
     "for load (``overloaded``, ``slo_unattainable``, ``deadline_exceeded``).",
     502: "The replica failed: refused the connection, timed out, died mid-answer or answered 5xx.",
