@@ -31,6 +31,7 @@ from gateway.http.admin import ADMIN_LISTENER, AdminGate, install_admin
 from gateway.http.middleware import gateway_middleware
 from gateway.http.openapi import install_openapi
 from gateway.http.parse_errors import install as install_parse_errors
+from gateway.http.server_header import server_header_hook
 from gateway.keys import (
     EMULATORS,
     HEALTH,
@@ -107,6 +108,7 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
     app[EMULATORS] = []
     # Pure and synchronous: built here so that it exists (and can be inspected) before startup.
     app[PREDICTION_SERVICE] = PredictionService(config=LIVE_PREDICTION)
+    app.on_response_prepare.append(server_header_hook(store))
     app.on_response_prepare.append(add_request_id_header)
     app.on_response_prepare.append(add_prediction_headers)
     app.on_shutdown.append(_end_requests_within_the_grace)
@@ -133,7 +135,7 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
     app.router.add_get("/v1/models", _models)
     # Always public, never guarded: load balancers probe them without credentials.
     app.router.add_get("/healthz", _healthz)
-    app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/readyz", _readyz_view(admin_gate))
     install_openapi(app)
     listener = app.get(ADMIN_LISTENER)
     if listener is not None:
@@ -295,15 +297,25 @@ async def _healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-async def _readyz(request: web.Request) -> web.Response:
-    """Readiness: 200 when at least one replica is healthy, else 503; the body lists every replica.
-    Draining after SIGTERM (``server.drain_s``): 503 with ``"draining": true``."""
-    registry = request.app[REGISTRY]
-    proxy = request.app.get(PROXY)
-    draining = proxy is not None and proxy.draining
-    ready = bool(registry.healthy()) and not draining
-    body = {"ready": ready, "draining": draining, "replicas": registry.describe()}
-    return web.json_response(body, status=200 if ready else 503)
+def _readyz_view(gate: AdminGate) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """``GET /readyz`` on the listener whose admin paths ``gate`` guards."""
+
+    async def readyz(request: web.Request) -> web.Response:
+        """Readiness: 200 when at least one replica is healthy, else 503; draining after SIGTERM
+        (``server.drain_s``): 503. The body is ``{"ready", "draining"}``, plus every replica's state
+        (URL, in-flight requests, last error) only for a caller who may read the admin routes here
+        (the admin token when one is configured; nobody while a separate admin listener serves
+        them): the public probe tells load balancers what they need and nobody the fleet."""
+        registry = request.app[REGISTRY]
+        proxy = request.app.get(PROXY)
+        draining = proxy is not None and proxy.draining
+        ready = bool(registry.healthy()) and not draining
+        body: dict[str, object] = {"ready": ready, "draining": draining}
+        if gate.serve_admin and gate.guard.allowed(request.headers.get("Authorization")):
+            body["replicas"] = registry.describe()
+        return web.json_response(body, status=200 if ready else 503)
+
+    return readyz
 
 
 async def _end_requests_within_the_grace(app: web.Application) -> None:
@@ -453,7 +465,7 @@ def run_gateway(store: SettingsStore, *, reloader_factory: ReloaderFactory | Non
     app.on_startup.append(_quiet_gc)  # after every cleanup context above has started
     store.subscribe(_follow_logging)
     # Requests aiohttp cannot parse: OpenAI-style JSON, never aiohttp's body quoting their bytes.
-    install_parse_errors()
+    install_parse_errors(lambda: store.current.server.server_header)
     web.run_app(
         app,
         host=settings.server.host,

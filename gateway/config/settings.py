@@ -119,6 +119,17 @@ class ServerSettings(Section):
     uvloop: Annotated[
         bool, Field(description="Use uvloop's event loop when it is installed. Restart required.")
     ] = True
+    server_header: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=64,
+            pattern=r"^[!-~]+( [!-~]+)*$",
+            description="The value of the Server header on every response (public and admin listeners): "
+            "printable ASCII words, at most 64 characters. It replaces aiohttp's, which names the Python "
+            "and aiohttp versions.",
+        ),
+    ] = "sluice"
 
 
 class ReloadSettings(Section):

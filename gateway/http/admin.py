@@ -23,6 +23,7 @@ from aiohttp.typedefs import Handler, Middleware
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.http.errors import RouteNotFound, admin_token_required, error_middleware
+from gateway.http.server_header import server_header_hook
 from gateway.observability.logs import add_request_id_header, request_context_middleware
 from gateway.tenants.auth import bearer_token
 from gateway.tenants.keys import key_digest
@@ -148,6 +149,7 @@ class AdminListener:
                 admin_middleware(store, serve_admin=True),
             ]
         )
+        self.app.on_response_prepare.append(server_header_hook(store))
         self.app.on_response_prepare.append(add_request_id_header)
         self._guard = AdminGuard(store)
         self._runner: web.AppRunner | None = None

@@ -6,16 +6,17 @@ API key; it offers no public hook (aio-libs/aiohttp#3287). ``install()`` therefo
 one method, process-wide: aiohttp's own still runs first (it logs, redacted by
 ``RedactMalformedRequests``), then its answer is swapped for ``gateway.http.errors``' JSON body
 (``malformed_request``, a fixed message naming only the kind of error; 5xx: ``internal_error``),
-status kept, connection closed. ``run_gateway`` calls it; an integration test fails if aiohttp
-moves the method.
+status kept, ``Server`` the configured name, connection closed. ``run_gateway`` calls it; an
+integration test fails if aiohttp moves the method.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.http_exceptions import (
     BadHttpMethod,
     BadStatusLine,
@@ -39,6 +40,16 @@ HANDLE_ERROR_PARAMETERS = ("self", "request", "status", "exc", "message")
 
 #: aiohttp's own method, run first by ``_json_handle_error`` (logging, ``ConnectionError``).
 _AIOHTTP_HANDLE_ERROR = RequestHandler.handle_error
+#: The ``Server`` header when ``install`` was given none (``server.server_header``'s default).
+DEFAULT_SERVER_HEADER = "sluice"
+
+
+def _default_server_header() -> str:
+    return DEFAULT_SERVER_HEADER
+
+
+#: The ``Server`` header of these answers (``install``'s ``server_header``), read per answer.
+_server_header: Callable[[], str] = _default_server_header
 
 #: What the client is told when aiohttp's reason is not a known one: by error class, most
 #: specific first.
@@ -119,6 +130,7 @@ def _json_handle_error(
     ``ConnectionError`` when part of a response was already sent), with ``parse_error``'s body."""
     _AIOHTTP_HANDLE_ERROR(self, request, status, exc, message)
     response = error_response(parse_error(status, exc))
+    response.headers[hdrs.SERVER] = _server_header()
     response.force_close()
     return response
 
@@ -132,10 +144,15 @@ def hook_supported() -> bool:
     return callable(method) and tuple(inspect.signature(method).parameters) == HANDLE_ERROR_PARAMETERS
 
 
-def install() -> bool:
+def install(server_header: Callable[[], str] | None = None) -> bool:
     """Make every aiohttp server of this process answer what it cannot parse with ``parse_error``'s
-    JSON. Idempotent. Returns False, with a warning and aiohttp's answer left in place, when this
-    aiohttp's ``RequestHandler.handle_error`` is not the one this module knows."""
+    JSON, its ``Server`` header ``server_header()`` (read per answer; default
+    ``DEFAULT_SERVER_HEADER``). Idempotent (a later call replaces ``server_header``). Returns
+    False, with a warning and aiohttp's answer left in place, when this aiohttp's
+    ``RequestHandler.handle_error`` is not the one this module knows."""
+    global _server_header
+    if server_header is not None:
+        _server_header = server_header
     if RequestHandler.handle_error is _json_handle_error:
         return True
     if not hook_supported():

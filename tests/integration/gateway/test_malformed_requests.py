@@ -155,6 +155,7 @@ def assert_malformed_answer(answer: tuple[int, dict[str, str], bytes], reason: s
     status, headers, body = answer
     assert status == 400, body
     assert headers["content-type"] == "application/json"
+    assert headers["server"] == "sluice"  # never aiohttp's, which names its and Python's versions
     assert json.loads(body) == {
         "error": {
             "message": f"malformed HTTP request: {reason}",

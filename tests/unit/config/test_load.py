@@ -40,6 +40,10 @@ BAD_CASES: dict[str, list[str]] = {
     "wrong_type.yaml": ["server.port: Input should be a valid integer (got '8080')"],
     "bool_as_number.yaml": ["health.interval_s: Input should be a valid number (got True)"],
     "negative_timeout.yaml": ["server.upstream_connect_timeout_s: Input should be greater than 0 (got -5)"],
+    "server_header_with_version.yaml": [
+        "server.server_header: String should match pattern '^[!-~]+( [!-~]+)*$' "
+        "(got 'sluice/1.0\\r\\nX-Injected: 1')"
+    ],
     "bad_url.yaml": [f"replicas.0.url: String should match pattern {URL_PATTERN} (got 'localhost:8000')"],
     "unsupported_backend.yaml": [
         "replicas.0.backend: Input should be 'vllm', 'tgi', 'sglang' or 'auto' (got 'trtllm')"
