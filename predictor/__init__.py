@@ -5,21 +5,18 @@ aiohttp, redis or prometheus_client: the live gateway and the virtual-clock repl
 objects. It sees only what a real engine exposes plus facts an operator configures.
 """
 
-from predictor.calibrate import (
-    Calibration,
-    CalibrationConfig,
-    FitReport,
-    Observation,
-    ObservationSource,
-    Reject,
-    StepCalibrator,
-    WindowStats,
-    observation_from_window,
-)
+from predictor.calibrate import Calibration, CalibrationConfig, FitReport, StepCalibrator
 from predictor.forecast import Forecast, ForecastConfig, forecast_request, prefill_share
 from predictor.forecast_inputs import CandidateRequest, ForecastReason, ReplicaState, RunningSeq
 from predictor.hardware import GPUS, UNKNOWN_GPU, GpuSpec, gpu_names, lookup_gpu
 from predictor.model import MODELS, ModelArch, llama_style, lookup_model, model_names
+from predictor.observations import (
+    Observation,
+    ObservationSource,
+    Reject,
+    WindowStats,
+    observation_from_window,
+)
 from predictor.output_length import (
     OutputLengthConfig,
     OutputLengthEstimate,

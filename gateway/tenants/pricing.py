@@ -89,7 +89,7 @@ def step_model_prices(
       replica that has seen few prompts) must not make prompts free and price an output token
       at hundreds of thousands of prompt tokens. The chunk's attention: ``prompt_tokens / 2``
       pairs per token when the replica's mean prompt (``prompt_tokens``) is known, the pairs per
-      prompt token the fit itself saw (``predictor.calibrate.observation_from_window``); a
+      prompt token the fit itself saw (``predictor.observations.observation_from_window``); a
       fresh prompt filling the chunk (``chunk / 2`` per token) otherwise. The fit cannot tell
       the linear slope from attention when the prompts' lengths do not vary, and only prices at
       the features it was fitted at are what its step times bear out: extrapolating its

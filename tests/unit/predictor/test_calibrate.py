@@ -7,18 +7,17 @@ import math
 import numpy as np
 import pytest
 
-from predictor.calibrate import (
-    CalibrationConfig,
+from predictor.calibrate import CalibrationConfig, StepCalibrator
+from predictor.hardware import GPUS, UNKNOWN_GPU
+from predictor.model import MODELS
+from predictor.observations import (
     Observation,
     ObservationSource,
     Reject,
-    StepCalibrator,
     WindowStats,
     mean_excess_tokens,
     observation_from_window,
 )
-from predictor.hardware import GPUS, UNKNOWN_GPU
-from predictor.model import MODELS
 from predictor.step_model import (
     Efficiency,
     ModelSource,

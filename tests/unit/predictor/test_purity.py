@@ -36,7 +36,8 @@ SOURCES = sorted(PACKAGE.glob("*.py"))
 def test_importing_the_predictor_loads_no_service_library() -> None:
     code = (
         "import json, sys\n"
-        "import predictor, predictor.calibrate, predictor.forecast, predictor.hardware, predictor.model\n"
+        "import predictor, predictor.calibrate, predictor.observations, predictor.robust_fit\n"
+        "import predictor.forecast, predictor.hardware, predictor.model\n"
         "import predictor.output_length, predictor.overhead, predictor.prompt_tokens, predictor.step_model\n"
         "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n"
     )
