@@ -1,18 +1,21 @@
 """Predict a request's output length from the recent output lengths of its model and tenant.
 
-A prediction is a chosen quantile of the most specific population with enough samples
-(tenant -> model -> prior), never above ``max_tokens``. A high quantile (0.9) is the cautious
-choice for SLO checks; the median suits throughput estimates.
+A prediction is a chosen quantile of the tenant's own recent lengths once it has enough samples,
+else of the model's fleet prior, never above ``max_tokens``. The fleet prior is the median
+population (each tenant one vote, the lognormal prior one more), so no single tenant's traffic
+decides what another is predicted. A high quantile (0.9) is the cautious choice for SLO checks;
+the median suits throughput estimates.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from statistics import NormalDist
-from typing import Final, TypeVar
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -20,11 +23,11 @@ import numpy.typing as npt
 __all__ = ["OutputLengthConfig", "OutputLengthEstimate", "OutputLengthPredictor", "Population"]
 
 _STANDARD_NORMAL: Final = NormalDist()
-_K = TypeVar("_K")
 
 
 class Population(StrEnum):
-    """Which data a prediction came from."""
+    """Which data a prediction came from: the tenant's own recent lengths, the model's (its fleet
+    prior, or the own lengths of requests of no tenant), or the lognormal prior alone."""
 
     TENANT = "tenant"
     MODEL = "model"
@@ -33,11 +36,13 @@ class Population(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class OutputLengthConfig:
-    """``window``: recent samples kept per population. ``min_tenant_samples`` /
-    ``min_model_samples``: samples before that population is trusted. ``prior_median_tokens`` and
-    ``prior_sigma``: the lognormal assumed with no data (chat outputs are roughly lognormal).
-    ``resort_every``: observations between refreshes of the sorted copy. ``max_populations``: bound
-    on tracked (model, tenant) pairs; the oldest-created is dropped beyond it."""
+    """``window``: recent samples kept per population. ``min_tenant_samples``: samples before a
+    tenant's own population is trusted. ``min_model_samples``: samples before a population votes in
+    its model's fleet prior (and before requests of no tenant are predicted from their own).
+    ``prior_median_tokens`` and ``prior_sigma``: the lognormal assumed with no data (chat outputs
+    are roughly lognormal; one vote in every fleet prior). ``resort_every``: observations between
+    refreshes of the sorted copy. ``max_populations``: bound on tracked (model, tenant) pairs; the
+    least recently taught is dropped beyond it."""
 
     window: int = 2048
     min_tenant_samples: int = 50
@@ -126,66 +131,80 @@ class _Ring:
 
 
 class OutputLengthPredictor:
-    """Per model and per (model, tenant) recent output lengths. Not thread-safe."""
+    """Recent output lengths per (model, tenant), and per model a fleet prior robust to any one
+    tenant: the median of its populations (each one vote, with the lognormal prior as one more).
+    ``tenant`` ``None`` is the population of requests of no tenant. Not thread-safe."""
 
     def __init__(self, config: OutputLengthConfig | None = None) -> None:
         self._config = config or OutputLengthConfig()
-        self._models: dict[str, _Ring] = {}
-        self._tenants: dict[tuple[str, str], _Ring] = {}
+        #: Every population, least recently taught first (the eviction order).
+        self._rings: OrderedDict[tuple[str, str | None], _Ring] = OrderedDict()
+        #: The same populations by model, for the fleet priors.
+        self._by_model: dict[str, dict[str | None, _Ring]] = {}
+        #: Per model, its fleet prior's middle voters (``None``: the lognormal prior) and the
+        #: samples behind them; dropped whenever ``observe`` says an answer may change.
+        self._fleet: dict[str, tuple[tuple[_Ring | None, ...], int]] = {}
 
     def observe(self, model: str, tenant: str | None, output_tokens: int) -> bool:
         """Record a finished request's output length in tokens (from its ``usage``; >= 0).
 
         Returns whether any answer (``predict``, ``expected_remaining``) may differ from now on;
-        False while both populations' sorted copies stay as they are (``resort_every``), so a
-        caller may keep what it remembered of the answers (``PredictionService``'s memos). A
-        population that was never queried has no sorted copy yet, so every sample it takes says
-        True: a new one (and an old one dropped for it), one still short of the samples it needs
-        to be trusted, one reaching them.
+        False while every population's sorted copy stays as it is (``resort_every``) and none
+        crossed a sample threshold, so a caller may keep what it remembered of the answers
+        (``PredictionService``'s memos). A population that was never queried has no sorted copy
+        yet, so every sample it takes says True, and so does dropping one for a new one.
         """
         if output_tokens < 0:
             raise ValueError(f"output_tokens must be >= 0, got {output_tokens}")
-        every = self._config.resort_every
-        changed = self._ring(self._models, model).add(float(output_tokens), every)
-        if tenant is not None and self._ring(self._tenants, (model, tenant)).add(float(output_tokens), every):
+        cfg = self._config
+        key = (model, tenant)
+        ring = self._rings.get(key)
+        changed = False
+        if ring is None:
+            if len(self._rings) >= cfg.max_populations:
+                self._drop(*next(iter(self._rings)))
+                changed = True
+            ring = self._rings[key] = _Ring(cfg.window)
+            self._by_model.setdefault(model, {})[tenant] = ring
+        else:
+            self._rings.move_to_end(key)
+        before = ring.count
+        if ring.add(float(output_tokens), cfg.resort_every):
             changed = True
+        if any(before < n <= ring.count for n in (cfg.min_tenant_samples, cfg.min_model_samples)):
+            changed = True
+        if changed:
+            self._fleet.pop(model, None)
         return changed
 
     def samples(self, model: str, tenant: str | None = None) -> int:
-        """Samples held for the model, or for the tenant on that model."""
-        ring = self._models.get(model) if tenant is None else self._tenants.get((model, tenant))
+        """Samples held for ``tenant`` on ``model`` (``None``: requests of no tenant)."""
+        ring = self._by_model.get(model, {}).get(tenant)
         return ring.count if ring else 0
+
+    def populations(self) -> int:
+        """How many (model, tenant) populations it holds (<= ``max_populations``)."""
+        return len(self._rings)
 
     def predict(
         self, model: str, tenant: str | None, max_tokens: int, quantile: float = 0.5
     ) -> OutputLengthEstimate:
         """The ``quantile`` (0-1) of output length for a request capped at ``max_tokens`` (>= 1).
 
-        Uses the tenant's own data when it has ``min_tenant_samples``, else the model's when it has
-        ``min_model_samples``, else the lognormal prior.
+        Uses the tenant's own data when it has ``min_tenant_samples`` (requests of no tenant:
+        theirs when they have ``min_model_samples``), else the model's fleet prior: the mean of
+        the quantile over its middle voter(s), each population with ``min_model_samples`` and the
+        lognormal prior voting by their median (``Population.PRIOR`` when the prior alone is in
+        the middle).
         """
         if not 0.0 <= quantile <= 1.0:
             raise ValueError(f"quantile must be in [0, 1], got {quantile}")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        cfg = self._config
-        tenant_ring = self._tenants.get((model, tenant)) if tenant is not None else None
-        model_ring = self._models.get(model)
-        if tenant_ring is not None and tenant_ring.count >= cfg.min_tenant_samples:
-            value, population, n = (
-                tenant_ring.quantile(quantile, cfg.resort_every),
-                Population.TENANT,
-                tenant_ring.count,
-            )
-        elif model_ring is not None and model_ring.count >= cfg.min_model_samples:
-            value, population, n = (
-                model_ring.quantile(quantile, cfg.resort_every),
-                Population.MODEL,
-                model_ring.count,
-            )
-        else:
-            value, population, n = self._prior(quantile), Population.PRIOR, 0
-        tokens = max(1, math.ceil(value))
+        every = self._config.resort_every
+        rings, population, n = self._population(model, tenant)
+        value = sum(self._prior(quantile) if r is None else r.quantile(quantile, every) for r in rings)
+        tokens = max(1, math.ceil(value / len(rings)))
         return OutputLengthEstimate(min(tokens, max_tokens), quantile, population, n, tokens > max_tokens)
 
     def expected_remaining(
@@ -195,16 +214,19 @@ class OutputLengthPredictor:
 
         The mean of the population's lengths above ``generated`` (the lengths it can still end
         with), minus ``generated``, capped at ``max_tokens - generated``; the same population choice
-        as ``predict``. Without data, or when ``generated`` exceeds every kept length, the lognormal
-        prior's conditional mean. Always >= 1 (a request still running emits at least one more).
+        as ``predict`` (the mean over the fleet prior's middle voters). Without data, or when
+        ``generated`` exceeds every kept length, the lognormal prior's conditional mean. Always
+        >= 1 (a request still running emits at least one more).
         """
         if generated < 0:
             raise ValueError(f"generated must be >= 0, got {generated}")
-        ring = self._population(model, tenant)
-        mean = ring.mean_above(float(generated), self._config.resort_every) if ring is not None else None
-        if mean is None:
-            mean = self._prior_mean_above(float(generated))
-        rest = mean - generated
+        rings, _, _ = self._population(model, tenant)
+        every = self._config.resort_every
+        total = 0.0
+        for ring in rings:
+            mean = ring.mean_above(float(generated), every) if ring is not None else None
+            total += self._prior_mean_above(float(generated)) if mean is None else mean
+        rest = total / len(rings) - generated
         if max_tokens is not None:
             rest = min(rest, float(max_tokens - generated))
         return max(1.0, rest)
@@ -214,32 +236,66 @@ class OutputLengthPredictor:
     ) -> list[float]:
         """``expected_remaining`` for many requests of one population at once (same results).
 
-        One sorted-array search for all of them: a replica's in-flight list is hundreds long.
+        One sorted-array search per voter for all of them: a replica's in-flight list is
+        hundreds long.
         """
         if len(generated) != len(max_tokens):
             raise ValueError("generated and max_tokens must have the same length")
         if any(g < 0 for g in generated):
             raise ValueError("generated must be >= 0")
-        ring = self._population(model, tenant)
+        rings, _, _ = self._population(model, tenant)
         done = np.asarray(generated, dtype=np.float64)
-        if ring is None:
-            means = np.array([self._prior_mean_above(float(g)) for g in generated])
-        else:
-            means = ring.means_above(done, self._config.resort_every)
-            for i in np.flatnonzero(np.isnan(means)):
-                means[i] = self._prior_mean_above(float(done[i]))
+        total = np.zeros(len(done))
+        for ring in rings:
+            if ring is None:
+                means = np.array([self._prior_mean_above(float(g)) for g in generated])
+            else:
+                means = ring.means_above(done, self._config.resort_every)
+                for i in np.flatnonzero(np.isnan(means)):
+                    means[i] = self._prior_mean_above(float(done[i]))
+            total = total + means
         caps = np.array([np.inf if m is None else float(m) for m in max_tokens])
-        rest = np.minimum(means - done, caps - done)
+        rest = np.minimum(total / len(rings) - done, caps - done)
         return [float(x) for x in np.maximum(rest, 1.0)]
 
-    def _population(self, model: str, tenant: str | None) -> _Ring | None:
-        """The ring ``predict`` would use (tenant, else model), ``None`` when neither has enough."""
+    def _population(self, model: str, tenant: str | None) -> tuple[tuple[_Ring | None, ...], Population, int]:
+        """The ring(s) ``predict`` averages (``None``: the prior), where they come from and the
+        samples behind them: the tenant's own when it has enough, else the fleet prior's middle."""
         cfg = self._config
-        ring = self._tenants.get((model, tenant)) if tenant is not None else None
-        if ring is not None and ring.count >= cfg.min_tenant_samples:
-            return ring
-        ring = self._models.get(model)
-        return ring if ring is not None and ring.count >= cfg.min_model_samples else None
+        own = self._by_model.get(model, {}).get(tenant)
+        if own is not None and own.count >= (
+            cfg.min_model_samples if tenant is None else cfg.min_tenant_samples
+        ):
+            return (own,), (Population.MODEL if tenant is None else Population.TENANT), own.count
+        fleet = self._fleet.get(model)
+        if fleet is None:
+            fleet = self._fleet_now(model)
+            if model in self._by_model:
+                self._fleet[model] = fleet
+        rings, n = fleet
+        return rings, (Population.PRIOR if n == 0 else Population.MODEL), n
+
+    def _fleet_now(self, model: str) -> tuple[tuple[_Ring | None, ...], int]:
+        """The middle voter(s) of ``model``'s populations with ``min_model_samples`` and the
+        prior, ranked by median (two when they are even in number), and their samples."""
+        cfg = self._config
+        voters: list[tuple[float, int, _Ring | None]] = [(self._prior(0.5), 0, None)]
+        for i, ring in enumerate(self._by_model.get(model, {}).values(), start=1):
+            if ring.count >= cfg.min_model_samples:
+                voters.append((ring.quantile(0.5, cfg.resort_every), i, ring))
+        voters.sort(key=lambda v: (v[0], v[1]))
+        half = len(voters) // 2
+        middle = voters[half : half + 1] if len(voters) % 2 else voters[half - 1 : half + 1]
+        rings = tuple(v[2] for v in middle)
+        return rings, sum(r.count for r in rings if r is not None)
+
+    def _drop(self, model: str, tenant: str | None) -> None:
+        del self._rings[(model, tenant)]
+        rings = self._by_model[model]
+        del rings[tenant]
+        if not rings:
+            del self._by_model[model]
+        self._fleet.pop(model, None)
 
     def _prior_mean_above(self, value: float) -> float:
         """E[L | L > value] for the lognormal prior (closed form)."""
@@ -256,11 +312,3 @@ class OutputLengthPredictor:
         q = min(max(quantile, 1e-6), 1.0 - 1e-6)
         z = _STANDARD_NORMAL.inv_cdf(q)
         return self._config.prior_median_tokens * math.exp(self._config.prior_sigma * z)
-
-    def _ring(self, rings: dict[_K, _Ring], key: _K) -> _Ring:
-        ring = rings.get(key)
-        if ring is None:
-            if len(rings) >= self._config.max_populations:
-                del rings[next(iter(rings))]
-            ring = rings[key] = _Ring(self._config.window)
-        return ring

@@ -298,11 +298,11 @@ class SluicePolicy(_Base):
 
     def _sized(self, request: GatewayRequest) -> int:
         """``request``'s prompt tokens as the gateway judges them: exact when sent as token ids,
-        else estimated from its characters at the service's learned ratio (as
-        ``gateway.admission.sizing.prompt_tokens_of`` does live)."""
+        else estimated from its characters at the service's learned ratio for its tenant (as
+        ``gateway.admission.sizing.prompt_size_of`` does live)."""
         if request.prompt_chars is None:
             return request.prompt_tokens
-        return max(self.service.estimate_prompt_tokens(self._model, request.prompt_chars), 1)
+        return max(self.service.estimate_prompt_tokens(self._model, request.prompt_chars, request.tenant), 1)
 
     def _submit(self, request: GatewayRequest, now: float) -> None:
         """Decide ``request`` (arrived at ``request.arrival_s``) now, as ``LiveAdmission.admit``."""

@@ -13,7 +13,9 @@ A facade: each replica's state is a ``record.ReplicaRecord``, learned from scrap
 ``scrape_learning`` and from finished requests in ``finish_learning``, turned into forecast inputs
 in ``forecasting`` and rendered for the admin view in ``admin_view``; the knobs are
 ``service_config.PredictionConfig``. What is not per replica (output lengths, characters per
-token, the corrections, the memos of per-request estimates) is kept here.
+token, the corrections, the memos of per-request estimates) is kept here; output lengths and
+characters per token are learned per (model, tenant), each with a fleet prior no one tenant
+decides (``predictor.output_length``, ``predictor.prompt_tokens``).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class PredictionService:
         #: (``OutputLengthPredictor.observe`` says when: about one finish in ``resort_every``;
         #: every request asks, most ask alike; a lookup costs a tenth of the estimate).
         self._outputs_memo: dict[tuple[str, str | None, int], tuple[float, float]] = {}
-        self._prompts_memo: dict[tuple[str, int], int] = {}
+        self._prompts_memo: dict[tuple[str, str | None, int], int] = {}
         #: ``replica_inputs``' expected remaining output per (model, tenant), by (tokens generated,
         #: output cap): the same numbers as ``expected_remaining`` until ``on_finished`` teaches
         #: something that changes them (a view rebuild asks for every stream in flight, most of
@@ -166,7 +168,7 @@ class PredictionService:
             self._outputs_memo.clear()
             self._remaining_memo.clear()
         if prompt_chars is not None and prompt_tokens is not None:
-            self._prompts.observe(model, prompt_chars, prompt_tokens)
+            self._prompts.observe(model, prompt_chars, prompt_tokens, tenant)
             self._prompts_memo.clear()
 
     def correction(self, replica: str, now: float) -> Correction:
@@ -192,16 +194,23 @@ class PredictionService:
         diagnostic (``describe``): forecasts do not add it (``finish_learning.api_residual_s``)."""
         return api_residual_s(self._replicas.get(replica), api, self._config)
 
-    def estimate_prompt_tokens(self, model: str, prompt_chars: int) -> int:
-        """Prompt tokens for ``prompt_chars`` characters at ``model``'s learned ratio (>= 1)."""
-        key = (model, prompt_chars)
+    def estimate_prompt_tokens(self, model: str, prompt_chars: int, tenant: str | None = None) -> int:
+        """Prompt tokens for ``tenant``'s prompt of ``prompt_chars`` characters on ``model`` (>= 1):
+        at the tenant's learned ratio, blended with the model's fleet prior until trusted
+        (``predictor.prompt_tokens``; ``None``: requests of no tenant)."""
+        key = (model, tenant, prompt_chars)
         tokens = self._prompts_memo.get(key)
         if tokens is None:
-            tokens = self._prompts.estimate(model, max(0, prompt_chars)).tokens
+            tokens = self._prompts.estimate(model, max(0, prompt_chars), tenant).tokens
             if len(self._prompts_memo) >= MEMO_SIZE:
                 self._prompts_memo.clear()
             self._prompts_memo[key] = tokens
         return tokens
+
+    def fewest_prompt_tokens(self, prompt_chars: int) -> int:
+        """The lowest plausible token count of a prompt of ``prompt_chars`` characters (>= 1): all
+        that refusing it as too long may rest on without a tokenizer."""
+        return self._prompts.fewest_tokens(prompt_chars)
 
     @property
     def output_quantile(self) -> float:

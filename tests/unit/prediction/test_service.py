@@ -156,11 +156,40 @@ def test_on_finished_learns_output_lengths_and_characters_per_token() -> None:
     assert forecast(svc, []).output_tokens_used != 12.0
     for _ in range(40):
         svc.on_finished(
-            replica="r0", model=MODEL, tenant="t", prompt_chars=3000, prompt_tokens=1000, completion_tokens=12
+            replica="r0",
+            model=MODEL,
+            tenant=None,
+            prompt_chars=3000,
+            prompt_tokens=1000,
+            completion_tokens=12,
         )
     assert forecast(svc, []).output_tokens_used == 12.0
     assert svc.estimate_prompt_tokens(MODEL, 3000) == pytest.approx(1000, rel=0.05)
     assert svc.estimate_prompt_tokens("another-model", 4000) == 1000  # the 4 chars/token prior
+
+
+def test_what_one_tenant_teaches_is_its_own() -> None:
+    """A tenant's output lengths and characters per token size its own requests; another
+    tenant's are sized by the model's fleet prior, where the first is one vote of several."""
+    svc = service_with(H100)
+    for _ in range(60):
+        svc.on_finished(
+            replica="r0", model=MODEL, tenant="a", prompt_chars=2, prompt_tokens=9, completion_tokens=4000
+        )
+        svc.on_finished(
+            replica="r0",
+            model=MODEL,
+            tenant="b",
+            prompt_chars=6000,
+            prompt_tokens=1000,
+            completion_tokens=100,
+        )
+    assert svc.expected_output(MODEL, "a", None)[0] == 4000
+    assert svc.expected_output(MODEL, "b", None)[0] == 100
+    assert svc.expected_output(MODEL, "newcomer", None)[0] == 256  # a 4000, b 100, the prior 256
+    assert svc.estimate_prompt_tokens(MODEL, 6000, "b") == pytest.approx(1000, abs=1)
+    assert svc.estimate_prompt_tokens(MODEL, 12_000, "newcomer") == pytest.approx(2400, abs=1)  # 4 and 6: 5
+    assert svc.fewest_prompt_tokens(12_000) == 750
 
 
 @pytest.mark.parametrize(

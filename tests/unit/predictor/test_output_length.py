@@ -1,4 +1,5 @@
-"""Output-length prediction: quantiles of recent lengths per tenant, per model, or a prior."""
+"""Output-length prediction: quantiles of recent lengths per tenant, else of the model's fleet prior
+(the median population, robust to any one tenant), or the lognormal prior."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def predictor_with(
 ) -> OutputLengthPredictor:
     p = OutputLengthPredictor(CFG)
     for n in model_lengths:
-        p.observe("m", "other", n)
+        p.observe("m", None, n)
     for n in tenant_lengths or []:
         p.observe("m", "acme", n)
     return p
@@ -42,20 +43,61 @@ def test_model_quantiles(quantile: float, max_tokens: int, tokens: int, capped: 
     assert est.quantile == quantile
 
 
+PRIOR_MEDIAN = math.ceil(CFG.prior_median_tokens)
+
+
 @pytest.mark.parametrize(
     ("tenant_samples", "population", "median"),
-    [(0, Population.MODEL, 1000), (49, Population.MODEL, 1000), (50, Population.TENANT, 10)],
-    ids=["no-tenant-data", "tenant-below-threshold", "tenant-at-threshold"],
+    [
+        (0, Population.MODEL, (PRIOR_MEDIAN + 1000) // 2),  # voters: the prior and "other"
+        (19, Population.MODEL, (PRIOR_MEDIAN + 1000) // 2),  # acme too few to vote yet
+        (20, Population.PRIOR, PRIOR_MEDIAN),  # acme votes: 10 < prior < 1000
+        (50, Population.TENANT, 10),
+    ],
+    ids=["no-tenant-data", "too-few-to-vote", "votes-not-trusted", "tenant-at-threshold"],
 )
 def test_tenant_population_needs_enough_samples(
     tenant_samples: int, population: Population, median: int
 ) -> None:
-    # Everyone else writes essays (1000 tokens); acme writes one-liners (10 tokens).
-    p = predictor_with([1000] * 500, [10] * tenant_samples)
+    # Another tenant writes essays (1000 tokens); acme writes one-liners (10 tokens).
+    p = OutputLengthPredictor(CFG)
+    for _ in range(500):
+        p.observe("m", "other", 1000)
+    for _ in range(tenant_samples):
+        p.observe("m", "acme", 10)
     est = p.predict("m", "acme", 4096, 0.5)
-    assert est.population == population
-    # acme's own short outputs are also in the model population, so its median stays 1000 until trusted.
-    assert est.tokens == median
+    assert (est.population, est.tokens) == (population, median)
+
+
+@pytest.mark.parametrize("flood", [1, 8000], ids=["one-token-answers", "longest-answers"])
+def test_one_tenant_cannot_set_another_tenants_prediction(flood: int) -> None:
+    """A tenant flooding the model with outputs of one length moves a newcomer's prediction (and
+    its expected remainder) only as one vote among the model's populations."""
+    p = OutputLengthPredictor(CFG)
+    for tenant, length in (("a", 180), ("b", 200), ("c", 220)):
+        for _ in range(CFG.min_model_samples):
+            p.observe("m", tenant, length)
+    # Voters by median: a 180, b 200, c 220 and the prior 256: the mean of the middle two.
+    honest = p.predict("m", "newcomer", 4096, 0.5).tokens
+    assert honest == 210
+    honest_rest = p.expected_remaining("m", "newcomer", 0)
+    for _ in range(5000):
+        p.observe("m", "attacker", flood)
+    # With the attacker's vote at either end, b or c alone is the middle.
+    after = p.predict("m", "newcomer", 4096, 0.5)
+    assert after.population == Population.MODEL
+    assert after.tokens in (200, 220)
+    assert p.expected_remaining("m", "newcomer", 0) == pytest.approx(honest_rest, rel=0.2)
+    # The attacker's own predictions are its own.
+    assert p.predict("m", "attacker", 10_000, 0.5).tokens == flood
+
+
+def test_a_lone_tenant_moves_a_newcomer_at_most_halfway_from_the_prior() -> None:
+    p = OutputLengthPredictor(CFG)
+    for _ in range(2000):
+        p.observe("m", "attacker", 8000)
+    est = p.predict("m", "newcomer", 100_000, 0.5)
+    assert est.tokens == (PRIOR_MEDIAN + 8000) // 2
 
 
 @pytest.mark.parametrize(
@@ -107,6 +149,18 @@ def test_population_count_is_bounded() -> None:
     for i in range(10):
         p.observe(f"m{i}", None, 5)
     assert sum(p.samples(f"m{i}") > 0 for i in range(10)) == 3
+
+
+def test_many_tenants_keep_the_least_recently_taught_out() -> None:
+    p = OutputLengthPredictor(OutputLengthConfig(max_populations=100, min_model_samples=1))
+    p.observe("m", "regular", 7)
+    for i in range(10_000):
+        p.observe("m", f"tenant-{i}", 5)
+        if i % 50 == 0:
+            p.observe("m", "regular", 7)  # still taught: kept
+    assert p.populations() == 100
+    assert p.samples("m", "regular") > 0
+    assert p.samples("m", "tenant-0") == 0
 
 
 @pytest.mark.parametrize(

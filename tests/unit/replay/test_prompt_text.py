@@ -3,7 +3,7 @@
 ``FleetConfig.text`` gives each request a character count (its true tokens times a ratio drawn
 for it); ``SluicePolicy`` judges the request at the prediction service's estimate for those
 characters and teaches the service the true count when the request ends, the live path
-(``gateway.admission.sizing.prompt_tokens_of``, ``AdmissionEngine.finish``).
+(``gateway.admission.sizing.prompt_size_of``, ``AdmissionEngine.finish``).
 """
 
 from __future__ import annotations
@@ -76,5 +76,10 @@ def test_sluice_judges_text_prompts_at_its_learned_ratio() -> None:
     assert abs(statistics.median(errors)) < 0.05, statistics.median(errors)
     assert sum(abs(e) < 0.5 for e in errors) >= 0.9 * len(errors)
     assert any(abs(e) > 0.05 for e in errors)  # sized from text, not read off the trace
-    # The learned ratio is an exponentially weighted one (the last ~10 prompts'): near 3.
+    # Each tenant learned its own ratio, near 3; the fleet prior a request of no tenant (or a new
+    # tenant) is sized at is their median with the 4 characters a token prior: near 3 too.
+    for tenant in {r.tenant for r in requests.values()}:
+        assert policy.service.estimate_prompt_tokens(policy.route, 3000, tenant) == pytest.approx(
+            1000, rel=0.15
+        )
     assert policy.service.estimate_prompt_tokens(policy.route, 3000) == pytest.approx(1000, rel=0.15)
