@@ -38,7 +38,7 @@ RESTART_ONLY: tuple[str, ...] = (
     "limits.on_storage_error",
     "limits.expected_gateways",
     "limits.retry_backoff_s",
-    "limits.retry_backoff_max_s",
+    "limits.probe_interval_s",
     "limits.lease_ttl_s",
     "limits.over_limit_cache",
 )

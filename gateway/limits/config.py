@@ -149,11 +149,19 @@ class LimitsSettings(Section):
         int, Field(ge=1, description="Gateway replicas sharing the budgets; each falls back to 1/N of them.")
     ] = 1
     retry_backoff_s: Annotated[
-        PositiveSeconds, Field(description="Wait before asking Redis again after it failed, in seconds.")
+        PositiveSeconds,
+        Field(description="Retry-After of a fail_closed 503 while Redis is down, in seconds."),
     ] = 1.0
-    retry_backoff_max_s: Annotated[
-        PositiveSeconds, Field(description="Longest wait between two probes of a failed Redis, in seconds.")
-    ] = 30.0
+    probe_interval_s: Annotated[
+        PositiveSeconds,
+        Field(
+            ge=0.01,
+            le=5,
+            description="While Redis is down, a background PING asks it every this many seconds, "
+            "whatever the traffic; the first answered marks it up, so service returns within about "
+            "one interval of Redis answering. Requests meanwhile never wait on Redis.",
+        ),
+    ] = 0.25
     lease_ttl_s: Annotated[
         PositiveSeconds,
         Field(
@@ -179,14 +187,6 @@ class LimitsSettings(Section):
         violations: list[Violation] = []
         if self.backend == "redis" and self.redis is None:
             violations.append(Violation(("redis",), "required when backend is 'redis'", None))
-        if self.retry_backoff_max_s < self.retry_backoff_s:
-            violations.append(
-                Violation(
-                    ("retry_backoff_max_s",),
-                    f"must not be below retry_backoff_s ({self.retry_backoff_s!r})",
-                    self.retry_backoff_max_s,
-                )
-            )
         if violations:
             raise SettingsViolations(violations)
         return self

@@ -19,8 +19,9 @@ def build_limiter(
     """The limiter for ``settings``; every layer counts into ``stats``.
 
     ``memory``: a ``MemoryLimiter``. ``redis``: ``FailoverLimiter(OverLimitCache(RedisLimiter),
-    MemoryLimiter at fallback_share)`` (the cache only when ``over_limit_cache``). Creating it
-    opens no connection; call ``await limiter.close()`` at shutdown.
+    MemoryLimiter at fallback_share)`` (the cache only when ``over_limit_cache``), probing a failed
+    Redis with PING every ``probe_interval_s``. Creating it opens no connection; call
+    ``await limiter.close()`` at shutdown.
     """
     if settings.backend == "memory" or settings.redis is None:
         return MemoryLimiter(lease_ttl_s=settings.lease_ttl_s, clock=clock, stats=stats)
@@ -31,7 +32,7 @@ def build_limiter(
         timeout_s=redis_settings.timeout_s,
         max_connections=redis_settings.max_connections,
     )
-    primary: Limiter = RedisLimiter(
+    redis_limiter = RedisLimiter(
         client,
         timeout_s=redis_settings.timeout_s,
         lease_ttl_s=settings.lease_ttl_s,
@@ -39,6 +40,7 @@ def build_limiter(
         max_concurrent_calls=redis_settings.max_connections,
         stats=stats,
     )
+    primary: Limiter = redis_limiter
     if settings.over_limit_cache:
         primary = OverLimitCache(primary, clock=clock, stats=stats)
     fallback = MemoryLimiter(
@@ -52,8 +54,8 @@ def build_limiter(
         primary,
         fallback,
         mode=settings.on_storage_error,
-        backoff_s=settings.retry_backoff_s,
-        backoff_max_s=settings.retry_backoff_max_s,
+        probe=redis_limiter.ping,
+        probe_interval_s=settings.probe_interval_s,
         clock=clock,
         stats=stats,
     )

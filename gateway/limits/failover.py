@@ -1,34 +1,46 @@
 """Failure policy for a storage-backed limiter: fail open to local buckets, or fail closed.
 
 Every call goes to ``primary`` while it answers. The first ``LimiterUnavailable`` marks storage
-down; until a probe (one reserve at a time, after a doubling backoff) succeeds, reserves are
-answered by ``fallback`` (``fail_open``) or refused with ``LimiterUnavailable`` (``fail_closed``:
-503), without touching storage. A reservation is settled where it was made
-(``Reservation.origin``); a failed settle is counted, never raised. Every failure, transition and
-decision is counted in ``LimiterStats``. Behaviour for operators: docs/tenants.md.
+down; from then on reserves never touch storage (no request waits on a dead connection): they
+are answered by ``fallback`` (``fail_open``) or refused at once with ``LimiterUnavailable``
+(``fail_closed``: 503). Meanwhile one background task probes storage every ``probe_interval_s``
+with a cheap call (``probe``: a Redis PING), whatever the request traffic; the first probe
+answered marks storage up, so service returns within one interval (plus the probe's own round
+trip) of storage answering again. A reservation is settled where it was made
+(``Reservation.origin``); a failed settle is counted, never raised. Every failure, transition
+and decision is counted in ``LimiterStats``. Behaviour for operators: docs/tenants.md.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Awaitable, Callable
+from typing import Final, Literal
 
 from gateway.limits.base import Limiter, LimiterStats, LimiterUnavailable, Reservation, TenantLimits
+from gateway.observability.repeats import repeat_key
 
 FailureMode = Literal["fail_open", "fail_closed"]
+
+#: Seconds between two probes of a storage marked down.
+DEFAULT_PROBE_INTERVAL_S: Final = 0.25
+#: The tenant whose (empty) lease set ``in_flight`` reads when no ``probe`` is given.
+PROBE_TENANT: Final = "sluice-probe"
 
 log = logging.getLogger("sluice.limits")
 
 
-def next_backoff(current_s: float, maximum_s: float) -> float:
-    """The wait before the next probe after one more failed probe: doubled, at most ``maximum_s``."""
-    return min(current_s * 2.0, maximum_s)
-
-
 class FailoverLimiter:
-    """A ``Limiter`` applying the storage failure policy; see the module docstring."""
+    """A ``Limiter`` applying the storage failure policy; see the module docstring.
+
+    ``probe()``: one cheap storage round trip, raising ``LimiterUnavailable`` while storage is
+    down (default: ``primary.in_flight(PROBE_TENANT)``). ``probe_interval_s`` > 0: seconds
+    between the end of one probe and the start of the next. ``clock`` (monotonic seconds) and
+    ``sleep`` drive the probes; tests inject virtual ones.
+    """
 
     def __init__(
         self,
@@ -36,28 +48,30 @@ class FailoverLimiter:
         fallback: Limiter,
         *,
         mode: FailureMode = "fail_open",
-        backoff_s: float = 1.0,
-        backoff_max_s: float = 30.0,
+        probe: Callable[[], Awaitable[object]] | None = None,
+        probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
         stats: LimiterStats | None = None,
         name: str = "failover",
     ) -> None:
         if primary.name == fallback.name:
             raise ValueError(f"primary and fallback need different names, both are {primary.name!r}")
-        if not 0 < backoff_s <= backoff_max_s:
-            raise ValueError(f"need 0 < backoff_s <= backoff_max_s, got {backoff_s!r}, {backoff_max_s!r}")
+        if not probe_interval_s > 0:
+            raise ValueError(f"probe_interval_s must be > 0, got {probe_interval_s!r}")
         self.name = name
         self.primary = primary
         self.fallback = fallback
         self.mode: FailureMode = mode
-        self.backoff_s = backoff_s
-        self.backoff_max_s = backoff_max_s
+        self.probe_interval_s = probe_interval_s
         self.stats = stats if stats is not None else LimiterStats()
+        self._probe = probe if probe is not None else self._in_flight_probe
         self._clock = clock
+        self._sleep = sleep
         self._down_since: float | None = None
-        self._next_probe_at = 0.0
-        self._current_backoff_s = backoff_s
-        self._probing = False
+        self._prober: asyncio.Task[None] | None = None
+        #: Probes sent since the limiter was made (for tests and curiosity).
+        self.probes_total = 0
 
     @property
     def degraded(self) -> bool:
@@ -67,24 +81,15 @@ class FailoverLimiter:
     async def reserve(
         self, tenant: str, *, cost_tokens: float, limits: TenantLimits, request_id: str
     ) -> Reservation:
-        probe = self._should_probe()
-        if self.degraded and not probe:
+        if self.degraded:
             return await self._degraded_reserve(tenant, cost_tokens, limits, request_id)
-        if probe:
-            self._probing = True
         try:
-            reservation = await self.primary.reserve(
+            return await self.primary.reserve(
                 tenant, cost_tokens=cost_tokens, limits=limits, request_id=request_id
             )
         except LimiterUnavailable as exc:
-            self._failed(exc, probe=probe)
+            self._failed(exc)
             return await self._degraded_reserve(tenant, cost_tokens, limits, request_id)
-        finally:
-            if probe:
-                self._probing = False
-        if probe:
-            self._recovered()
-        return reservation
 
     async def settle(self, reservation: Reservation, *, actual_cost_tokens: float) -> None:
         if reservation.origin == self.fallback.name:
@@ -93,7 +98,7 @@ class FailoverLimiter:
         try:
             await self.primary.settle(reservation, actual_cost_tokens=actual_cost_tokens)
         except LimiterUnavailable as exc:
-            self._failed(exc, probe=False)
+            self._failed(exc)
 
     async def in_flight(self, tenant: str) -> int:
         """Unsettled reservations on both limiters; the fallback's alone while storage is down."""
@@ -103,18 +108,19 @@ class FailoverLimiter:
         try:
             return local + await self.primary.in_flight(tenant)
         except LimiterUnavailable as exc:
-            self._failed(exc, probe=False)
+            self._failed(exc)
             return local
 
     async def close(self) -> None:
+        prober, self._prober = self._prober, None
+        if prober is not None:
+            prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await prober
         try:
             await self.primary.close()
         finally:
             await self.fallback.close()
-
-    def _should_probe(self) -> bool:
-        """True when storage is down, the backoff has passed and no other probe is running."""
-        return self.degraded and not self._probing and self._clock() >= self._next_probe_at
 
     async def _degraded_reserve(
         self, tenant: str, cost_tokens: float, limits: TenantLimits, request_id: str
@@ -127,36 +133,56 @@ class FailoverLimiter:
             tenant, cost_tokens=cost_tokens, limits=limits, request_id=request_id
         )
 
-    def _failed(self, exc: LimiterUnavailable, *, probe: bool) -> None:
-        """Count a storage failure; mark storage down (logged once) or push the next probe back."""
+    def _failed(self, exc: LimiterUnavailable) -> None:
+        """Count a storage failure; on the first, mark storage down (logged) and start probing."""
         self.stats.storage_errors_total += 1
-        now = self._clock()
-        if not self.degraded:
-            self._down_since = now
-            self._current_backoff_s = self.backoff_s
-            self._next_probe_at = now + self._current_backoff_s
-            self.stats.degraded = True
-            self.stats.transitions_total += 1
-            action = (
-                "answering from local buckets at this gateway's share" if self.mode == "fail_open" else "503"
-            )
-            log.warning(
-                "rate-limit storage %s unavailable (%s); %s until it answers again",
-                self.primary.name,
-                exc,
-                action,
-            )
-        elif probe:
-            self._current_backoff_s = next_backoff(self._current_backoff_s, self.backoff_max_s)
-            self._next_probe_at = now + self._current_backoff_s
+        if self.degraded:
+            return
+        self._down_since = self._clock()
+        self.stats.degraded = True
+        self.stats.transitions_total += 1
+        action = "answering from local buckets at this gateway's share" if self.mode == "fail_open" else "503"
+        log.warning(
+            "rate-limit storage %s unavailable (%s); %s until it answers again (probed every %g s)",
+            self.primary.name,
+            exc,
+            action,
+            self.probe_interval_s,
+            extra=repeat_key("storage down", self.primary.name),
+        )
+        if self._prober is None or self._prober.done():
+            self._prober = asyncio.get_running_loop().create_task(self._probe_until_up())
+
+    async def _probe_until_up(self) -> None:
+        """Probe storage every ``probe_interval_s`` until a probe is answered, then mark it up."""
+        while self.degraded:
+            await self._sleep(self.probe_interval_s)
+            self.probes_total += 1
+            try:
+                await self._probe()
+            except LimiterUnavailable:
+                self.stats.storage_errors_total += 1
+                continue
+            except Exception:
+                # A bug in the probe must not leave storage down for good: log it, probe again.
+                log.exception("probing rate-limit storage %s failed", self.primary.name)
+                continue
+            self._recovered()
+
+    async def _in_flight_probe(self) -> None:
+        await self.primary.in_flight(PROBE_TENANT)
 
     def _recovered(self) -> None:
-        """Mark storage up after a successful probe (logged once)."""
+        """Mark storage up after a probe was answered (logged)."""
         if self._down_since is None:
             return
         down_for = self._clock() - self._down_since
         self._down_since = None
-        self._current_backoff_s = self.backoff_s
         self.stats.degraded = False
         self.stats.transitions_total += 1
-        log.info("rate-limit storage %s available again after %.1f s", self.primary.name, down_for)
+        log.info(
+            "rate-limit storage %s available again after %.1f s",
+            self.primary.name,
+            down_for,
+            extra=repeat_key("storage up", self.primary.name),
+        )

@@ -18,7 +18,7 @@ import collections
 import math
 import time
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import hiredis
 import redis.asyncio
@@ -291,6 +291,11 @@ class PipelinedScripts:
             await self._call(_load_command(script), deadline)
             return await self._call(command, deadline)
 
+    async def ping(self, *, deadline: float = math.inf) -> None:
+        """One ``PING`` on the shared connection (opened, scripts preloaded, if needed); raises as
+        ``evalsha`` does. A connection it opens is the one the next script call uses."""
+        await self._call(_PING, deadline)
+
     async def _call(self, command: bytes, deadline: float = math.inf) -> Any:
         """One command and its reply; a connection lost under it is retried once, on a new one
         (within the same ``deadline``)."""
@@ -372,6 +377,9 @@ class PipelinedScripts:
         if self._protocol is not None:
             self._protocol.close(redis.exceptions.ConnectionError("closed"))
             self._protocol = None
+
+
+_PING: Final = pack("PING")
 
 
 def _load_command(script: AsyncScript) -> bytes:

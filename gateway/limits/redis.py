@@ -250,6 +250,20 @@ class RedisLimiter:
     async def in_flight(self, tenant: str) -> int:
         return int(await self._call(self._in_flight, (self.keys(tenant).leases,), ()))
 
+    async def ping(self) -> None:
+        """One ``PING`` within ``timeout_s``, on the path script calls take (the pipelined
+        connection, which it opens with the scripts preloaded when needed): the failure policy's
+        health probe. Raises ``LimiterUnavailable`` when Redis does not answer."""
+        try:
+            fast = self._fast
+            if fast is not None:
+                await fast.ping(deadline=asyncio.get_running_loop().time() + self.timeout_s)
+                return
+            async with asyncio.timeout(self.timeout_s):
+                await self._client.ping()
+        except Exception as exc:  # see _call
+            raise LimiterUnavailable(f"{self.name}: {type(exc).__name__}: {exc}") from exc
+
     async def close(self) -> None:
         """Run every pending repair once more, now, and wait for them; then close the client.
 

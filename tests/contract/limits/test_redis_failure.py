@@ -21,6 +21,7 @@ from gateway.limits.memory import DEFAULT_LEASE_TTL_S, MemoryLimiter
 from gateway.limits.redis import RedisLimiter, connect
 from tests.contract.limits.conftest import wait_until
 from tests.support.redis import RedisServer
+from tests.support.speed import scaled
 
 LIMITS = TenantLimits(tokens_per_minute=6_000_000, requests_per_minute=600_000, max_concurrent=1000)
 #: The default 50 ms timeout must hold even when a loaded CI machine is slow to schedule us.
@@ -69,6 +70,7 @@ async def test_dead_redis_raises_limiter_unavailable_fast(
     )
     assert await elapsed_of(lambda: fast.settle(r, actual_cost_tokens=1)) < BOUND_S
     assert await elapsed_of(lambda: fast.in_flight("acme")) < BOUND_S
+    assert await elapsed_of(fast.ping) < BOUND_S
 
 
 async def test_hung_redis_raises_limiter_unavailable_after_the_timeout(
@@ -79,6 +81,7 @@ async def test_hung_redis_raises_limiter_unavailable_after_the_timeout(
     try:
         took = await elapsed_of(lambda: fast.reserve("acme", cost_tokens=1, limits=LIMITS, request_id="r2"))
         assert 0.04 <= took < BOUND_S
+        assert 0.04 <= await elapsed_of(fast.ping) < BOUND_S
     finally:
         own_redis.resume()
     # Once it answers again, so does the limiter (a timed-out connection is not reused).
@@ -235,12 +238,13 @@ async def wait_until_answers(limiter: RedisLimiter) -> None:
 def failover(
     server: RedisServer, mode: FailureMode, stats: LimiterStats, timeout_s: float
 ) -> FailoverLimiter:
+    redis = redis_limiter(server, timeout_s, stats)
     return FailoverLimiter(
-        redis_limiter(server, timeout_s, stats),
+        redis,
         MemoryLimiter(share=0.5, stats=stats, name="fallback"),
         mode=mode,
-        backoff_s=0.05,
-        backoff_max_s=0.2,
+        probe=redis.ping,
+        probe_interval_s=0.05,
         stats=stats,
     )
 
@@ -273,7 +277,7 @@ async def test_fail_open_falls_back_and_resumes_when_redis_returns(
         assert during[0].concurrency.limit == 500
         await limiter.settle(before, actual_cost_tokens=1)  # storage down: counted, not raised
         own_redis.start()
-        await wait_until_resumed(limiter)  # reserves probe Redis after each backoff
+        await wait_until_resumed(limiter)  # the background PING finds Redis back
         assert (stats.degraded, stats.transitions_total) == (False, 2)
         for r in during:
             await limiter.settle(r, actual_cost_tokens=1)
@@ -317,6 +321,37 @@ async def test_fail_closed_refuses_until_redis_returns(own_redis: RedisServer) -
         assert resumed is not None
         assert resumed.origin == "redis"
         assert not stats.degraded
+    finally:
+        await limiter.close()
+
+
+async def test_fail_closed_service_returns_within_a_second_of_redis_answering(
+    own_redis: RedisServer,
+) -> None:
+    """The production probe interval (0.25 s), no request traffic during the outage: the
+    background PING alone finds the restarted Redis. Requests meanwhile fail at once."""
+    stats = LimiterStats()
+    redis = redis_limiter(own_redis, 0.2, stats)  # 0.2 s: a busy machine's first connect fits
+    limiter = FailoverLimiter(
+        redis, MemoryLimiter(stats=stats, name="fallback"), mode="fail_closed", probe=redis.ping, stats=stats
+    )
+    try:
+        await limiter.reserve("acme", cost_tokens=1, limits=LIMITS, request_id="before")
+        own_redis.kill()
+        with pytest.raises(LimiterUnavailable):
+            await limiter.reserve("acme", cost_tokens=1, limits=LIMITS, request_id="marks-down")
+        assert stats.degraded
+        start = time.monotonic()
+        for i in range(200):
+            with pytest.raises(LimiterUnavailable):
+                await limiter.reserve("acme", cost_tokens=1, limits=LIMITS, request_id=f"down{i}")
+        assert time.monotonic() - start < scaled(0.2), "refusals never wait on the dead connection"
+        await asyncio.sleep(1.0)  # a few probes fail
+        assert limiter.probes_total >= 2
+        await asyncio.to_thread(own_redis.start)  # returns once it answers PING
+        await wait_until(lambda: not stats.degraded, "service back within 1 s", timeout_s=scaled(1.0))
+        resumed = await limiter.reserve("acme", cost_tokens=1, limits=LIMITS, request_id="after")
+        assert resumed.origin == "redis"
     finally:
         await limiter.close()
 

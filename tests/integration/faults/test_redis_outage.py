@@ -76,7 +76,6 @@ async def test_redis_outage_spares_streams_in_flight_and_the_books_recover(
         "redis": {"url": redis_proc.url, "timeout_s": 0.2},
         "on_storage_error": mode,
         "retry_backoff_s": BACKOFF_S,
-        "retry_backoff_max_s": 0.4,
     }
     with emulators("a") as (a,):
         config = gateway_config(free_port(), {"a": a.url}, redis_proc.url, limits=limits)

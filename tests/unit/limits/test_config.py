@@ -47,9 +47,19 @@ def test_defaults() -> None:
             id="redis-section-missing",
         ),
         pytest.param(
-            {"retry_backoff_s": 5.0, "retry_backoff_max_s": 1.0},
-            ["retry_backoff_max_s: must not be below retry_backoff_s (5.0) (got 1.0)"],
-            id="backoff-max-below-start",
+            {"probe_interval_s": 30.0},
+            ["probe_interval_s: Input should be less than or equal to 5"],
+            id="probe-interval-too-long",
+        ),
+        pytest.param(
+            {"probe_interval_s": 0.001},
+            ["probe_interval_s: Input should be greater than or equal to 0.01"],
+            id="probe-interval-too-short",
+        ),
+        pytest.param(
+            {"retry_backoff_max_s": 30.0},
+            ["retry_backoff_max_s: Extra inputs are not permitted"],
+            id="backoff-max-is-gone",
         ),
         pytest.param(
             {"backend": "memcached"}, ["backend: Input should be 'memory' or 'redis'"], id="unknown-backend"
@@ -161,4 +171,5 @@ async def test_redis_backend_builds_the_failover_stack(cache: bool) -> None:
         primary = primary.inner
     assert isinstance(primary, RedisLimiter)
     assert (primary.timeout_s, primary.key_prefix, primary.stats) == (0.2, "sl", stats)
+    assert limiter.probe_interval_s == 0.25
     await limiter.close()  # nothing was connected: closing must not fail
