@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from gateway.replicas.dialects import Samples
-from gateway.replicas.scrape import ExpositionParser, parse_exposition
+from gateway.replicas.exposition import ExpositionParser, parse_exposition
 from tests.support.procs import free_port, python_module, running
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from gateway.replicas.dialects import AUTO, INFO_PATHS, Samples, detect, engine_from_info, get_dialect
-from gateway.replicas.scrape import DEFAULT_WINDOW_S, ExpositionError, ExpositionParser, SnapshotBuilder
+from gateway.replicas.exposition import ExpositionError, ExpositionParser
+from gateway.replicas.scrape import DEFAULT_WINDOW_S, SnapshotBuilder
 from gateway.replicas.snapshot import InFlight, ReplicaSnapshot
 
 log = logging.getLogger("sluice.scraper")

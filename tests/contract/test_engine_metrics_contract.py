@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pytest_aiohttp import AiohttpServer
 
 from gateway.replicas.dialects import detect, get_dialect
-from gateway.replicas.scrape import SnapshotBuilder, parse_exposition
+from gateway.replicas.exposition import parse_exposition
+from gateway.replicas.scrape import SnapshotBuilder
 from simulator.profile import load_profile
 from simulator.server import build_app
 

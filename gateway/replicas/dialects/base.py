@@ -126,7 +126,7 @@ def matches(labels: Mapping[str, str], where: Mapping[str, str] | None) -> bool:
 class Samples:
     """One scrape's samples, by sample name, with PromQL-like selectors that sum over series.
 
-    Built by ``gateway.replicas.scrape.parse_exposition`` from the prometheus_client parser's
+    Built by ``gateway.replicas.exposition.parse_exposition`` from the prometheus_client parser's
     output. Sample names are as exposed (``vllm:prompt_tokens_total``, ``..._bucket``); ``_created``
     samples and non-finite values were dropped. Every aggregate returns ``None`` when no series
     matched, never 0.

@@ -24,7 +24,8 @@ from gateway.replicas.dialects import (
     engine_from_info,
     get_dialect,
 )
-from gateway.replicas.scrape import SnapshotBuilder, histogram_moments, parse_exposition
+from gateway.replicas.exposition import parse_exposition
+from gateway.replicas.scrape import SnapshotBuilder, histogram_moments
 from predictor import ObservationSource, observation_from_window
 from tests.unit.scrape.scrapes import REAL_032, REAL_V0_010, ScrapeText, fixture_text
 from tests.unit.scrape.tgi_text import Observed, TgiState, tgi_exposition

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.replicas.dialects import Samples
-from gateway.replicas.scrape import ExpositionError, ExpositionParser, parse_exposition
+from gateway.replicas.exposition import ExpositionError, ExpositionParser, parse_exposition
 from tests.unit.scrape.scrapes import fixture_text
 from tests.unit.scrape.tgi_text import TgiState, tgi_exposition
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import pytest
 
 from gateway.replicas.dialects import CounterName, HistogramName, get_dialect
-from gateway.replicas.scrape import SnapshotBuilder, parse_exposition
+from gateway.replicas.exposition import parse_exposition
+from gateway.replicas.scrape import SnapshotBuilder
 from tests.unit.scrape.scrapes import (
     AIBRIX_V0_07,
     DOCS_DESIGN,
