@@ -47,6 +47,7 @@ from gateway.config.store import SettingsStore
 from gateway.http.errors import GatewayError, Refused, UpstreamError
 from gateway.keys import OutcomeListener
 from gateway.observability.logs import OUTCOME, RequestOutcome
+from gateway.observability.repeats import repeat_key
 from gateway.prediction.live import (
     PREDICTED_TTFT_HEADER,
     PREDICTION_HEADERS,
@@ -315,7 +316,11 @@ class Proxy:
 
     def _client_gone(self, ex: Exchange) -> web.StreamResponse:
         ex.outcome.error = "client_disconnected"
-        log.info("request %s: client disconnected; upstream request closed", ex.outcome.request_id)
+        log.info(
+            "request %s: client disconnected; upstream request closed",
+            ex.outcome.request_id,
+            extra=repeat_key("client disconnected"),  # a burst of them is one line and a count
+        )
         if ex.response is not None and ex.response.prepared:
             ex.outcome.status = ex.response.status
             return ex.response
