@@ -4,7 +4,8 @@ A flood of one warning (a 503 per request while Redis is down, a scrape failing 
 says nothing new after its first line. ``RepeatFilter`` lets the first record of a key through
 and opens a window of ``window_s`` seconds for that key; the key's further records in the window
 are counted, not written; when the window closes, one line reports them (the last one's message
-plus ``(repeated N times in the last W s)``) and, if any were counted, a new window opens, so a
+plus ``(repeated N times in the last W s)``, or ``(and N more like it ...)`` for a keyed line;
+no traceback) and, if any were counted, a new window opens, so a
 flood that lasts writes one line per window. A key with nothing counted in its window is quiet
 again: its next record passes at once.
 
@@ -26,7 +27,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Final
 
-__all__ = ["DEFAULT_WINDOW_S", "REPEAT_KEY", "RepeatFilter", "repeat_key"]
+__all__ = ["DEFAULT_WINDOW_S", "MAX_KEYS", "REPEAT_KEY", "RepeatFilter", "repeat_key"]
 
 #: Seconds a key's repeats are counted before one line reports them.
 DEFAULT_WINDOW_S: Final = 10.0
@@ -48,6 +49,44 @@ def repeat_key(*parts: Hashable) -> dict[str, Any]:
     return {REPEAT_KEY: parts}
 
 
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    """What a summary repeats of a record held back: not the record itself, whose traceback
+    would keep its frames (and everything they reference) alive until the window closes."""
+
+    name: str
+    levelno: int
+    pathname: str
+    lineno: int
+    func: str | None
+    msg: object
+    args: Any
+    fields: Any
+
+    @classmethod
+    def of(cls, record: logging.LogRecord) -> _Seen:
+        return cls(
+            record.name,
+            record.levelno,
+            record.pathname,
+            record.lineno,
+            record.funcName,
+            record.msg,
+            record.args,
+            getattr(record, "fields", None),
+        )
+
+    def message(self) -> str:
+        """The record's message, as ``LogRecord.getMessage`` makes it."""
+        msg = str(self.msg)
+        if not self.args:
+            return msg
+        try:
+            return str(msg % self.args)
+        except Exception:  # logging would report it; a summary must not raise
+            return f"{msg} {self.args!r}"
+
+
 @dataclass(slots=True)
 class _Window:
     """One key's window: from ``start`` to ``end`` (the filter's clock, seconds), the records
@@ -56,7 +95,7 @@ class _Window:
     start: float
     end: float
     count: int = 0
-    last: logging.LogRecord | None = None
+    last: _Seen | None = None
     keyed: bool = False
     timer: asyncio.TimerHandle | None = None
 
@@ -106,7 +145,7 @@ class RepeatFilter(logging.Filter):
                 passed = True
             else:
                 window.count += 1
-                window.last = record
+                window.last = _Seen.of(record)
                 self.suppressed_total += 1
                 if window.timer is None:
                     window.timer = _call_later(window.end - now, self._on_timer, key)
@@ -188,13 +227,12 @@ def _summary(window: _Window, now: float) -> logging.LogRecord | None:
         last.pathname,
         last.lineno,
         f"%s ({note} in the last %.3g s)",
-        (last.getMessage(), window.count, max(now - window.start, 0.0)),
+        (last.message(), window.count, max(now - window.start, 0.0)),
         None,
-        last.funcName,
+        last.func,
     )
-    fields = getattr(last, "fields", None)
-    if fields is not None:
-        record.fields = fields
+    if last.fields is not None:
+        record.fields = last.fields
     setattr(record, _SUMMARY, True)
     return record
 

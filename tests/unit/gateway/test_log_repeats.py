@@ -7,9 +7,11 @@ test reads are the ones that handler wrote.
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import json
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -161,6 +163,30 @@ def test_a_summary_carries_the_fields_and_no_traceback() -> None:
     assert first.exc_info is not None
     assert summary.getMessage() == "settle failed (repeated 2 times in the last 0 s)"
     assert (summary.exc_info, summary.levelno, summary.fields) == (None, logging.ERROR, {"tenant": "acme"})  # type: ignore[attr-defined]
+
+
+class Payload:
+    """Something a failing request's frame holds."""
+
+
+def _fail_holding(payload: Payload) -> None:
+    try:
+        raise ValueError(f"boom {id(payload) and 1}")
+    except ValueError:
+        LOG.exception("handler failed")
+
+
+def test_a_held_back_traceback_keeps_no_frame_alive() -> None:
+    with rate_limited() as (handler, repeats):
+        handler.emit = lambda record: None  # type: ignore[method-assign]
+        payloads = [Payload() for _ in range(3)]
+        refs = [weakref.ref(p) for p in payloads]
+        for payload in payloads:
+            _fail_holding(payload)
+        del payloads, payload
+        gc.collect()
+        assert repeats.pending() == 2
+        assert [ref() for ref in refs[1:]] == [None, None], "the window holds no traceback"
 
 
 def test_past_max_keys_new_lines_pass_untracked() -> None:
