@@ -61,6 +61,7 @@ from gateway.admission.sizing import estimated_prompt_tokens
 from gateway.api.openai import MAX_TOKENS_LIMIT, ParsedRequest
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
+from gateway.http.echo import clip
 from gateway.http.errors import (
     InvalidRequest,
     ModelNotFound,
@@ -332,7 +333,7 @@ class LiveAdmission:
         )
         outcome.tpot_target_s = cls.tpot_target_s
         if isinstance(submitted, UnknownModel):
-            raise ModelNotFound(f"the model `{submitted.model}` does not exist", param="model")
+            raise ModelNotFound(f"the model `{clip(submitted.model)}` does not exist", param="model")
         if isinstance(submitted, Saturated):
             mark_saturated(request, choice.name, settings)
             raise _refusal(submitted)

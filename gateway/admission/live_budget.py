@@ -129,7 +129,8 @@ class LiveBudget:
             retry = retry_after(reason, self._retry_backoff_s())
             outcome.decision, outcome.reason = "rejected", "limiter_unavailable"
             outcome.retry_after_s = retry.delay_s
-            raise Refused(reason, f"{exc}; retry later", retry_after=retry) from None
+            message = "the tenants' rate-limit storage is unavailable; retry later"
+            raise Refused(reason, message, retry_after=retry, detail=str(exc)) from None
         if self.metrics is not None:
             self.metrics.observe_reservation(answer)
         if answer.allowed:

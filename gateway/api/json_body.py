@@ -17,6 +17,7 @@ import json
 import math
 from typing import Any, Final
 
+from gateway.http.echo import clip
 from gateway.http.errors import InvalidRequest
 
 __all__ = [
@@ -109,8 +110,9 @@ def _non_finite(text: str) -> InvalidRequest:
     path = _path_to_mark(_MARKING.decode(text))
     if not path:
         return InvalidRequest(NOT_AN_OBJECT)
-    where = ".".join(path)
-    return InvalidRequest(f"{where}: must be a finite number (NaN and Infinity are not JSON)", param=path[0])
+    where = clip(".".join(path))
+    message = f"{where}: must be a finite number (NaN and Infinity are not JSON)"
+    return InvalidRequest(message, param=clip(path[0]))
 
 
 def _path_to_mark(root: object) -> list[str]:

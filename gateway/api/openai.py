@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from gateway.api.json_body import check_content_type, load_object
 from gateway.api.tgi import TGI_ENGINE, json_bytes, parse_generate, upstream_generate_body
+from gateway.http.echo import clip
 from gateway.http.errors import BodyTooLarge, ClientClosedRequest, InvalidRequest, ModelNotFound
 
 Endpoint = Literal["chat", "completions", "generate", "generate_stream"]
@@ -154,7 +155,7 @@ def resolve_native_model(served: list[str], asked: str | None) -> str:
     if asked is not None:
         if asked in served:
             return asked
-        raise ModelNotFound(f"no TGI replica serves the model `{asked}`", param=MODEL_HEADER)
+        raise ModelNotFound(f"no TGI replica serves the model `{clip(asked)}`", param=MODEL_HEADER)
     if len(served) == 1:
         return served[0]
     if not served:

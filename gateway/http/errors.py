@@ -37,6 +37,7 @@ from gateway.admission.config import AdmissionSettings
 from gateway.admission.decision import Reject
 from gateway.admission.headers import ADMISSION, CLASS, REASON
 from gateway.admission.retry_after import RefusalReason, RetryAfter
+from gateway.http.echo import MESSAGE_LIMIT, clip
 from gateway.limits.base import BucketState, Reservation
 from gateway.observability.logs import REQUEST_ID
 from gateway.observability.repeats import repeat_key
@@ -50,7 +51,10 @@ SHOULD_RETRY = "x-should-retry"
 class GatewayError(Exception):
     """Base of every error Sluice answers with; subclasses fix status, type and code.
 
-    ``message`` is shown to the client, so it must never contain internals such as tracebacks.
+    ``message`` is shown to the client: fixed text (docs/operations.md, "What a client is told"),
+    never an exception's text or a traceback; a value the client sent is ``clip``-ped into it,
+    and any message is cut at ``MESSAGE_LIMIT`` characters. ``detail`` is for the log only
+    (``log_error``): the exception or the replica's own words, cut the same way.
     """
 
     #: HTTP status; a class default that one instance may override (see ``from_http_exception``).
@@ -67,9 +71,12 @@ class GatewayError(Exception):
         param: str | None = None,
         code: str | None = None,
         status: int | None = None,
+        detail: str | None = None,
     ) -> None:
+        message = clip(message, MESSAGE_LIMIT)
         super().__init__(message)
         self.message = message
+        self.detail = None if detail is None else clip(detail, MESSAGE_LIMIT)
         self.param = param
         self.code = code if code is not None else self.default_code
         if status is not None:
@@ -225,9 +232,10 @@ class Refused(GatewayError):
         retry_after: RetryAfter | None,
         param: str | None = None,
         reservation: Reservation | None = None,
+        detail: str | None = None,
     ) -> None:
         answer = _ANSWERS[reason]
-        super().__init__(message, param=param, code=answer.code, status=answer.status)
+        super().__init__(message, param=param, code=answer.code, status=answer.status, detail=detail)
         self.reason = reason
         self.retry_after = retry_after
         self.reservation = reservation
@@ -368,11 +376,11 @@ def sse_error_event(err: GatewayError) -> bytes:
 def from_http_exception(exc: web.HTTPException) -> GatewayError:
     """Map one of aiohttp's own HTTP errors (status >= 400) to our typed error."""
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        return BodyTooLarge(f"request body too large: {exc.text or 'over the limit'}")
+        return BodyTooLarge("request body over the limit (server.max_body_bytes)")
     if isinstance(exc, web.HTTPMethodNotAllowed):
         allowed = frozenset(exc.allowed_methods)
         return MethodNotAllowed(
-            f"method {exc.method} not allowed here; allowed: {', '.join(sorted(allowed))}",
+            f"method {clip(exc.method, 32)} not allowed here; allowed: {', '.join(sorted(allowed))}",
             allowed=allowed,
         )
     if isinstance(exc, web.HTTPNotFound):
@@ -396,7 +404,10 @@ def log_error(err: GatewayError, request_id: str | None, *, exc_info: bool = Fal
     if not log.isEnabledFor(level):
         return
     code = err.code or err.error_type
-    args = (request_id or "-", err.status, code, err.message)
+    args: tuple[object, ...] = (request_id or "-", err.status, code, err.message)
+    template = _FAILED
+    if err.detail is not None:  # the log's alone; not part of the repeat key
+        args, template = (*args, err.detail), _FAILED_DETAIL
     if exc_info:
         failure = sys.exc_info()[1]
         where = failure.__traceback__ if failure is not None else None
@@ -404,16 +415,17 @@ def log_error(err: GatewayError, request_id: str | None, *, exc_info: bool = Fal
             where = where.tb_next
         place = (where.tb_frame.f_code.co_filename, where.tb_lineno) if where is not None else None
         key = repeat_key(err.status, code, err.message[:_KEYED_CHARS], type(failure).__name__, place)
-        log.log(level, _FAILED, *args, exc_info=True, extra=key)
+        log.log(level, template, *args, exc_info=True, extra=key)
         return
     # The record made directly, as ``log_access`` does: ``Logger.log`` would also look up the
     # calling file, line and function (a 4xx flood pays this per request), which no formatter
     # here prints.
     key = repeat_key(err.status, code, err.message[:_KEYED_CHARS])
-    log.handle(log.makeRecord(log.name, level, __file__, 0, _FAILED, args, None, None, key))
+    log.handle(log.makeRecord(log.name, level, __file__, 0, template, args, None, None, key))
 
 
 _FAILED: Final = "request %s failed: %d %s: %s"
+_FAILED_DETAIL: Final = "request %s failed: %d %s: %s (%s)"
 #: Characters of an error's message that tell two lines apart as repeats (a key holds no more).
 _KEYED_CHARS: Final = 256
 
@@ -467,8 +479,8 @@ def response_for_exception(request: web.Request, exc: Exception) -> web.Response
         # A body aiohttp could not decode while the handler read it (corrupt gzip or deflate
         # data, broken chunking): the client's fault, a 400, never a 500.
         cause = exc.__cause__
-        detail = cause.message if isinstance(cause, HttpProcessingError) else "cannot be decoded"
-        err = InvalidRequest(f"malformed request body: {detail}")
+        detail = cause.message if isinstance(cause, HttpProcessingError) else str(exc)
+        err = InvalidRequest("malformed request body: it cannot be decoded", detail=detail)
     else:
         err = InternalError("internal server error")
         log_error(err, request_id_of(request), exc_info=True)

@@ -44,6 +44,7 @@ from gateway.admission.retry_after import UNMEASURED_WAIT_S, RefusalReason, retr
 from gateway.api.openai import Endpoint, read_request, upstream_body, upstream_path
 from gateway.api.sse import Event, EventSplitter
 from gateway.config.store import SettingsStore
+from gateway.http.echo import clip
 from gateway.http.errors import GatewayError, Refused, UpstreamError
 from gateway.keys import OutcomeListener
 from gateway.observability.logs import OUTCOME, RequestOutcome
@@ -117,7 +118,7 @@ class Proxy:
             if self.draining:
                 raise _shutting_down("Sluice is shutting down; retry shortly")
             parsed = await read_request(request, endpoint, settings.server.max_body_bytes)
-            outcome.model, outcome.stream = parsed.model, parsed.stream
+            outcome.model, outcome.stream = clip(parsed.model), parsed.stream
         except GatewayError as err:
             self._refused(outcome, err)
             raise
@@ -345,12 +346,12 @@ class Proxy:
             )
         except TimeoutError as exc:
             self._relay.replica_timed_out(ex.replica, exc)
-            message = f"replica {ex.replica.name} timed out: {describe(exc)}"
-            raise UpstreamError(message) from detached(exc)
+            message = f"replica {ex.replica.name} timed out"
+            raise UpstreamError(message, detail=describe(exc)) from detached(exc)
         except aiohttp.ClientError as exc:
             self._relay.replica_failed(ex.replica, exc)
-            message = f"replica {ex.replica.name} is unreachable: {describe(exc)}"
-            raise UpstreamError(message) from detached(exc)
+            message = f"replica {ex.replica.name} is unreachable"
+            raise UpstreamError(message, detail=describe(exc)) from detached(exc)
 
 
 PROXY: Final = web.AppKey("proxy", Proxy)

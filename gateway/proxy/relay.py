@@ -32,6 +32,7 @@ from gateway.api.tgi import (
     is_token_event,
     without_details,
 )
+from gateway.http.echo import clip
 from gateway.http.errors import GatewayError, Refused, UpstreamError, log_error, sse_error_event
 from gateway.observability.logs import REQUEST_ID, RequestOutcome
 from gateway.proxy.exchange import Exchange, ReplicaOverloaded, describe, detached
@@ -90,34 +91,35 @@ class Relay:
             return bytes(body)
         except TimeoutError as exc:
             self.replica_timed_out(ex.replica, exc)
-            message = f"replica {ex.replica.name} timed out: {describe(exc)}"
-            raise UpstreamError(message) from detached(exc)
+            message = f"replica {ex.replica.name} timed out"
+            raise UpstreamError(message, detail=describe(exc)) from detached(exc)
         except aiohttp.ClientError as exc:
             self.replica_failed(ex.replica, exc)
-            message = f"replica {ex.replica.name} failed mid-response: {describe(exc)}"
-            raise UpstreamError(message) from detached(exc)
+            message = f"replica {ex.replica.name} failed mid-response"
+            raise UpstreamError(message, detail=describe(exc)) from detached(exc)
 
     async def overloaded(self, ex: Exchange, upstream: aiohttp.ClientResponse) -> ReplicaOverloaded:
         """The replica's own overload refusal, read and turned into a signal to place again."""
         body = await self.read_upstream(ex, upstream, MAX_ERROR_BODY)
         ex.overloaded = True
         back_off = retry_after_s(upstream.headers.get("Retry-After")) or UNMEASURED_WAIT_S
-        detail = error_message(body) or upstream.reason or ""
+        detail = clip(error_message(body) or upstream.reason or "")
         return ReplicaOverloaded(back_off, f"answered {upstream.status}: {detail}".strip())
 
     async def relay_error(self, ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Response:
-        """Replica 4xx: relayed unchanged (status and body). Replica 5xx: 502 naming the replica."""
+        """Replica 4xx: relayed unchanged (status and body). Replica 5xx: 502 naming the replica
+        and its status; what the replica said goes to the log only."""
         body = await self.read_upstream(ex, upstream, MAX_ERROR_BODY)
         if upstream.status >= 500:
-            detail = error_message(body) or upstream.reason or ""
-            raise UpstreamError(f"replica {ex.replica.name} answered {upstream.status}: {detail}".strip())
+            detail = error_message(body) or upstream.reason or None
+            raise UpstreamError(f"replica {ex.replica.name} answered {upstream.status}", detail=detail)
         ex.outcome.status, ex.outcome.error = upstream.status, "replica_rejected"
         log.info(
             "request %s: replica %s answered %d: %s",
             ex.outcome.request_id,
             ex.replica.name,
             upstream.status,
-            error_message(body) or "-",
+            clip(error_message(body) or "-"),
         )
         return web.Response(status=upstream.status, body=body, headers=relayed(upstream.headers))
 
@@ -200,9 +202,22 @@ class Relay:
             if not done:
                 last = "its final event" if native else "[DONE]"
                 raise UpstreamError(f"replica {ex.replica.name} ended the stream before {last}")
-        except (UpstreamError, Refused) as err:
+        except UpstreamError as err:
             await self.end_with_error(ex, response, err)
+        except Refused as err:
+            await self.end_over_budget(ex, response, err)
         return response
+
+    async def end_over_budget(self, ex: Exchange, response: web.StreamResponse, err: Refused) -> None:
+        """End a stream its tenant's budget stopped: the error event, then the stream's end as
+        usual (the connection stays open: nothing broke). The upstream response is closed after
+        (``Proxy._exchange``), so the replica aborts the request."""
+        ex.outcome.error = err.code
+        log_error(err, ex.request.get(REQUEST_ID))
+        event = (
+            error_event(err.message, err.code or err.error_type) if ex.parsed.native else sse_error_event(err)
+        )
+        await write(ex, response, event)
 
     async def pay_ahead(self, ex: Exchange) -> None:
         """The stream produced more than its tenant's budget covers (``Exchange.paid_output``):
@@ -220,12 +235,12 @@ class Relay:
             return await upstream.content.readany()
         except TimeoutError as exc:
             self.replica_timed_out(ex.replica, exc)
-            message = f"replica {ex.replica.name} timed out mid-stream: {describe(exc)}"
-            raise UpstreamError(message) from detached(exc)
+            message = f"replica {ex.replica.name} timed out mid-stream"
+            raise UpstreamError(message, detail=describe(exc)) from detached(exc)
         except aiohttp.ClientError as exc:
             self.replica_failed(ex.replica, exc)
-            message = f"replica {ex.replica.name} failed mid-stream: {describe(exc)}"
-            raise UpstreamError(message) from detached(exc)
+            message = f"replica {ex.replica.name} failed mid-stream"
+            raise UpstreamError(message, detail=describe(exc)) from detached(exc)
 
     def inspect(self, ex: Exchange, event: Event) -> bool:
         """Record what ``event`` tells (first token, tokens streamed, usage); return whether to

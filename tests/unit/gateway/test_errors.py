@@ -311,8 +311,11 @@ async def test_replica_4xx_passes_through_unchanged(
     assert resp.headers["x-request-id"]
 
 
-async def test_replica_5xx_becomes_502(start_replica: StartReplica, start_gateway: StartGateway) -> None:
-    """Fake replica answering 500 (an engine crash inside vLLM)."""
+async def test_replica_5xx_becomes_502(
+    start_replica: StartReplica, start_gateway: StartGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fake replica answering 500 (an engine crash inside vLLM). The client is told which replica
+    and its status; what the replica said (an engine's internals) goes to the log only."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
         return web.json_response({"message": "engine dead"}, status=500)
@@ -320,13 +323,14 @@ async def test_replica_5xx_becomes_502(start_replica: StartReplica, start_gatewa
     _, url = await start_replica(FakeReplica(handler=handler))
     gw = await start_gateway({"r1": url})
 
-    resp = await gw.client.post("/v1/chat/completions", json=CHAT)
+    with caplog.at_level(logging.WARNING, logger="sluice.errors"):
+        resp = await gw.client.post("/v1/chat/completions", json=CHAT)
 
     assert resp.status == 502
     body = await resp.json()
     assert_error_body(body, error_type="upstream_error")
-    assert "500" in body["error"]["message"]
-    assert "engine dead" in body["error"]["message"]
+    assert body["error"]["message"] == "replica r1 answered 500"
+    assert "replica r1 answered 500 (engine dead)" in caplog.text
 
 
 @pytest.mark.parametrize(

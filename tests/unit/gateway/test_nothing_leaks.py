@@ -5,15 +5,20 @@ gateway in front of fake replicas (real HTTP) and the real ``openai`` SDK."""
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
+from aiohttp import web
 
 from gateway.config.settings import AdminSettings, ServerSettings, Settings
 from gateway.http.admin import ADMIN_LISTENER
+from gateway.http.echo import ECHO_LIMIT, clip
+from gateway.observability import logs
 from tests.unit.gateway.conftest import StartGateway, StartReplica
-from tests.unit.gateway.fakes import FakeReplica, gateway_settings
+from tests.unit.gateway.fakes import MODEL, FakeReplica, chat_chunk, gateway_settings, sse
 
 TOKEN = "sluice-admin-token-leaks-0123"
 TOKEN_HEX = hashlib.sha256(TOKEN.encode()).hexdigest()
@@ -96,3 +101,81 @@ async def test_readyz_on_the_public_listener_of_a_separate_admin_listener_is_min
 
 def test_server_header_setting_defaults_to_sluice() -> None:
     assert ServerSettings().server_header == "sluice"
+
+
+def _dies_mid_stream() -> Any:
+    """A replica handler that sends one chunk of a stream, then drops the connection."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(sse(chat_chunk("Hel")))
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+    return handler
+
+
+async def test_a_cut_stream_tells_the_openai_sdk_a_fixed_message_and_the_log_the_cause(
+    start_replica: StartReplica, start_gateway: StartGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SSE error event names the replica and what happened, never aiohttp's exception text;
+    the operator's log line has it."""
+    _, url = await start_replica(FakeReplica(handler=_dies_mid_stream()))
+    gw = await start_gateway({"r1": url})
+    client = openai.AsyncOpenAI(api_key="unused", base_url=str(gw.client.make_url("/v1")), max_retries=0)
+
+    async def read_all() -> None:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        async for _ in stream:
+            pass
+
+    with caplog.at_level(logging.WARNING, logger="sluice.errors"), pytest.raises(openai.APIError) as caught:
+        await read_all()
+
+    assert caught.value.message == "replica r1 failed mid-stream"
+    assert caught.value.body == {
+        "message": "replica r1 failed mid-stream",
+        "type": "upstream_error",
+        "param": None,
+        "code": "upstream_error",
+    }
+    (line,) = [r.getMessage() for r in caplog.records if "failed mid-stream" in r.getMessage()]
+    assert "replica r1 failed mid-stream (Client" in line
+
+
+async def test_a_huge_model_name_is_clipped_in_the_404_and_in_the_logs(
+    start_gateway: StartGateway, replica_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 1 MB model name: the 404 quotes its first 256 characters with a marker; no log line or
+    access field holds more."""
+    gw = await start_gateway({"r1": replica_url})
+    client = openai.AsyncOpenAI(api_key="unused", base_url=str(gw.client.make_url("/v1")), max_retries=0)
+    name = "m" * 1_000_000
+
+    with caplog.at_level(logging.DEBUG), pytest.raises(openai.NotFoundError) as caught:
+        await client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}])
+
+    body = caught.value.body
+    assert isinstance(body, dict)
+    message = body["message"]
+    assert message == f"the model `{'m' * ECHO_LIMIT}…[+{1_000_000 - ECHO_LIMIT} chars]` does not exist"
+    assert caught.value.param == "model"
+    (access,) = [r for r in caplog.records if r.name == logs.ACCESS_LOGGER]
+    assert access.fields["model"] == clip(name)  # type: ignore[attr-defined]
+    assert max(len(r.getMessage()) for r in caplog.records if r.name.startswith("sluice")) < 4 * ECHO_LIMIT
+
+
+@pytest.mark.parametrize(
+    ("value", "limit", "clipped"),
+    [
+        pytest.param("abc", 3, "abc", id="at-the-limit"),
+        pytest.param("abcd", 3, "abc…[+1 chars]", id="one-over"),
+        pytest.param("", 3, "", id="empty"),
+    ],
+)
+def test_clip(value: str, limit: int, clipped: str) -> None:
+    assert clip(value, limit) == clipped

@@ -333,7 +333,10 @@ async def test_fail_closed_storage_down_is_503(start_tenant_gateway: StartTenant
 
     assert resp.status == 503
     assert resp.headers["Retry-After"] == "1"
-    assert (await resp.json())["error"]["code"] == "rate_limit_unavailable"
+    error = (await resp.json())["error"]
+    assert error["code"] == "rate_limit_unavailable"
+    # A fixed message: never the Redis client's exception text.
+    assert error["message"] == "the tenants' rate-limit storage is unavailable; retry later"
     assert stats.fail_closed_total == 1
     assert gw.replica.seen == []
 
