@@ -223,15 +223,19 @@ class AdmissionEngine:
         choices: int = 1,
         min_tokens: int = 0,
         ignore_eos: bool = False,
+        fewest_prompt_tokens: int | None = None,
     ) -> AdmissionRequest:
         """The request sized for admission: its output predicted at the service's quantile,
         capped by ``max_tokens`` (the cap itself, at quantile 1, when the prediction fails), and
         never below what it is sure to produce (``min_tokens``; with ``ignore_eos`` its whole cap,
         the rest of the route's largest context when ``max_tokens`` is absent: ``sure_output``).
-        ``choices``: the sequences it decodes (the body's ``n``; its budget pays for each)."""
+        ``choices``: the sequences it decodes (the body's ``n``; its budget pays for each).
+        The output is predicted for ``tenant`` (``PredictionService.expected_output``).
+        ``fewest_prompt_tokens``: the lowest plausible prompt size when ``prompt_tokens`` is an
+        estimate (``None``: exact)."""
         model, _ = split_route(route)
         try:
-            output, quantile = self._predictions.expected_output(model, None, max_tokens)
+            output, quantile = self._predictions.expected_output(model, tenant, max_tokens)
         except Exception:
             self._log.exception("output-length prediction failed; assuming the output cap")
             output, quantile = float(max_tokens or 256), 1.0
@@ -251,6 +255,7 @@ class AdmissionEngine:
             deadline_s=deadline_s,
             tenant=tenant,
             choices=choices,
+            fewest_prompt_tokens=fewest_prompt_tokens,
         )
 
     def submit(
@@ -374,7 +379,7 @@ class AdmissionEngine:
             self._predictions.on_finished(
                 replica=sent.replica,
                 model=model,
-                tenant=None,
+                tenant=sent.request.tenant,
                 prompt_chars=ending.prompt_chars,
                 prompt_tokens=ending.prompt_tokens,
                 completion_tokens=ending.produced_tokens,

@@ -57,7 +57,7 @@ from gateway.admission.live_queue import CallLater, LiveQueue, Watch
 from gateway.admission.ports import AdmissionReplica, route_of
 from gateway.admission.results import Ending, Resolution, Saturated, UnknownModel, labels
 from gateway.admission.retry_after import RefusalReason
-from gateway.admission.sizing import estimated_prompt_tokens
+from gateway.admission.sizing import estimated_prompt_size
 from gateway.api.openai import MAX_TOKENS_LIMIT, ParsedRequest
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
@@ -305,10 +305,12 @@ class LiveAdmission:
         except InvalidHeader as err:
             raise InvalidRequest(err.message, param=header) from None
         route = route_of(parsed.model, parsed.engine)
+        size = estimated_prompt_size(request, self._service, parsed, tenant_name)
         areq = self.engine.request(
             outcome.request_id,
             route,
-            prompt_tokens=estimated_prompt_tokens(request, self._service, parsed),
+            prompt_tokens=size.tokens,
+            fewest_prompt_tokens=None if size.exact else size.fewest,
             max_tokens=parsed.max_tokens,
             request_class=choice.name,
             arrival_s=arrival,

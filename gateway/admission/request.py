@@ -26,6 +26,9 @@ class AdmissionRequest:
     ``cached_prompt_tokens``: prompt tokens expected to hit the prefix cache. ``tenant``: whose
     request it is (``None``: nobody's). ``choices`` (>= 1): the sequences it decodes (the body's
     ``n``); only the tenant's budget prices them (``gateway.admission.budget``).
+    ``fewest_prompt_tokens`` (1 <= it <= ``prompt_tokens``): the lowest plausible prompt size when
+    ``prompt_tokens`` is an estimate (``None``: it is exact); whether a replica can hold the
+    request at all is judged on it, so an estimate alone never refuses it as too long.
     """
 
     request_id: str
@@ -39,8 +42,10 @@ class AdmissionRequest:
     cached_prompt_tokens: int = 0
     tenant: str | None = None
     choices: int = 1
+    fewest_prompt_tokens: int | None = None
     _candidate: CandidateRequest | None = field(default=None, init=False, repr=False, compare=False)
-    #: Smallest ``max_model_len`` and KV capacity (tokens) a replica needs to hold it at all.
+    #: Smallest ``max_model_len`` and KV capacity (tokens) a replica needs to hold it at all, at
+    #: its fewest plausible prompt tokens.
     min_model_len: int = field(default=0, init=False, repr=False, compare=False)
     min_kv_tokens: float = field(default=0.0, init=False, repr=False, compare=False)
 
@@ -49,6 +54,9 @@ class AdmissionRequest:
             raise ValueError(f"prompt_tokens must be >= 1, got {self.prompt_tokens}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+        fewest = self.fewest_prompt_tokens
+        if fewest is not None and not 1 <= fewest <= self.prompt_tokens:
+            raise ValueError(f"fewest_prompt_tokens must be in [1, prompt_tokens], got {fewest}")
         if not (math.isfinite(self.expected_output_tokens) and self.expected_output_tokens >= 0):
             raise ValueError(
                 f"expected_output_tokens must be finite and >= 0, got {self.expected_output_tokens}"
@@ -58,8 +66,9 @@ class AdmissionRequest:
             object.__setattr__(self, "_candidate", self._build(self.max_tokens))
             output = min(output, float(self.max_tokens))
         # A missing cap is the engine's default (the rest of the context): at least one token.
-        object.__setattr__(self, "min_model_len", self.prompt_tokens + (self.max_tokens or 1))
-        object.__setattr__(self, "min_kv_tokens", self.prompt_tokens + max(1.0, output))
+        prompt = self.prompt_tokens if fewest is None else fewest
+        object.__setattr__(self, "min_model_len", prompt + (self.max_tokens or 1))
+        object.__setattr__(self, "min_kv_tokens", prompt + max(1.0, output))
 
     def _build(self, max_tokens: int) -> CandidateRequest:
         return CandidateRequest(
@@ -71,7 +80,22 @@ class AdmissionRequest:
         )
 
     def candidate(self, max_model_len: int) -> CandidateRequest:
-        """The predictor's view of it on a replica with ``max_model_len`` (which fills a missing cap)."""
+        """The predictor's view of it on a replica with ``max_model_len`` (which fills a missing cap).
+        An estimated prompt too long for the replica, whose fewest plausible tokens fit, is
+        forecast at the longest prompt the replica would take (what it is if the engine takes it)."""
+        fewest = self.fewest_prompt_tokens
+        if (
+            fewest is not None
+            and self.prompt_tokens + (self.max_tokens or 1) > max_model_len >= self.min_model_len
+        ):
+            prompt = max_model_len - (self.max_tokens or 1)
+            return CandidateRequest(
+                prompt,
+                self.max_tokens or 1,
+                self.expected_output_tokens,
+                self.output_quantile,
+                min(self.cached_prompt_tokens, prompt),
+            )
         if self._candidate is not None:
             return self._candidate
         return self._build(max(1, max_model_len - self.prompt_tokens))
@@ -81,7 +105,8 @@ class AdmissionRequest:
         return self.max_tokens if self.max_tokens is not None else max(1, max_model_len - self.prompt_tokens)
 
     def fits(self, max_model_len: int, kv_capacity_tokens: int) -> bool:
-        """Whether a replica with these limits can hold it at all (else the engine answers 400)."""
+        """Whether a replica with these limits can hold it at all (else the engine answers 400), at
+        its fewest plausible prompt tokens."""
         return max_model_len >= self.min_model_len and kv_capacity_tokens >= self.min_kv_tokens
 
     def first_token_deadline_s(self, cls: ClassSettings) -> float:

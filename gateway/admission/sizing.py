@@ -1,46 +1,78 @@
 """A request's prompt size, estimated once per request and carried on it.
 
-``estimated_prompt_tokens(request, service, parsed)`` is the one estimate: exact when the prompt
-was sent as token ids, else its characters at the prediction service's learned characters per
-token (4 when the service fails), at least 1. The first caller (the tenancy middleware, when a
-tenant has a budget; admission otherwise) pays and stores it on the request (``PROMPT_TOKENS``);
-every later caller on the same request, admission's forecast and the in-flight entry the proxy
-leases, reads the same number, so the budget is charged for the prompt admission judged.
+``estimated_prompt_size(request, service, parsed, tenant)`` is the one estimate: exact when the
+prompt was sent as token ids, else its characters at the tenant's learned characters per token
+(``PredictionService.estimate_prompt_tokens``: the tenant's own ratio, blended with a fleet prior
+no other single tenant decides; 4 characters per token when the service fails), at least 1. With
+it comes the lowest plausible count (``PromptSize.fewest``), the only size a prompt may be refused
+as too long on: an estimate alone never refuses it. The first caller pays and stores it on the
+request (``PROMPT_SIZE``); every later caller on the same request, admission's forecast and the
+in-flight entry the proxy leases, reads the same numbers, so the budget is charged for the prompt
+admission judged.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import dataclass
+from typing import Final
 
 from aiohttp import web
 
 from gateway.api.openai import ParsedRequest
 from gateway.prediction.service import PredictionService
 
-__all__ = ["PROMPT_TOKENS", "estimated_prompt_tokens", "prompt_tokens_of"]
+__all__ = ["PROMPT_SIZE", "PromptSize", "estimated_prompt_size", "prompt_size_of"]
 
 log = logging.getLogger("sluice.sizing")
 
-#: The request's prompt tokens as estimated by its first ``estimated_prompt_tokens`` call.
-PROMPT_TOKENS = web.RequestKey("prompt_tokens", int)
+#: Characters per token when the prediction service fails: its prior, and its highest plausible.
+_FALLBACK_CHARS_PER_TOKEN: Final = 4
+_FALLBACK_MOST_CHARS_PER_TOKEN: Final = 16
 
 
-def prompt_tokens_of(service: PredictionService, parsed: ParsedRequest) -> int:
-    """Prompt tokens of ``parsed`` (>= 1): exact for token-id prompts, else its characters at the
-    service's learned ratio for its model; 4 characters per token when the service raises."""
+@dataclass(frozen=True, slots=True)
+class PromptSize:
+    """A prompt's size in tokens. ``tokens`` (>= 1): counted or estimated, what the request is
+    forecast and reserved with. ``fewest`` (1 <= fewest <= tokens): the lowest plausible count,
+    ``tokens`` itself when ``exact``. ``exact``: counted (token ids), not estimated."""
+
+    tokens: int
+    fewest: int
+    exact: bool
+
+
+#: The request's prompt size as estimated by its first ``estimated_prompt_size`` call.
+PROMPT_SIZE = web.RequestKey("prompt_size", PromptSize)
+
+
+def prompt_size_of(
+    service: PredictionService, parsed: ParsedRequest, tenant: str | None = None
+) -> PromptSize:
+    """The size of ``parsed``'s prompt: exact for token-id prompts, else its characters at
+    ``tenant``'s learned ratio for its model (``None``: requests of no tenant), with the lowest
+    plausible count; 4 (and at most 16) characters per token when the service raises."""
     if parsed.prompt_token_ids is not None:
-        return max(parsed.prompt_token_ids, 1)
+        exact = max(parsed.prompt_token_ids, 1)
+        return PromptSize(exact, exact, True)
+    chars = max(parsed.prompt_chars, 0)
     try:
-        return max(service.estimate_prompt_tokens(parsed.model, parsed.prompt_chars), 1)
+        tokens = max(service.estimate_prompt_tokens(parsed.model, chars, tenant), 1)
+        fewest = service.fewest_prompt_tokens(chars)
     except Exception:
         log.exception("prompt-token estimate failed; using 4 characters per token")
-        return max(parsed.prompt_chars // 4, 1)
+        tokens = max(chars // _FALLBACK_CHARS_PER_TOKEN, 1)
+        fewest = math.ceil(chars / _FALLBACK_MOST_CHARS_PER_TOKEN)
+    return PromptSize(tokens, min(max(fewest, 1), tokens), False)
 
 
-def estimated_prompt_tokens(request: web.Request, service: PredictionService, parsed: ParsedRequest) -> int:
-    """``prompt_tokens_of(service, parsed)``, computed on the first call for ``request`` and read
-    back from it (``PROMPT_TOKENS``) on every later one."""
-    tokens = request.get(PROMPT_TOKENS)
-    if tokens is None:
-        tokens = request[PROMPT_TOKENS] = prompt_tokens_of(service, parsed)
-    return tokens
+def estimated_prompt_size(
+    request: web.Request, service: PredictionService, parsed: ParsedRequest, tenant: str | None = None
+) -> PromptSize:
+    """``prompt_size_of(service, parsed, tenant)``, computed on the first call for ``request`` and
+    read back from it (``PROMPT_SIZE``) on every later one."""
+    size = request.get(PROMPT_SIZE)
+    if size is None:
+        size = request[PROMPT_SIZE] = prompt_size_of(service, parsed, tenant)
+    return size

@@ -152,7 +152,7 @@ class SloAdmitter:
                 RejectReason.PROMPT_TOO_LARGE,
                 None,
                 None,
-                f"{request.prompt_tokens} prompt tokens (plus the output cap) exceed every replica's "
+                f"{_prompt_size(request)} prompt tokens (plus the output cap) exceed every replica's "
                 "context length or KV cache",
                 Blocker.PROMPT_SIZE,
             )
@@ -356,3 +356,9 @@ class SloAdmitter:
         assert c.slacks is not None
         i = min(slots, key=c.slacks.__getitem__)
         return _SLOTS[i]
+
+
+def _prompt_size(request: AdmissionRequest) -> str:
+    """The prompt size a too-long refusal names: its count, or "at least" its fewest plausible."""
+    fewest = request.fewest_prompt_tokens
+    return str(request.prompt_tokens) if fewest is None else f"at least {fewest}"

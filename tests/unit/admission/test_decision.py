@@ -558,6 +558,35 @@ def test_prompt_too_large(
         assert decision.replica == expected
 
 
+@pytest.mark.parametrize(
+    ("fewest", "expected"),
+    [
+        pytest.param(None, "reject", id="counted-over-the-context"),
+        pytest.param(1_500, "admit", id="estimated-over-the-context-but-may-fit"),
+        pytest.param(8_000, "reject", id="even-the-fewest-plausible-over"),
+    ],
+)
+def test_an_estimate_alone_never_refuses_a_prompt_as_too_long(fewest: int | None, expected: str) -> None:
+    """A prompt estimated at 24,000 tokens on an 8,192-token replica: refused only when exact or
+    when even its fewest plausible tokens (plus the cap) do not fit; the refusal names the size."""
+    estimated = replace(request(24_000, max_tokens=256), fewest_prompt_tokens=fewest)
+    decision = admitter(LOOSE_TTFT).decide(estimated, [view("a", state(max_len=8192))], NOW)
+    if expected == "admit":
+        assert decision.admits
+        assert decision.replica == "a"
+        return
+    assert isinstance(decision, Reject)
+    assert (decision.reason, decision.retry_after) == (RejectReason.PROMPT_TOO_LARGE, None)
+    assert decision.message.startswith(
+        "24000 prompt tokens" if fewest is None else f"at least {fewest} prompt"
+    )
+
+
+def test_the_fewest_plausible_prompt_tokens_must_be_within_the_estimate() -> None:
+    with pytest.raises(ValueError, match="fewest_prompt_tokens"):
+        replace(request(500), fewest_prompt_tokens=501)
+
+
 def test_no_healthy_replica_gets_a_jittered_retry() -> None:
     decision = decide([view("a", state(), healthy=False), view("b", state(), healthy=False)])
     assert isinstance(decision, Reject)

@@ -1,7 +1,7 @@
 """``reserved_output``: the output a tenant's reservation holds for a request the engine sized is
 the prediction a forecast of it would assume (``Forecast.output_tokens_used``), capped by
 ``max_tokens``, times its choices, with a cap or without, before and after the service learned
-output lengths (the live gateway learns them per model: ``AdmissionEngine`` teaches no tenant)."""
+output lengths (per tenant, with the model's fleet prior for a tenant that has too few)."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def test_the_charge_is_the_forecasts_output(
     request = parsed(max_tokens, n)
     for prompt in (1, 50, 3000):
         got = reserved(service, request, prompt)
-        assert got == forecast_based(service, request, None, prompt)
+        assert got == forecast_based(service, request, "acme", prompt)
         assert got >= n
         if max_tokens is not None:
             assert got <= max_tokens * n
@@ -108,9 +108,9 @@ def test_a_newly_learned_length_changes_the_charge_at_once() -> None:
     """The memoised prediction follows what the service learns (no stale charge)."""
     service = PredictionService()
     request = parsed(1000)
-    learn(service, None, [900] * 60)
+    learn(service, "acme", [900] * 60)
     long = reserved(service, request, 10)
-    learn(service, None, [5] * 400)
+    learn(service, "acme", [5] * 400)
     short = reserved(service, request, 10)
     assert short < long
-    assert short == forecast_based(service, request, None, 10)
+    assert short == forecast_based(service, request, "acme", 10)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.admission.sizing import prompt_tokens_of
+from gateway.admission.sizing import PromptSize, prompt_size_of
 from gateway.api.openai import ParsedRequest
 from gateway.prediction.service import PredictionService
 from tests.unit.tenancy.conftest import COMPLETION, KEY_A, KEY_B, Scripted, StartTenantGateway
@@ -22,12 +22,12 @@ TEXT = {**COMPLETION, "prompt": "Say something short. " * 4}
 async def test_the_prompt_is_sized_once_per_request(
     start_tenant_gateway: StartTenantGateway, monkeypatch: pytest.MonkeyPatch, key: str
 ) -> None:
-    calls: list[tuple[str, int]] = []
+    calls: list[tuple[str, int, str | None]] = []
     estimate = PredictionService.estimate_prompt_tokens
 
-    def counted(self: PredictionService, model: str, prompt_chars: int) -> int:
-        calls.append((model, prompt_chars))
-        return estimate(self, model, prompt_chars)
+    def counted(self: PredictionService, model: str, prompt_chars: int, tenant: str | None = None) -> int:
+        calls.append((model, prompt_chars, tenant))
+        return estimate(self, model, prompt_chars, tenant)
 
     monkeypatch.setattr(PredictionService, "estimate_prompt_tokens", counted)
     gw = await start_tenant_gateway(Scripted().answer)
@@ -38,10 +38,11 @@ async def test_the_prompt_is_sized_once_per_request(
         assert resp.status == 200
 
     assert len(calls) == 3, calls
+    assert {tenant for _, _, tenant in calls} == {"team-a" if key == KEY_A else "team-b"}
 
 
 class _Failing:
-    def estimate_prompt_tokens(self, model: str, prompt_chars: int) -> int:
+    def estimate_prompt_tokens(self, model: str, prompt_chars: int, tenant: str | None = None) -> int:
         raise RuntimeError("broken")
 
 
@@ -50,12 +51,28 @@ def _parsed(**fields: Any) -> ParsedRequest:
 
 
 @pytest.mark.parametrize(
-    ("parsed", "tokens"),
+    ("parsed", "size"),
     [
-        pytest.param(_parsed(prompt_chars=400, prompt_token_ids=37), 37, id="token-ids-exact"),
-        pytest.param(_parsed(prompt_chars=0, prompt_token_ids=0), 1, id="at-least-one"),
-        pytest.param(_parsed(prompt_chars=400), 100, id="service-fails-4-chars-per-token"),
+        pytest.param(
+            _parsed(prompt_chars=400, prompt_token_ids=37), PromptSize(37, 37, True), id="token-ids-exact"
+        ),
+        pytest.param(_parsed(prompt_chars=0, prompt_token_ids=0), PromptSize(1, 1, True), id="at-least-one"),
+        pytest.param(
+            _parsed(prompt_chars=400), PromptSize(100, 25, False), id="service-fails-4-chars-per-token"
+        ),
     ],
 )
-def test_prompt_tokens_of(parsed: ParsedRequest, tokens: int) -> None:
-    assert prompt_tokens_of(_Failing(), parsed) == tokens  # type: ignore[arg-type]
+def test_prompt_size_of(parsed: ParsedRequest, size: PromptSize) -> None:
+    assert prompt_size_of(_Failing(), parsed) == size  # type: ignore[arg-type]
+
+
+def test_a_prompt_is_sized_at_its_own_tenants_ratio() -> None:
+    service = PredictionService()
+    for _ in range(20):
+        service.on_finished(
+            replica="r", model="m", tenant="dense", prompt_chars=4000, prompt_tokens=2000, completion_tokens=1
+        )
+    parsed = _parsed(prompt_chars=12_000)
+    assert prompt_size_of(service, parsed, "dense") == PromptSize(6000, 750, False)
+    # Another tenant's first prompt: the fleet prior, the median of "dense" (2) and the prior (4).
+    assert prompt_size_of(service, parsed, "newcomer") == PromptSize(4000, 750, False)
