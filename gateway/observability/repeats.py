@@ -5,9 +5,9 @@ says nothing new after its first line. ``RepeatFilter`` lets the first record of
 and opens a window of ``window_s`` seconds for that key; the key's further records in the window
 are counted, not written; when the window closes, one line reports them (the last one's message
 plus ``(repeated N times in the last W s)``, or ``(and N more like it ...)`` for a keyed line;
-no traceback) and, if any were counted, a new window opens, so a
-flood that lasts writes one line per window. A key with nothing counted in its window is quiet
-again: its next record passes at once.
+no traceback) and, if any were counted, a new window opens, so a flood that lasts writes one
+line per window. A key with nothing counted in its window is quiet again: its next record passes
+at once.
 
 A record's key is its logger, level and formatted message (identical lines), or, for records
 made with ``extra=repeat_key(...)`` (lines that differ only by a request id), its logger, level

@@ -325,11 +325,13 @@ async def test_fail_closed_refuses_until_redis_returns(own_redis: RedisServer) -
         await limiter.close()
 
 
+@pytest.mark.parametrize("outage", ["killed", "hung"])
 async def test_fail_closed_service_returns_within_a_second_of_redis_answering(
-    own_redis: RedisServer,
+    own_redis: RedisServer, outage: str
 ) -> None:
     """The production probe interval (0.25 s), no request traffic during the outage: the
-    background PING alone finds the restarted Redis. Requests meanwhile fail at once."""
+    background PING alone finds Redis back, restarted on its port (killed) or resumed after a
+    SIGSTOP (hung: connections accepted, nothing answered). Requests meanwhile fail at once."""
     stats = LimiterStats()
     redis = redis_limiter(own_redis, 0.2, stats)  # 0.2 s: a busy machine's first connect fits
     limiter = FailoverLimiter(
@@ -337,7 +339,10 @@ async def test_fail_closed_service_returns_within_a_second_of_redis_answering(
     )
     try:
         await limiter.reserve("acme", cost_tokens=1, limits=LIMITS, request_id="before")
-        own_redis.kill()
+        if outage == "killed":
+            own_redis.kill()
+        else:
+            own_redis.pause()
         with pytest.raises(LimiterUnavailable):
             await limiter.reserve("acme", cost_tokens=1, limits=LIMITS, request_id="marks-down")
         assert stats.degraded
@@ -348,7 +353,10 @@ async def test_fail_closed_service_returns_within_a_second_of_redis_answering(
         assert time.monotonic() - start < scaled(0.2), "refusals never wait on the dead connection"
         await asyncio.sleep(1.0)  # a few probes fail
         assert limiter.probes_total >= 2
-        await asyncio.to_thread(own_redis.start)  # returns once it answers PING
+        if outage == "killed":
+            await asyncio.to_thread(own_redis.start)  # returns once it answers PING
+        else:
+            own_redis.resume()
         await wait_until(lambda: not stats.degraded, "service back within 1 s", timeout_s=scaled(1.0))
         resumed = await limiter.reserve("acme", cost_tokens=1, limits=LIMITS, request_id="after")
         assert resumed.origin == "redis"
