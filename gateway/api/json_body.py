@@ -17,6 +17,8 @@ import json
 import math
 from typing import Any, Final
 
+from pydantic_core import ErrorDetails
+
 from gateway.http.echo import clip
 from gateway.http.errors import InvalidRequest
 
@@ -25,6 +27,7 @@ __all__ = [
     "NOT_AN_OBJECT",
     "UNSUPPORTED_MEDIA_TYPE",
     "check_content_type",
+    "field_problem",
     "load_object",
 ]
 
@@ -140,3 +143,47 @@ def _path_to_mark(root: object) -> list[str]:
             nodes.append((child, index, key))
             stack.append(len(nodes) - 1)
     return []
+
+
+#: What a field's value must be, by pydantic's error type: the gateway's own words, so that a 400
+#: never carries a library's wording (which changes between releases).
+_MUST_BE: Final[dict[str, str]] = {
+    "bool_type": "must be true or false",
+    "bool_parsing": "must be true or false",
+    "int_type": "must be an integer",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer",
+    "string_type": "must be a string",
+    "list_type": "must be a list",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+}
+#: Bounds, by pydantic's error type: the wording and the ``ctx`` key holding the schema's bound.
+_BOUNDS: Final[dict[str, tuple[str, str]]] = {
+    "greater_than_equal": ("must be at least", "ge"),
+    "greater_than": ("must be more than", "gt"),
+    "less_than_equal": ("must be at most", "le"),
+    "less_than": ("must be less than", "lt"),
+    "string_too_short": ("must have at least this many characters:", "min_length"),
+    "too_short": ("must have at least this many items:", "min_length"),
+}
+
+
+def field_problem(error: ErrorDetails) -> str:
+    """What is wrong with one field, in fixed words, from one of pydantic's ``errors()``: ``field
+    required``, ``must be an integer``, ``must be at least 1``, ``must not be empty``...; ``has an
+    invalid value`` for any other kind. The bounds quoted are the schema's, never the value sent."""
+    kind = error["type"]
+    if kind == "missing":
+        return "field required"
+    if kind in _MUST_BE:
+        return _MUST_BE[kind]
+    bound = _BOUNDS.get(kind)
+    ctx = error.get("ctx") or {}
+    if bound is not None and bound[1] in ctx:
+        words, key = bound
+        if key == "min_length" and ctx[key] == 1:
+            return "must not be empty"
+        return f"{words} {ctx[key]}"
+    return "has an invalid value"

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from gateway.api.json_body import check_content_type, load_object
+from gateway.api.json_body import check_content_type, field_problem, load_object
 from gateway.api.tgi import TGI_ENGINE, json_bytes, parse_generate, upstream_generate_body
 from gateway.http.echo import clip
 from gateway.http.errors import BodyTooLarge, ClientClosedRequest, InvalidRequest, ModelNotFound
@@ -356,7 +356,7 @@ def _invalid_from(exc: ValidationError) -> InvalidRequest:
     loc = [str(part) for part in first["loc"]]
     field = loc[0] if loc else None
     path = ".".join(loc)
-    message = "field required" if first["type"] == "missing" else first["msg"]
+    message = field_problem(first)
     if field == "prompt" and first["type"] != "missing":
         # A union reports one error per member; name the accepted shapes instead.
         path = "prompt"

@@ -30,7 +30,7 @@ from typing import Annotated, Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from gateway.api.json_body import load_object
+from gateway.api.json_body import field_problem, load_object
 from gateway.http.errors import InvalidRequest
 
 #: TGI's default output cap when ``parameters.max_new_tokens`` is absent (``default_max_new_tokens``).
@@ -103,7 +103,7 @@ def parse_generate(raw: bytes, *, streaming_route: bool) -> tuple[dict[str, Any]
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         loc = ".".join(str(part) for part in first["loc"])
-        message = "field required" if first["type"] == "missing" else first["msg"]
+        message = field_problem(first)
         raise InvalidRequest(f"{loc}: {message}", param=loc or None) from None
     stream = streaming_route or parsed.stream
     return body, parsed.parameters.max_new_tokens, stream, parsed.parameters.details

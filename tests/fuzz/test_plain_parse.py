@@ -158,8 +158,8 @@ def test_ordinary_bodies_take_the_fast_path() -> None:
 
 def test_a_declined_body_still_gets_the_schemas_answer() -> None:
     """Non-ASCII names and prompts go through the schema, which accepts them; broken fields get
-    the schema's 400 wording."""
+    the schema's 400 (in the gateway's words)."""
     parsed = parse_request("completions", json.dumps({"model": "modèle", "prompt": "héllo"}).encode())
     assert (parsed.model, parsed.prompt_chars) == ("modèle", 5)
-    with pytest.raises(Exception, match="max_tokens: Input should be greater than or equal to 1"):
+    with pytest.raises(Exception, match="max_tokens: must be at least 1"):
         parse_request("chat", json.dumps({"model": "m", "messages": [{}], "max_tokens": 0}).encode())

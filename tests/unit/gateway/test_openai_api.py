@@ -97,15 +97,43 @@ def test_each_prompt_is_a_sequence_of_its_own(endpoint: Any, fields: dict[str, A
         pytest.param("chat", b'"text"', "request body must be a JSON object", id="string-body"),
         pytest.param("chat", b'{"model": "m"}', "messages: field required", id="missing-messages"),
         pytest.param(
-            "chat", b'{"model": "", "messages": [{}]}', "model: String should have", id="empty-model"
+            "chat", b'{"model": "", "messages": [{}]}', "model: must not be empty", id="empty-model"
         ),
         pytest.param(
             "chat",
             b'{"model": "m", "messages": [{}], "stream_options": {"include_usage": "y"}}',
-            "stream_options.include_usage: Input should be a valid boolean",
+            "stream_options.include_usage: must be true or false",
             id="nested-path",
         ),
         pytest.param("completions", b'{"model": "m", "prompt": 5}', "prompt: must be", id="prompt-int"),
+        pytest.param("chat", b'{"model": 5, "messages": [{}]}', "model: must be a string", id="model-int"),
+        pytest.param(
+            "chat", b'{"model": "m", "messages": []}', "messages: must not be empty", id="no-messages"
+        ),
+        pytest.param(
+            "chat", b'{"model": "m", "messages": {}}', "messages: must be a list", id="messages-object"
+        ),
+        pytest.param(
+            "chat",
+            b'{"model": "m", "messages": [{}], "max_tokens": 0}',
+            "max_tokens: must be at least 1",
+            id="zero",
+        ),
+        pytest.param(
+            "chat", b'{"model": "m", "messages": [{}], "n": 129}', "n: must be at most 128", id="n-over-128"
+        ),
+        pytest.param(
+            "chat",
+            b'{"model": "m", "messages": [{}], "max_tokens": "9"}',
+            "max_tokens: must be an integer",
+            id="str",
+        ),
+        pytest.param(
+            "chat",
+            b'{"model": "m", "messages": [{}], "stream_options": 1}',
+            "stream_options: must be an object",
+            id="options-int",
+        ),
     ],
 )
 def test_invalid_requests_name_the_field(endpoint: Any, raw: bytes, message_start: str) -> None:
