@@ -17,18 +17,8 @@ from replay.forecasts import (
     RequestRecord,
     run_replay,
 )
-from replay.loop import (
-    Fleet,
-    FleetConfig,
-    GatewayPolicy,
-    GatewayRequest,
-    Outcome,
-    PromptText,
-    ReplicaHandle,
-    Targets,
-    VirtualTimeLoop,
-    gateway_requests,
-)
+from replay.loop import Fleet, GatewayPolicy, ReplicaHandle, VirtualTimeLoop
+from replay.requests import FleetConfig, GatewayRequest, Outcome, PromptText, Targets, gateway_requests
 from replay.traces import (
     AZURE_CONV_TRACE,
     MOONCAKE_CONV_TRACE,

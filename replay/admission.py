@@ -10,17 +10,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from replay.loop import (
-    Fleet,
-    FleetConfig,
-    GatewayPolicy,
-    GatewayRequest,
-    Outcome,
-    ReplicaHandle,
-    Targets,
-    VirtualTimeLoop,
-    gateway_requests,
-)
+from replay.loop import Fleet, GatewayPolicy, ReplicaHandle, VirtualTimeLoop
+from replay.requests import FleetConfig, GatewayRequest, Outcome, Targets, gateway_requests
 from replay.traces import TraceRequest
 
 __all__ = [

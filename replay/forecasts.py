@@ -18,7 +18,8 @@ from gateway.prediction import PredictionConfig, PredictionService, ReplicaFacts
 from gateway.replicas.scrape import DEFAULT_WINDOW_S
 from predictor import FitReport, Forecast
 from replay.emulated import EmulatedReplica
-from replay.loop import Fleet, FleetConfig, GatewayRequest, IdleHooks, VirtualTimeLoop, gateway_requests
+from replay.loop import Fleet, IdleHooks, VirtualTimeLoop
+from replay.requests import FleetConfig, GatewayRequest, gateway_requests
 from replay.traces import TraceRequest
 from simulator.engine import FinishedRequestStats
 from simulator.profile import Profile

@@ -50,7 +50,8 @@ from gateway.limits.base import TenantLimits
 from gateway.prediction import PredictionConfig, PredictionService
 from gateway.replicas.registry import LiveRequest
 from replay.budget import DEFAULT_WEIGHTS, MemoryBudget
-from replay.loop import Fleet, GatewayRequest, IdleHooks, ReplicaHandle
+from replay.loop import Fleet, IdleHooks, ReplicaHandle
+from replay.requests import GatewayRequest
 from simulator.engine import FinishedRequestStats
 
 __all__ = [

@@ -42,8 +42,9 @@ from gateway.replicas.scraper import MetricsScraper
 from gateway.replicas.snapshot import ReplicaSnapshot
 from gateway.tenants.live import TENANT
 from replay.budget import DEFAULT_WEIGHTS
-from replay.loop import FleetConfig, GatewayRequest, VirtualTimeLoop
+from replay.loop import VirtualTimeLoop
 from replay.policies import SluicePolicy
+from replay.requests import FleetConfig, GatewayRequest
 from simulator.engine import FinishedRequestStats
 from simulator.profile import load_profile
 from tests.unit.gateway.fakes import gateway_settings

@@ -26,8 +26,8 @@ from gateway.prediction.service_config import PredictionConfig
 from predictor import Forecast
 from predictor.correction import CorrectionConfig
 from replay import FleetConfig, Outcome, Targets, TraceRequest, run_gateway_replay
-from replay.loop import GatewayRequest
 from replay.policies import SluicePolicy
+from replay.requests import GatewayRequest
 from simulator.apiserver import ApiServerCosts
 from simulator.profile import load_profile
 

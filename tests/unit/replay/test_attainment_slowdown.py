@@ -24,8 +24,9 @@ from gateway.admission import AdmissionSettings
 from gateway.prediction import PredictionConfig
 from predictor.correction import CorrectionConfig
 from replay import FleetConfig, Outcome, Targets, TraceRequest, run_gateway_replay
-from replay.loop import Fleet, GatewayRequest
+from replay.loop import Fleet
 from replay.policies import SluicePolicy
+from replay.requests import GatewayRequest
 from simulator.costmodel import CostModel, StepShape
 from simulator.profile import load_profile
 

@@ -7,15 +7,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.prediction import ReplicaFacts
-from replay.loop import (
-    Fleet,
-    FleetConfig,
-    GatewayRequest,
-    IdleHooks,
-    Outcome,
-    VirtualTimeLoop,
-    gateway_requests,
-)
+from replay.loop import Fleet, IdleHooks, VirtualTimeLoop
+from replay.requests import FleetConfig, GatewayRequest, Outcome, gateway_requests
 from replay.traces import TraceRequest
 from simulator.apiserver import ApiServerCosts
 from simulator.costmodel import CostModel, StepShape
