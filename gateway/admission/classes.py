@@ -42,12 +42,17 @@ class ClassChoice:
 
 
 class InvalidHeader(ValueError):
-    """A steering header whose value cannot be read; the caller answers 400 with ``message``."""
+    """A steering header whose value cannot be read; the caller answers 400 with ``message``,
+    which quotes at most the value's first ``QUOTED_CHARS`` characters."""
+
+    #: Characters of the value quoted in ``message`` (a header may hold 8 KiB).
+    QUOTED_CHARS: Final = 64
 
     def __init__(self, header: str, value: str, message: str) -> None:
         self.header = header
         self.value = value
-        self.message = f"invalid {header} header {value!r}: {message}"
+        quoted = value if len(value) <= self.QUOTED_CHARS else f"{value[: self.QUOTED_CHARS]}…"
+        self.message = f"invalid {header} header {quoted!r}: {message}"
         super().__init__(self.message)
 
 

@@ -71,6 +71,13 @@ def test_unreadable_deadline_header_is_an_error(value: str) -> None:
     )
 
 
+def test_a_long_unreadable_deadline_header_is_quoted_clipped() -> None:
+    with pytest.raises(InvalidHeader) as info:
+        client_deadline_s(1000.0, "x" * 8000, header="x-sluice-deadline-ms")
+    quoted = repr("x" * 64 + "…")
+    assert info.value.message.startswith(f"invalid x-sluice-deadline-ms header {quoted}: expected")
+
+
 @pytest.mark.parametrize(
     ("deadline", "expected", "client_bound"),
     [
