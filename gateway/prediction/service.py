@@ -38,6 +38,7 @@ from predictor import (
     FitReport,
     Forecast,
     OutputLengthPredictor,
+    PromptTokenEstimate,
     PromptTokenEstimator,
     ReplicaState,
     StepCalibrator,
@@ -206,6 +207,13 @@ class PredictionService:
                 self._prompts_memo.clear()
             self._prompts_memo[key] = tokens
         return tokens
+
+    def prompt_estimate(
+        self, model: str, prompt_chars: int, tenant: str | None = None
+    ) -> PromptTokenEstimate:
+        """What ``estimate_prompt_tokens`` rests on: the tokens, the ratio used, the tenant's own
+        usage reports behind it and the fewest plausible tokens (for reports and tests)."""
+        return self._prompts.estimate(model, max(0, prompt_chars), tenant)
 
     def fewest_prompt_tokens(self, prompt_chars: int) -> int:
         """The lowest plausible token count of a prompt of ``prompt_chars`` characters (>= 1): all
