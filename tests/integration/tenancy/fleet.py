@@ -40,11 +40,12 @@ def sluice() -> list[str]:
 
 
 @contextlib.contextmanager
-def emulator(seed: int = 1) -> Iterator[str]:
-    """An emulated vLLM replica (``python -m simulator``) on a free port; yields its URL."""
+def emulator(seed: int = 1, profile: str = "llama3-8b-h100") -> Iterator[str]:
+    """An emulated vLLM replica (``python -m simulator``, ``profile``: a name or a path) on a
+    free port; yields its URL."""
     port = free_port()
     proc = Proc(
-        python_module("simulator", "--profile", "llama3-8b-h100", "--port", str(port), "--seed", str(seed)),
+        python_module("simulator", "--profile", profile, "--port", str(port), "--seed", str(seed)),
         name="emulator",
     )
     try:

@@ -1,0 +1,194 @@
+"""A tenant's token budget is a hard cap whatever its requests say (issue 33, point 1).
+
+Three ``sluice serve`` processes share one tenant's bucket in a real ``redis-server``, in front of
+an emulated vLLM replica whose model always talks long (every answer left to stop on its own is
+1,000 tokens; the gateway predicts 256). One tenant streams three kinds of request at once:
+
+* ``ignore_eos`` with ``max_tokens: 400``: sure to produce 400 tokens, so 400 are reserved;
+* ``ignore_eos`` without ``max_tokens`` (a chat completion, whose default cap is the context
+  left): sure to produce the whole context, more than the bucket can ever hold (refused, not
+  retryable) or, before the gateway has seen the replica's context, charged ahead as the next;
+* no ``ignore_eos``, ``max_tokens: 1000``: reserved at the prediction, then outrunning it, so
+  charged ahead step by step and stopped with an error event when the bucket refuses a step.
+
+What the clients received (prompt + 2 x output tokens: the pinned weights) in the window stays
+within the bound ``docs/tenants.md`` states: the bucket's capacity, its refill over the window,
+and one output token per stream stopped (the token that crossed the cover, settled, not relayed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from tests.integration.tenancy.fleet import KEY, PROMPT_TOKENS, emulator, gateway_config, gateways, model_of
+from tests.support.procs import ROOT, free_port
+from tests.support.redis import RedisNotInstalled, redis_server
+
+pytestmark = pytest.mark.timeout(240)
+
+GATEWAYS = 3
+#: 100 weighted tokens a second, 2,000 at once (the issue's tenant).
+TOKENS_PER_MINUTE = 6000.0
+TOKEN_BURST = 2000.0
+OUTPUT_WEIGHT = 2.0
+#: Every answer left to stop on its own is this long (the emulator's lognormal with sigma 0).
+TALK_TOKENS = 1000
+DURATION_S = 5.0
+WORKERS = 12
+#: (route, body fields) of each kind of request.
+KINDS: dict[str, tuple[str, dict[str, Any]]] = {
+    "ignore_eos": (
+        "/v1/completions",
+        {"prompt": [11] * PROMPT_TOKENS, "ignore_eos": True, "max_tokens": 400},
+    ),
+    "ignore_eos_uncapped": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True},
+    ),
+    "outruns": ("/v1/completions", {"prompt": [11] * PROMPT_TOKENS, "max_tokens": TALK_TOKENS}),
+}
+
+
+@pytest.fixture(scope="module")
+def long_talker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    profile = yaml.safe_load((ROOT / "config" / "profiles" / "llama3-8b-h100.yaml").read_text())
+    profile["output_lengths"] = {"distribution": "lognormal", "median_tokens": TALK_TOKENS, "sigma": 0.0}
+    path = tmp_path_factory.mktemp("profile") / "long-talker.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    with emulator(seed=7, profile=str(path)) as url:
+        yield url
+
+
+@dataclass
+class Streams:
+    """What the clients saw. ``consumed``: weighted tokens received (usage when the stream
+    completed, else the prompt and the token chunks received)."""
+
+    #: Each kind's prompt in tokens.
+    prompts: dict[str, int] = field(default_factory=dict)
+    started_at: float = 0.0
+    ended_at: float = 0.0
+    consumed: float = 0.0
+    statuses: Counter[tuple[str, int]] = field(default_factory=Counter)
+    #: Streams ended by an error event, by kind and error code.
+    stopped: Counter[tuple[str, str]] = field(default_factory=Counter)
+    #: Output tokens of completed streams, by kind.
+    completed: dict[str, list[int]] = field(default_factory=dict)
+
+
+async def prompt_tokens(replica: str, model: str) -> dict[str, int]:
+    """Each kind's prompt in tokens, as the replica itself counts it (asked directly)."""
+    sizes = {}
+    async with aiohttp.ClientSession() as session:
+        for kind, (route, fields) in KINDS.items():
+            body = {**fields, "model": model, "max_tokens": 1, "ignore_eos": False}
+            async with session.post(replica + route, json=body) as resp:
+                sizes[kind] = int((await resp.json())["usage"]["prompt_tokens"])
+    return sizes
+
+
+async def one_stream(session: aiohttp.ClientSession, url: str, model: str, kind: str, seen: Streams) -> int:
+    route, fields = KINDS[kind]
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, **fields}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    async with session.post(url + route, json=body, headers=headers) as resp:
+        seen.statuses[(kind, resp.status)] += 1
+        if resp.status != 200:
+            await resp.read()
+            return resp.status
+        tokens, usage, error = 0, None, None
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            payload = json.loads(line[len("data: ") :])
+            if "error" in payload:
+                error = payload["error"]
+            elif payload.get("usage"):
+                usage = payload["usage"]
+            elif payload.get("choices"):
+                tokens += 1
+    if usage is not None:
+        seen.consumed += usage["prompt_tokens"] + OUTPUT_WEIGHT * usage["completion_tokens"]
+        seen.completed.setdefault(kind, []).append(usage["completion_tokens"])
+    else:
+        # Every chunk with a choice counted as a token (a chat's role-only first one too).
+        seen.consumed += seen.prompts[kind] + OUTPUT_WEIGHT * tokens
+        seen.stopped[(kind, str((error or {}).get("code")))] += 1
+    return 200
+
+
+async def drive(urls: list[str], model: str, prompts: dict[str, int]) -> Streams:
+    seen = Streams(prompts=prompts)
+    kinds = list(KINDS)
+    timeout = aiohttp.ClientTimeout(total=120.0)
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=WORKERS), timeout=timeout
+    ) as session:
+        seen.started_at = time.monotonic()
+        stop_at = seen.started_at + DURATION_S
+
+        async def worker(index: int) -> None:
+            url, kind = urls[index % len(urls)], kinds[index % len(kinds)]
+            while time.monotonic() < stop_at:
+                if await one_stream(session, url, model, kind, seen) != 200:
+                    await asyncio.sleep(0.1)
+
+        await asyncio.gather(*(worker(i) for i in range(WORKERS)))
+        seen.ended_at = time.monotonic()
+    return seen
+
+
+async def test_ignore_eos_streams_on_three_gateways_stay_within_the_bound(
+    tmp_path: Path, long_talker: str
+) -> None:
+    tenant_limits = {"tokens_per_minute": TOKENS_PER_MINUTE, "token_burst": TOKEN_BURST}
+    try:
+        with redis_server(name="redis-hard-caps") as server:
+            # fail_closed: a slow Redis call is a 503, never a local bucket blurring the shared one.
+            limits = {
+                "backend": "redis",
+                "redis": {"url": server.url, "timeout_s": 2.0},
+                "on_storage_error": "fail_closed",
+                "expected_gateways": GATEWAYS,
+            }
+            configs = [
+                gateway_config(long_talker, free_port(), limits=limits, tenant_limits=tenant_limits)
+                for _ in range(GATEWAYS)
+            ]
+            with gateways(tmp_path, configs) as fleet:
+                urls = [g.url for g in fleet]
+                model = await model_of(urls[0])
+                seen = await drive(urls, model, await prompt_tokens(long_talker, model))
+                assert all(g.alive() for g in fleet)
+    except RedisNotInstalled as exc:
+        pytest.fail(str(exc))
+
+    window = seen.ended_at - seen.started_at
+    stopped = sum(seen.stopped.values())
+    bound = TOKEN_BURST + TOKENS_PER_MINUTE / 60.0 * window + OUTPUT_WEIGHT * stopped
+    assert {status for _, status in seen.statuses} <= {200, 429}, seen.statuses
+    assert seen.consumed <= bound, f"consumed {seen.consumed} > {bound} over {window:.1f} s ({seen})"
+    # Streams were stopped by the budget only; a stream that outran its reservation was charged
+    # ahead: stopped, or run to its end (past the 256 tokens reserved) within the bound.
+    assert {code for _, code in seen.stopped} <= {"rate_limit_exceeded"}, seen.stopped
+    assert set(seen.completed.get("outruns", [])) <= {TALK_TOKENS}, seen.completed
+    assert seen.stopped[("outruns", "rate_limit_exceeded")] + len(seen.completed.get("outruns", [])) >= 1, (
+        seen
+    )
+    # An ignore_eos stream that was admitted was reserved whole: it ran to its cap, never stopped.
+    assert set(seen.completed.get("ignore_eos", [])) <= {400}, seen.completed
+    assert not any(kind == "ignore_eos" for kind, _ in seen.stopped), seen.stopped
+    # The clients asked for far more than the bound: the budget, not the load, stopped them.
+    assert seen.statuses[("ignore_eos_uncapped", 429)] + seen.statuses[("ignore_eos", 429)] >= 1, seen
