@@ -7,12 +7,21 @@ rejected, frozen, strict types, units in the field names.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import logging
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
 from gateway.config.section import PositiveSeconds, Section, SettingsViolations, Violation
 from gateway.limits.base import TenantLimits
+
+_log = logging.getLogger("sluice.config")
+
+#: Keys the ``limits`` section once had and no longer reads: accepted with a warning, so that a
+#: config written for an older gateway still loads. Key -> what replaced it.
+RETIRED_KEYS = {
+    "retry_backoff_max_s": "Redis is probed every limits.probe_interval_s while it is down; remove the key",
+}
 
 PerMinute = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 #: A cost weight: finite and > 0.
@@ -181,6 +190,17 @@ class LimitsSettings(Section):
         bool,
         Field(description="Answer tenants known to be over a limit from memory until their retry time."),
     ] = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired(cls, data: Any) -> Any:
+        """Drop ``RETIRED_KEYS`` with a warning naming what replaced each."""
+        if isinstance(data, dict) and any(key in data for key in RETIRED_KEYS):
+            data = dict(data)
+            for key, instead in RETIRED_KEYS.items():
+                if data.pop(key, None) is not None:
+                    _log.warning("limits.%s is no longer used: %s", key, instead)
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> LimitsSettings:
