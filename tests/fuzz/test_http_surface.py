@@ -559,7 +559,8 @@ def raw_request(
     path: bytes = b"/v1/chat/completions",
     content_length: bool = True,
 ) -> bytes:
-    """A request with the tenant's key, ``Connection: close`` and ``extra_headers`` as given."""
+    """A request with the tenant's key, ``Connection: close``, a JSON body's ``Content-Type`` and
+    ``extra_headers`` as given."""
     payload = json.dumps(chat()).encode() if body is None else body
     length = b"Content-Length: %d\r\n" % len(payload) if content_length else b""
     return (
@@ -568,7 +569,7 @@ def raw_request(
         + path
         + b" HTTP/1.1\r\nHost: sluice\r\nConnection: close\r\nAuthorization: Bearer "
         + API_KEY.encode()
-        + b"\r\n"
+        + b"\r\nContent-Type: application/json\r\n"
         + extra_headers
         + length
         + b"\r\n"
@@ -666,7 +667,7 @@ def test_repeated_authorization_uses_the_first(
     request = (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: sluice\r\nConnection: close\r\n"
         + f"Authorization: Bearer {first}\r\nAuthorization: Bearer {second}\r\n".encode()
-        + b"Content-Length: %d\r\n\r\n" % len(body)
+        + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
         + body
     )
 
