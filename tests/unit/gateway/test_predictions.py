@@ -194,8 +194,11 @@ class BrokenService(PredictionService):
     def on_finished(self, **kwargs: Any) -> None:
         raise RuntimeError("on_finished exploded")
 
-    def estimate_prompt_tokens(self, model: str, prompt_chars: int) -> int:
+    def estimate_prompt_tokens(self, model: str, prompt_chars: int, tenant: str | None = None) -> int:
         raise RuntimeError("estimate exploded")
+
+    def fewest_prompt_tokens(self, prompt_chars: int) -> int:
+        raise RuntimeError("fewest exploded")
 
 
 async def test_a_failing_prediction_service_never_fails_a_request(
