@@ -33,6 +33,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from gateway.config.settings import LoggingSettings
 from gateway.config.store import SettingsStore
+from gateway.http.echo import clip
 from gateway.observability.repeats import RepeatFilter
 
 #: The access logger's name: its records are the access lines (``log_access``).
@@ -182,7 +183,7 @@ def start_request(request: web.Request, received_at: float) -> RequestOutcome:
     request_id = sane_request_id(request.headers.get(REQUEST_ID_HEADER)) or new_request_id()
     request[REQUEST_ID] = request_id
     outcome = RequestOutcome(
-        request_id=request_id, method=request.method, path=request.path, received_at=received_at
+        request_id=request_id, method=request.method, path=clip(request.path), received_at=received_at
     )
     request[OUTCOME] = outcome
     return outcome

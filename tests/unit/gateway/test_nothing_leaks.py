@@ -179,3 +179,18 @@ async def test_a_huge_model_name_is_clipped_in_the_404_and_in_the_logs(
 )
 def test_clip(value: str, limit: int, clipped: str) -> None:
     assert clip(value, limit) == clipped
+
+
+async def test_a_long_path_is_clipped_in_the_access_line(
+    start_gateway: StartGateway, replica_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    gw = await start_gateway({"r1": replica_url})
+    path = "/" + "p" * 5000
+
+    with caplog.at_level(logging.INFO, logger=logs.ACCESS_LOGGER):
+        resp = await gw.client.get(path)
+
+    assert resp.status == 404
+    assert (await resp.json())["error"]["message"] == "no such route"
+    (access,) = [r for r in caplog.records if r.name == logs.ACCESS_LOGGER]
+    assert access.fields["path"] == clip(path)  # type: ignore[attr-defined]
