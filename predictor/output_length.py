@@ -142,8 +142,11 @@ class OutputLengthPredictor:
         #: The same populations by model, for the fleet priors.
         self._by_model: dict[str, dict[str | None, _Ring]] = {}
         #: Per model, its fleet prior's middle voters (``None``: the lognormal prior) and the
-        #: samples behind them; dropped whenever ``observe`` says an answer may change.
+        #: samples behind them, and how many times a voter moved since they were chosen: chosen
+        #: again after enough moves (``_voter_moved``; their quantiles are always read afresh),
+        #: or when a population is dropped.
         self._fleet: dict[str, tuple[tuple[_Ring | None, ...], int]] = {}
+        self._moves: dict[str, int] = {}
 
     def observe(self, model: str, tenant: str | None, output_tokens: int) -> bool:
         """Record a finished request's output length in tokens (from its ``usage``; >= 0).
@@ -169,13 +172,11 @@ class OutputLengthPredictor:
         else:
             self._rings.move_to_end(key)
         before = ring.count
-        if ring.add(float(output_tokens), cfg.resort_every):
-            changed = True
-        if any(before < n <= ring.count for n in (cfg.min_tenant_samples, cfg.min_model_samples)):
-            changed = True
-        if changed:
-            self._fleet.pop(model, None)
-        return changed
+        moved = ring.add(float(output_tokens), cfg.resort_every)
+        moved |= any(before < n <= ring.count for n in (cfg.min_tenant_samples, cfg.min_model_samples))
+        if moved and ring.count >= cfg.min_model_samples:
+            self._voter_moved(model)
+        return changed or moved
 
     def samples(self, model: str, tenant: str | None = None) -> int:
         """Samples held for ``tenant`` on ``model`` (``None``: requests of no tenant)."""
@@ -289,12 +290,26 @@ class OutputLengthPredictor:
         rings = tuple(v[2] for v in middle)
         return rings, sum(r.count for r in rings if r is not None)
 
+    def _voter_moved(self, model: str) -> None:
+        """A voter of ``model``'s fleet prior took a sample that may move it (a refreshed sorted
+        copy, or a sample threshold crossed): the middle is chosen again every ``resort_every``
+        moves, or every quarter of its populations' number of moves when that is more (choosing
+        costs a quantile per population)."""
+        if model not in self._fleet:
+            return
+        moves = self._moves.get(model, 0) + 1
+        if moves >= max(self._config.resort_every, len(self._by_model[model]) // 4):
+            self._fleet.pop(model)
+            moves = 0
+        self._moves[model] = moves
+
     def _drop(self, model: str, tenant: str | None) -> None:
         del self._rings[(model, tenant)]
         rings = self._by_model[model]
         del rings[tenant]
         if not rings:
             del self._by_model[model]
+            self._moves.pop(model, None)
         self._fleet.pop(model, None)
 
     def _prior_mean_above(self, value: float) -> float:

@@ -36,7 +36,8 @@ class PromptTokenConfig:
     ``fleet_min_chars_per_token`` / ``fleet_max_chars_per_token``: the band each vote in a fleet
     prior is clamped to (BPE tokenizers on real text). ``max_populations``: bound on tracked
     (model, tenant) pairs. ``refresh_every``: observations of a model between recomputations of
-    its fleet prior."""
+    its fleet prior (or a quarter of its populations' number, when that is more: a
+    recomputation reads every population)."""
 
     prior_chars_per_token: float = 4.0
     min_tenant_chars: int = 4096
@@ -118,7 +119,9 @@ class PromptTokenEstimator:
         if model not in self._by_model:
             return self._config.prior_chars_per_token
         cached = self._fleet.get(model)
-        if cached is not None and cached[1] < self._config.refresh_every:
+        if cached is not None and cached[1] < max(
+            self._config.refresh_every, len(self._by_model[model]) // 4
+        ):
             return cached[0]
         value = self._fleet_now(model)
         self._fleet[model] = (value, 0)
