@@ -15,6 +15,7 @@ The sections that belong to one package live there and are mounted here: ``repli
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Annotated, Any, Final, Literal
 
@@ -130,6 +131,25 @@ class ServerSettings(Section):
             "and aiohttp versions.",
         ),
     ] = "sluice"
+    allow_unauthenticated: Annotated[
+        bool,
+        Field(
+            description="Allow listening beyond loopback (a host other than 127.0.0.0/8, ::1 or localhost) "
+            "with no tenant configured, where anyone who reaches the port is served without a key. "
+            "`sluice serve --allow-unauthenticated` sets it. Restart required.",
+        ),
+    ] = False
+
+    def loopback_only(self) -> bool:
+        """Whether ``host`` accepts connections from this machine only (127.0.0.0/8, ::1,
+        ``localhost``); a host name other than ``localhost`` counts as reachable from outside."""
+        host = self.host.removeprefix("[").removesuffix("]")
+        if host.lower() == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
 
 
 class ReloadSettings(Section):
@@ -299,6 +319,7 @@ class Settings(Section):
             *self._emulator_port_clashes(),
             *class_violations(self.tenants, self.admission.classes, prefix=("tenants",)),
             *self._admin_violations(),
+            *self._open_beyond_loopback(),
         ]
         if violations:
             raise SettingsViolations(violations)
@@ -338,6 +359,23 @@ class Settings(Section):
             else:
                 first[emulator.port] = f"emulators.{index}.port"
         return found
+
+    @property
+    def authenticates_no_one(self) -> bool:
+        """No tenant is configured: API keys are not looked at and every request is served."""
+        return not self.tenants.tenants
+
+    def _open_beyond_loopback(self) -> list[Violation]:
+        """Listening beyond loopback while authenticating no one, unless explicitly allowed."""
+        server = self.server
+        if not self.authenticates_no_one or server.loopback_only() or server.allow_unauthenticated:
+            return []
+        message = (
+            "no tenant is configured, so anyone who reaches this address is served without a key: "
+            "configure tenants, listen on 127.0.0.1, or set server.allow_unauthenticated: true "
+            "(sluice serve --allow-unauthenticated)"
+        )
+        return [Violation(("server", "host"), message, server.host)]
 
     def _admin_violations(self) -> list[Violation]:
         """An admin port another listener of this file needs, and an admin token that disagrees

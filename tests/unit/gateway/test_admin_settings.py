@@ -91,13 +91,13 @@ def test_misspelt_key_does_not_echo_a_pasted_token() -> None:
             id="same-default-host",
         ),
         pytest.param(
-            {"host": "0.0.0.0", "port": 9000},
+            {"host": "0.0.0.0", "port": 9000, "allow_unauthenticated": True},
             {"host": "10.0.0.5", "port": 9000},
             "admin.port: port already used by server.port (on host '0.0.0.0') (got 9000)",
             id="public-wildcard",
         ),
         pytest.param(
-            {"host": "10.0.0.5", "port": 9000},
+            {"host": "10.0.0.5", "port": 9000, "allow_unauthenticated": True},
             {"host": "::", "port": 9000},
             "admin.port: port already used by server.port (on host '10.0.0.5') (got 9000)",
             id="admin-wildcard",
@@ -122,7 +122,9 @@ def test_admin_port_clashing_with_an_emulator_is_refused() -> None:
     ("server", "admin"),
     [
         pytest.param(
-            {"host": "10.0.0.5", "port": 9000}, {"host": "127.0.0.1", "port": 9000}, id="other-host"
+            {"host": "10.0.0.5", "port": 9000, "allow_unauthenticated": True},
+            {"host": "127.0.0.1", "port": 9000},
+            id="other-host",
         ),
         pytest.param({"port": 9000}, {"port": 9001}, id="other-port"),
         pytest.param({"port": 0}, {"port": 0}, id="both-free-ports"),
