@@ -310,7 +310,7 @@ class LiveAdmission:
             outcome.request_id,
             route,
             prompt_tokens=size.tokens,
-            fewest_prompt_tokens=None if size.exact else size.fewest,
+            fewest_prompt_tokens=None if size.fewest == size.tokens else size.fewest,
             max_tokens=parsed.max_tokens,
             request_class=choice.name,
             arrival_s=arrival,

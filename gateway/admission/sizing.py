@@ -35,8 +35,9 @@ _FALLBACK_MOST_CHARS_PER_TOKEN: Final = 16
 @dataclass(frozen=True, slots=True)
 class PromptSize:
     """A prompt's size in tokens. ``tokens`` (>= 1): counted or estimated, what the request is
-    forecast and reserved with. ``fewest`` (1 <= fewest <= tokens): the lowest plausible count,
-    ``tokens`` itself when ``exact``. ``exact``: counted (token ids), not estimated."""
+    forecast and reserved with. ``fewest`` (1 <= fewest <= tokens): the lowest plausible count of
+    one sequence's prompt (the longest of a list of prompts), ``tokens`` itself when ``exact`` and
+    one prompt. ``exact``: counted (token ids), not estimated."""
 
     tokens: int
     fewest: int
@@ -55,7 +56,7 @@ def prompt_size_of(
     plausible count; 4 (and at most 16) characters per token when the service raises."""
     if parsed.prompt_token_ids is not None:
         exact = max(parsed.prompt_token_ids, 1)
-        return PromptSize(exact, exact, True)
+        return _per_sequence(parsed, PromptSize(exact, exact, True), exact)
     chars = max(parsed.prompt_chars, 0)
     try:
         tokens = max(service.estimate_prompt_tokens(parsed.model, chars, tenant), 1)
@@ -64,7 +65,17 @@ def prompt_size_of(
         log.exception("prompt-token estimate failed; using 4 characters per token")
         tokens = max(chars // _FALLBACK_CHARS_PER_TOKEN, 1)
         fewest = math.ceil(chars / _FALLBACK_MOST_CHARS_PER_TOKEN)
-    return PromptSize(tokens, min(max(fewest, 1), tokens), False)
+    return _per_sequence(parsed, PromptSize(tokens, min(max(fewest, 1), tokens), False), chars)
+
+
+def _per_sequence(parsed: ParsedRequest, size: PromptSize, units: int) -> PromptSize:
+    """``size`` with ``fewest`` scaled to the longest of several prompts (``units``: all of them,
+    in ``parsed.longest_prompt``'s unit): each prompt of a list is a sequence of its own, so only
+    the longest must fit a replica's context. ``size`` itself for one prompt."""
+    if parsed.longest_prompt is None or units <= 0:
+        return size
+    share = min(parsed.longest_prompt / units, 1.0)
+    return PromptSize(size.tokens, min(max(math.ceil(size.fewest * share), 1), size.tokens), size.exact)
 
 
 def estimated_prompt_size(

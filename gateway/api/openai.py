@@ -111,6 +111,10 @@ class ParsedRequest:
     #: Native TGI routes: the client itself asked for ``parameters.details``.
     details: bool = False
     choices: int = 1
+    #: Several prompts (a completions list): the longest one's size, in ``prompt_token_ids``'s
+    #: unit when they are token ids, else in characters; ``None`` for one prompt. Each prompt is a
+    #: sequence of its own, so it alone must fit a replica's context.
+    longest_prompt: int | None = None
 
     @property
     def native(self) -> bool:
@@ -226,7 +230,8 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
         )
     model, stream, include_usage, max_tokens, choices = fields
     chars, token_ids = prompt_size(endpoint, body)
-    choices *= prompt_sequences(endpoint, body)
+    sequences = prompt_sequences(endpoint, body)
+    choices *= sequences
     return ParsedRequest(
         endpoint=endpoint,
         model=model,
@@ -238,6 +243,7 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
         prompt_chars=chars,
         prompt_token_ids=token_ids,
         choices=choices,
+        longest_prompt=None if sequences == 1 else max(len(p) for p in body["prompt"]),
     )
 
 

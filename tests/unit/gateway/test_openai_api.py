@@ -70,24 +70,28 @@ def test_parse_completion_prompt_shapes(prompt: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    ("endpoint", "fields", "choices"),
+    ("endpoint", "fields", "choices", "longest"),
     [
-        pytest.param("chat", {"messages": MSGS}, 1, id="chat"),
-        pytest.param("chat", {"messages": MSGS, "n": 3}, 3, id="chat-n"),
-        pytest.param("completions", {"prompt": "hi"}, 1, id="string"),
-        pytest.param("completions", {"prompt": "hi", "n": 2}, 2, id="string-n"),
-        pytest.param("completions", {"prompt": ["a", "b", "c"]}, 3, id="strings"),
-        pytest.param("completions", {"prompt": ["a", "b", "c"], "n": 2}, 6, id="strings-n"),
-        pytest.param("completions", {"prompt": ["é", "b"]}, 2, id="strings-non-ascii"),
-        pytest.param("completions", {"prompt": [1, 2, 3]}, 1, id="token-ids"),
-        pytest.param("completions", {"prompt": [[1, 2], [3]], "n": 4}, 8, id="token-id-lists-n"),
-        pytest.param("completions", {"prompt": []}, 1, id="empty-list"),
+        pytest.param("chat", {"messages": MSGS}, 1, None, id="chat"),
+        pytest.param("chat", {"messages": MSGS, "n": 3}, 3, None, id="chat-n"),
+        pytest.param("completions", {"prompt": "hi"}, 1, None, id="string"),
+        pytest.param("completions", {"prompt": "hi", "n": 2}, 2, None, id="string-n"),
+        pytest.param("completions", {"prompt": ["a", "bcd", "ef"]}, 3, 3, id="strings"),
+        pytest.param("completions", {"prompt": ["a", "b", "c"], "n": 2}, 6, 1, id="strings-n"),
+        pytest.param("completions", {"prompt": ["é", "b"]}, 2, 1, id="strings-non-ascii"),
+        pytest.param("completions", {"prompt": [1, 2, 3]}, 1, None, id="token-ids"),
+        pytest.param("completions", {"prompt": [[1, 2], [3]], "n": 4}, 8, 2, id="token-id-lists-n"),
+        pytest.param("completions", {"prompt": ["only"]}, 1, None, id="one-item-list"),
+        pytest.param("completions", {"prompt": []}, 1, None, id="empty-list"),
     ],
 )
-def test_each_prompt_is_a_sequence_of_its_own(endpoint: Any, fields: dict[str, Any], choices: int) -> None:
+def test_each_prompt_is_a_sequence_of_its_own(
+    endpoint: Any, fields: dict[str, Any], choices: int, longest: int | None
+) -> None:
     """vLLM decodes one sequence per prompt of a list (``n`` of them each): that is what the
-    request is sized, reserved and admitted as."""
-    assert parse_request(endpoint, json.dumps({"model": "m", **fields}).encode()).choices == choices
+    request is sized, reserved and admitted as, and each prompt alone must fit the context."""
+    parsed = parse_request(endpoint, json.dumps({"model": "m", **fields}).encode())
+    assert (parsed.choices, parsed.longest_prompt) == (choices, longest)
 
 
 @pytest.mark.parametrize(

@@ -179,3 +179,30 @@ async def test_the_openai_sdk_sends_a_list_of_prompts_as_several_sequences(
 
     assert replica.seen[0].body["prompt"] == ["a", "b", "c"]
     assert replica.seen[0].body["n"] == 2
+
+
+@pytest.mark.parametrize(
+    ("prompt", "status"),
+    [
+        # Four prompts of 3,000 tokens on a 4,096-token context: each sequence fits.
+        pytest.param([[7] * 3000] * 4, 200, id="each-fits"),
+        # One of them is 5,000 tokens alone: no replica can ever hold that sequence.
+        pytest.param([[7] * 3000, [7] * 5000], 400, id="one-too-long"),
+    ],
+)
+async def test_each_prompt_of_a_list_must_fit_the_context_alone(
+    start_replica: StartReplica, start_gateway: StartGateway, prompt: list[list[int]], status: int
+) -> None:
+    """vLLM decodes one sequence per prompt: the context limit applies to each, not to their sum."""
+    replica = FakeReplica()  # max_model_len 4096
+    _, url = await start_replica(replica)
+    gw = await start_gateway({"r1": url})
+
+    resp = await gw.client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 16, "stream": False}
+    )
+
+    assert resp.status == status, await resp.text()
+    if status == 400:
+        assert (await resp.json())["error"]["code"] == "prompt_too_large"
+        assert replica.seen == []

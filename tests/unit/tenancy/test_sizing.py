@@ -60,6 +60,17 @@ def _parsed(**fields: Any) -> ParsedRequest:
         pytest.param(
             _parsed(prompt_chars=400), PromptSize(100, 25, False), id="service-fails-4-chars-per-token"
         ),
+        # Several prompts: each is a sequence of its own; only the longest must fit a context.
+        pytest.param(
+            _parsed(prompt_chars=0, prompt_token_ids=90, longest_prompt=50),
+            PromptSize(90, 50, True),
+            id="token-id-lists-longest",
+        ),
+        pytest.param(
+            _parsed(prompt_chars=400, longest_prompt=100),
+            PromptSize(100, 7, False),  # the fewest 25 of all four, a quarter of it rounded up
+            id="strings-longest-quarter",
+        ),
     ],
 )
 def test_prompt_size_of(parsed: ParsedRequest, size: PromptSize) -> None:
