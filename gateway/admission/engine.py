@@ -240,7 +240,7 @@ class AdmissionEngine:
             self._log.exception("output-length prediction failed; assuming the output cap")
             output, quantile = float(max_tokens or 256), 1.0
         if min_tokens > 0 or ignore_eos:
-            left = None if max_tokens is not None else self._context_left(route, prompt_tokens)
+            left = None if max_tokens is not None else self._context_left(route, prompt_tokens, arrival_s)
             sure = sure_output(max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos, context_left=left)
             if sure >= output:
                 output, quantile = float(sure), 1.0 if ignore_eos else quantile
@@ -319,12 +319,20 @@ class AdmissionEngine:
         sent = self._sent.get(key)
         return None if sent is None else sent.hold
 
-    def _context_left(self, route: str, prompt_tokens: int) -> int | None:
+    def _context_left(self, route: str, prompt_tokens: int, now: float) -> int | None:
+        """``budget.context_left`` over the route's replica views: the cached ones, else those
+        of its healthy replicas built now (``None``: it has none)."""
+        replicas = self._replicas.replicas()
         lens = []
-        for replica in self._replicas.replicas():
+        for replica in replicas:
             view = self.view_cache.cached_view(route, replica.name)
             if view is not None:
                 lens.append(view.state.max_model_len)
+        if not lens:
+            model, engine = split_route(route)
+            healthy = [r for r in replicas if r.state == "healthy" and r.serves(model, engine)]
+            if healthy:
+                lens = [v.state.max_model_len for v in self.view_cache.views_for(route, healthy, now)]
         return context_left(lens, prompt_tokens)
 
     def _reserve(self, request: AdmissionRequest, now: float) -> Hold | BudgetRefused | None:

@@ -121,12 +121,10 @@ def test_the_reservation_holds_what_the_request_is_sure_to_produce(
     assert req.expected_output_tokens * choices >= output
 
 
-def test_ignore_eos_without_max_tokens_reserves_the_context_left() -> None:
-    engine, _ = engine_and_budget(TenantLimits(tokens_per_minute=6000.0, token_burst=1e9))
-    # Before any view of the route exists, the context is unknown: the prediction is reserved.
-    cold = engine.request(
+def uncapped_ignore_eos(engine: AdmissionEngine, route: str) -> float | None:
+    req = engine.request(
         "a",
-        "m",
+        route,
         prompt_tokens=PROMPT,
         max_tokens=None,
         request_class="interactive",
@@ -134,19 +132,21 @@ def test_ignore_eos_without_max_tokens_reserves_the_context_left() -> None:
         tenant="acme",
         ignore_eos=True,
     )
-    assert engine.budget_cost(cold) == pytest.approx(PROMPT + 2 * 200)
+    return engine.budget_cost(req)
+
+
+def test_ignore_eos_without_max_tokens_reserves_the_context_left() -> None:
+    engine, _ = engine_and_budget()
+    # The first request of the route already: its replicas' views are built for it.
+    assert uncapped_ignore_eos(engine, "m") == pytest.approx(PROMPT + 2 * (MAX_LEN - PROMPT))
     submit(engine, 0.0, max_tokens=10)
-    warm = engine.request(
-        "b",
-        "m",
-        prompt_tokens=PROMPT,
-        max_tokens=None,
-        request_class="interactive",
-        arrival_s=0.0,
-        tenant="acme",
-        ignore_eos=True,
+    assert uncapped_ignore_eos(engine, "m") == pytest.approx(PROMPT + 2 * (MAX_LEN - PROMPT))
+    # No replica: the context is unknown, the prediction is reserved (and a stream charged
+    # ahead); admission then refuses it anyway.
+    empty = AdmissionEngine(
+        SETTINGS, Fleet([]), Predictions(), rng=random.Random(5), new_entry=new_entry, budget=MemoryBudget({})
     )
-    assert engine.budget_cost(warm) == pytest.approx(PROMPT + 2 * (MAX_LEN - PROMPT))
+    assert uncapped_ignore_eos(empty, "m") == pytest.approx(PROMPT + 2 * 200)
 
 
 def test_charge_ahead_steps_are_the_reservations_output_up_to_the_cap() -> None:
