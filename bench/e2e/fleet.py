@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,14 +201,25 @@ def _sluice_ready(url: str, backends: int) -> bool:
     return len(healthy) >= backends and listed
 
 
+#: Builds the YAML (as a dict) of a Sluice listening on the given port in front of the replicas.
+ConfigBuilder = Callable[[int, Sequence[Replica]], dict[str, Any]]
+
+
 @contextlib.contextmanager
-def sluice(work: Path, backends: Sequence[Replica], env: Mapping[str, str] | None = None) -> Iterator[Sluice]:
-    """``sluice serve --config <generated>`` in front of ``backends``, ready (both replicas healthy,
-    the model listed) before it is yielded; SIGTERM on exit."""
+def sluice(
+    work: Path,
+    backends: Sequence[Replica],
+    env: Mapping[str, str] | None = None,
+    config_for: ConfigBuilder = sluice_config,
+    name: str = "sluice",
+) -> Iterator[Sluice]:
+    """``sluice serve --config <generated>`` in front of ``backends``, ready (every replica healthy,
+    the model listed) before it is yielded; SIGTERM on exit. ``config_for``: what writes the YAML
+    (default ``sluice_config``); ``name``: the stem of its config and log files in ``work``."""
     port = free_port()
-    config = work / "sluice.yaml"
-    config.write_text(yaml.safe_dump(sluice_config(port, backends), sort_keys=False), encoding="utf-8")
-    log = work / "sluice.log"
+    config = work / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(config_for(port, backends), sort_keys=False), encoding="utf-8")
+    log = work / f"{name}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)],
