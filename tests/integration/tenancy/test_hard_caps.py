@@ -7,7 +7,7 @@ an emulated vLLM replica whose model always talks long (every answer left to sto
 * ``ignore_eos`` with ``max_tokens: 400``: sure to produce 400 tokens, so 400 are reserved;
 * ``ignore_eos`` without ``max_tokens`` (a chat completion, whose default cap is the context
   left): sure to produce the whole context, more than the bucket can ever hold (refused, not
-  retryable) or, before the gateway has seen the replica's context, charged ahead as the next;
+  retryable);
 * no ``ignore_eos``, ``max_tokens: 1000``: reserved at the prediction, then outrunning it, so
   charged ahead step by step and stopped with an error event when the bucket refuses a step.
 
