@@ -2,7 +2,8 @@
 
 A budget (``gateway.limits``: per-tenant tokens, requests and concurrency) is asked for a request
 before admission decides it: the engine prices the request (``budget_cost``: its prompt and its
-predicted output, weighted), ``TenantBudget.reserve`` answers, and a refused answer is the typed
+predicted output, never below what it is sure to produce: ``sure_output``, weighted),
+``TenantBudget.reserve`` answers, and a refused answer is the typed
 ``BudgetRefused`` (``rate_limit_exceeded``, the bucket's exact wait as its Retry-After). An
 allowed reservation is settled exactly once: with the tokens the request really cost when it
 ends, with nothing (a refund) when admission refuses it or it never reaches a replica.
@@ -14,6 +15,10 @@ over through the port, and starts its settles as tasks of their own. ``BudgetLed
 engine's side: what each request holds, from its reservation to its settle, across a
 re-placement (a placement its replica refused hands its hold to the next one, never reserving
 twice).
+
+A stream that outruns its hold is charged ahead: ``Hold.next_top_up`` says what the next step
+costs (pure), the live adapter takes it from the limiter and records it (``Hold.took``), and the
+settle charges only what the steps did not (docs/tenants.md, "Hard caps").
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ clock. Per request (``LiveAdmission.admit``), after the body is parsed:
    (``admission.choose_class``, ``client_deadline_s``: it only ever tightens the class's TTFT
    target; a malformed one is a 400);
 2. **sizes**: the request's one prompt estimate (``gateway.admission.sizing``), then
-   ``AdmissionEngine.request`` (the output predicted, capped by ``max_tokens``);
+   ``AdmissionEngine.request`` (the output predicted, capped by ``max_tokens``, never below
+   what ``min_tokens``/``ignore_eos`` make sure: ``output_floor``);
 3. **the tenant's budget**, with a ``LiveBudget``: the limiter (Redis or memory, async) is asked
    for the cost the engine names (``AdmissionEngine.budget_cost``) and its answer handed to the
    engine, which decides on it (the engine's budget port is synchronous);

@@ -5,8 +5,10 @@ non-streamed answer whole (``relay_body``), an SSE stream one write per event (`
 with the first token, tokens streamed and usage recorded on the exchange as they pass), a
 replica 4xx unchanged and a 5xx as a 502 (``relay_error``), an overload refusal as the signal to
 place again (``overloaded``). A stream cut after its headers ends with an error event, never a
-fake ``[DONE]``. Transport failures count against the replica (``replica_failed``,
-``replica_timed_out``) and become ``UpstreamError``.
+fake ``[DONE]``. A stream that outruns what its tenant's budget covers is charged ahead before
+its next token is written (``pay_ahead``), or ends with a ``rate_limit_exceeded`` error event
+when the budget refuses (``end_over_budget``). Transport failures count against the replica
+(``replica_failed``, ``replica_timed_out``) and become ``UpstreamError``.
 """
 
 from __future__ import annotations
