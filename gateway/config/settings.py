@@ -209,7 +209,8 @@ def _same_listener(host_a: str, host_b: str) -> bool:
 
 class AdminSettings(Section):
     """Where ``/metrics``, ``/metrics/replicas`` and ``/sluice/v1/*`` are served and who may read
-    them. ``/healthz`` and ``/readyz`` always stay on the public listener, unprotected."""
+    them. ``/healthz`` and ``/readyz`` always stay on the public listener, unprotected; ``/readyz``
+    lists the replicas only to a caller who may read the admin routes there."""
 
     # A token pasted in plaintext (or under a misspelt key) must not be echoed in an error.
     model_config = ConfigDict(hide_input_in_errors=True)
