@@ -10,14 +10,17 @@ weights 1 : 2 (prompt : output). The step charged ahead is the live one
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import pytest
 
 from gateway.admission.budget import Hold, TopUp, context_left, sure_output
 from gateway.admission.engine import AdmissionEngine
+from gateway.admission.live import output_floor
 from gateway.admission.live_budget import LiveBudget
 from gateway.admission.results import Ending, Submitted
+from gateway.api.openai import MAX_TOKENS_LIMIT, parse_request
 from gateway.limits.base import LimiterUnavailable, Reservation, TenantLimits
 from gateway.limits.memory import MemoryLimiter
 from gateway.replicas.registry import LiveRequest
@@ -267,3 +270,24 @@ async def test_storage_down_takes_nothing() -> None:
     assert hold is not None
     assert await live.charge(hold.answer, 400.0) is None
     assert level(budget, 10.0) == pytest.approx(500.0)
+
+
+@pytest.mark.parametrize(
+    ("fields", "floor"),
+    [
+        pytest.param({}, {}, id="none"),
+        pytest.param(
+            {"ignore_eos": True, "min_tokens": 5}, {"ignore_eos": True, "min_tokens": 5}, id="plain"
+        ),
+        pytest.param(
+            {"ignore_eos": "true", "min_tokens": "7"}, {"ignore_eos": True, "min_tokens": 7}, id="lax"
+        ),
+        pytest.param({"ignore_eos": False}, {"ignore_eos": False}, id="false"),
+        pytest.param({"min_tokens": -3}, {"min_tokens": 0}, id="negative"),
+        pytest.param({"min_tokens": 10**40}, {"min_tokens": MAX_TOKENS_LIMIT}, id="huge"),
+        pytest.param({"ignore_eos": "maybe", "min_tokens": 2.5}, {}, id="what-vllm-refuses"),
+    ],
+)
+def test_the_floor_is_read_as_vllm_reads_it(fields: dict[str, object], floor: dict[str, object]) -> None:
+    body = {"model": "m", "prompt": "hi", **fields}
+    assert output_floor(parse_request("completions", json.dumps(body).encode())) == floor
