@@ -307,11 +307,12 @@ def openapi_spec() -> dict[str, Any]:
         "/v1/models": _get("The union of the healthy replicas' models.", _JSON_OBJECT),
         "/healthz": _get("Liveness: 200 while the process serves HTTP.", _JSON_OBJECT),
         "/readyz": _get(
-            "Readiness: 200 when a replica is healthy.",
+            'Readiness: 200 when a replica is healthy. The body is ``{"ready", "draining"}``; it '
+            "lists the replicas only for a caller who may read the admin routes here (the admin token).",
             _JSON_OBJECT,
             responses={
-                "200": _ok("At least one replica is healthy; the body lists them all.", _JSON_OBJECT),
-                "503": _ok("No replica is healthy; the body lists them all.", _JSON_OBJECT),
+                "200": _ok("At least one replica is healthy and the gateway is not draining.", _JSON_OBJECT),
+                "503": _ok("No replica is healthy, or the gateway is draining.", _JSON_OBJECT),
             },
         ),
         "/metrics": _get(
