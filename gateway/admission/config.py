@@ -28,6 +28,7 @@ __all__ = [
     "RetryAfterSettings",
     "SaturationSettings",
     "ShadowSettings",
+    "SizeFairnessSettings",
 ]
 
 #: An HTTP header name as Sluice reads it: lower-case token characters (RFC 9110 ``token``).
@@ -37,6 +38,49 @@ Fraction = Annotated[float, Field(gt=0, le=1)]
 #: Largest Retry-After Sluice ever sends, in seconds: the ``openai`` SDKs up to v2.51 ignore larger
 #: values and fall back to their own short backoff (math.md §8).
 RETRY_AFTER_CAP_S = 60.0
+
+
+class SizeFairnessSettings(Section):
+    """A class's protection of its long prompts under overload (``gateway.admission.size_share``).
+
+    Admission refuses long prompts first when replicas are loaded (their prefill takes the most of
+    running streams' budgets). This keeps every prompt-size quartile's admission rate, over a
+    sliding window, at least ``min_share`` of the best quartile's: a request of a quartile below
+    that waits in the queue ahead of the class's others, which are held back meanwhile, until it
+    fits every limit (running streams and its own targets are never relaxed).
+    """
+
+    enabled: Annotated[
+        bool,
+        Field(
+            description="Protect the longest prompts (false: admit whatever fits first, shorter prompts "
+            "mostly, for the most requests meeting their targets)."
+        ),
+    ] = True
+    min_share: Annotated[
+        Fraction,
+        Field(
+            description="Smallest admission rate of a prompt-size quartile, as a share (0-1] of the "
+            "best quartile's, before its requests are protected."
+        ),
+    ] = 0.4
+    window_s: Annotated[
+        PositiveSeconds,
+        Field(
+            description="Sliding window, in seconds, over which the quartiles and their rates are measured."
+        ),
+    ] = 60.0
+    min_samples: Annotated[
+        int,
+        Field(ge=1, description="Decided requests a quartile needs in the window before it is judged."),
+    ] = 20
+    max_samples: Annotated[
+        int,
+        Field(
+            ge=4,
+            description="Most decided requests kept in the window (bounds memory and the work per refresh).",
+        ),
+    ] = 2000
 
 
 class ClassSettings(Section):
@@ -152,6 +196,10 @@ class ClassSettings(Section):
             "attainment controller (admission.attainment) moves the class's margin there to hold it.",
         ),
     ] = 0.95
+    size_fairness: Annotated[
+        SizeFairnessSettings,
+        Field(description="Keep the longest prompts from being shut out under overload."),
+    ] = SizeFairnessSettings()
 
 
 #: ``stall_budget_horizon`` of the built-in interactive class (docs/benchmarks.md, goodput).
