@@ -34,6 +34,7 @@ from gateway.admission.policies import make_admitter
 from gateway.admission.queue import AdmissionQueue, QueueEntry, Reevaluation
 from gateway.admission.request import AdmissionRequest
 from gateway.admission.retry_after import RetryAfterPolicy, UniformSource
+from gateway.admission.size_share import SizeShares
 from gateway.admission.stats import AdmissionStats, Outcome
 from gateway.admission.views import ReplicaView
 from predictor import ForecastConfig
@@ -72,6 +73,8 @@ class AdmissionController:
             fairness = VirtualTokenCounter(TokenWeights.from_queue_settings(settings.queue))
         self._fairness = fairness
         self._queue = AdmissionQueue(settings, self._admitter, self._retry, fairness)
+        #: Each class's admission rate per prompt-size quartile; protects the starved quartiles.
+        self.size_shares = SizeShares(settings)
         self._update_depths()
 
     @property
@@ -100,6 +103,7 @@ class AdmissionController:
         self._retry = RetryAfterPolicy(settings.retry_after, self._rng)
         self._admitter = make_admitter(settings, self._retry)
         self._queue.reconfigure(settings, self._admitter, self._retry)
+        self.size_shares.reconfigure(settings)
         self._update_depths()
 
     def _class_name(self, request: AdmissionRequest) -> str:
@@ -108,9 +112,12 @@ class AdmissionController:
 
     def submit(self, request: AdmissionRequest, views: Sequence[ReplicaView], now: float) -> Decision:
         """Decide a new request: ``Admit`` (send now), ``Queue`` (queued, ``entry_id`` set; or, not
-        enforced, send to ``replica`` now), or ``Reject``. Counted in ``stats``."""
+        enforced, send to ``replica`` now), or ``Reject``. Counted in ``stats``; a request of a
+        prompt-size band its class admits below its share is decided ``size_protected``."""
         name = self._class_name(request)
         cls = self._settings.classes[name]
+        if not request.size_protected and self.size_shares.protects(name, request.prompt_tokens, now):
+            request = replace(request, size_protected=True)
         decision = self._admitter.decide(request, views, now)
         if isinstance(decision, Admit) and self._queue.holds_back(cls.priority):
             decision = self._held_back(request, decision)
@@ -120,6 +127,8 @@ class AdmissionController:
             self._update_depths()
         if decision.admits:
             self._fairness.charge_dispatch(request.tenant, request.prompt_tokens)
+        if decision.admits or isinstance(decision, Reject):
+            self.size_shares.record(name, request.prompt_tokens, decision.admits, now)
         self._record(name, decision, queued=False)
         return decision
 
@@ -141,10 +150,13 @@ class AdmissionController:
     def reevaluate(self, now: float, views: Sequence[ReplicaView]) -> Reevaluation:
         """Re-run the queue against fresh views; see ``AdmissionQueue.reevaluate``. Counted."""
         result = self._queue.reevaluate(now, views)
+        shares = self.size_shares
         for entry, decision in result.dispatched:
+            shares.record(entry.request_class, entry.request.prompt_tokens, True, now)
             self._record(entry.request_class, decision, queued=True)
             self.stats.observe_queue_wait(entry.request_class, entry.waited_s(now))
         for entry, reject in result.rejected:
+            shares.record(entry.request_class, entry.request.prompt_tokens, reject.admits, now)
             self._record(entry.request_class, reject, queued=True)
             self.stats.observe_queue_wait(entry.request_class, entry.waited_s(now))
         self._update_depths()

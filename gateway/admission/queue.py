@@ -17,7 +17,9 @@ counter charged with the prompt at once, so the next pick sees it; the views upd
 entry only after every other waiting tenant's entry that stayed, so a request that fits is not
 kept out by another tenant's that does not). A request still blocked after ``reserve_after_s``
 stops the walk for its priority and below, and holds back new requests of those priorities
-(``holds_back``), so smaller requests cannot keep it out forever.
+(``holds_back``), so smaller requests cannot keep it out forever. A ``size_protected`` request (its
+prompt size is admitted below its share, ``gateway.admission.size_share``) goes first among its
+tenant's and holds back the same way from the moment it is queued.
 
 Hard deadlines (``AdmissionRequest.queue_deadline_s``) sit in their own heap and are enforced on
 every call for every entry, even those the walk does not reach.
@@ -46,6 +48,9 @@ __all__ = ["AdmissionQueue", "QueueEntry", "Reevaluation"]
 
 #: Stale heap items tolerated beyond the live entries before the heaps are rebuilt.
 _COMPACT_SLACK = 64
+
+#: Subtracted from a ``size_protected`` entry's sort key: ahead of any job size and wait.
+_PROTECTED_LEAD = 1.0e12
 
 #: A heap item: (static sort key, entry id).
 _Item = tuple[float, int]
@@ -86,8 +91,10 @@ class QueueEntry:
         return now - self.enqueued_at
 
     def sort_key(self, aging_rate: float) -> float:
-        """Static heap key: ``size_s + aging_rate x enqueued_at`` (smaller goes first)."""
-        return self.size_s + aging_rate * self.enqueued_at
+        """Static heap key: ``size_s + aging_rate x enqueued_at`` (smaller goes first); a
+        ``size_protected`` request goes before every other of its tenant."""
+        key = self.size_s + aging_rate * self.enqueued_at
+        return key - _PROTECTED_LEAD if self.request.size_protected else key
 
 
 @dataclass(slots=True)
@@ -221,7 +228,13 @@ class AdmissionQueue:
         heapq.heappush(heap, (entry.sort_key(self._settings.queue.aging_rate), entry.id))
         heapq.heappush(self._deadlines, (deadline, entry.id))
         self._fairness.enqueued(request.tenant)
+        if request.size_protected and (self._reserved is None or entry.priority < self._reserved):
+            self._reserve(entry, decision.earliest_retry_s)
         return entry
+
+    def _reserve(self, entry: QueueEntry, retry_s: float) -> None:
+        """``entry`` holds back its priority and below (``holds_back``) until the next walk."""
+        self._reserved, self._reserved_retry_s, self._reserver = entry.priority, retry_s, entry.id
 
     def cancel(self, entry_id: int) -> QueueEntry | None:
         """Drop a waiting entry (its client went away); ``None`` if it is no longer queued. O(1)."""
@@ -327,9 +340,9 @@ class AdmissionQueue:
                 entry.blocker, entry.earliest_retry_s = decision.blocker, decision.earliest_retry_s
                 keep.append((tenant, item))
                 stayed[i] += 1
-                if reserve_after is not None and entry.waited_s(now) >= reserve_after:
-                    self._reserved, self._reserved_retry_s = priority, decision.earliest_retry_s
-                    self._reserver = entry.id
+                protected = entry.request.size_protected
+                if protected or (reserve_after is not None and entry.waited_s(now) >= reserve_after):
+                    self._reserve(entry, decision.earliest_retry_s)
             self._offer(picks, i, tenant, heap, stayed[i])
         for tenant, item in keep:
             heapq.heappush(by_tenant[tenant], item)

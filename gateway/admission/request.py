@@ -26,9 +26,11 @@ class AdmissionRequest:
     ``cached_prompt_tokens``: prompt tokens expected to hit the prefix cache. ``tenant``: whose
     request it is (``None``: nobody's). ``choices`` (>= 1): the sequences it decodes (the body's
     ``n``); only the tenant's budget prices them (``gateway.admission.budget``).
-    ``fewest_prompt_tokens`` (1 <= it <= ``prompt_tokens``): the lowest plausible prompt size when
-    ``prompt_tokens`` is an estimate (``None``: it is exact); whether a replica can hold the
-    request at all is judged on it, so an estimate alone never refuses it as too long.
+    ``size_protected``: its prompt-size band of its class is admitted below its share
+    (``gateway.admission.size_share``): it may wait in the queue, first, while only the replicas'
+    load blocks it. ``fewest_prompt_tokens`` (1 <= it <= ``prompt_tokens``): the lowest plausible
+    prompt size when ``prompt_tokens`` is an estimate (``None``: it is exact); whether a replica can
+    hold the request at all is judged on it, so an estimate alone never refuses it as too long.
     """
 
     request_id: str
@@ -42,6 +44,7 @@ class AdmissionRequest:
     cached_prompt_tokens: int = 0
     tenant: str | None = None
     choices: int = 1
+    size_protected: bool = False
     fewest_prompt_tokens: int | None = None
     _candidate: CandidateRequest | None = field(default=None, init=False, repr=False, compare=False)
     #: Smallest ``max_model_len`` and KV capacity (tokens) a replica needs to hold it at all, at

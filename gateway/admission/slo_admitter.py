@@ -35,7 +35,9 @@ queue (or its TTFT fails already) it is rejected at once (before any GPU work):
 ``deadline_exceeded`` when the client's deadline binds (or it was queued), else
 ``slo_unattainable``. Otherwise it is queued when its class queues and the wait fits its queue
 deadline, else rejected ``overloaded`` (streams or shares block) or ``slo_unattainable`` (its
-own TPOT target). Retry-After is the earliest replica's drain time, jittered; ``None`` when even an
+own TPOT target). A request marked ``size_protected`` (its prompt size is admitted below its share,
+``gateway.admission.size_share``) is queued instead while only the load blocks it and its own
+forecasts hold now. Retry-After is the earliest replica's drain time, jittered; ``None`` when even an
 idle replica could not meet the targets (retrying cannot help). A refusal's message cites the
 forecast that failed with its target, in the numbers its ``forecast`` carries (the TTFT as judged:
 margins and dispatch overhead in), which the prediction headers print.
@@ -59,6 +61,7 @@ from gateway.admission.config import AdmissionSettings, ClassSettings, ShadowSet
 from gateway.admission.decision import (
     _LOAD_BLOCKERS,
     _SLOTS,
+    _TPOT,
     _TTFT,
     Admit,
     Blocker,
@@ -278,6 +281,14 @@ class SloAdmitter:
         assert best.slacks is not None
         can_queue = queued or (cls.queue_capacity > 0 and cls.max_queue_wait_s > 0.0)
         late_now = best.slacks[_TTFT] < 0.0
+        own_hold = not late_now and best.slacks[_TPOT] >= 0.0
+        if request.size_protected and checks_slo and can_queue and own_hold and blocker in _LOAD_BLOCKERS:
+            # A prompt size its class admits below its share (``size_share``): only the load
+            # blocks it, and the wait forecast assumes the load stays; the queue holds the
+            # class's others back while it waits, so it waits while its first token can still
+            # come in time. Re-evaluated at least every decode step.
+            retry = best.tpot_s if 0.0 < best.tpot_s < best_wait else best_wait
+            return Queue(blocker, retry, best.view.name, forecast)
         # Late even after the wait: refused at once. A request that cannot wait in the queue is
         # refused anyway; it is refused for its first token only when that forecast fails now,
         # else for the constraint that does (below), so that the message, the reason and the
