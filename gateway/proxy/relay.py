@@ -194,7 +194,7 @@ class Relay:
                         done = done or event.data == DONE
                         relay = inspect(ex, event)
                     if relay:
-                        if ex.live.tokens_streamed > ex.paid_output and not done:
+                        if ex.live.tokens_streamed > ex.paid_output and not done and not finishing(event):
                             await self.pay_ahead(ex)
                         await write(ex, response, event.raw)
                 chunk = await self.next_chunk(ex, upstream)
@@ -377,6 +377,21 @@ def record_native_usage(outcome: RequestOutcome, payload: object, live: LiveRequ
     if prompt is not None:
         outcome.prompt_tokens = prompt
         live.prompt_tokens = prompt
+
+
+def finishing(event: Event) -> bool:
+    """Whether an OpenAI stream chunk ends a choice (a ``finish_reason`` set): its last token, or
+    none (vLLM's closing chunk, which the hot path counts as one). Relayed uncharged past a
+    stream's cover: the choice produces nothing more, and its settle charges it. Parsed only when
+    a stream passes its cover."""
+    if event.data is None or "finish_reason" not in event.data:
+        return False
+    try:
+        payload = json.loads(event.data)
+    except ValueError:
+        return False
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    return isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") for c in choices)
 
 
 def _stream_over_budget(relayed: int) -> Refused:

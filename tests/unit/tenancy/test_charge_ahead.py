@@ -19,9 +19,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from gateway.api.sse import Event
 from gateway.limits.base import Reservation
 from gateway.limits.config import TenantLimitSettings
 from gateway.limits.memory import MemoryLimiter
+from gateway.proxy.relay import finishing
 from gateway.tenants.live import TENANCY
 from tests.unit.gateway.fakes import MODEL, FakeReplica, make_app, url_of, wait_for
 from tests.unit.limits.fakes import FakeClock
@@ -192,3 +194,20 @@ async def test_shutdown_during_a_charged_ahead_stream_settles_once(aiohttp_serve
         talker.release.set()
         pending.cancel()
         await asyncio.gather(pending, return_exceptions=True)
+
+
+@pytest.mark.parametrize(
+    ("data", "ends"),
+    [
+        pytest.param('{"choices":[{"index":0,"text":"x","finish_reason":null}]}', False, id="a-token"),
+        pytest.param('{"choices":[{"index":0,"text":"x","finish_reason":"length"}]}', True, id="last-token"),
+        pytest.param('{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}', True, id="closing-chunk"),
+        pytest.param('{"choices":[{"index":0,"delta":{"content":"x"}}]}', False, id="no-field"),
+        pytest.param("[DONE]", False, id="done"),
+        pytest.param('{"finish_reason": "stop"', False, id="not-json"),
+        pytest.param(None, False, id="comment"),
+    ],
+)
+def test_a_choice_that_ends_is_relayed_uncharged(data: str | None, ends: bool) -> None:
+    """Past its cover, a stream's chunk that ends a choice is relayed without a step."""
+    assert finishing(Event(b"", data)) is ends
