@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -211,3 +212,24 @@ async def test_shutdown_during_a_charged_ahead_stream_settles_once(aiohttp_serve
 def test_a_choice_that_ends_is_relayed_uncharged(data: str | None, ends: bool) -> None:
     """Past its cover, a stream's chunk that ends a choice is relayed without a step."""
     assert finishing(Event(b"", data)) is ends
+
+
+async def test_the_openai_sdk_sees_a_stopped_stream_as_a_rate_limit_error(
+    start_tenant_gateway: StartTenantGateway,
+) -> None:
+    gw = await start_tenant_gateway(Talker(), settings=settings_with(TIGHT))
+    client = openai.AsyncOpenAI(api_key=KEY_A, base_url=str(gw.client.make_url("/v1")), max_retries=0)
+    received = 0
+
+    async def read_all() -> None:
+        nonlocal received
+        stream = await client.completions.create(model=MODEL, prompt=[7] * PROMPT_TOKENS, stream=True)
+        async for _ in stream:
+            received += 1
+
+    with pytest.raises(openai.APIError) as caught:
+        await read_all()
+
+    assert 0 < received < TALK
+    assert caught.value.code == "rate_limit_exceeded"
+    assert caught.value.message.endswith(f"it was stopped after {received} output tokens.")
