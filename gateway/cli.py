@@ -1,4 +1,10 @@
-"""The `sluice` command line: serve, check-config, hash-key, sim (``--engine vllm|tgi|sglang``).
+"""The `sluice` command line: serve, config show|init, check-config, hash-key, sim
+(``--engine vllm|tgi|sglang``).
+
+What ``serve`` and ``config`` run is one of: a file (``--config``), replicas named by URL
+(``--replica``, each asked what it runs: ``gateway.replicas.discover``) or the embedded default.
+Each option has an environment variable for containers (``ENV``); an option given on the
+command line wins over its variable.
 
 Exit codes: 0 success, 1 runtime failure, 2 usage or configuration error.
 """
@@ -7,19 +13,61 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
-from gateway.config.load import ConfigError, default_settings, load_settings
+from gateway.config.load import ConfigError, load_settings
 from gateway.config.settings import Settings
+from gateway.config.starter import ENV, Source, UsageError, load_source, resolve_source
 from gateway.config.store import SettingsStore
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
 
+log = logging.getLogger("sluice.cli")
 
-def _parser() -> argparse.ArgumentParser:
+
+def _add_source_options(parser: argparse.ArgumentParser, *, serve: bool) -> None:
+    group = parser.add_argument_group(
+        "what to run (default: the embedded default, 127.0.0.1:8080 in front of two emulated replicas)"
+    )
+    reload_note = " (hot-reloaded)" if serve else ""
+    group.add_argument(
+        "--config", type=Path, metavar="FILE", help=f"YAML configuration file{reload_note} [{ENV['config']}]"
+    )
+    group.add_argument(
+        "--replica",
+        action="append",
+        metavar="URL",
+        help="base URL of a running replica (vLLM, TGI, SGLang), e.g. http://10.0.0.5:8000; repeat for "
+        "each. Its engine, models and exposed hardware are asked from it; every other key takes its "
+        f"default [{ENV['replica']}: URLs separated by commas]",
+    )
+    group.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help=f"with --replica: where the gateway listens (default 127.0.0.1:8080) [{ENV['listen']}]",
+    )
+    group.add_argument(
+        "--demo-tenant",
+        action="store_true",
+        default=None,
+        help="with --replica: add the demo tenant (API key sk-demo); without it no tenant is configured "
+        f"and every request is served [{ENV['demo_tenant']}=1]",
+    )
+    group.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        default=None,
+        help="with --replica and no tenant: allow listening beyond loopback "
+        f"(server.allow_unauthenticated) [{ENV['allow_unauthenticated']}=1]",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every subcommand but ``sim``'s own options (``main`` hands those over)."""
     parser = argparse.ArgumentParser(
         prog="sluice",
         description="SLO-aware admission control and load shedding for LLM inference.",
@@ -29,10 +77,35 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve",
         help="run the gateway",
-        description="Run the gateway. Without --config it runs the embedded default: "
-        "127.0.0.1:8080 in front of two emulated replicas it starts itself.",
+        description="Run the gateway: from a file (--config), in front of running replicas given by URL "
+        "(--replica), or the embedded default: 127.0.0.1:8080 in front of two emulated replicas it "
+        "starts itself.",
     )
-    serve.add_argument("--config", type=Path, help="YAML configuration file (hot-reloaded)")
+    _add_source_options(serve, serve=True)
+
+    config = sub.add_parser(
+        "config",
+        help="print the effective configuration, or a starter YAML to edit",
+        description="Print the configuration `sluice serve` would run with the same options.",
+    )
+    config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    show = config_sub.add_parser(
+        "show",
+        help="every key with its value",
+        description="Print every key of the effective configuration with its value, as YAML that "
+        "`sluice serve --config` accepts.",
+    )
+    _add_source_options(show, serve=False)
+    init = config_sub.add_parser(
+        "init",
+        help="a starter YAML: only what differs from the defaults",
+        description="Print a starter configuration (the keys that differ from their defaults, with "
+        "what each replica said about itself) to edit and run with `sluice serve --config FILE`, "
+        "e.g. `sluice config init --replica http://10.0.0.5:8000 > sluice.yaml`.",
+    )
+    _add_source_options(init, serve=False)
+    init.add_argument("--write", type=Path, metavar="PATH", help="write it to PATH instead of stdout")
+    init.add_argument("--force", action="store_true", help="with --write: replace an existing file")
 
     check = sub.add_parser(
         "check-config",
@@ -93,20 +166,30 @@ def _hash_key() -> int:
     return EXIT_OK
 
 
-def _serve(config: Path | None) -> int:
+def _serve(source: Source) -> int:
     from gateway.app import run_gateway
     from gateway.config.reload import ConfigReloader
     from gateway.replicas.emulators import EmulatorStartError
 
     try:
-        settings = load_settings(config) if config is not None else default_settings()
+        settings, discovered = load_source(source)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return EXIT_CONFIG
     _configure_logging(settings)
     store = SettingsStore(settings)
-    if config is None:
+    for name, found in discovered:
+        log.info("replica %s (%s): %s", name, found.url, found.describe())
+    if settings.authenticates_no_one:
+        log.warning(
+            "no tenant is configured: Sluice authenticates no one and serves every request on "
+            "http://%s:%d whatever key it carries (docs/tenants.md adds tenants and API keys)",
+            settings.server.host,
+            settings.server.port,
+        )
+    if source.config is None and not source.replicas:
         _print_banner(settings)
+    config = source.config
     try:
         if config is None:
             run_gateway(store)
@@ -121,6 +204,42 @@ def _serve(config: Path | None) -> int:
             where += f" (admin listener {settings.admin.host}:{settings.admin.port})"
         print(f"sluice: cannot serve on {where}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+    return EXIT_OK
+
+
+def _config(action: str, source: Source, write: Path | None, force: bool) -> int:
+    """``sluice config show|init``: the configuration ``serve`` would run, as YAML."""
+    from gateway.config.starter import effective_yaml, starter_yaml
+
+    if write is not None and write.exists() and not force:
+        print(
+            f"sluice config init: {write} exists; remove it, choose another path or add --force",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
+    try:
+        settings, discovered = load_source(source)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_CONFIG
+    for name, found in discovered:
+        if found.error is not None:
+            print(f"sluice config: replica {name} ({found.url}): {found.describe()}", file=sys.stderr)
+    if action == "show":
+        text = effective_yaml(settings)
+    else:
+        notes = [f"Replica {name} ({found.url}): {found.describe()}." for name, found in discovered]
+        if discovered:
+            notes.append(
+                "GPU kinds are not exposed by the engines: write replicas[].hardware.gpu (and vLLM's "
+                "--max-num-seqs, --max-num-batched-tokens) for a roofline prior from the first request."
+            )
+        text = starter_yaml(settings, notes)
+    if write is None:
+        sys.stdout.write(text)
+    else:
+        write.write_text(text, encoding="utf-8")
+        print(f"sluice config init: wrote {write}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -203,11 +322,20 @@ def main(argv: list[str] | None = None) -> int:
         # Everything after `sim` is the emulator's own command line: argparse's REMAINDER would
         # refuse the options (`--profile ...`) that come before any positional.
         return _sim(raw[1:])
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.command == "check-config":
         return _check_config(args.file)
-    if args.command == "serve":
-        return _serve(args.config)
+    if args.command in ("serve", "config"):
+        try:
+            source = resolve_source(args, os.environ)
+        except UsageError as exc:
+            print(f"sluice {args.command}: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
+        if args.command == "serve":
+            return _serve(source)
+        return _config(
+            args.config_command, source, getattr(args, "write", None), getattr(args, "force", False)
+        )
     if args.command == "hash-key":
         return _hash_key()
     if args.command == "sim":
