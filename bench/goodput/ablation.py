@@ -3,9 +3,10 @@
 Replays the Azure trace at 1x and 2x load (the goodput bench's cells: same trace slice, same
 fleet) with Sluice's default configuration and with single changes to it, next to the tuned
 saturation-shedding baseline, and prints a table of goodput, token goodput, attainment,
-rejections and wasted GPU time. Settings only: the admission and prediction code is the one that
-ships. ``--seeds`` repeats every cell with other engine seeds (the 2 % step-time jitter), which
-shows how much one run's numbers move.
+rejections, wasted GPU time and the share served per prompt-size quartile of the trace (with
+the longest quartile's over the shortest's: issue 26's starvation by size). Settings only: the
+admission and prediction code is the one that ships. ``--seeds`` repeats every cell with other
+engine seeds (the 2 % step-time jitter), which shows how much one run's numbers move.
 
 Run: ``.venv/bin/python -m bench.goodput.ablation`` (``--loads``, ``--seeds``, ``--variants``,
 ``--jobs``; ``--trace mooncake`` for the other trace, ``--spike`` to add the spike scenario with
@@ -22,6 +23,7 @@ TPOT the engine measured (``bench.goodput.metrics.forecast_accuracy``), printed 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -40,6 +42,7 @@ from bench.goodput.core import (
     steady,
     trace_requests,
 )
+from bench.goodput.metrics import Score
 from bench.predictor_accuracy import TPOT_MEDIAN, TPOT_P90, TTFT_MEDIAN, TTFT_P90, ErrorStats, pct, verdict
 from replay import measure_capacity
 from simulator.profile import load_profile
@@ -57,9 +60,23 @@ VARIANTS: Final[tuple[tuple[str, tuple[tuple[str, float | None], ...]], ...]] = 
     ("stall budget, horizon 0.25", (("class.stall_budget_horizon", 0.25),)),
     ("stall budget, horizon 0.1", (("class.stall_budget_horizon", 0.1),)),
     ("stall budget, horizon 0.02", (("class.stall_budget_horizon", 0.02),)),
+    ("size fairness off", (("class.size_fairness.enabled", False),)),
+    ("size fairness, min_share 0.35", (("class.size_fairness.min_share", 0.35),)),
 )
 #: The tuned saturation-shedding baseline's KV threshold (the bench's choice on Azure at 1x).
 BASELINE_KV: Final = 0.4
+
+
+def served_by_quartile(s: Score) -> tuple[str, str]:
+    """(served / offered per prompt-size quartile of the trace, shortest first, as
+    ``"97 / 84 / 68 / 32 %"``; the longest quartile's share served over the shortest's, as
+    ``"0.33"``): issue 26's starvation by size. ``-`` where a quartile has no request."""
+    if s.by_prompt is None:
+        return "-", "-"
+    served = [1.0 - r for r in s.by_prompt.rates]
+    text = " / ".join("-" if math.isnan(x) else f"{100 * x:.0f}" for x in served) + " %"
+    ratio = served[3] / served[0] if served[0] > 0 else math.nan
+    return text, "-" if math.isnan(ratio) else f"{ratio:.2f}"
 
 
 def _met(stats: ErrorStats, median_target: float, p90_target: float) -> str:
@@ -157,7 +174,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
     print(
         "| policy | seed | load | goodput req/s | good ktok/s | attainment | rejected | GPU time wasted "
-        "| recovery after the spike |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| recovery after the spike | served by prompt quartile Q1 / Q2 / Q3 / Q4 | Q4 / Q1 |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     scored: list[tuple[str, CellResult]] = []
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -172,10 +190,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             recovery = "-"
             if spec.spike is not None:
                 recovery = "not within the span" if res.recovery_s is None else f"{res.recovery_s:g} s"
+            served, ratio = served_by_quartile(s)
             print(
                 f"| {label} | {spec.seed} | {load} | {s.goodput:.1f} | "
                 f"{s.token_goodput / 1e3:.1f} | {100 * s.attainment:.1f} % | "
-                f"{100 * s.rejection_rate:.1f} % | {100 * s.wasted:.1f} % | {recovery} |",
+                f"{100 * s.rejection_rate:.1f} % | {100 * s.wasted:.1f} % | {recovery} | "
+                f"{served} | {ratio} |",
                 flush=True,
             )
             if res.accuracy is not None:

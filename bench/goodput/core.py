@@ -206,14 +206,21 @@ def admission_settings(overrides: Sequence[tuple[str, float | None]] = ()) -> Ad
     targets above, defaults otherwise.
 
     ``overrides``: (key, value) pairs for the ablation (``bench.goodput.ablation``): a key of the
-    ``admission`` section (``forecast_margin``...) or ``class.<key>`` for the interactive class
-    (``None``: the setting off, where it may be null).
+    ``admission`` section (``forecast_margin``...) or ``class.<key>`` for the interactive class,
+    ``class.<section>.<key>`` for one key of a class's sub-section (``size_fairness``), the rest
+    of that sub-section at its defaults (``None``: the setting off, where it may be null).
     """
     section: dict[str, float | None] = {}
-    cls: dict[str, float | None] = {}
+    cls: dict[str, object] = {}
     for key, value in overrides:
         if key.startswith("class."):
-            cls[key.removeprefix("class.")] = value
+            name, _, sub = key.removeprefix("class.").partition(".")
+            if sub:
+                nested = cls.setdefault(name, {})
+                assert isinstance(nested, dict)
+                nested[sub] = value
+            else:
+                cls[name] = value
         else:
             section[key] = value
     shipped = AdmissionSettings().classes["interactive"].model_dump()

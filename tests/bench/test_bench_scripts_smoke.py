@@ -258,9 +258,13 @@ def check_ablation(out: str) -> None:
     want.append((f"saturation shedding, KV > {BASELINE_KV:g}", "1x"))
     assert got == sorted(want), rows
     for r in rows:
-        assert len(r) == 9, r
+        assert len(r) == 11, r
         for cell in r[3:8]:
             float(cell.rstrip(" %"))
+        served = r[9].removesuffix(" %").split(" / ")
+        assert len(served) == 4, r
+        for cell in [*served, r[10]]:
+            assert cell == "-" or float(cell) >= 0, r
     accuracy = md_rows(out, "| trace | policy | seed | load | served |")
     assert sorted((r[1], r[3]) for r in accuracy) == sorted(w for w in want if w[0] in labels), accuracy
 

@@ -46,7 +46,7 @@ def replay(enabled: bool) -> Score:
     capacity = measure_capacity(profile, trace[:400], seed=0)
     arrivals = piecewise_rate(trace, [(WARMUP_S + SCORED_S + COOLDOWN_S, LOAD * capacity)])
     config = FleetConfig(profile, FACTS, replicas=1, seed=0, text=TEXT)
-    settings = admission_settings((("class.size_fairness", {"enabled": enabled}),))  # type: ignore[arg-type]
+    settings = admission_settings((("class.size_fairness.enabled", enabled),))
     scored = (WARMUP_S, WARMUP_S + SCORED_S)
     result = run_gateway_replay(arrivals, config, SluicePolicy(settings), targets=TARGETS, scored=scored)
     outcomes = [o for o in result.outcomes if scored[0] <= o.arrival_s < scored[1]]
