@@ -335,7 +335,8 @@ def forecast_values(
     if not model.valid:
         return _invalid(request, ForecastReason.NO_STEP_MODEL, output)
     prompt = request.prompt_tokens
-    if prompt + output > state.kv_capacity_tokens:
+    seqs = request.sequences
+    if prompt + output * seqs > state.kv_capacity_tokens:
         return _invalid(request, ForecastReason.EXCEEDS_KV_CAPACITY, output)
     p = model.params
     base, ct, cd, cc = p.base_s, p.per_token_s, p.per_decode_seq_s, p.per_compute_token_s
@@ -359,7 +360,7 @@ def forecast_values(
     g: float = n0
     gemm_n0 = ct * (knee if knee < g else g) + cc * (g - knee if g > knee else 0.0)
     decode_step = base + gemm_n0 + cd * n0 + ckv * kv0
-    need_slots = state.num_running + state.num_waiting + 1 - seqs_cap
+    need_slots = state.num_running + state.num_waiting + seqs - seqs_cap
     need_kv = kv0 + queued + own - state.kv_capacity_tokens
     released = freed = wait_s = 0.0
     replaced = False
@@ -433,15 +434,16 @@ def forecast_values(
         gone = (state.finish_rate_per_s or 0.0) * (wait_s + prefill_s)
         if not gone < n1:
             gone = n1
-    n_join = n1 - gone + queued_reqs + 1.0
-    kv_join = kv1 * (1.0 - gone / n1 if n1 > 0.0 else 1.0) + queued + prompt + output / 2.0
+    n_join = n1 - gone + queued_reqs + seqs
+    kv_join = kv1 * (1.0 - gone / n1 if n1 > 0.0 else 1.0) + queued + prompt + seqs * output / 2.0
     if kv_join > state.kv_capacity_tokens:
         n_join *= state.kv_capacity_tokens / kv_join
         kv_join = float(state.kv_capacity_tokens)
     if not n_join < seqs_cap_f:
         n_join = seqs_cap_f
-    if not n_join > 1.0:
-        n_join = 1.0
+    least = seqs if seqs < seqs_cap_f else seqs_cap_f
+    if not n_join > least:
+        n_join = least
     bg = state.background_prefill_tokens_per_step
     share = state.prefill_share
     g = bg + n_join  # g(bg + n_join): the decode step's GEMM with background prefill riding along
@@ -483,9 +485,11 @@ def forecast_values(
             last_gemm = ct * (knee if knee < g else g) + cc * (g - knee if g > knee else 0.0)
             stall += last_gemm - base_gemm
         stall += ca * own_pairs
-        g = bg + n_join - 1.0
+        g = bg + n_join - seqs
+        if not g > 0.0:
+            g = 0.0
         gemm_less = ct * (knee if knee < g else g) + cc * (g - knee if g > knee else 0.0)
-        marginal = cd + ckv * (prompt + output / 2.0) + gemm_join - gemm_less
+        marginal = cd * seqs + ckv * (prompt + seqs * output / 2.0) + gemm_join - gemm_less
         window = state.mean_remaining_output_tokens or config.default_window_tokens
         if window < own_steps:
             window = float(own_steps)

@@ -41,6 +41,8 @@ class CandidateRequest:
     ``expected_output_tokens``: predicted output length (``predictor.output_length``), capped here at
     ``max_tokens``. ``output_quantile``: which quantile that prediction is, echoed in the forecast.
     ``cached_prompt_tokens``: prompt tokens expected to hit the prefix cache (not recomputed).
+    ``sequences`` (>= 1): sequences it decodes at once (a list of prompts, or the body's ``n``),
+    each producing ``expected_output_tokens``; ``prompt_tokens`` is then all of their prompts.
     """
 
     prompt_tokens: int
@@ -48,6 +50,7 @@ class CandidateRequest:
     expected_output_tokens: float
     output_quantile: float | None = None
     cached_prompt_tokens: int = 0
+    sequences: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +261,7 @@ def problem_of(request: CandidateRequest, state: ReplicaState) -> str | None:
     The state's own checks run once per state (kept on it): a state is forecast many times.
     """
     r = request
-    if r.prompt_tokens < 1 or r.max_tokens < 1 or r.cached_prompt_tokens < 0:
+    if r.prompt_tokens < 1 or r.max_tokens < 1 or r.cached_prompt_tokens < 0 or r.sequences < 1:
         return ForecastReason.BAD_REQUEST
     if not (math.isfinite(r.expected_output_tokens) and r.expected_output_tokens >= 0.0):
         return ForecastReason.BAD_REQUEST

@@ -167,6 +167,40 @@ def test_tpot_is_the_step_time_of_the_batch_it_joins() -> None:
     assert f.tpot_s == pytest.approx(MODEL.step_time(joined), rel=1e-9)
 
 
+@pytest.mark.parametrize("sequences", [2, 4, 16])
+def test_several_sequences_join_the_batch_together(sequences: int) -> None:
+    """A list of prompts or ``n`` choices decodes ``sequences`` at once: the batch it joins holds
+    all of them with their contexts, and what it costs the running streams grows with them."""
+    contexts, prompt, output = [2000] * 100, 1000, 300.0
+    one = forecast_request(request(prompt, output), state_of(contexts, []), MODEL)
+    many = forecast_request(request(prompt, output, sequences=sequences), state_of(contexts, []), MODEL)
+    joined = StepBatch(
+        decode_seqs=100 + sequences, kv_tokens_read=sum(contexts) + prompt + sequences * output / 2
+    )
+    assert many.tpot_s == pytest.approx(MODEL.step_time(joined), rel=1e-9)
+    assert many.tpot_s > one.tpot_s
+    assert many.inflicted_tpot_s > one.inflicted_tpot_s
+    assert many.ttft_s == pytest.approx(one.ttft_s, rel=1e-9)  # the same prompt tokens to prefill
+    # One sequence is the default, to the last bit.
+    assert forecast_request(request(prompt, output, sequences=1), state_of(contexts, []), MODEL) == one
+
+
+def test_several_sequences_need_their_slots_and_kv() -> None:
+    # Two free sequence slots: one sequence starts at once, four wait for running ones to finish.
+    state = state_of([2000] * 6, [], max_num_seqs=8)
+    assert forecast_request(request(500, sequences=1), state, MODEL).admission_wait_s == 0.0
+    assert forecast_request(request(500, sequences=4), state, MODEL).admission_wait_s > 0.0
+    # KV for every sequence's output: four 400-token outputs do not fit 1,500 tokens of KV; one does.
+    small = state_of([], [], kv_capacity=1500)
+    assert forecast_request(request(200, 400.0), small, MODEL).valid
+    assert forecast_request(request(200, 400.0, sequences=4), small, MODEL).reason == (
+        ForecastReason.EXCEEDS_KV_CAPACITY
+    )
+    assert (
+        forecast_request(request(200, 300.0, sequences=0), small, MODEL).reason == ForecastReason.BAD_REQUEST
+    )
+
+
 @pytest.mark.parametrize(
     ("small", "large"),
     [
