@@ -225,7 +225,11 @@ def starter_yaml(settings: Settings, notes: Sequence[str] = ()) -> str:
     if settings.authenticates_no_one:
         header.append("No tenant is configured: every request is served, whatever key it carries.")
     header += list(notes)
-    lines = [line for text in header for line in textwrap.wrap(text, width=96, subsequent_indent="  ")]
+    lines = [
+        line
+        for text in header
+        for line in textwrap.wrap(text, width=96, subsequent_indent="  ", break_on_hyphens=False)
+    ]
     comments = "".join(f"# {line}\n" for line in lines)
     return comments + "\n" + _dump(settings.model_dump(mode="json", exclude_defaults=True))
 
