@@ -209,13 +209,16 @@ def command_line_settings(
 
 
 def effective_yaml(settings: Settings) -> str:
-    """Every key of ``settings`` with its value, in the settings models' order."""
-    return _dump(settings.model_dump(mode="json"))
+    """Every key of ``settings`` with its value, in the settings models' order. The keys a
+    ``tenants.keys_file`` added are shown in their tenants' ``api_keys`` and ``keys_file`` is left
+    out, so the text loads back to the same settings."""
+    return _dump(_plain(settings, exclude_defaults=False))
 
 
 def starter_yaml(settings: Settings, notes: Sequence[str] = ()) -> str:
-    """The keys of ``settings`` that differ from their defaults, under a header on how to use the
-    file; ``notes`` are added to the header as comment lines (e.g. what each replica said)."""
+    """The keys of ``settings`` that differ from their defaults (the keys file's keys inline, as
+    ``effective_yaml``), under a header on how to use the file; ``notes`` are added to the header
+    as comment lines (e.g. what each replica said)."""
     header = [
         "Sluice configuration: only the keys that differ from their defaults.",
         "Check it with `sluice check-config FILE`; run it with `sluice serve --config FILE` (edits are",
@@ -231,7 +234,14 @@ def starter_yaml(settings: Settings, notes: Sequence[str] = ()) -> str:
         for line in textwrap.wrap(text, width=96, subsequent_indent="  ", break_on_hyphens=False)
     ]
     comments = "".join(f"# {line}\n" for line in lines)
-    return comments + "\n" + _dump(settings.model_dump(mode="json", exclude_defaults=True))
+    return comments + "\n" + _dump(_plain(settings, exclude_defaults=True))
+
+
+def _plain(settings: Settings, *, exclude_defaults: bool) -> dict[str, Any]:
+    data = settings.model_dump(mode="json", exclude_defaults=exclude_defaults)
+    if settings.tenants.keys_file is not None:  # its keys are in api_keys already
+        del data["tenants"]["keys_file"]
+    return data
 
 
 def _dump(data: dict[str, Any]) -> str:

@@ -198,6 +198,27 @@ def test_printed_configuration_loads_back_unchanged(
     assert load_settings(path) == settings
 
 
+@pytest.mark.parametrize("render", [effective_yaml, starter_yaml], ids=["show", "init"])
+def test_keys_from_a_keys_file_are_printed_inline(render: object, tmp_path: Path) -> None:
+    assert callable(render)
+    a_hash, b_hash = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    (tmp_path / "keys.yaml").write_text(f"team: ['{b_hash}']\n", encoding="utf-8")
+    config = {
+        "replicas": [{"name": "a", "url": "http://10.0.0.5:8000"}],
+        "tenants": {"keys_file": "keys.yaml", "tenants": {"team": {"api_keys": [a_hash]}}},
+    }
+    (tmp_path / "sluice.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
+    settings = load_settings(tmp_path / "sluice.yaml")
+    printed = tmp_path / "printed" / "sluice.yaml"
+    printed.parent.mkdir()
+    printed.write_text(render(settings), encoding="utf-8")
+
+    again = load_settings(printed)
+    assert again.tenants.tenants == settings.tenants.tenants
+    assert sorted(again.tenants.tenants["team"].api_keys) == sorted([a_hash, b_hash])
+    assert again.tenants.keys_file is None
+
+
 def test_starter_yaml_holds_only_what_differs_from_the_defaults() -> None:
     settings = command_line_settings([{"name": "a", "url": "http://10.0.0.5:8000"}])
 
