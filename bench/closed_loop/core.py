@@ -199,6 +199,13 @@ def run_trace(
     capacity = done / plan.calibrate_s
     if capacity <= 0:
         raise RuntimeError(f"{name}: the engine completed no request in {plan.calibrate_s:g} s")
+    needed = math.ceil(max(plan.loads) * capacity * plan.duration_s) + 1
+    if needed > len(requests):
+        requests, dropped = scaled(spec, MAX_MODEL_LEN, whole=True)
+        if needed > len(requests):
+            raise RuntimeError(
+                f"{name}: {needed} requests needed, the whole trace has {len(requests)} that fit"
+            )
     run = TraceRun(
         name, spec.title, spec.prompt_scale, spec.output_scale, len(requests), dropped, cpt, capacity
     )

@@ -51,8 +51,9 @@ class TraceSpec:
     """One trace and how its sizes are scaled.
 
     ``prompt_scale`` / ``output_scale``: factors (0-1] applied to the trace's prompt and output
-    tokens. ``rows``: how many rows from the trace's start are read (enough for the longest
-    point: the point takes the first ``ceil(duration x rate)`` requests that fit).
+    tokens. ``rows``: how many rows from the trace's start are read (the prompt-size quartiles
+    are those of these rows; a point takes the first ``ceil(duration x rate)`` requests that fit,
+    and a run whose largest point needs more reads the whole trace: ``scaled``'s ``whole``).
     """
 
     name: str
@@ -75,13 +76,14 @@ TRACES: Final = {
 }
 
 
-def scaled(spec: TraceSpec, max_model_len: int) -> tuple[list[TraceRequest], int]:
-    """(the trace's first ``spec.rows`` requests with scaled sizes that fit, how many did not).
+def scaled(spec: TraceSpec, max_model_len: int, *, whole: bool = False) -> tuple[list[TraceRequest], int]:
+    """(the trace's first ``spec.rows`` requests, or all of them when ``whole``, with scaled sizes
+    that fit, how many did not).
 
     A request fits when its scaled prompt and output leave ``TEMPLATE_SLACK_TOKENS`` of
     ``max_model_len`` free. Arrivals are the trace's own (seconds from its first row).
     """
-    rows = spec.load(count=spec.rows)
+    rows = spec.load(count=None if whole else spec.rows)
     sized = [
         TraceRequest(
             r.arrival_s,
