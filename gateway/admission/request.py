@@ -24,8 +24,9 @@ class AdmissionRequest:
     ``deadline_s``: the client's own first-token deadline on the same clock (from the deadline
     header, ``classes.client_deadline_s``), or ``None``; it only ever tightens the class target.
     ``cached_prompt_tokens``: prompt tokens expected to hit the prefix cache. ``tenant``: whose
-    request it is (``None``: nobody's). ``choices`` (>= 1): the sequences it decodes (the body's
-    ``n``); only the tenant's budget prices them (``gateway.admission.budget``).
+    request it is (``None``: nobody's). ``choices`` (>= 1): the sequences it decodes (its prompts
+    times the body's ``n``), each of ``expected_output_tokens``: forecast together, and priced by
+    the tenant's budget (``gateway.admission.budget``).
     ``size_protected``: its prompt-size band of its class is admitted below its share
     (``gateway.admission.size_share``): it may wait in the queue, first, while only the replicas'
     load blocks it. ``fewest_prompt_tokens`` (1 <= it <= ``prompt_tokens``): the lowest plausible
@@ -55,6 +56,8 @@ class AdmissionRequest:
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1:
             raise ValueError(f"prompt_tokens must be >= 1, got {self.prompt_tokens}")
+        if self.choices < 1:
+            raise ValueError(f"choices must be >= 1, got {self.choices}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
         fewest = self.fewest_prompt_tokens
@@ -71,7 +74,7 @@ class AdmissionRequest:
         # A missing cap is the engine's default (the rest of the context): at least one token.
         prompt = self.prompt_tokens if fewest is None else fewest
         object.__setattr__(self, "min_model_len", prompt + (self.max_tokens or 1))
-        object.__setattr__(self, "min_kv_tokens", prompt + max(1.0, output))
+        object.__setattr__(self, "min_kv_tokens", prompt + max(1.0, output) * self.choices)
 
     def _build(self, max_tokens: int) -> CandidateRequest:
         return CandidateRequest(
@@ -80,6 +83,7 @@ class AdmissionRequest:
             self.expected_output_tokens,
             self.output_quantile,
             self.cached_prompt_tokens,
+            self.choices,
         )
 
     def candidate(self, max_model_len: int) -> CandidateRequest:
@@ -98,6 +102,7 @@ class AdmissionRequest:
                 self.expected_output_tokens,
                 self.output_quantile,
                 min(self.cached_prompt_tokens, prompt),
+                self.choices,
             )
         if self._candidate is not None:
             return self._candidate

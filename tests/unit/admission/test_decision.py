@@ -258,6 +258,21 @@ def test_newcomer_must_keep_running_streams_within_their_tpot_target(prompt: int
         assert decision.earliest_retry_s == pytest.approx(200 * 0.09)
 
 
+def test_every_sequence_a_request_decodes_is_forecast() -> None:
+    """A list of prompts or ``n`` choices decodes one sequence each: the forecast joins them all to
+    the batch, and the running streams' headroom that one sequence leaves, many use up."""
+    tight = [view("tight", state(32), streams(32, tpot_s=0.09))]
+    one = decide(tight, prompt=500, config=LOOSE_TTFT)
+    assert isinstance(one, Admit)
+    assert one.forecast is not None
+    many = admitter(LOOSE_TTFT).decide(replace(request(500), choices=512), tight, NOW)
+    assert isinstance(many, Queue | Reject)
+    assert many.forecast is not None
+    assert many.forecast.tpot_s > one.forecast.tpot_s
+    with pytest.raises(ValueError, match="choices"):
+        replace(request(500), choices=0)
+
+
 def test_long_prompt_goes_where_it_hurts_least() -> None:
     tight = view("tight", state(32), streams(32, tpot_s=0.09))
     roomy = view("roomy", state(32, queued=[8000]), streams(32, tpot_s=0.02))
