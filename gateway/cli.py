@@ -58,6 +58,12 @@ def _add_source_options(parser: argparse.ArgumentParser, *, serve: bool) -> None
         f"and every request is served [{ENV['demo_tenant']}=1]",
     )
     group.add_argument(
+        "--replica-api-key-env",
+        metavar="NAME",
+        help="with --replica: the environment variable holding the API key the replicas were started "
+        f"with (vLLM's --api-key), sent on every request to them [{ENV['replica_api_key_env']}]",
+    )
+    group.add_argument(
         "--allow-unauthenticated",
         action="store_true",
         default=None,

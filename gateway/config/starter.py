@@ -62,6 +62,7 @@ ENV: Final = {
     "listen": "SLUICE_LISTEN",
     "demo_tenant": "SLUICE_DEMO_TENANT",
     "allow_unauthenticated": "SLUICE_ALLOW_UNAUTHENTICATED",
+    "replica_api_key_env": "SLUICE_REPLICA_API_KEY_ENV",
 }
 _TRUE: Final = frozenset({"1", "true", "yes", "on"})
 _FALSE: Final = frozenset({"", "0", "false", "no", "off"})
@@ -81,6 +82,8 @@ class Source:
     listen: str | None = None
     demo_tenant: bool = False
     allow_unauthenticated: bool = False
+    #: The environment variable holding the key the replicas were started with (``--api-key``).
+    replica_api_key_env: str | None = None
 
 
 def _switch(flag: bool | None, env: Mapping[str, str], name: str) -> bool:
@@ -105,6 +108,9 @@ def resolve_source(args: argparse.Namespace, env: Mapping[str, str]) -> Source:
         listen=args.listen if args.listen is not None else (env.get(ENV["listen"], "").strip() or None),
         demo_tenant=_switch(args.demo_tenant, env, ENV["demo_tenant"]),
         allow_unauthenticated=_switch(args.allow_unauthenticated, env, ENV["allow_unauthenticated"]),
+        replica_api_key_env=args.replica_api_key_env
+        or env.get(ENV["replica_api_key_env"], "").strip()
+        or None,
     )
     if source.config is not None and source.replicas:
         raise UsageError(
@@ -118,11 +124,13 @@ def resolve_source(args: argparse.Namespace, env: Mapping[str, str]) -> Source:
                 ("--listen", source.listen is not None),
                 ("--demo-tenant", source.demo_tenant),
                 ("--allow-unauthenticated", source.allow_unauthenticated),
+                ("--replica-api-key-env", source.replica_api_key_env is not None),
             )
             if given
         ]
         if extra:
-            where = "set server.host, server.port, tenants and server.allow_unauthenticated in the file"
+            where = "set server.host, server.port, tenants, server.allow_unauthenticated and "
+            where += "replicas[].api_key_env in the file"
             raise UsageError(f"{', '.join(extra)}: only with --replica (with --config, {where})")
     return source
 
@@ -151,13 +159,13 @@ def load_source(source: Source) -> tuple[Settings, list[tuple[str, Discovered]]]
             allow_unauthenticated=source.allow_unauthenticated,
         )
 
-    bare = [{"name": n, "url": u, "backend": "auto"} for n, u in zip(names, source.replicas, strict=True)]
-    build(bare)  # every problem of the options, before any request
-    discovered = asyncio.run(discover_all(source.replicas))
-    entries = [
-        d.settings(n).model_dump(mode="json", exclude_defaults=True)
-        for n, d in zip(names, discovered, strict=True)
+    key = {"api_key_env": source.replica_api_key_env} if source.replica_api_key_env else {}
+    bare = [
+        {"name": n, "url": u, "backend": "auto", **key} for n, u in zip(names, source.replicas, strict=True)
     ]
+    asked = build(bare)  # every problem of the options, before any request
+    discovered = asyncio.run(discover_all(asked))
+    entries = [d.settings().model_dump(mode="json", exclude_defaults=True) for d in discovered]
     return build(entries), list(zip(names, discovered, strict=True))
 
 

@@ -1,7 +1,7 @@
 """What a replica says about itself, asked once: for ``sluice serve --replica URL`` and
 ``sluice config``, which build a configuration from the URLs alone.
 
-``discover(session, url, timeout_s)`` asks what the running gateway learns anyway, the same way:
+``discover(session, replica, timeout_s)`` asks what the running gateway learns anyway, the same way:
 the engine (``/metrics`` names, else TGI's ``/info`` or SGLang's ``/get_server_info``: the
 ``backend: auto`` detection of ``gateway.replicas.dialects``), the models with their
 ``max_model_len`` (``/v1/models``, completed from the info endpoint where the list omits it: the
@@ -12,7 +12,9 @@ card's ``id`` or ``root``), and SGLang's ``tp_size``, ``max_running_requests`` a
 stay unset (the step model is learned from ``/metrics``) until the operator writes them.
 
 Nothing here raises for a replica that does not answer: ``Discovered.error`` says why, and the
-replica is configured with ``backend: auto`` so the gateway detects it once it is up.
+replica is configured with ``backend: auto`` so the gateway detects it once it is up. A replica
+whose settings name ``api_key_env`` is asked with its key, as the gateway asks it
+(``gateway.replicas.auth``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from yarl import URL
 
 from gateway.api.openai import ModelCard
 from gateway.config.section import HF_ID
+from gateway.config.settings import Settings
+from gateway.config.store import SettingsStore
+from gateway.replicas.auth import replica_auth
 from gateway.replicas.config import HardwareSettings, ReplicaSettings
 from gateway.replicas.dialects import AUTO, INFO_PATHS, detect, engine_from_info
 from gateway.replicas.exposition import ExpositionError, parse_exposition
@@ -49,23 +54,29 @@ _NOT_IN_NAME: Final = re.compile(r"[^A-Za-z0-9_.-]+")
 class Discovered:
     """One replica as it described itself.
 
-    ``engine``: ``vllm``, ``tgi`` or ``sglang``; ``None`` when it could not be told (the replica
-    is then configured ``auto``). ``models``: its ``/v1/models`` cards by id (empty when it did not
-    answer). ``hardware``: the facts it exposes (unset keys: not exposed). ``error``: why
-    ``/v1/models`` could not be read, ``None`` when it was.
+    ``replica``: the entry it was asked as (name, URL, key). ``engine``: ``vllm``, ``tgi`` or
+    ``sglang``; ``None`` when it could not be told (the replica is then configured ``auto``).
+    ``models``: its ``/v1/models`` cards by id (empty when it did not answer). ``hardware``: the
+    facts it exposes (unset keys: not exposed). ``error``: why ``/v1/models`` could not be read,
+    ``None`` when it was.
     """
 
-    url: str
+    replica: ReplicaSettings
     engine: str | None = None
     models: Mapping[str, ModelCard] = field(default_factory=dict)
     hardware: HardwareSettings = field(default_factory=HardwareSettings)
     error: str | None = None
 
-    def settings(self, name: str) -> ReplicaSettings:
-        """Its ``replicas:`` entry under ``name``: the detected engine (else ``auto``) and hardware."""
+    @property
+    def url(self) -> str:
+        """The base URL it was asked at."""
+        return self.replica.url
+
+    def settings(self) -> ReplicaSettings:
+        """Its ``replicas:`` entry: as asked, with the detected engine (else ``auto``) and hardware."""
         backend = self.engine or AUTO
         return ReplicaSettings.model_validate(
-            {"name": name, "url": self.url, "backend": backend, "hardware": self.hardware}
+            {**self.replica.model_dump(), "backend": backend, "hardware": self.hardware}
         )
 
     def describe(self) -> str:
@@ -81,26 +92,28 @@ class Discovered:
 
 
 async def discover(
-    session: aiohttp.ClientSession, url: str, timeout_s: float = PROBE_TIMEOUT_S
+    session: aiohttp.ClientSession, replica: ReplicaSettings, timeout_s: float = PROBE_TIMEOUT_S
 ) -> Discovered:
-    """Ask the replica at ``url`` (its base URL, no ``/v1``) what it runs; never raises for it."""
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    base = url.rstrip("/")
-    engine, info = await _engine(session, base, timeout)
-    replica = Replica(ReplicaSettings(name="discovering", url=url, backend=AUTO))
-    replica.detected_engine = engine
-    models = await fetch_models(session, replica, timeout_s)
+    """Ask ``replica`` (its URL is the base URL, no ``/v1``) what it runs; never raises for it."""
+    limit = aiohttp.ClientTimeout(total=timeout_s)
+    base = replica.url.rstrip("/")
+    engine, info = await _engine(session, base, limit)
+    probe = Replica(replica.model_copy(update={"backend": AUTO}))
+    probe.detected_engine = engine
+    models = await fetch_models(session, probe, timeout_s)
     if isinstance(models, str):
-        return Discovered(url, engine, error=models)
+        return Discovered(replica, engine, error=models)
     if engine == "sglang" and info is None:
-        info = await _json(session, base + "/get_server_info", timeout)
-    return Discovered(url, engine, models, _hardware(engine, models, info))
+        info = await _json(session, base + "/get_server_info", limit)
+    return Discovered(replica, engine, models, _hardware(engine, models, info))
 
 
-async def discover_all(urls: Sequence[str], timeout_s: float = PROBE_TIMEOUT_S) -> list[Discovered]:
-    """``discover`` every URL at once, in one client session; results in the order of ``urls``."""
-    async with aiohttp.ClientSession() as session:
-        return list(await asyncio.gather(*(discover(session, url, timeout_s) for url in urls)))
+async def discover_all(settings: Settings, timeout_s: float = PROBE_TIMEOUT_S) -> list[Discovered]:
+    """``discover`` every entry of ``settings.replicas`` at once, in one client session that sends
+    each its own key; results in configuration order."""
+    middleware = replica_auth(SettingsStore(settings))
+    async with aiohttp.ClientSession(middlewares=(middleware,)) as session:
+        return list(await asyncio.gather(*(discover(session, r, timeout_s) for r in settings.replicas)))
 
 
 def replica_names(urls: Sequence[str]) -> list[str]:

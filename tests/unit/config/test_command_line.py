@@ -60,6 +60,7 @@ def test_replicas_from_flags_or_environment() -> None:
     from_flags = _source(["serve", "--replica", "http://a:8000", "--replica", "http://b:8000"])
     env = {"SLUICE_REPLICAS": "http://a:8000, http://b:8000", "SLUICE_LISTEN": "0.0.0.0:9000"}
     env |= {"SLUICE_DEMO_TENANT": "yes", "SLUICE_ALLOW_UNAUTHENTICATED": "1"}
+    env |= {"SLUICE_REPLICA_API_KEY_ENV": "VLLM_KEY"}
     from_env = _source(["serve"], env)
 
     assert from_flags == Source(replicas=("http://a:8000", "http://b:8000"))
@@ -68,6 +69,7 @@ def test_replicas_from_flags_or_environment() -> None:
         listen="0.0.0.0:9000",
         demo_tenant=True,
         allow_unauthenticated=True,
+        replica_api_key_env="VLLM_KEY",
     )
 
 
@@ -92,6 +94,7 @@ def test_config_file_from_the_environment() -> None:
         (["serve", "--listen", ":9000"], {}, "--listen: only with --replica"),
         (["serve", "--config", "a.yaml", "--demo-tenant"], {}, "--demo-tenant: only with --replica"),
         (["serve"], {"SLUICE_ALLOW_UNAUTHENTICATED": "true"}, "--allow-unauthenticated: only with"),
+        (["serve", "--replica-api-key-env", "K"], {}, "--replica-api-key-env: only with --replica"),
         (["serve", "--replica", "http://a:1"], {"SLUICE_DEMO_TENANT": "maybe"}, "SLUICE_DEMO_TENANT='maybe'"),
     ],
 )
@@ -123,6 +126,27 @@ def test_bad_replica_url_and_listen_are_configuration_errors(capsys: pytest.Capt
     assert "replicas.0.url:" in capsys.readouterr().err
     assert main(["config", "show", "--replica", CLOSED, "--listen", "0.0.0.0:x"]) == EXIT_CONFIG
     assert "--listen: expected HOST:PORT with a numeric port" in capsys.readouterr().err
+
+
+def test_replica_key_variable_must_be_set(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SLUICE_TEST_UNSET_KEY", raising=False)
+    assert (
+        main(["config", "show", "--replica", CLOSED, "--replica-api-key-env", "SLUICE_TEST_UNSET_KEY"]) == 2
+    )
+    assert (
+        "replicas.0.api_key_env: names an environment variable that is unset or empty"
+        in capsys.readouterr().err
+    )
+
+    monkeypatch.setenv("SLUICE_TEST_UNSET_KEY", "r-secret")
+    assert (
+        main(["config", "show", "--replica", CLOSED, "--replica-api-key-env", "SLUICE_TEST_UNSET_KEY"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out)["replicas"][0]["api_key_env"] == "SLUICE_TEST_UNSET_KEY"
+    assert "r-secret" not in out
 
 
 def test_config_show_of_an_unreachable_replica_says_so(capsys: pytest.CaptureFixture[str]) -> None:
