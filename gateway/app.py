@@ -396,11 +396,15 @@ def _replicas_view(app: web.Application) -> Callable[[web.Request], Awaitable[we
     async def handler(request: web.Request) -> web.Response:
         """Every replica's state, in-flight requests, last snapshot summary, the prediction
         service's per-replica facts, fitted parameters and fit error, and the attainment
-        controller's margin and attainment per class and replica (``admission.attainment``)."""
+        controller's margin and attainment per class and replica (``admission.attainment``), and
+        each class's admission by prompt-size quartile (``admission.size_shares``)."""
         body = app[PREDICTIONS].describe()
         admission = app.get(ADMISSION)
         if admission is not None:
-            body["admission"] = {"attainment": [s.as_json() for s in admission.attainment()]}
+            body["admission"] = {
+                "attainment": [s.as_json() for s in admission.attainment()],
+                "size_shares": admission.size_shares(),
+            }
         return web.json_response(body)
 
     return handler

@@ -198,6 +198,11 @@ class AdmissionEngine:
         """The queued requests' ids, in the order they were queued."""
         return [q.request.request_id for q in self._queued.values()]
 
+    def size_shares(self, now: float) -> dict[str, dict[str, dict[str, object]]]:
+        """Per route, each class's admission by prompt-size quartile over its window at ``now``
+        (``SizeShares.as_json``: edges, counts, rates, the bands ``size_fairness`` protects)."""
+        return {route: c.size_shares.as_json(now) for route, c in sorted(self._controllers.items())}
+
     def controller(self, route: str) -> AdmissionController:
         """The route's controller (made on first use; they share stats and fairness)."""
         controller = self._controllers.get(route)

@@ -257,6 +257,10 @@ class LiveAdmission:
         """The attainment controller's state now: each class's margin and attainment per replica."""
         return list(self.engine.attainment.states(self._clock()))
 
+    def size_shares(self) -> dict[str, dict[str, dict[str, object]]]:
+        """Each route's classes' admission by prompt-size quartile now (``AdmissionEngine.size_shares``)."""
+        return self.engine.size_shares(self._clock())
+
     # -- events -------------------------------------------------------------------------------------
     def changed(self) -> None:
         """A replica's load or health changed: views are rebuilt, the queue re-evaluated."""

@@ -116,9 +116,11 @@ class SizeShareTracker:
         self._events.append((now, prompt_tokens, admitted))
         self._pending += 1
 
-    def shares(self, now: float) -> BandShares:
-        """The bands over the window ending at ``now`` (recomputed when due)."""
-        if self._pending >= _REFRESH_EVERY or now - self._refreshed_at >= _REFRESH_S:
+    def shares(self, now: float, *, fresh: bool = False) -> BandShares:
+        """The bands over the window ending at ``now``: recomputed when due, or now with ``fresh``
+        and new decisions since (the admin view)."""
+        due = self._pending >= _REFRESH_EVERY or now - self._refreshed_at >= _REFRESH_S
+        if due or (fresh and self._pending > 0):
             events = self._events
             oldest = now - self._settings.window_s
             while events and events[0][0] < oldest:
@@ -172,4 +174,4 @@ class SizeShares:
 
     def as_json(self, now: float) -> dict[str, dict[str, object]]:
         """Each class's bands over the window ending at ``now`` (``BandShares.as_json``)."""
-        return {name: t.shares(now).as_json() for name, t in sorted(self._trackers.items())}
+        return {name: t.shares(now, fresh=True).as_json() for name, t in sorted(self._trackers.items())}

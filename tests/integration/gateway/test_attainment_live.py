@@ -68,6 +68,11 @@ async def test_admin_view_and_metrics_show_margin_and_attainment(
     assert state["attainment"] == 1.0
     assert state["margin"] == LOOSE.forecast_margin
     assert state["target"] == 0.95
+    # Admission by prompt-size quartile, per model and class: every request admitted.
+    (by_class,) = view["admission"]["size_shares"].values()
+    shares = by_class["plain"]
+    assert sum(shares["offered"]) == sum(shares["admitted"]) == REQUESTS
+    assert shares["protected_bands"] == []
 
     text = await (await client.get("/metrics")).text()
     assert 'sluice_admission_margin{class="plain",replica="r0"} 0.15' in text

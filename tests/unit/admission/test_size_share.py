@@ -85,6 +85,7 @@ def test_rates_refresh_every_32_decisions_or_each_second() -> None:
         t += 0.01
         tracker.record(3000, False, t)
     assert sum(tracker.shares(t).offered) == 40
+    assert sum(tracker.shares(t, fresh=True).offered) == 45
     assert sum(tracker.shares(t + 1.0).offered) == 45
 
 
