@@ -50,14 +50,17 @@ def test_a_starved_size_waits_first_and_holds_the_others_back() -> None:
     assert long.blocker == Blocker.STREAMS_TPOT
     assert long.entry_id is not None
     entry = ctl.queue.entry(long.entry_id)
-    assert entry is not None and entry.request.size_protected
+    assert entry is not None
+    assert entry.request.size_protected
     assert ctl.queue.holds_back(0)
-    # A short request that fits an idle replica waits behind it, as does a batch one.
+    # A short request that fits an idle replica waits behind it.
     held = ctl.submit(request(SHORT, arrival=T0 + 0.01, request_id="held"), idle(), T0 + 0.01)
-    assert isinstance(held, Queue) and held.blocker == Blocker.HELD_BACK
+    assert isinstance(held, Queue)
+    assert held.blocker == Blocker.HELD_BACK
     # Still loaded: it stays, and so do the ones held back.
     result = ctl.reevaluate(T0 + 0.02, loaded())
-    assert result.dispatched == [] and result.rejected == []
+    assert result.dispatched == []
+    assert result.rejected == []
     # The streams are gone: it leaves first, then the others.
     result = ctl.reevaluate(T0 + 0.05, idle())
     assert [e.request.request_id for e, _ in result.dispatched] == ["long", "held"]
@@ -83,5 +86,16 @@ def test_its_outcomes_count_towards_its_band() -> None:
     ctl.reevaluate(T0 + 0.05, idle())
     shares = ctl.size_shares.as_json(T0 + 2.0)["interactive"]
     offered, admitted = shares["offered"], shares["admitted"]
-    assert isinstance(offered, list) and isinstance(admitted, list)
+    assert isinstance(offered, list)
+    assert isinstance(admitted, list)
     assert (sum(offered), sum(admitted)) == (201, 151)
+
+
+def test_a_reload_turns_it_off_and_keeps_the_window() -> None:
+    ctl = starved()
+    ctl.reconfigure(OFF)
+    decision = ctl.submit(request(LONG, arrival=T0), loaded(), T0)
+    assert isinstance(decision, Reject)  # no longer protected
+    ctl.reconfigure(ON)
+    decision = ctl.submit(request(LONG, arrival=T0 + 0.01), loaded(), T0 + 0.01)
+    assert isinstance(decision, Queue)  # the window kept its starved band
