@@ -241,6 +241,7 @@ async def _admission(app: web.Application) -> AsyncIterator[None]:
     if metrics is not None:
         metrics.track_queue(admission.queue_lengths)
         metrics.track_attainment(admission.attainment)
+        metrics.track_size_shares(admission.size_share_rows)
     try:
         yield
     finally:

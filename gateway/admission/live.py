@@ -58,6 +58,7 @@ from gateway.admission.live_queue import CallLater, LiveQueue, Watch
 from gateway.admission.ports import AdmissionReplica, route_of
 from gateway.admission.results import Ending, Resolution, Saturated, UnknownModel, labels
 from gateway.admission.retry_after import RefusalReason
+from gateway.admission.size_share import QuartileRow
 from gateway.admission.sizing import estimated_prompt_size
 from gateway.api.openai import MAX_TOKENS_LIMIT, ParsedRequest
 from gateway.config.settings import Settings
@@ -260,6 +261,10 @@ class LiveAdmission:
     def size_shares(self) -> dict[str, dict[str, dict[str, object]]]:
         """Each route's classes' admission by prompt-size quartile now (``AdmissionEngine.size_shares``)."""
         return self.engine.size_shares(self._clock())
+
+    def size_share_rows(self) -> list[QuartileRow]:
+        """Each class's prompt-size quartiles now, for the metrics (``AdmissionEngine.size_share_rows``)."""
+        return self.engine.size_share_rows(self._clock())
 
     # -- events -------------------------------------------------------------------------------------
     def changed(self) -> None:

@@ -29,7 +29,7 @@ from typing import Final
 
 from gateway.admission.config import AdmissionSettings, SizeFairnessSettings
 
-__all__ = ["BANDS", "BandShares", "SizeShareTracker", "SizeShares"]
+__all__ = ["BANDS", "BandShares", "QuartileRow", "SizeShareTracker", "SizeShares"]
 
 #: Prompt-size bands: quartiles.
 BANDS: Final = 4
@@ -70,6 +70,21 @@ class BandShares:
             "admission_rate": [None if math.isnan(r) else round(r, 4) for r in self.rates()],
             "protected_bands": sorted(self.starved),
         }
+
+
+@dataclass(frozen=True, slots=True)
+class QuartileRow:
+    """One class's prompt-size quartile over the window, as the metrics export it.
+
+    ``quartile``: 1 (shortest) .. 4 (longest). ``decided``/``admitted``: requests in the window.
+    ``protected``: its new requests are ``size_protected`` (only where the class protects).
+    """
+
+    request_class: str
+    quartile: int
+    decided: int
+    admitted: int
+    protected: bool
 
 
 _EMPTY: Final = BandShares((), (0,) * BANDS, (0,) * BANDS, frozenset())
@@ -171,6 +186,20 @@ class SizeShares:
     def record(self, name: str, prompt_tokens: int, admitted: bool, now: float) -> None:
         """A request of class ``name`` was admitted or refused (not counted while it waits)."""
         self._tracker(name).record(prompt_tokens, admitted, now)
+
+    def rows(self, now: float) -> list[QuartileRow]:
+        """Each class's quartiles over the window ending at ``now`` (classes with no decision
+        left out); ``protected`` only where the class protects its sizes."""
+        out: list[QuartileRow] = []
+        for name, tracker in sorted(self._trackers.items()):
+            shares = tracker.shares(now, fresh=True)
+            if not any(shares.offered):
+                continue
+            on = self._settings.class_settings(name).size_fairness.enabled
+            for k in range(BANDS):
+                protected = on and k in shares.starved
+                out.append(QuartileRow(name, k + 1, shares.offered[k], shares.admitted[k], protected))
+        return out
 
     def as_json(self, now: float) -> dict[str, dict[str, object]]:
         """Each class's bands over the window ending at ``now`` (``BandShares.as_json``)."""

@@ -42,6 +42,8 @@ from gateway.observability.metrics.requests import (
     QueueCollector,
     QueueSource,
     RequestMetrics,
+    SizeShareCollector,
+    SizeShareSource,
 )
 from gateway.observability.metrics.tenants import (
     LimiterCollector,
@@ -83,6 +85,7 @@ class SluiceMetrics:
         self._corrections = CorrectionCollector(self._replica_state.live_names, clock)
         self._queue = QueueCollector(self.labels)
         self._attainment = AttainmentCollector(self.labels)
+        self._size_shares = SizeShareCollector(self.labels)
         self._limiter = LimiterCollector()
         for collector in (
             self._replica_state,
@@ -90,6 +93,7 @@ class SluiceMetrics:
             self._corrections,
             self._queue,
             self._attainment,
+            self._size_shares,
             self._limiter,
         ):
             r.register(collector)
@@ -140,6 +144,10 @@ class SluiceMetrics:
     def track_attainment(self, states: AttainmentSource) -> None:
         """Read the attainment controller's margins and attainment (``states()``) at every scrape."""
         self._attainment.source = states
+
+    def track_size_shares(self, rows: SizeShareSource) -> None:
+        """Read each class's admission by prompt-size quartile (``rows()``) at every scrape."""
+        self._size_shares.source = rows
 
     def observe_reservation(self, reservation: ReservationView) -> None:
         """After a ``reserve``: see ``TenantMetrics.observe_reservation``."""

@@ -1,6 +1,7 @@
 """Requests and admission: decisions, responses, errors, tokens, Retry-After, queue wait,
-latency as clients see it, SLO results, and, read at scrape time, the queue's length and the
-attainment controller's state (each class's margin and measured attainment per replica).
+latency as clients see it, SLO results, and, read at scrape time, the queue's length, the
+attainment controller's state (each class's margin and measured attainment per replica) and each
+class's admission by prompt-size quartile (``size_fairness``).
 
 ``RequestMetrics.observe`` is the hot path (once per finished request); it takes the class and
 tenant labels already limited by ``SluiceMetrics``. ``QueueCollector`` reads the admission
@@ -62,6 +63,29 @@ class AttainmentRow(Protocol):
 
 #: The attainment controller's rows now.
 AttainmentSource = Callable[[], Iterable[AttainmentRow]]
+
+
+class QuartileRow(Protocol):
+    """One class's prompt-size quartile (``gateway.admission.size_share.QuartileRow``)."""
+
+    @property
+    def request_class(self) -> str: ...
+
+    @property
+    def quartile(self) -> int: ...
+
+    @property
+    def decided(self) -> int: ...
+
+    @property
+    def admitted(self) -> int: ...
+
+    @property
+    def protected(self) -> bool: ...
+
+
+#: Each class's prompt-size quartiles now.
+SizeShareSource = Callable[[], Iterable[QuartileRow]]
 
 
 class RequestMetrics:
@@ -291,3 +315,63 @@ class AttainmentCollector(Collector):
         yield attained
         yield samples
         yield target
+
+
+class SizeShareCollector(Collector):
+    """Each class label's admission by prompt-size quartile over ``size_fairness``'s window, read
+    from ``source`` at every scrape: ``sluice_admission_prompt_quartile_decided`` (requests
+    admitted or refused), ``sluice_admission_prompt_quartile_admitted_ratio`` (admitted / decided;
+    no sample for a quartile with none) and ``sluice_admission_prompt_quartile_protected`` (1 while
+    its requests are protected). Labels ``class`` and ``quartile`` (1 shortest .. 4 longest); rows
+    sharing them (routes, names limited to ``other``) are summed, protected if any is. No samples
+    while ``source`` is ``None``."""
+
+    def __init__(self, labels: LabelLimits) -> None:
+        self._labels = labels
+        self.source: SizeShareSource | None = None
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        by = ["class", "quartile"]
+        return (
+            GaugeMetricFamily(
+                "sluice_admission_prompt_quartile_decided",
+                "Requests of the class admitted or refused in the size-fairness window, by prompt-size "
+                "quartile (1 shortest .. 4 longest).",
+                labels=by,
+            ),
+            GaugeMetricFamily(
+                "sluice_admission_prompt_quartile_admitted_ratio",
+                "Share of those requests admitted, by prompt-size quartile.",
+                labels=by,
+            ),
+            GaugeMetricFamily(
+                "sluice_admission_prompt_quartile_protected",
+                "1 while the quartile's requests are protected (admitted below min_share of the best "
+                "quartile's rate), else 0.",
+                labels=by,
+            ),
+        )
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        decided, ratio, protected = self._families()
+        if self.source is not None:
+            counts: dict[tuple[str, str], list[int]] = {}
+            flags: dict[tuple[str, str], bool] = {}
+            for row in self.source():
+                key = (self._labels.class_label(row.request_class), str(row.quartile))
+                total = counts.setdefault(key, [0, 0])
+                total[0] += row.decided
+                total[1] += row.admitted
+                flags[key] = flags.get(key, False) or row.protected
+            for key, (n, admitted) in sorted(counts.items()):
+                decided.add_metric(list(key), float(n))
+                if n:
+                    ratio.add_metric(list(key), admitted / n)
+                protected.add_metric(list(key), 1.0 if flags[key] else 0.0)
+        yield decided
+        yield ratio
+        yield protected

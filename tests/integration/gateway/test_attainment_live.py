@@ -77,3 +77,4 @@ async def test_admin_view_and_metrics_show_margin_and_attainment(
     text = await (await client.get("/metrics")).text()
     assert 'sluice_admission_margin{class="plain",replica="r0"} 0.15' in text
     assert 'sluice_admission_attainment_ratio{class="plain",replica="r0"} 1.0' in text
+    assert 'sluice_admission_prompt_quartile_decided{class="plain",quartile="1"}' in text
