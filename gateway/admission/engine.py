@@ -28,7 +28,6 @@ from gateway.admission.budget import (
     BudgetRefused,
     Hold,
     TenantBudget,
-    bucket_output_cap,
     context_left,
     sure_output,
 )
@@ -236,7 +235,6 @@ class AdmissionEngine:
         min_tokens: int = 0,
         ignore_eos: bool = False,
         fewest_prompt_tokens: int | None = None,
-        token_capacity: float | None = None,
     ) -> AdmissionRequest:
         """The request sized for admission: its output predicted at the service's quantile,
         capped by ``max_tokens`` (the cap itself, at quantile 1, when the prediction fails), and
@@ -245,19 +243,8 @@ class AdmissionEngine:
         ``choices``: the sequences it decodes (the body's ``n``; its budget pays for each).
         The output is predicted for ``tenant`` (``PredictionService.expected_output``).
         ``fewest_prompt_tokens``: the lowest plausible prompt size when ``prompt_tokens`` is an
-        estimate (``None``: exact). ``token_capacity``: set for a response that cannot be stopped
-        part-way (not streamed) whose tenant has a token bucket of that many weighted tokens: its
-        budget reserves its whole output cap, and without ``max_tokens`` that cap is the largest
-        output the bucket can hold, at most the context left (``bucket_output_cap``), set as its
-        ``max_tokens`` (the adapter sends it to the replica). ``None``: reserved at the
-        prediction."""
+        estimate (``None``: exact)."""
         model, _ = split_route(route)
-        whole = token_capacity is not None and self._budget is not None
-        if whole and max_tokens is None:
-            assert token_capacity is not None and self._budget is not None
-            left = self._context_left(route, prompt_tokens, arrival_s)
-            weights = self._budget.budget.weights()
-            max_tokens = bucket_output_cap(weights, prompt_tokens, choices, token_capacity, left)
         try:
             output, quantile = self._predictions.expected_output(model, tenant, max_tokens)
         except Exception:
@@ -280,7 +267,6 @@ class AdmissionEngine:
             tenant=tenant,
             choices=choices,
             fewest_prompt_tokens=fewest_prompt_tokens,
-            reserve_whole_output=whole,
         )
 
     def submit(
