@@ -10,11 +10,12 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from bench.closed_loop.client import Outcome, replay
+from bench.closed_loop.client import Outcome, replay, saturate
 from bench.closed_loop.report import FULL_LOADS, Point, gateway_errors, header_errors, path_stats, verdicts
 from bench.closed_loop.workload import TRACES, Arrival, prompt_text, scaled, schedule
 from bench.verdicts import Status
 from replay import Targets
+from tests.support import speed
 
 TARGETS = Targets(ttft_s=2.0, tpot_s=0.15)
 EDGES = (10, 20, 30)
@@ -243,7 +244,8 @@ async def test_replay_measures_streams_refusals_and_cancels_what_is_unanswered_a
     server: str,
 ) -> None:
     arrivals = [Arrival(0.0, 0, 8, 5), Arrival(0.05, 1, 8, 1), Arrival(0.1, 2, 8, 2)]
-    out = await replay(server, arrivals, model="m", chars_per_token=1.0, grace_s=1.0, api_key="sk-x")
+    grace = speed.scaled(1.0)  # the stream and the refusal are done long before; the hung one is not
+    out = await replay(server, arrivals, model="m", chars_per_token=1.0, grace_s=grace, api_key="sk-x")
     streamed, refused, hung = out
     assert (streamed.status, streamed.tokens, streamed.finished) == (200, 5, True)
     assert streamed.admission == "admitted"
@@ -257,3 +259,13 @@ async def test_replay_measures_streams_refusals_and_cancels_what_is_unanswered_a
     assert refused.admission == "rejected"
     assert (hung.status, hung.finished, hung.ttft_s) == (None, False, None)
     assert [o.index for o in out] == [0, 1, 2]
+
+
+async def test_saturate_counts_the_streams_completed_in_its_window_and_cancels_the_rest(server: str) -> None:
+    # Streams of 5 tokens (about 50 ms each) and streams that never answer, taken in turn by two
+    # clients: the first stream completes, then each client ends up waiting on one that never does,
+    # which is cancelled when the window closes (the call returns).
+    arrivals = [Arrival(0.0, 0, 8, 5), Arrival(0.0, 1, 8, 2)]
+    window = speed.scaled(1.0)
+    done = await saturate(server, arrivals, model="m", chars_per_token=1.0, concurrency=2, duration_s=window)
+    assert 1 <= done <= 2
