@@ -130,6 +130,9 @@ OWN_RATIO: Final = 0.9
 BASELINE_RATIO: Final = 1.3
 WASTE_BOUND: Final = 0.02
 RECOVERY_BOUND_S: Final = 5.0
+#: Issue 26 point 5: at ``COMPARE_LOAD``, the longest prompt quartile's share served at least this
+#: fraction of the shortest's.
+SIZE_RATIO: Final = 1.0 / 3.0
 TRACES: Final = ("azure", "mooncake")
 
 DOC: Final = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
@@ -768,7 +771,25 @@ def verdicts(tr: TraceRun, sluice: str = "sluice") -> list[Verdict]:
     else:
         rec = sp.recovery_s
         out.append(judge(target, rec, rec <= RECOVERY_BOUND_S, f"{rec:.0f} s"))
+    out.append(size_verdict(_cell(tr, sluice, COMPARE_LOAD)))
     return out
+
+
+def size_verdict(c: CellResult | None) -> Verdict:
+    """Issue 26 point 5 on ``c`` (Sluice at ``COMPARE_LOAD``): the longest prompt quartile's share
+    served over the shortest's >= ``SIZE_RATIO``; ``NO_DATA`` without the cell, its quartiles, or
+    any shortest prompt served."""
+    target = f"longest prompt quartile served at {COMPARE_LOAD:g}x >= {SIZE_RATIO:.2g} of the shortest's rate"
+    q = None if c is None else c.score.by_prompt
+    if q is None:
+        return missing(target, "no cell or no quartiles at that load")
+    served = [1.0 - r for r in q.rates]
+    if not served[0] > 0:
+        return missing(target, "no request of the shortest quartile served: a ratio against nothing")
+    ratio = served[3] / served[0]
+    return judge(
+        target, ratio, ratio >= SIZE_RATIO, f"{100 * served[3]:.0f} vs {100 * served[0]:.0f} % = {ratio:.2f}"
+    )
 
 
 def targets_check(tr: TraceRun, sluice: str = "sluice") -> str:

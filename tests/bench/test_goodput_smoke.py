@@ -73,7 +73,7 @@ def test_quick_goodput_bench_reports_every_policy_and_load_with_sane_numbers(tmp
     assert text.count("| (e) Sluice | - |") == len(QUICK.loads)
     # Every target of both Sluice rows has a verdict line, with one of the three verdicts.
     verdicts = [x for x in text.splitlines() if x.startswith("- ") and " -> **" in x]
-    assert len(verdicts) == 5 * len(SLUICES) * len(QUICK.traces), verdicts
+    assert len(verdicts) == 6 * len(SLUICES) * len(QUICK.traces), verdicts
     assert all(x.endswith(("**met**", "**not met**", "**not met (no data)**")) for x in verdicts), verdicts
     assert sum("knobs tuned at 1x and 2x" in x for x in verdicts) == len(SLUICES) * len(QUICK.traces)
     if importlib.util.find_spec("matplotlib") is not None:

@@ -22,7 +22,7 @@ from bench.goodput.core import (
     targets_check,
     verdicts,
 )
-from bench.goodput.metrics import Score
+from bench.goodput.metrics import PromptQuartiles, Score
 from bench.overhead.core import QUICK, Cell, Report, markdown, targets_of
 from bench.verdicts import Status, Verdict
 
@@ -41,8 +41,10 @@ def cell(
     knob: float | None = None,
     recovery_s: float | None = None,
     spike: bool = False,
+    refused: tuple[int, int, int, int] | None = None,
 ) -> CellResult:
-    """A cell of ``policy`` at ``load`` with ``goodput`` req/s over a ``SPAN_S`` span."""
+    """A cell of ``policy`` at ``load`` with ``goodput`` req/s over a ``SPAN_S`` span;
+    ``refused``: of 100 requests per prompt quartile, those not served (``None``: not binned)."""
     met = round(goodput * SPAN_S)
     spec = CellSpec(
         "azure",
@@ -56,7 +58,16 @@ def cell(
         0,
         spike=(1.0, 2.0) if spike else None,
     )
-    score = Score(offered=max(met, 1) * 2, met=met, rejected=0, span_s=SPAN_S, wasted=wasted, busy_s=1.0)
+    quartiles = None if refused is None else PromptQuartiles((10, 20, 30), (100,) * 4, refused)
+    score = Score(
+        offered=max(met, 1) * 2,
+        met=met,
+        rejected=0,
+        span_s=SPAN_S,
+        wasted=wasted,
+        busy_s=1.0,
+        by_prompt=quartiles,
+    )
     return CellResult(spec, score, 0.0, recovery_s=recovery_s)
 
 
@@ -68,14 +79,16 @@ def trace_run(
     recovery_s: float | None = 2.0,
     spike: bool = True,
     tuning: tuple[CellResult, ...] = (),
+    refused: tuple[int, int, int, int] = (5, 20, 40, 60),
 ) -> TraceRun:
-    """Sluice (goodput by load; default 10, 12, 12 req/s at 1x, 2x, 3x, 8 elsewhere), baselines at
-    every load (goodput at 2x by policy; default saturation 8 req/s, none 1 req/s), a spike cell
-    for Sluice unless ``spike`` is false."""
+    """Sluice (goodput by load; default 10, 12, 12 req/s at 1x, 2x, 3x, 8 elsewhere; not served
+    per prompt quartile ``refused`` of 100 each), baselines at every load (goodput at 2x by
+    policy; default saturation 8 req/s, none 1 req/s), a spike cell for Sluice unless ``spike``
+    is false."""
     own = {0.5: 8.0, 1.0: 10.0, 1.5: 8.0, 2.0: 12.0, 3.0: 12.0} if sluice is None else sluice
     at_2x = {"saturation": 8.0, "none": 1.0} if baselines is None else baselines
     tr = TraceRun("azure", 1.0, 0, 100, 100.0, 10.0, LOADS, tuning=list(tuning))
-    tr.cells += [cell("sluice", load, g, wasted=wasted) for load, g in own.items()]
+    tr.cells += [cell("sluice", load, g, wasted=wasted, refused=refused) for load, g in own.items()]
     for policy, g in at_2x.items():
         tr.cells += [cell(policy, load, g if load == COMPARE_LOAD else 5.0) for load in LOADS]
     if spike:
@@ -88,57 +101,70 @@ def _without(tr: TraceRun, policy: str, load: float) -> TraceRun:
     return tr
 
 
-#: Order of ``verdicts``: 2x vs own 1x, 3x vs own 1x, 2x vs best baseline, waste, recovery.
+#: Order of ``verdicts``: 2x vs own 1x, 3x vs own 1x, 2x vs best baseline, waste, recovery,
+#: longest prompt quartile vs shortest at 2x.
 GOODPUT_CASES = [
-    pytest.param(trace_run, (MET, MET, MET, MET, MET), id="all present and met"),
+    pytest.param(trace_run, (MET, MET, MET, MET, MET, MET), id="all present and met"),
     pytest.param(
-        lambda: trace_run({0.5: 8.0, 1.0: 10.0, 1.5: 8.0, 2.0: 8.9, 3.0: 5.0}, wasted=0.05, recovery_s=6.0),
-        (NOT, NOT, NOT, NOT, NOT),
+        lambda: trace_run(
+            {0.5: 8.0, 1.0: 10.0, 1.5: 8.0, 2.0: 8.9, 3.0: 5.0},
+            wasted=0.05,
+            recovery_s=6.0,
+            refused=(0, 20, 40, 80),
+        ),
+        (NOT, NOT, NOT, NOT, NOT, NOT),
         id="present and not met",
     ),
-    pytest.param(lambda: trace_run(recovery_s=None), (MET, MET, MET, MET, NOT), id="never recovers: not met"),
+    pytest.param(
+        lambda: trace_run(recovery_s=None), (MET, MET, MET, MET, NOT, MET), id="never recovers: not met"
+    ),
     pytest.param(
         lambda: trace_run(baselines={"saturation": 0.0, "none": 0.0}),
-        (MET, MET, NONE, MET, MET),
+        (MET, MET, NONE, MET, MET, MET),
         id="zero baseline",
     ),
-    pytest.param(lambda: trace_run(baselines={}), (MET, MET, NONE, MET, MET), id="missing baseline"),
+    pytest.param(lambda: trace_run(baselines={}), (MET, MET, NONE, MET, MET, MET), id="missing baseline"),
     pytest.param(
         lambda: _without(trace_run(baselines={}), "sluice", 2.0),
-        (NONE, MET, NONE, NONE, MET),
+        (NONE, MET, NONE, NONE, MET, NONE),
         id="missing baseline and missing Sluice cell",
     ),
     pytest.param(
         lambda: _without(trace_run(), "sluice", 2.0),
-        (NONE, MET, NONE, NONE, MET),
+        (NONE, MET, NONE, NONE, MET, NONE),
         id="missing Sluice cell at 2x",
     ),
     pytest.param(
         lambda: _without(trace_run(), "sluice", 1.0),
-        (NONE, NONE, MET, NONE, MET),
+        (NONE, NONE, MET, NONE, MET, MET),
         id="missing Sluice cell at 1x",
     ),
     pytest.param(
         lambda: _without(trace_run(), "sluice", 0.5),
-        (MET, MET, MET, NONE, MET),
+        (MET, MET, MET, NONE, MET, MET),
         id="missing Sluice cell at a load no ratio uses",
     ),
     pytest.param(
         lambda: trace_run({0.5: 0.0, 1.0: 0.0, 1.5: 0.0, 2.0: 3.0, 3.0: 3.0}),
-        (NONE, NONE, NOT, MET, MET),
+        (NONE, NONE, NOT, MET, MET, MET),
         id="zero own goodput at 1x",
     ),
-    pytest.param(lambda: trace_run(spike=False), (MET, MET, MET, MET, NONE), id="missing spike cell"),
+    pytest.param(lambda: trace_run(spike=False), (MET, MET, MET, MET, NONE, MET), id="missing spike cell"),
+    pytest.param(
+        lambda: trace_run(refused=(100, 100, 100, 100)),
+        (MET, MET, MET, MET, MET, NONE),
+        id="no shortest prompt served: no size ratio",
+    ),
     pytest.param(
         lambda: TraceRun("azure", 1.0, 0, 100, 100.0, 10.0, LOADS),
-        (NONE, NONE, NONE, NONE, NONE),
+        (NONE, NONE, NONE, NONE, NONE, NONE),
         id="nothing measured",
     ),
     pytest.param(
         # The knob tuned at 1x gives 8 req/s at 2x (Sluice 1.5x of it), but the grid's best at
         # 2x gives 10: compared with that, Sluice's 12 is 1.2x.
         lambda: trace_run(tuning=(cell("saturation", 2.0, 10.0, knob=0.25),)),
-        (MET, MET, NOT, MET, MET),
+        (MET, MET, NOT, MET, MET, MET),
         id="best baseline tuned at the compared load",
     ),
 ]
@@ -158,7 +184,7 @@ def test_goodput_ratio_against_zero_baseline_says_why_and_prints_no_data() -> No
     line = next(x for x in text.splitlines() if "best baseline" in x)
     assert line.endswith("-> **not met (no data)**"), line
     assert "a ratio against no goodput proves nothing" in line
-    assert text.count("-> **met**") == 4, text
+    assert text.count("-> **met**") == 5, text
 
 
 def test_goodput_baseline_verdict_names_the_baseline_and_the_loads_its_knobs_were_tuned_at() -> None:
@@ -178,7 +204,7 @@ def test_goodput_verdicts_for_the_other_sluice_row_use_its_own_cells() -> None:
     tr.cells += [cell("sluice-nobudget", load, 10.0) for load in LOADS]
     got = verdicts(tr, "sluice-nobudget")
     # No spike for this row, 2x is 1.25x the best baseline (8 req/s), 100 % of its own at 1x.
-    assert [v.status for v in got] == [MET, MET, NOT, MET, NONE]
+    assert [v.status for v in got] == [MET, MET, NOT, MET, NONE, NONE]
 
 
 # -- overhead --------------------------------------------------------------------------------------
