@@ -249,8 +249,9 @@ def _config(action: str, source: Source, write: Path | None, force: bool) -> int
     return EXIT_OK
 
 
-#: Where an emulator's bare profile name is looked up (``EmulatorSettings.profile``).
-PROFILES_DIR = Path(__file__).resolve().parents[1] / "config" / "profiles"
+#: Where an emulator's bare profile name is looked up (``EmulatorSettings.profile``): the
+#: ``simulator`` package's data, beside this package in a checkout and once installed alike.
+PROFILES_DIR = Path(__file__).resolve().parents[1] / "simulator" / "profiles"
 
 
 def _served_model_name(settings: Settings) -> str:

@@ -32,7 +32,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Run one emulated replica (OpenAI API, SSE, /metrics) of vLLM, TGI or SGLang in "
         "the foreground.",
     )
-    parser.add_argument("--profile", required=True, help="profile name (config/profiles/NAME.yaml) or path")
+    parser.add_argument(
+        "--profile", required=True, help="profile name (simulator/profiles/NAME.yaml) or a path"
+    )
     parser.add_argument(
         "--engine",
         choices=ENGINES,

@@ -1,4 +1,5 @@
-"""Replica profiles: one GPU x model x engine configuration, loaded from ``config/profiles/*.yaml``.
+"""Replica profiles: one GPU x model x engine configuration, loaded from ``simulator/profiles/*.yaml``
+(package data, installed with the emulator; ``config/profiles`` in a checkout links to it).
 
 A profile holds the GPU and model facts, the engine limits (vLLM's ``SchedulerConfig`` /
 ``CacheConfig``), the measured per-layer linear timing table (Vidur), the output-length
@@ -18,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from simulator.apiserver import ApiServerCosts
 
-#: Where bare profile names are looked up: ``<repo>/config/profiles``.
-PROFILES_DIR = Path(__file__).resolve().parents[1] / "config" / "profiles"
+#: Where bare profile names are looked up: the package's own ``profiles`` folder.
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -204,12 +205,12 @@ def kv_blocks_that_fit(profile: Profile) -> int:
 
 
 def list_profiles() -> list[str]:
-    """Names of the profiles shipped in ``config/profiles/``, sorted."""
+    """Names of the profiles shipped in ``PROFILES_DIR``, sorted."""
     return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
 
 
 def load_profile(name_or_path: str) -> Profile:
-    """Load and validate a profile by bare name (``config/profiles/<name>.yaml``) or by a .yaml path.
+    """Load and validate a profile by bare name (``PROFILES_DIR/<name>.yaml``) or by a .yaml path.
 
     Raises ``ValueError`` for an unknown name (listing the available ones), a missing file, or a file
     that fails validation (pydantic's message, every error at once).
