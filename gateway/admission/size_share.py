@@ -15,7 +15,8 @@ could no longer come in time.
 The quartiles are cut from the window's own prompt sizes (edges as the goodput bench cuts a
 trace's: ``bench.goodput.metrics.prompt_quartile_edges``), so they follow the class's traffic.
 Memory is bounded by ``max_samples`` decided requests per class; the edges and rates are
-recomputed every ``_REFRESH_EVERY`` decisions or ``_REFRESH_S`` seconds, O(n log n) each.
+recomputed every ``_REFRESH_EVERY`` decisions (or a sixteenth of those kept, if more) or
+``_REFRESH_S`` seconds, O(n log n) each: O(log n) per decision, amortised.
 Pure: the caller passes the time (seconds of its clock).
 """
 
@@ -33,8 +34,10 @@ __all__ = ["BANDS", "BandShares", "QuartileRow", "SizeShareTracker", "SizeShares
 
 #: Prompt-size bands: quartiles.
 BANDS: Final = 4
-#: Decisions recorded, or seconds passed, before the bands and their rates are recomputed.
+#: Decisions recorded (at least ``_REFRESH_EVERY``, and a ``_REFRESH_SHARE`` of those kept), or
+#: seconds passed, before the bands and their rates are recomputed.
 _REFRESH_EVERY: Final = 32
+_REFRESH_SHARE: Final = 1 / 16
 _REFRESH_S: Final = 1.0
 
 
@@ -124,7 +127,7 @@ class SizeShareTracker:
         if settings.max_samples != self._settings.max_samples:
             self._events = deque(self._events, maxlen=settings.max_samples)
         self._settings = settings
-        self._pending = _REFRESH_EVERY
+        self._refreshed_at = -math.inf  # recomputed at the next look
 
     def record(self, prompt_tokens: int, admitted: bool, now: float) -> None:
         """A request of ``prompt_tokens`` was admitted (sent to a replica) or refused at ``now``."""
@@ -134,7 +137,8 @@ class SizeShareTracker:
     def shares(self, now: float, *, fresh: bool = False) -> BandShares:
         """The bands over the window ending at ``now``: recomputed when due, or now with ``fresh``
         and new decisions since (the admin view)."""
-        due = self._pending >= _REFRESH_EVERY or now - self._refreshed_at >= _REFRESH_S
+        every = max(_REFRESH_EVERY, int(len(self._events) * _REFRESH_SHARE))
+        due = self._pending >= every or now - self._refreshed_at >= _REFRESH_S
         if due or (fresh and self._pending > 0):
             events = self._events
             oldest = now - self._settings.window_s
