@@ -43,6 +43,9 @@ COMPLETION_ROUTES: Mapping[str, Endpoint] = {
 }
 #: Header that picks the model of a native TGI request when the TGI replicas serve several.
 MODEL_HEADER = "x-sluice-model"
+#: vLLM's ``max_tokens`` for a ``/v1/completions`` body without one (or with ``null``): its
+#: ``CompletionRequest`` default. A chat completion has none: the rest of the context.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 #: Largest ``max_tokens`` accepted (2**53 - 1, the largest integer a float holds exactly): admission
 #: computes with floats, and a larger cap than any context changes nothing. Larger is a 400.
 MAX_TOKENS_LIMIT = 2**53 - 1
@@ -89,7 +92,8 @@ class ParsedRequest:
 
     ``body`` is the decoded JSON object exactly as sent; ``raw`` the original bytes.
     ``include_usage`` is true when the client itself asked for the usage chunk of a stream.
-    ``max_tokens`` is ``max_completion_tokens`` or ``max_tokens`` (``None`` when absent).
+    ``max_tokens`` is ``max_completion_tokens`` or ``max_tokens``; when absent, vLLM's default:
+    ``COMPLETIONS_DEFAULT_MAX_TOKENS`` for a completion, ``None`` (the context left) for a chat.
     ``prompt_chars`` is the prompt's text length in characters (``prompt_size``);
     ``prompt_token_ids`` the prompt's length in tokens when it was sent as token ids, else ``None``.
     ``choices`` is the sequences the engine decodes for it, each up to ``max_tokens``: the body's
@@ -229,6 +233,8 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
             1 if parsed.n is None else parsed.n,
         )
     model, stream, include_usage, max_tokens, choices = fields
+    if max_tokens is None and endpoint == "completions":
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     chars, token_ids = prompt_size(endpoint, body)
     sequences = prompt_sequences(endpoint, body)
     choices *= sequences

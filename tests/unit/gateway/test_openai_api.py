@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from gateway.api.openai import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
     ModelCard,
     Usage,
     carries_tokens,
@@ -54,6 +55,22 @@ def test_parse_chat(body: dict[str, Any], stream: bool, include_usage: bool, max
         include_usage,
         max_tokens,
     )
+
+
+@pytest.mark.parametrize(
+    ("fields", "max_tokens"),
+    [
+        pytest.param({}, COMPLETIONS_DEFAULT_MAX_TOKENS, id="absent-vllms-default"),
+        pytest.param({"max_tokens": None}, COMPLETIONS_DEFAULT_MAX_TOKENS, id="null-vllms-default"),
+        pytest.param({"max_tokens": 300}, 300, id="given"),
+    ],
+)
+def test_a_completions_max_tokens_defaults_as_vllms(fields: dict[str, Any], max_tokens: int) -> None:
+    assert COMPLETIONS_DEFAULT_MAX_TOKENS == 16
+    body = {"model": "m", "prompt": "hi", **fields}
+    assert parse_request("completions", json.dumps(body).encode()).max_tokens == max_tokens
+    # A chat has no default: the context left.
+    assert parse_request("chat", json.dumps({"model": "m", "messages": MSGS}).encode()).max_tokens is None
 
 
 @pytest.mark.parametrize(

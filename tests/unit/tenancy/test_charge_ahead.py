@@ -1,8 +1,8 @@
 """A stream that outruns its reservation through a real gateway: charged ahead, or stopped, and
 settled exactly once whatever ends it (its end, its budget, a client gone, a shutdown).
 
-The fake replica streams more tokens than the gateway predicts (no ``max_tokens``: the
-prediction is reserved); the limiter is a real ``MemoryLimiter`` on a hand-driven clock, so the
+The fake replica streams more tokens than the gateway predicts (its ``max_tokens`` is
+over both: the prediction is reserved); the limiter is a real ``MemoryLimiter`` on a hand-driven clock, so the
 bucket's level after the settle is exactly the prompt plus twice the tokens the replica produced
 (weights 1 : 2), whatever was reserved and charged ahead meanwhile.
 """
@@ -38,9 +38,16 @@ from tests.unit.tenancy.conftest import (
     tenancy_settings,
 )
 
-#: A stream without ``max_tokens``: the reservation is the prediction (far under ``TALK``).
-STREAM: dict[str, Any] = {"model": MODEL, "prompt": [7] * PROMPT_TOKENS, "stream": True}
 TALK = 2000
+#: Over ``TALK``, within the fake replica's context: the reservation is the prediction (far
+#: under ``TALK``).
+MAX_TOKENS = 4000
+STREAM: dict[str, Any] = {
+    "model": MODEL,
+    "prompt": [7] * PROMPT_TOKENS,
+    "stream": True,
+    "max_tokens": MAX_TOKENS,
+}
 #: Room for the whole stream, and a bucket that holds its reservation and not much more.
 ROOMY = TenantLimitSettings(tokens_per_minute=60.0, token_burst=100_000.0)
 TIGHT = TenantLimitSettings(tokens_per_minute=60.0, token_burst=1500.0)
@@ -223,7 +230,9 @@ async def test_the_openai_sdk_sees_a_stopped_stream_as_a_rate_limit_error(
 
     async def read_all() -> None:
         nonlocal received
-        stream = await client.completions.create(model=MODEL, prompt=[7] * PROMPT_TOKENS, stream=True)
+        stream = await client.completions.create(
+            model=MODEL, prompt=[7] * PROMPT_TOKENS, stream=True, max_tokens=MAX_TOKENS
+        )
         async for _ in stream:
             received += 1
 
