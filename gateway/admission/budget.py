@@ -2,7 +2,8 @@
 
 A budget (``gateway.limits``: per-tenant tokens, requests and concurrency) is asked for a request
 before admission decides it: the engine prices the request (``budget_cost``: its prompt and its
-predicted output, never below what it is sure to produce: ``sure_output``, weighted),
+predicted output, never below what it is sure to produce: ``sure_output``, weighted; a
+response that cannot be stopped part-way reserves its whole output cap: ``reserved_output``),
 ``TenantBudget.reserve`` answers, and a refused answer is the typed
 ``BudgetRefused`` (``rate_limit_exceeded``, the bucket's exact wait as its Retry-After). An
 allowed reservation is settled exactly once: with the tokens the request really cost when it
@@ -46,6 +47,7 @@ __all__ = [
     "Hold",
     "TenantBudget",
     "TopUp",
+    "bucket_output_cap",
     "budget_cost",
     "budget_retry_after",
     "context_left",
@@ -53,6 +55,10 @@ __all__ = [
     "reserved_output",
     "sure_output",
 ]
+
+#: The largest output cap ``bucket_output_cap`` considers when the context is unknown (2**53 - 1,
+#: ``gateway.api.openai.MAX_TOKENS_LIMIT``: the most a body's ``max_tokens`` may say).
+_MAX_OUTPUT_CAP = 2**53 - 1
 
 
 class BudgetAnswer(Protocol):
@@ -147,10 +153,38 @@ def context_left(max_model_lens: Iterable[int], prompt_tokens: int) -> int | Non
     return None if longest is None else max(1, longest - prompt_tokens)
 
 
+def bucket_output_cap(
+    weights: TokenWeights, prompt_tokens: int, choices: int, capacity: float, context_left: int | None
+) -> int:
+    """The largest output per choice (at least 1) whose request a token bucket of ``capacity``
+    weighted tokens can hold: the most ``c`` with ``request_cost(weights, prompt_tokens,
+    c x choices, choices) <= capacity``, at most ``context_left`` (``None``: unknown, no such
+    bound). The cap the gateway sets on a response that cannot be stopped part-way and came
+    without ``max_tokens``; 1 when even one token does not fit (the reservation is then refused as
+    more than the bucket can ever hold)."""
+
+    def fits(per_choice: int) -> bool:
+        return request_cost(weights, prompt_tokens, per_choice * choices, choices) <= capacity
+
+    low, high = 1, max(context_left if context_left is not None else _MAX_OUTPUT_CAP, 1)
+    if fits(high):
+        return high
+    if not fits(low):
+        return 1
+    while high - low > 1:  # fits(low), not fits(high): the cost grows with the output
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
 def reserved_output(request: AdmissionRequest) -> int:
     """Output tokens ``request`` reserves, all its choices together: its predicted output (at
-    least 1, at most ``max_tokens``, rounded up to whole tokens) for each choice. The engine
-    raises the prediction to what the request is sure to produce (``sure_output``)."""
+    least 1, at most ``max_tokens``, rounded up to whole tokens) for each choice, or, for a
+    request that reserves its whole output (``reserve_whole_output``, with ``max_tokens``),
+    ``max_tokens`` for each. The engine raises the prediction to what the request is sure to
+    produce (``sure_output``)."""
+    if request.reserve_whole_output and request.max_tokens is not None:
+        return request.max_tokens * request.choices
     output = max(request.expected_output_tokens, 1.0)
     if request.max_tokens is not None:
         output = min(output, float(request.max_tokens))

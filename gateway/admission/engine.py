@@ -28,6 +28,7 @@ from gateway.admission.budget import (
     BudgetRefused,
     Hold,
     TenantBudget,
+    bucket_output_cap,
     context_left,
     sure_output,
 )
@@ -235,6 +236,7 @@ class AdmissionEngine:
         min_tokens: int = 0,
         ignore_eos: bool = False,
         fewest_prompt_tokens: int | None = None,
+        token_capacity: float | None = None,
     ) -> AdmissionRequest:
         """The request sized for admission: its output predicted at the service's quantile,
         capped by ``max_tokens`` (the cap itself, at quantile 1, when the prediction fails), and
@@ -243,8 +245,21 @@ class AdmissionEngine:
         ``choices``: the sequences it decodes (the body's ``n``; its budget pays for each).
         The output is predicted for ``tenant`` (``PredictionService.expected_output``).
         ``fewest_prompt_tokens``: the lowest plausible prompt size when ``prompt_tokens`` is an
-        estimate (``None``: exact)."""
+        estimate (``None``: exact). ``token_capacity``: set for a response that cannot be stopped
+        part-way (not streamed) whose tenant has a token bucket of that many weighted tokens: its
+        budget reserves its whole output cap, and without ``max_tokens`` that cap is the largest
+        output the bucket can hold, at most the context left (``bucket_output_cap``; never below
+        ``min_tokens``), set as its ``max_tokens`` (the adapter sends it to the replica).
+        ``None``: reserved at the prediction."""
         model, _ = split_route(route)
+        whole = token_capacity is not None and self._budget is not None
+        if max_tokens is None and token_capacity is not None and self._budget is not None:
+            # The context left at the fewest plausible prompt tokens: an estimate never cuts it.
+            left = self._context_left(route, fewest_prompt_tokens or prompt_tokens, arrival_s)
+            weights = self._budget.budget.weights()
+            cap = bucket_output_cap(weights, prompt_tokens, choices, token_capacity, left)
+            # Never below min_tokens (vLLM refuses min_tokens > max_tokens): then too large, refused.
+            max_tokens = max(cap, min_tokens)
         try:
             output, quantile = self._predictions.expected_output(model, tenant, max_tokens)
         except Exception:
@@ -267,6 +282,7 @@ class AdmissionEngine:
             tenant=tenant,
             choices=choices,
             fewest_prompt_tokens=fewest_prompt_tokens,
+            reserve_whole_output=whole,
         )
 
     def submit(

@@ -60,7 +60,7 @@ from gateway.admission.results import Ending, Resolution, Saturated, UnknownMode
 from gateway.admission.retry_after import RefusalReason
 from gateway.admission.size_share import QuartileRow
 from gateway.admission.sizing import estimated_prompt_size
-from gateway.api.openai import MAX_TOKENS_LIMIT, ParsedRequest
+from gateway.api.openai import MAX_TOKENS_LIMIT, MAX_TOKENS_SET_HEADER, ParsedRequest
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.http.echo import clip
@@ -85,9 +85,13 @@ from gateway.tenants import Tenant
 from gateway.tenants.live import TENANT
 from predictor import Forecast, ForecastReason
 
-__all__ = ["ADMISSION", "LiveAdmission", "Ticket", "mark_saturated"]
+__all__ = ["ADMISSION", "MAX_TOKENS_SET", "LiveAdmission", "Ticket", "mark_saturated"]
 
 log = logging.getLogger("sluice.admission")
+
+#: The ``max_tokens`` the gateway set on a request that came without one (``AdmissionEngine.request``'s
+#: ``token_capacity``): set by its first placement, kept by the next ones.
+MAX_TOKENS_SET = web.RequestKey("sluice_max_tokens_set", int)
 
 
 @dataclass(slots=True)
@@ -99,6 +103,8 @@ class Ticket:
     margin applied; ``None`` without a step model). ``headers``: the ``x-sluice-*`` headers.
     ``key``: the engine's handle on it. ``prompt_chars``/``api``: what the prediction service
     learns from at its end (``None``: a token-id prompt, no characters to count).
+    ``max_tokens_set``: the ``max_tokens`` the gateway sets on the forwarded body (``None``: the
+    body goes as sent).
     """
 
     request: AdmissionRequest
@@ -114,6 +120,7 @@ class Ticket:
     prompt_chars: int | None = None
     api: str | None = None
     refused: bool = False
+    max_tokens_set: int | None = None
 
 
 class _Registry:
@@ -316,12 +323,16 @@ class LiveAdmission:
             raise InvalidRequest(err.message, param=header) from None
         route = route_of(parsed.model, parsed.engine)
         size = estimated_prompt_size(request, self._service, parsed, tenant_name)
+        # A response that cannot be stopped part-way reserves its whole output cap of a token
+        # bucket (docs/tenants.md, "Hard caps"); a placement again keeps the cap the first set.
+        limits = None if tenant is None or parsed.stream else tenant.limits
         areq = self.engine.request(
             outcome.request_id,
             route,
             prompt_tokens=size.tokens,
             fewest_prompt_tokens=None if size.fewest == size.tokens else size.fewest,
-            max_tokens=parsed.max_tokens,
+            max_tokens=request.get(MAX_TOKENS_SET, parsed.max_tokens),
+            token_capacity=None if limits is None else limits.token_capacity,
             request_class=choice.name,
             arrival_s=arrival,
             deadline_s=deadline,
@@ -329,6 +340,8 @@ class LiveAdmission:
             choices=parsed.choices,
             **output_floor(parsed),
         )
+        if parsed.max_tokens is None and areq.max_tokens is not None:
+            request[MAX_TOKENS_SET] = areq.max_tokens
         await self._fetch_budget(request, areq, tenant, outcome)
         try:
             submitted = self.engine.submit(areq, route, self._clock(), streamed=parsed.stream)
@@ -393,6 +406,9 @@ class LiveAdmission:
             raise admission_error(self.engine.no_replica(forecast))
         if self._settings.expose_prediction_headers:
             headers = {**_forecast_headers(replica.name, forecast), **headers}
+        max_tokens_set = request.get(MAX_TOKENS_SET)
+        if max_tokens_set is not None:
+            headers = {**headers, MAX_TOKENS_SET_HEADER: str(max_tokens_set)}
         request[PREDICTION_HEADERS] = headers
         live = resolution.entry
         chars = parsed.prompt_chars if parsed.prompt_token_ids is None else None
@@ -408,6 +424,7 @@ class LiveAdmission:
             resolution.key,
             prompt_chars=chars,
             api=parsed.endpoint,
+            max_tokens_set=max_tokens_set,
         )
 
     def finished(self, ticket: Ticket, outcome: RequestOutcome, *, forecast: Forecast | None = None) -> None:

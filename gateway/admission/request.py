@@ -32,6 +32,9 @@ class AdmissionRequest:
     load blocks it. ``fewest_prompt_tokens`` (1 <= it <= ``prompt_tokens``): the lowest plausible
     prompt size when ``prompt_tokens`` is an estimate (``None``: it is exact); whether a replica can
     hold the request at all is judged on it, so an estimate alone never refuses it as too long.
+    ``reserve_whole_output``: its tenant's budget reserves its whole output cap (``max_tokens``
+    per choice), not the prediction: a response that cannot be stopped part-way
+    (``gateway.admission.budget.reserved_output``).
     """
 
     request_id: str
@@ -47,6 +50,7 @@ class AdmissionRequest:
     choices: int = 1
     size_protected: bool = False
     fewest_prompt_tokens: int | None = None
+    reserve_whole_output: bool = False
     _candidate: CandidateRequest | None = field(default=None, init=False, repr=False, compare=False)
     #: Smallest ``max_model_len`` and KV capacity (tokens) a replica needs to hold it at all, at
     #: its fewest plausible prompt tokens.

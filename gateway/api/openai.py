@@ -12,7 +12,7 @@ replica to judge. Malformed input raises ``InvalidRequest`` (400) naming the off
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
@@ -43,6 +43,9 @@ COMPLETION_ROUTES: Mapping[str, Endpoint] = {
 }
 #: Header that picks the model of a native TGI request when the TGI replicas serve several.
 MODEL_HEADER = "x-sluice-model"
+#: Response header naming the ``max_tokens`` the gateway set on a request sent without one
+#: (``with_max_tokens``; docs/tenants.md, "Hard caps").
+MAX_TOKENS_SET_HEADER = "x-sluice-max-tokens-set"
 #: vLLM's ``max_tokens`` for a ``/v1/completions`` body without one (or with ``null``): its
 #: ``CompletionRequest`` default. A chat completion has none: the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -119,6 +122,9 @@ class ParsedRequest:
     #: unit when they are token ids, else in characters; ``None`` for one prompt. Each prompt is a
     #: sequence of its own, so it alone must fit a replica's context.
     longest_prompt: int | None = None
+    #: The ``max_tokens`` the gateway sets on the forwarded body (``with_max_tokens``); ``None``:
+    #: the body's own (or none).
+    max_tokens_set: int | None = None
 
     @property
     def native(self) -> bool:
@@ -385,8 +391,15 @@ def upstream_path(request: ParsedRequest) -> str:
     return ENDPOINT_PATHS[request.endpoint]
 
 
+def with_max_tokens(request: ParsedRequest, max_tokens: int) -> ParsedRequest:
+    """``request`` (an OpenAI one sent without ``max_tokens``) as the gateway forwards it with
+    ``max_tokens`` set (``upstream_body`` writes it into the body)."""
+    return replace(request, max_tokens=max_tokens, max_tokens_set=max_tokens)
+
+
 def upstream_body(request: ParsedRequest) -> bytes:
-    """The body sent to the replica: the client's bytes, except that a stream always asks for usage.
+    """The body sent to the replica: the client's bytes, except that a stream always asks for
+    usage and a ``max_tokens`` the gateway set (``with_max_tokens``) is written in.
 
     Sluice needs the real prompt and completion token counts, so a streaming request goes out with
     ``stream_options.include_usage = true``; the proxy strips that usage chunk from the client's
@@ -396,11 +409,15 @@ def upstream_body(request: ParsedRequest) -> bytes:
         return upstream_generate_body(
             request.body, request.raw, stream=request.stream, details=request.details
         )
-    if not request.stream or request.include_usage:
+    usage = request.stream and not request.include_usage
+    if not usage and request.max_tokens_set is None:
         return request.raw
     body = dict(request.body)
-    options = body.get("stream_options")
-    body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    if usage:
+        options = body.get("stream_options")
+        body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    if request.max_tokens_set is not None:
+        body["max_tokens"] = request.max_tokens_set
     return json_bytes(body)
 
 

@@ -41,7 +41,7 @@ from aiohttp import web
 
 from gateway.admission.live import LiveAdmission, Ticket, mark_saturated
 from gateway.admission.retry_after import UNMEASURED_WAIT_S, RefusalReason, retry_after
-from gateway.api.openai import Endpoint, read_request, upstream_body, upstream_path
+from gateway.api.openai import Endpoint, read_request, upstream_body, upstream_path, with_max_tokens
 from gateway.api.sse import Event, EventSplitter
 from gateway.config.store import SettingsStore
 from gateway.http.echo import clip
@@ -135,7 +135,9 @@ class Proxy:
                 self._refused(outcome, err)
                 raise
             live = admitted.live
-            exchange = Exchange(request, parsed, replica, settings, outcome, live)
+            # A max_tokens the gateway set (a response its tenant's budget must hold whole) is sent.
+            sent = parsed if ticket.max_tokens_set is None else with_max_tokens(parsed, ticket.max_tokens_set)
+            exchange = Exchange(request, sent, replica, settings, outcome, live)
             exchange.may_retry = attempt < MAX_PLACEMENTS - 1
             if parsed.stream:
                 # A stream that outruns its tenant's reservation is charged ahead, or stopped.

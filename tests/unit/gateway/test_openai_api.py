@@ -18,6 +18,7 @@ from gateway.api.openai import (
     parse_request,
     upstream_body,
     usage_of,
+    with_max_tokens,
 )
 from gateway.http.errors import InvalidRequest
 
@@ -71,6 +72,17 @@ def test_a_completions_max_tokens_defaults_as_vllms(fields: dict[str, Any], max_
     assert parse_request("completions", json.dumps(body).encode()).max_tokens == max_tokens
     # A chat has no default: the context left.
     assert parse_request("chat", json.dumps({"model": "m", "messages": MSGS}).encode()).max_tokens is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_max_tokens_the_gateway_set_is_forwarded(stream: bool) -> None:
+    raw = json.dumps({"model": "m", "messages": MSGS, "stream": stream, "extra": "é"}).encode()
+    parsed = with_max_tokens(parse_request("chat", raw), 450)
+    assert (parsed.max_tokens, parsed.max_tokens_set) == (450, 450)
+    forwarded = json.loads(upstream_body(parsed))
+    assert forwarded["max_tokens"] == 450
+    assert forwarded["extra"] == "é"
+    assert forwarded.get("stream_options") == ({"include_usage": True} if stream else None)
 
 
 @pytest.mark.parametrize(
