@@ -1,5 +1,5 @@
 """The `sluice` command line: serve, config show|init, check-config, hash-key, sim
-(``--engine vllm|tgi|sglang``).
+(``--engine vllm|tgi|sglang``), and ``--version``.
 
 What ``serve`` and ``config`` run is one of: a file (``--config``), replicas named by URL
 (``--replica``, each asked what it runs: ``gateway.replicas.discover``) or the embedded default.
@@ -21,6 +21,7 @@ from gateway.config.load import ConfigError, load_settings
 from gateway.config.settings import Settings
 from gateway.config.starter import ENV, Source, UsageError, load_source, resolve_source
 from gateway.config.store import SettingsStore
+from gateway.version import package_version
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -77,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sluice",
         description="SLO-aware admission control and load shedding for LLM inference.",
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"sluice {package_version()}",
+        help="print the version and exit",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -23,6 +23,7 @@ from gateway.admission.config import HeaderSettings
 from gateway.api.openai import MODEL_HEADER, _ChatBody, _CompletionBody
 from gateway.api.tgi import _GenerateBody
 from gateway.observability.logs import REQUEST_ID_HEADER
+from gateway.version import package_version
 
 __all__ = ["OPENAPI_PATH", "REQUEST_SCHEMAS", "install_openapi", "openapi_spec"]
 
@@ -339,7 +340,7 @@ def openapi_spec() -> dict[str, Any]:
         "openapi": OPENAPI_VERSION,
         "info": {
             "title": "Sluice",
-            "version": "0.1.0",
+            "version": package_version(),
             "description": "SLO-aware admission gateway for LLM inference: the OpenAI and TGI routes it "
             "proxies, and its own probes and admin routes.",
         },
