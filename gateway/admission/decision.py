@@ -52,6 +52,7 @@ __all__ = [
     "Admit",
     "Admitter",
     "Blocker",
+    "ContextExcess",
     "Decision",
     "Queue",
     "Reject",
@@ -173,13 +174,31 @@ class Queue:
 
 
 @dataclass(frozen=True, slots=True)
+class ContextExcess:
+    """A request no replica's context can hold: ``context_tokens``, the largest ``max_model_len``
+    of the replicas judged; ``prompt_tokens``, its prompt (counted, or its fewest plausible tokens
+    when ``at_least``); ``max_tokens``, its output cap (``None``: it asked for none, so one token
+    at least). ``prompt_over``: the prompt alone leaves no room for one output token."""
+
+    context_tokens: int
+    prompt_tokens: int
+    at_least: bool
+    max_tokens: int | None
+
+    @property
+    def prompt_over(self) -> bool:
+        return self.prompt_tokens >= self.context_tokens
+
+
+@dataclass(frozen=True, slots=True)
 class Reject:
     """Refuse the request.
 
     ``retry_after``: when to come back; ``None`` means retrying cannot help (prompt too large,
     targets unattainable even on an idle replica). ``message``: one line for the client and the log.
     ``forecast``: the prediction on the best replica, if any. ``enforced`` False (shadow mode):
-    admit it to ``replica`` anyway.
+    admit it to ``replica`` anyway. ``context``: set when the prompt and output cap exceed every
+    replica's context (a ``prompt_too_large`` answered as OpenAI's ``context_length_exceeded``).
     """
 
     reason: RejectReason
@@ -189,6 +208,7 @@ class Reject:
     blocker: Blocker | None = None
     replica: str | None = None
     enforced: bool = True
+    context: ContextExcess | None = None
 
     @property
     def admits(self) -> bool:

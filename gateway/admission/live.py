@@ -398,7 +398,7 @@ class LiveAdmission:
             outcome.retry_after_s = decision.retry_after_s
             log.debug("rejected %s: %s", areq.request_id, decision)
             request[PREDICTION_HEADERS] = headers
-            raise admission_error(decision)
+            raise admission_error(decision, endpoint=parsed.endpoint)
         replica = self._registry.get(resolution.replica) if resolution.replica is not None else None
         if replica is None or not isinstance(resolution.entry, LiveRequest):
             # Its replica left the fleet while its handler was waking up.

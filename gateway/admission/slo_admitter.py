@@ -65,6 +65,7 @@ from gateway.admission.decision import (
     _TTFT,
     Admit,
     Blocker,
+    ContextExcess,
     Decision,
     Queue,
     Reject,
@@ -151,14 +152,7 @@ class SloAdmitter:
                     if c is not None:
                         candidates.append(c)
         if views and not fits_somewhere:
-            return Reject(
-                RejectReason.PROMPT_TOO_LARGE,
-                None,
-                None,
-                f"{_prompt_size(request)} prompt tokens (plus the output cap) exceed every replica's "
-                "context length or KV cache",
-                Blocker.PROMPT_SIZE,
-            )
+            return _too_large(request, max(view.state.max_model_len for view in views))
         if not candidates:
             if queued:
                 return Queue(Blocker.NO_REPLICA, s.retry_after.no_replica_s, None, None)
@@ -367,6 +361,26 @@ class SloAdmitter:
         assert c.slacks is not None
         i = min(slots, key=c.slacks.__getitem__)
         return _SLOTS[i]
+
+
+def _too_large(request: AdmissionRequest, context: int) -> Reject:
+    """The refusal of a request no replica can hold: beyond the largest ``context`` (tokens), with
+    the excess for OpenAI's ``context_length_exceeded``, or beyond every replica's KV cache."""
+    if request.min_model_len <= context:
+        message = (
+            f"{_prompt_size(request)} prompt tokens (plus the output cap) exceed every replica's "
+            "context length or KV cache"
+        )
+        return Reject(RejectReason.PROMPT_TOO_LARGE, None, None, message, Blocker.PROMPT_SIZE)
+    fewest = request.fewest_prompt_tokens
+    excess = ContextExcess(
+        context, request.prompt_tokens if fewest is None else fewest, fewest is not None, request.max_tokens
+    )
+    message = (
+        f"{_prompt_size(request)} prompt tokens and an output cap of {request.max_tokens or 1} exceed "
+        f"every replica's context ({context} tokens at most)"
+    )
+    return Reject(RejectReason.PROMPT_TOO_LARGE, None, None, message, Blocker.PROMPT_SIZE, context=excess)
 
 
 def _prompt_size(request: AdmissionRequest) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import sys
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
@@ -34,7 +35,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler, Middleware
 
 from gateway.admission.config import AdmissionSettings
-from gateway.admission.decision import Reject
+from gateway.admission.decision import ContextExcess, Reject
 from gateway.admission.headers import ADMISSION, CLASS, REASON
 from gateway.admission.retry_after import RefusalReason, RetryAfter
 from gateway.http.echo import MESSAGE_LIMIT, clip
@@ -161,6 +162,16 @@ class ModelNotFound(GatewayError):
     default_code = "model_not_found"
 
 
+class ContextLengthExceeded(GatewayError):
+    """400: a replica refused the prompt and output cap as longer than its context; its own words
+    (which name the context length), as OpenAI's ``context_length_exceeded``
+    (``replica_context_error``)."""
+
+    status = 400
+    error_type = "invalid_request_error"
+    default_code = "context_length_exceeded"
+
+
 class UpstreamError(GatewayError):
     """502: the replica refused the connection, timed out, died mid-response or answered 5xx."""
 
@@ -219,9 +230,10 @@ class Refused(GatewayError):
     ``retry_after``: when to come back (``gateway.admission.retry_after.retry_after``); ``None``
     means retrying cannot help, said with ``x-should-retry: false``, which the ``openai`` SDKs
     obey. ``reservation``: a tenant's refused reservation, whose buckets give OpenAI's
-    ``x-ratelimit-*`` headers. Refusals answered 429 are logged at DEBUG: they are counted in
-    metrics and in the access line, and a line per refusal would flood the log exactly when the
-    gateway is busiest.
+    ``x-ratelimit-*`` headers. ``code``: a finer code than the reason's own (a
+    ``prompt_too_large`` that is OpenAI's ``context_length_exceeded``). Refusals answered 429
+    are logged at DEBUG: they are counted in metrics and in the access line, and a line per
+    refusal would flood the log exactly when the gateway is busiest.
     """
 
     def __init__(
@@ -233,9 +245,10 @@ class Refused(GatewayError):
         param: str | None = None,
         reservation: Reservation | None = None,
         detail: str | None = None,
+        code: str | None = None,
     ) -> None:
         answer = _ANSWERS[reason]
-        super().__init__(message, param=param, code=answer.code, status=answer.status, detail=detail)
+        super().__init__(message, param=param, code=code or answer.code, status=answer.status, detail=detail)
         self.reason = reason
         self.retry_after = retry_after
         self.reservation = reservation
@@ -268,16 +281,84 @@ class AdmissionRejected(Refused):
         super().__init__(RefusalReason(reason), message, retry_after=retry_after)
 
 
-def admission_error(reject: Reject) -> Refused:
+def admission_error(reject: Reject, *, endpoint: str = "chat") -> Refused:
     """The refusal for an enforced admission ``Reject``: 429 for load (``overloaded``,
     ``slo_unattainable``, ``deadline_exceeded``), 503 when no replica is healthy, 400 for
-    ``prompt_too_large``; the reject's own ``retry_after`` (``None``: not retryable)."""
+    ``prompt_too_large`` (OpenAI's ``context_length_exceeded`` when it is the context that is
+    exceeded: ``context_length_error``); the reject's own ``retry_after`` (``None``: not
+    retryable). ``endpoint`` (``gateway.api.openai.Endpoint``) names the prompt's field."""
     reason = RefusalReason(reject.reason.value)
     if reason == RefusalReason.PROMPT_TOO_LARGE:
-        return Refused(reason, reject.message, retry_after=None, param="messages")
+        if reject.context is not None:
+            return context_length_error(reject.context, endpoint)
+        return Refused(reason, reject.message, retry_after=None, param=prompt_param(endpoint))
     if reason == RefusalReason.NO_HEALTHY_REPLICA:
         return Refused(reason, reject.message, retry_after=reject.retry_after)
     return AdmissionRejected(reject.message, reason=reason.value, retry_after=reject.retry_after)
+
+
+#: The request field that holds the prompt, per endpoint (``gateway.api.openai.Endpoint``).
+_PROMPT_PARAMS: Final = {"chat": "messages", "completions": "prompt", "generate": "inputs"}
+CONTEXT_LENGTH_EXCEEDED: Final = "context_length_exceeded"
+
+
+def prompt_param(endpoint: str) -> str:
+    """The field that holds ``endpoint``'s prompt: ``messages``, ``prompt`` or ``inputs``."""
+    return _PROMPT_PARAMS.get(endpoint.removesuffix("_stream"), "messages")
+
+
+def context_length_error(excess: ContextExcess, endpoint: str) -> Refused:
+    """400 ``context_length_exceeded`` (type ``invalid_request_error``), worded as OpenAI words
+    it, with the context length: blamed on the prompt's field when the prompt alone fills the
+    context, else on ``max_tokens``. Not retryable."""
+    field = prompt_param(endpoint)
+    where = "messages" if field == "messages" else "prompt"
+    context, prompt = excess.context_tokens, excess.prompt_tokens
+    shown = f"at least {prompt}" if excess.at_least else str(prompt)
+    if excess.prompt_over or excess.max_tokens is None:
+        message = (
+            f"This model's maximum context length is {context} tokens. However, your {where} "
+            f"resulted in {shown} tokens. Please reduce the length of the {where}."
+        )
+    else:
+        total = prompt + excess.max_tokens
+        message = (
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{'at least ' if excess.at_least else ''}{total} tokens ({shown} in the {where}, "
+            f"{excess.max_tokens} in the completion). Please reduce the length of the {where} or "
+            "completion."
+        )
+        field = "max_tokens"
+    return Refused(
+        RefusalReason.PROMPT_TOO_LARGE, message, retry_after=None, param=field, code=CONTEXT_LENGTH_EXCEEDED
+    )
+
+
+#: The engines' words for a request longer than the context: vLLM's ("This model's maximum
+#: context length is N tokens. However, your prompt contains M input tokens ..." and
+#: "max_tokens=M cannot be greater than max_model_len=N"), SGLang's ("... is longer than the
+#: model's context length (N tokens)") and TGI's ("`inputs` tokens + `max_new_tokens` must be
+#: <= N"). The group is the context length.
+_CONTEXT_WORDS: Final = re.compile(
+    r"maximum context length is (\d+) tokens|cannot be greater than max_model_len=(\d+)"
+    r"|longer than the model's context length \((\d+) tokens\)|`max_new_tokens` must be <= (\d+)"
+)
+#: vLLM's ``VLLMValidationError`` appends ``(parameter=..., value=...)`` to its message.
+_VLLM_PARAMETER: Final = re.compile(r"\s*\(parameter=([\w.]+)(?:, value=[^)]*)?\)\s*$")
+
+
+def replica_context_error(message: str, endpoint: str) -> ContextLengthExceeded | None:
+    """A replica's 400 ``message`` as OpenAI's ``context_length_exceeded`` when it says the request
+    is longer than the context (``_CONTEXT_WORDS``), else ``None`` (relayed as the replica sent it).
+    ``param``: ``max_tokens`` when the replica blames the output cap, else the prompt's field."""
+    if _CONTEXT_WORDS.search(message) is None:
+        return None
+    blamed = _VLLM_PARAMETER.search(message)
+    text = message[: blamed.start()] if blamed is not None else message
+    over_cap = "max_tokens" in text or (
+        blamed is not None and blamed.group(1) in {"max_tokens", "max_completion_tokens"}
+    )
+    return ContextLengthExceeded(text, param="max_tokens" if over_cap else prompt_param(endpoint))
 
 
 def refusal_headers(retry: RetryAfter | None, reservation: Reservation | None = None) -> dict[str, str]:

@@ -3,7 +3,8 @@
 ``Relay`` reads what the replica sends once its headers arrived and writes it to the client: a
 non-streamed answer whole (``relay_body``), an SSE stream one write per event (``relay_stream``,
 with the first token, tokens streamed and usage recorded on the exchange as they pass), a
-replica 4xx unchanged and a 5xx as a 502 (``relay_error``), an overload refusal as the signal to
+replica 4xx unchanged (but a prompt longer than the context as OpenAI's
+``context_length_exceeded``) and a 5xx as a 502 (``relay_error``), an overload refusal as the signal to
 place again (``overloaded``). A stream cut after its headers ends with an error event, never a
 fake ``[DONE]``. A stream that outruns what its tenant's budget covers is charged ahead before
 its next token is written (``pay_ahead``), or ends with a ``rate_limit_exceeded`` error event
@@ -35,7 +36,14 @@ from gateway.api.tgi import (
     without_details,
 )
 from gateway.http.echo import clip
-from gateway.http.errors import GatewayError, Refused, UpstreamError, log_error, sse_error_event
+from gateway.http.errors import (
+    GatewayError,
+    Refused,
+    UpstreamError,
+    log_error,
+    replica_context_error,
+    sse_error_event,
+)
 from gateway.observability.logs import REQUEST_ID, RequestOutcome
 from gateway.proxy.exchange import Exchange, ReplicaOverloaded, describe, detached
 from gateway.proxy.headers import relayed
@@ -109,20 +117,30 @@ class Relay:
         return ReplicaOverloaded(back_off, f"answered {upstream.status}: {detail}".strip())
 
     async def relay_error(self, ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Response:
-        """Replica 4xx: relayed unchanged (status and body). Replica 5xx: 502 naming the replica
-        and its status; what the replica said goes to the log only."""
+        """Replica 4xx: relayed unchanged (status and body), but a 400 saying the request is longer
+        than the context becomes OpenAI's ``context_length_exceeded`` (``replica_context_error``).
+        Replica 5xx: 502 naming the replica and its status; what the replica said goes to the
+        log only."""
         body = await self.read_upstream(ex, upstream, MAX_ERROR_BODY)
         if upstream.status >= 500:
             detail = error_message(body) or upstream.reason or None
             raise UpstreamError(f"replica {ex.replica.name} answered {upstream.status}", detail=detail)
         ex.outcome.status, ex.outcome.error = upstream.status, "replica_rejected"
+        message = error_message(body)
         log.info(
             "request %s: replica %s answered %d: %s",
             ex.outcome.request_id,
             ex.replica.name,
             upstream.status,
-            clip(error_message(body) or "-"),
+            clip(message or "-"),
         )
+        too_long = (
+            None
+            if upstream.status != 400 or message is None
+            else replica_context_error(message, ex.parsed.endpoint)
+        )
+        if too_long is not None:
+            raise too_long
         return web.Response(status=upstream.status, body=body, headers=relayed(upstream.headers))
 
     async def relay_body(self, ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Response:

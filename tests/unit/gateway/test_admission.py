@@ -404,7 +404,7 @@ async def test_shadow_queue_sends_at_once(start_replica: StartReplica, start_gat
             {},
             {**CHAT, "max_tokens": 100_000},
             400,
-            "prompt_too_large",
+            "context_length_exceeded",
             False,
             id="over-every-replicas-context",
         ),
@@ -433,7 +433,12 @@ async def test_requests_refused_before_dispatch_reach_no_replica_and_are_recorde
         assert payload["error"]["code"] == code
         assert "Retry-After" not in resp.headers
         assert resp.headers[SHOULD_RETRY] == ("true" if retry else "false")
-        assert admission_headers(resp)["x-sluice-admission-reason"] == code
+        # A request over the context is admission's prompt_too_large, told as OpenAI tells it.
+        reason = "prompt_too_large" if code == "context_length_exceeded" else code
+        assert admission_headers(resp)["x-sluice-admission-reason"] == reason
+    if code == "context_length_exceeded":
+        assert payload["error"]["param"] == "max_tokens"
+        assert "maximum context length is 4096 tokens" in payload["error"]["message"]
     (outcome,) = gw.outcomes
     assert outcome.status == status
     assert outcome.replica is None

@@ -288,13 +288,12 @@ async def test_replica_dying_mid_request_gets_502(
 async def test_replica_4xx_passes_through_unchanged(
     start_replica: StartReplica, start_gateway: StartGateway, stream: bool
 ) -> None:
-    """Fake replica answering vLLM's 400 for a too-long prompt (the emulator does this only for
-    genuinely too-long prompts; the fake makes it independent of the profile)."""
+    """Fake replica answering vLLM's 400 for a parameter it refuses."""
     vllm_error = {
         "object": "error",
-        "message": "This model's maximum context length is 4096 tokens.",
+        "message": "temperature must be non-negative, got -1.0.",
         "type": "BadRequestError",
-        "param": None,
+        "param": "temperature",
         "code": 400,
     }
 
@@ -309,6 +308,56 @@ async def test_replica_4xx_passes_through_unchanged(
     assert resp.status == 400
     assert await resp.json() == vllm_error
     assert resp.headers["x-request-id"]
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        pytest.param(
+            "This model's maximum context length is 4096 tokens. However, your prompt contains at least "
+            "4097 input tokens, which exceeds this limit even without any output tokens. Please reduce the "
+            "length of the input prompt. (parameter=input_tokens, value=4097)",
+            "messages",
+            id="vllm-prompt",
+        ),
+        pytest.param(
+            "max_tokens=9000 cannot be greater than max_model_len=4096. Please request fewer output "
+            "tokens. (parameter=max_tokens, value=9000)",
+            "max_tokens",
+            id="vllm-max-tokens",
+        ),
+        pytest.param(
+            "The input (5000 tokens) is longer than the model's context length (4096 tokens).",
+            "messages",
+            id="sglang",
+        ),
+    ],
+)
+@pytest.mark.parametrize("stream", [pytest.param(False, id="plain"), pytest.param(True, id="stream")])
+async def test_a_replicas_too_long_refusal_is_context_length_exceeded(
+    start_replica: StartReplica, start_gateway: StartGateway, message: str, param: str, stream: bool
+) -> None:
+    """A replica's own refusal of a request longer than its context is relayed as OpenAI's
+    ``context_length_exceeded``, in the replica's words (which name the context length)."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        error = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+        return web.json_response({"error": error}, status=400)
+
+    _, url = await start_replica(FakeReplica(handler=handler))
+    gw = await start_gateway({"r1": url})
+
+    resp = await gw.client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error == {
+        "message": message.split(" (parameter=")[0],
+        "type": "invalid_request_error",
+        "param": param,
+        "code": "context_length_exceeded",
+    }
+    assert "4096" in error["message"]
 
 
 async def test_replica_5xx_becomes_502(

@@ -204,5 +204,7 @@ async def test_each_prompt_of_a_list_must_fit_the_context_alone(
 
     assert resp.status == status, await resp.text()
     if status == 400:
-        assert (await resp.json())["error"]["code"] == "prompt_too_large"
+        error = (await resp.json())["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+        assert "maximum context length is 4096 tokens" in error["message"]
         assert replica.seen == []
