@@ -86,11 +86,13 @@ _MARKING: Final = json.JSONDecoder(parse_float=_mark_float, parse_constant=lambd
 
 def load_object(raw: bytes) -> dict[str, Any]:
     """``raw`` decoded as one JSON object, as ``json.loads`` reads bytes (UTF-8, -16 or -32), with
-    only finite numbers. Raises ``InvalidRequest`` (400): not JSON (the message gives the line and
-    column), ``JSON_TOO_COMPLEX``, a non-finite number (``param``: the top-level field holding
-    it; the message: its path), or ``NOT_AN_OBJECT``."""
+    only finite numbers. Raises ``InvalidRequest`` (400): bytes that are not text in that encoding
+    (``json.loads`` lets an encoded lone surrogate through; UTF-8 has no surrogates), not JSON
+    (the message gives the line and column), ``JSON_TOO_COMPLEX``, a non-finite number
+    (``param``: the top-level field holding it; the message: its path), or ``NOT_AN_OBJECT``. An
+    escaped surrogate (``"\\ud800"``) is JSON text and passes."""
     try:
-        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+        text = raw.decode(json.detect_encoding(raw))
         body = _STRICT.decode(text)
     except json.JSONDecodeError as exc:
         raise InvalidRequest(
