@@ -62,6 +62,7 @@ from gateway.replicas.health import HealthChecker
 from gateway.replicas.registry import ReplicaRegistry
 from gateway.replicas.scraper import MetricsScraper
 from gateway.tenants.live import TENANCY, install_tenancy
+from gateway.tokens.live import PROMPT_TOKENIZERS, PromptTokenizers
 
 log = logging.getLogger("sluice.app")
 
@@ -186,6 +187,7 @@ async def _replicas(app: web.Application) -> AsyncIterator[None]:
     checker = HealthChecker(store, registry, app[SESSION])
     app[REGISTRY], app[HEALTH] = registry, checker
     app[ENGINE_MODELS] = registry.engine_models
+    tokenizers = app[PROMPT_TOKENIZERS] = PromptTokenizers(store, registry)
     await checker.check_all()  # serve with known replica states from the first request on
     task = asyncio.create_task(checker.run(), name="sluice-health")
     try:
@@ -194,6 +196,7 @@ async def _replicas(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        tokenizers.close()
         registry.close()
 
 

@@ -59,7 +59,7 @@ from gateway.admission.ports import AdmissionReplica, route_of
 from gateway.admission.results import Ending, Resolution, Saturated, UnknownModel, labels
 from gateway.admission.retry_after import RefusalReason
 from gateway.admission.size_share import QuartileRow
-from gateway.admission.sizing import estimated_prompt_size
+from gateway.admission.sizing import prompt_size
 from gateway.api.openai import MAX_TOKENS_LIMIT, MAX_TOKENS_SET_HEADER, ParsedRequest
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
@@ -322,7 +322,7 @@ class LiveAdmission:
         except InvalidHeader as err:
             raise InvalidRequest(err.message, param=header) from None
         route = route_of(parsed.model, parsed.engine)
-        size = estimated_prompt_size(request, self._service, parsed, tenant_name)
+        size = await prompt_size(request, self._service, parsed, tenant_name)
         # A response that cannot be stopped part-way reserves its whole output cap of a token
         # bucket (docs/tenants.md, "Hard caps"); a placement again keeps the cap the first set.
         limits = None if tenant is None or parsed.stream else tenant.limits

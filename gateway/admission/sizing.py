@@ -1,6 +1,8 @@
-"""A request's prompt size, estimated once per request and carried on it.
+"""A request's prompt size, counted or estimated once per request and carried on it.
 
-``estimated_prompt_size(request, service, parsed, tenant)`` is the one estimate: exact when the
+``prompt_size(request, service, parsed, tenant)`` counts it with the model's tokenizer when Sluice
+has one (``gateway.tokens``: exact for completions, close for chats, with their lowest plausible
+count), else estimates it as ``estimated_prompt_size`` does. The estimate: exact when the
 prompt was sent as token ids, else its characters at the tenant's learned characters per token
 (``PredictionService.estimate_prompt_tokens``: the tenant's own ratio, blended with a fleet prior
 no other single tenant decides; 4 characters per token when the service fails), at least 1. With
@@ -22,8 +24,17 @@ from aiohttp import web
 
 from gateway.api.openai import ParsedRequest
 from gateway.prediction.service import PredictionService
+from gateway.tokens.counter import TokenCount
+from gateway.tokens.live import PROMPT_TOKENIZERS
 
-__all__ = ["PROMPT_SIZE", "PromptSize", "estimated_prompt_size", "prompt_size_of"]
+__all__ = [
+    "PROMPT_SIZE",
+    "PromptSize",
+    "counted_size",
+    "estimated_prompt_size",
+    "prompt_size",
+    "prompt_size_of",
+]
 
 log = logging.getLogger("sluice.sizing")
 
@@ -86,4 +97,30 @@ def estimated_prompt_size(
     size = request.get(PROMPT_SIZE)
     if size is None:
         size = request[PROMPT_SIZE] = prompt_size_of(service, parsed, tenant)
+    return size
+
+
+def counted_size(count: TokenCount) -> PromptSize:
+    """A prompt counted by its tokenizer as a ``PromptSize``."""
+    return PromptSize(count.tokens, count.fewest, count.exact)
+
+
+async def prompt_size(
+    request: web.Request, service: PredictionService, parsed: ParsedRequest, tenant: str | None = None
+) -> PromptSize:
+    """``request``'s prompt size, computed once and stored on it (``PROMPT_SIZE``): counted by the
+    app's ``PROMPT_TOKENIZERS`` when its model's tokenizer is known and the prompt is text, else
+    ``prompt_size_of(service, parsed, tenant)``. A counter that fails is logged and estimated."""
+    known: PromptSize | None = request.get(PROMPT_SIZE)
+    if known is not None:
+        return known
+    tokenizers = request.config_dict.get(PROMPT_TOKENIZERS)
+    count: TokenCount | None = None
+    if tokenizers is not None:
+        try:
+            count = await tokenizers.count(parsed)
+        except Exception:
+            log.exception("counting prompt tokens failed; estimating them")
+    size = prompt_size_of(service, parsed, tenant) if count is None else counted_size(count)
+    request[PROMPT_SIZE] = size
     return size

@@ -25,6 +25,7 @@ from gateway.config.section import (
     SettingsViolations,
     Violation,
 )
+from gateway.tokens.files import tokenizer_file
 from predictor.hardware import UNKNOWN_GPU, gpu_names, lookup_gpu
 from predictor.model import lookup_model, model_names
 
@@ -133,6 +134,25 @@ class ReplicaSettings(Section):
             "models, metrics) carries `Authorization: Bearer <key>`; null sends none of Sluice's own.",
         ),
     ] = None
+    tokenizer: Annotated[
+        str | None,
+        Field(
+            min_length=1,
+            description="Path to the tokenizer.json of the model the replica serves, or to a folder that "
+            "holds one (a Hugging Face snapshot): prompts are then counted exactly instead of "
+            'estimated (docs/predictor.md, "Prompt sizes"). null: looked up in the local Hugging Face '
+            "cache by the served model's id and hardware.model; never downloaded.",
+        ),
+    ] = None
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_exists(cls, value: str | None) -> str | None:
+        # Checked when the configuration is loaded (and on every reload), so a wrong path refuses
+        # the configuration instead of leaving the prompts estimated without a word.
+        if value is not None and tokenizer_file(value) is None:
+            raise ValueError("is neither a tokenizer.json file nor a folder that holds one")
+        return value
 
     @model_validator(mode="after")
     def _api_key_is_set(self) -> ReplicaSettings:

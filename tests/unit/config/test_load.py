@@ -44,6 +44,10 @@ BAD_CASES: dict[str, list[str]] = {
         "server.server_header: String should match pattern '^[!-~]+( [!-~]+)*$' "
         "(got 'sluice/1.0\\r\\nX-Injected: 1')"
     ],
+    "tokenizer_missing.yaml": [
+        "replicas.0.tokenizer: is neither a tokenizer.json file nor a folder that holds one "
+        "(got '/nonexistent/sluice-test/tokenizer.json')"
+    ],
     "bad_url.yaml": [f"replicas.0.url: String should match pattern {URL_PATTERN} (got 'localhost:8000')"],
     "unsupported_backend.yaml": [
         "replicas.0.backend: Input should be 'vllm', 'tgi', 'sglang' or 'auto' (got 'trtllm')"
