@@ -27,6 +27,7 @@ __all__ = [
     "CHAT_TOKENS_PER_REQUEST",
     "OFF_LOOP_CHARS",
     "PromptCounter",
+    "PromptTexts",
     "TokenCount",
     "prompt_texts",
 ]
@@ -39,7 +40,7 @@ CHAT_TOKENS_PER_MESSAGE: Final = 5
 #: (``add_generation_prompt``): 1 + 4 for Llama 3, 3 for ChatML.
 CHAT_TOKENS_PER_REQUEST: Final = 5
 #: Prompt text (characters, all prompts together) above which counting runs in a worker thread:
-#: encoding costs about 0.35 us per character (docs/benchmarks.md, "Counting prompt tokens"), so
+#: encoding costs about 0.25 us per character (docs/benchmarks.md, "Counting prompt tokens"), so
 #: below it counting holds the event loop for at most a few hundred microseconds.
 OFF_LOOP_CHARS: Final = 1024
 
@@ -57,7 +58,7 @@ class TokenCount:
 
 
 @dataclass(frozen=True, slots=True)
-class _Texts:
+class PromptTexts:
     """What to encode: ``prompts`` (one per sequence) and, for a chat, the ``extra`` text
     (tools, tool calls) and its ``messages`` count."""
 
@@ -68,7 +69,7 @@ class _Texts:
     messages: int = 0
 
 
-def prompt_texts(parsed: ParsedRequest) -> _Texts | None:
+def prompt_texts(parsed: ParsedRequest) -> PromptTexts | None:
     """The text of ``parsed``'s prompt(s), or ``None`` when a tokenizer cannot count it (token
     ids, a message part that is not text, a shape the replica will judge)."""
     body = parsed.body
@@ -78,18 +79,18 @@ def prompt_texts(parsed: ParsedRequest) -> _Texts | None:
     add = special if isinstance(special, bool) else True
     if parsed.native:
         inputs = body.get("inputs")
-        return _Texts([inputs], True) if isinstance(inputs, str) else None
+        return PromptTexts([inputs], True) if isinstance(inputs, str) else None
     if parsed.prompt_token_ids is not None:
         return None
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return _Texts([prompt], add)
+        return PromptTexts([prompt], add)
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return _Texts(list(prompt), add)
+        return PromptTexts(list(prompt), add)
     return None
 
 
-def _chat_texts(body: Mapping[str, Any], add_special_tokens: bool) -> _Texts | None:
+def _chat_texts(body: Mapping[str, Any], add_special_tokens: bool) -> PromptTexts | None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return None
@@ -112,7 +113,7 @@ def _chat_texts(body: Mapping[str, Any], add_special_tokens: bool) -> _Texts | N
             extra.append(_json(message["tool_calls"]))
     if body.get("tools"):
         extra.append(_json(body["tools"]))
-    return _Texts(texts, add_special_tokens, chat=True, extra=extra, messages=len(messages))
+    return PromptTexts(texts, add_special_tokens, chat=True, extra=extra, messages=len(messages))
 
 
 def _json(value: object) -> str:
@@ -131,7 +132,7 @@ class PromptCounter:
         texts = prompt_texts(parsed)
         return None if texts is None else self.count_texts(texts)
 
-    def count_texts(self, texts: _Texts) -> TokenCount:
+    def count_texts(self, texts: PromptTexts) -> TokenCount:
         """``texts`` counted (``prompt_texts``' result)."""
         counts = self._encode(texts.prompts, add_special_tokens=texts.add_special_tokens)
         if not texts.chat:
