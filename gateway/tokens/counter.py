@@ -40,7 +40,7 @@ CHAT_TOKENS_PER_MESSAGE: Final = 5
 #: (``add_generation_prompt``): 1 + 4 for Llama 3, 3 for ChatML.
 CHAT_TOKENS_PER_REQUEST: Final = 5
 #: Prompt text (characters, all prompts together) above which counting runs in a worker thread:
-#: encoding costs about 0.25 us per character (docs/benchmarks.md, "Counting prompt tokens"), so
+#: encoding costs 0.2 to 0.5 us per character (docs/benchmarks.md, "Counting prompt tokens"), so
 #: below it counting holds the event loop for at most a few hundred microseconds.
 OFF_LOOP_CHARS: Final = 1024
 
