@@ -384,7 +384,10 @@ def soak(
 def _wait_models(url: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as resp:
+        listing = urllib.request.Request(
+            f"{url}/v1/models", headers={"Authorization": f"Bearer {STEADY_KEY}"}
+        )
+        with urllib.request.urlopen(listing, timeout=5) as resp:
             if json.loads(resp.read())["data"]:
                 time.sleep(1.0)  # a scrape or two: the step model has data
                 return

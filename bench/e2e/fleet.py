@@ -81,10 +81,12 @@ class Sluice:
     log: Path
 
 
-def _get_json(url: str, timeout_s: float = 2.0) -> tuple[int, Any]:
-    """(status, decoded JSON body) of ``GET url``; (0, None) when nothing answers."""
+def _get_json(url: str, timeout_s: float = 2.0, key: str | None = None) -> tuple[int, Any]:
+    """(status, decoded JSON body) of ``GET url`` (with ``key`` as the bearer token when given);
+    (0, None) when nothing answers."""
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as r:
             return int(r.status), json.loads(r.read() or b"null")
     except urllib.error.HTTPError as exc:
         with contextlib.suppress(ValueError):
@@ -196,7 +198,8 @@ def _sluice_ready(url: str, backends: int) -> bool:
     if status != 200 or not isinstance(body, dict):
         return False
     healthy = [r for r in body.get("replicas", []) if isinstance(r, dict) and r.get("state") == "healthy"]
-    models_status, models = _get_json(url + "/v1/models")
+    # Tenants are configured: the model list takes one of their keys.
+    models_status, models = _get_json(url + "/v1/models", key=next(iter(TENANTS.values())))
     listed = models_status == 200 and any(m.get("id") == SERVED_MODEL for m in (models or {}).get("data", []))
     return len(healthy) >= backends and listed
 

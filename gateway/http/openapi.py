@@ -225,17 +225,20 @@ def _get(
     errors: tuple[int, ...] = (),
     *,
     admin: bool = False,
+    keyed: bool = False,
     responses: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A GET route answering ``content`` (200) or the ``errors``; ``responses`` replaces both."""
+    """A GET route answering ``content`` (200) or the ``errors``; ``responses`` replaces both.
+    ``keyed``: it takes a tenant's API key, as the proxied routes do."""
     if responses is None:
         responses = {"200": _ok(summary, content)}
         responses.update({str(status): _error_response(status) for status in errors})
+    # Public routes need no credentials; admin ones take the admin token when one is set.
+    security: list[dict[str, list[str]]] = [{"adminToken": []}, {}] if admin else []
     return {
         "get": {
             "summary": summary,
-            # Public routes need no credentials; admin ones take the admin token when one is set.
-            "security": [{"adminToken": []}, {}] if admin else [],
+            "security": [{"bearerAuth": []}] if keyed else security,
             "parameters": [_request_id_parameter()],
             "responses": responses,
         }
@@ -305,7 +308,7 @@ def openapi_spec() -> dict[str, Any]:
             "GenerateRequest",
             native=True,
         ),
-        "/v1/models": _get("The union of the healthy replicas' models.", _JSON_OBJECT),
+        "/v1/models": _get("The union of the healthy replicas' models.", _JSON_OBJECT, (401,), keyed=True),
         "/healthz": _get("Liveness: 200 while the process serves HTTP.", _JSON_OBJECT),
         "/readyz": _get(
             'Readiness: 200 when a replica is healthy. The body is ``{"ready", "draining"}``; it '

@@ -9,8 +9,10 @@ What it does
     ``tenants.auth_required`` (else the request belongs to the anonymous tenant), a malformed or
     unknown key always is; the tenant is ``request[TENANT]`` from then on. With no tenant
     configured at all, tenancy is off: the header is not looked at (OpenAI SDKs always send some
-    key) and ``request[TENANT]`` stays unset (the request is no tenant's). Every other route
-    (``/v1/models``, health, admin) is nobody's and charges no budget.
+    key) and ``request[TENANT]`` stays unset (the request is no tenant's). ``GET /v1/models`` is
+    authenticated the same way, so that a wrong key fails there as it would on a completion (an
+    SDK's ``models.list()`` is how clients check a key), and charges no budget. Every other route
+    (health, admin) is nobody's.
 
     The tenant's budget is the admission engine's (``gateway.admission.live_budget``: reserved
     in ``LiveAdmission.admit`` before the decision, settled by the engine when the request ends,
@@ -61,6 +63,8 @@ log = logging.getLogger("sluice.tenancy")
 WEIGHTS_REFRESH_S: Final = 1.0
 
 _COMPLETION_PATHS: Final[Mapping[str, Endpoint]] = COMPLETION_ROUTES
+#: The model list: authenticated like a completion, never charged.
+MODELS_PATH: Final = "/v1/models"
 _ADMIN_CHALLENGE: Final = 'Bearer realm="sluice-admin"'
 
 
@@ -213,9 +217,13 @@ class Tenancy:
             return await handler(request)
         if request.method == "POST" and request.path in _COMPLETION_PATHS:
             self._authenticate(request, request[OUTCOME])
+        elif request.path == MODELS_PATH and request.method in ("GET", "HEAD"):
+            self._authenticate(request, request[OUTCOME], listeners=False)
         return await handler(request)
 
-    def _authenticate(self, request: web.Request, outcome: RequestOutcome) -> None:
+    def _authenticate(self, request: web.Request, outcome: RequestOutcome, *, listeners: bool = True) -> None:
+        """``request[TENANT]`` from its key, or raise the 401; ``listeners``: tell the outcome
+        listeners of a refusal (the completions, which the metrics count; not the model list)."""
         auth = self._auth
         if not auth.tenants and auth.anonymous is not None:
             # No tenant configured: tenancy is off and the header is not ours to judge (OpenAI
@@ -224,6 +232,8 @@ class Tenancy:
         found = auth.authenticate(request.headers.get("Authorization"))
         if isinstance(found, AuthError):
             outcome.reason = f"auth_{found.reason.value}"
+            if not listeners:
+                raise auth_error(found)
             raise self._refused(outcome, auth_error(found))
         request[TENANT] = found
         if found.name in auth.tenants:

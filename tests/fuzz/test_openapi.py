@@ -85,6 +85,8 @@ def test_errors_and_security_are_described() -> None:
         chat["responses"]["429"]["headers"]
     )
     assert chat["security"] == [{"bearerAuth": []}]
+    models = spec["paths"]["/v1/models"]["get"]
+    assert (models["security"], "401" in models["responses"]) == ([{"bearerAuth": []}], True)
     assert spec["components"]["securitySchemes"]["bearerAuth"]["scheme"] == "bearer"
 
 

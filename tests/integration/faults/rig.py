@@ -229,12 +229,20 @@ async def gateway(directory: Path, config: dict[str, Any]) -> AsyncIterator[Gate
 
 
 def _wait_for_model(proc: Proc, url: str, timeout_s: float = 30.0) -> None:
+    """Until a healthy replica serves a model, as ``/readyz`` lists them (no admin token is set
+    here, so it lists the replicas; ``/v1/models`` would need the key of whichever tenant the
+    configuration holds)."""
+    import urllib.error
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        with urllib.request.urlopen(url + "/v1/models", timeout=5) as resp:
-            if json.loads(resp.read())["data"]:
+        with (
+            contextlib.suppress(urllib.error.HTTPError),
+            urllib.request.urlopen(url + "/readyz", timeout=5) as resp,
+        ):
+            replicas = json.loads(resp.read()).get("replicas", [])
+            if any(r["state"] == "healthy" and r["models"] for r in replicas):
                 return
         time.sleep(0.1)
     raise TimeoutError(f"the gateway listed no model:\n{proc.output()}")

@@ -46,11 +46,15 @@ class Stack:
             return str(resp.read().decode())
 
 
-def _first_model(base: str, timeout_s: float = 20.0) -> str:
-    """The gateway learns models from its replicas shortly after start: wait for one."""
+def _first_model(base: str, timeout_s: float = 20.0, key: str | None = None) -> str:
+    """The gateway learns models from its replicas shortly after start: wait for one. ``key``: a
+    tenant's API key, which ``/v1/models`` needs when tenants are configured."""
     deadline = time.monotonic() + timeout_s
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
     while time.monotonic() < deadline:
-        with urllib.request.urlopen(base + "/v1/models", timeout=5) as resp:
+        with urllib.request.urlopen(
+            urllib.request.Request(base + "/v1/models", headers=headers), timeout=5
+        ) as resp:
             data: list[dict[str, object]] = json.loads(resp.read())["data"]
         if data:
             return str(data[0]["id"])

@@ -29,7 +29,7 @@ def test_embedded_default_serves_and_stops_its_replicas(sig: signal.Signals) -> 
     proc = Proc([*_sluice(), "serve"], name="default")
     try:
         proc.wait_http("http://127.0.0.1:8080/readyz", timeout_s=60)
-        model = _first_model("http://127.0.0.1:8080")
+        model = _first_model("http://127.0.0.1:8080", key="sk-demo")
         req = urllib.request.Request(
             "http://127.0.0.1:8080/v1/chat/completions",
             data=json.dumps(

@@ -187,7 +187,10 @@ def gateway(directory: Path, config: Mapping[str, Any]) -> Iterator[Running]:
         proc.wait_http(f"{url}/readyz", timeout_s=60)
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline:
-            with urllib.request.urlopen(url + "/v1/models", timeout=5) as resp:
+            listing = urllib.request.Request(
+                url + "/v1/models", headers={"Authorization": f"Bearer {KEYS['docs']}"}
+            )
+            with urllib.request.urlopen(listing, timeout=5) as resp:
                 if b'"id"' in resp.read():
                     break
             time.sleep(0.1)

@@ -114,7 +114,7 @@ async def model_of(url: str) -> str:
     deadline = time.monotonic() + 30.0
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
-            async with session.get(url + "/v1/models") as resp:
+            async with session.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}) as resp:
                 data = (await resp.json())["data"]
             if data:
                 return str(data[0]["id"])

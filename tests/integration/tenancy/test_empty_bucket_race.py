@@ -110,7 +110,10 @@ async def fleet(tmp_path: Path, replica_url: str, tenant_limits: dict[str, Any])
                 directory.mkdir()
                 config = gateway_config(front.url, free_port(), limits=limits, tenant_limits=tenant_limits)
                 urls.append((await stack.enter_async_context(gateway(directory, config))).url)
-            async with aiohttp.ClientSession() as client, client.get(urls[0] + "/v1/models") as resp:
+            async with (
+                aiohttp.ClientSession() as client,
+                client.get(urls[0] + "/v1/models", headers=AUTH) as resp,
+            ):
                 model = str((await resp.json())["data"][0]["id"])
             yield Fleet(urls, front, model, time.monotonic())
 
