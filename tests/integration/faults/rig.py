@@ -46,6 +46,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.tenants import hash_api_key
+from tests.support import speed
 from tests.support.procs import ROOT, Proc, free_port, python_module
 from tests.support.redis import RedisServer
 
@@ -141,12 +142,17 @@ def gateway_config(
     limits: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A gateway in front of ``replicas`` (name -> URL) with the ledger tenant (see the module);
-    ``server``, ``health``, ``reload`` and ``limits`` update those sections."""
+    ``server``, ``health``, ``reload`` and ``limits`` update those sections.
+
+    Health checks and scrapes time out after half a second scaled by the host-speed factor
+    (measured now): on a busy host an emulator that answers in 0.6 s is slow, not down, and a
+    replica marked unhealthy for it would turn a test of something else into 503s."""
+    beat = round(0.5 * speed.factor(fresh=True), 3)
     return {
         "server": {"host": "127.0.0.1", "port": port, "shutdown_grace_s": 5.0, **(server or {})},
         "replicas": [{"name": name, "url": url, "hardware": HARDWARE} for name, url in replicas.items()],
-        "health": {"interval_s": 0.5, "timeout_s": 0.4, "unhealthy_after": 2, **(health or {})},
-        "scrape": {"interval_s": 0.5, "timeout_s": 0.4, "window_s": 5.0},
+        "health": {"interval_s": beat, "timeout_s": beat, "unhealthy_after": 2, **(health or {})},
+        "scrape": {"interval_s": beat, "timeout_s": beat, "window_s": max(5.0, 4 * beat)},
         "reload": {"watch": False, **(reload or {})},
         "logging": {"level": "INFO", "access_log": True},
         "admission": {"policy": "admit_all"},
