@@ -3,8 +3,9 @@
     .venv/bin/python -m bench.prompt_tokens [--tokenizer PATH]
 
 Prints, for prompts of 100 to 100,000 characters of English prose, the best of five timings of
-``PromptCounter.count_texts`` (``encode_batch_fast``) in microseconds, and the round trip of an
-empty ``asyncio.to_thread`` call. ``gateway.tokens.counter.OFF_LOOP_CHARS`` is where the first
+``PromptCounter.count_texts`` (``encode_batch_fast``) in microseconds, what rendering Llama 3's
+chat template costs for 2 to 50 messages, and the round trip of an empty ``asyncio.to_thread``
+call. ``gateway.tokens.counter.OFF_LOOP_CHARS`` is where the first
 passes a few hundred microseconds. Without ``--tokenizer`` it uses the e2e tiny model's BPE,
 trained offline (``tests/support/tokenizer.py``): a 2,048-token vocabulary, about 1.2 characters
 a token on this text where Llama 3's runs near 4, so real tokenizers cost about as much or less
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import json
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +26,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from gateway.tokens.counter import OFF_LOOP_CHARS, PromptCounter, PromptTexts
+from gateway.tokens.template import ChatTemplate, load_chat_template
 
 LENGTHS = (100, 300, 1_000, 3_000, 10_000, 30_000, 100_000)
 PROSE = (
@@ -56,6 +60,26 @@ async def thread_hop_us() -> float:
     return best * 1e6
 
 
+#: Llama 3 Instruct's chat template, as its tokenizer_config.json ships it.
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
+    "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+    "{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+
+def llama3_template() -> ChatTemplate:
+    """``LLAMA3_TEMPLATE`` compiled as ``gateway.tokens.template`` compiles a model's."""
+    with tempfile.TemporaryDirectory() as folder:
+        config = {"chat_template": LLAMA3_TEMPLATE, "bos_token": "<|begin_of_text|>"}
+        (Path(folder) / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+        template = load_chat_template(Path(folder))
+    assert template is not None
+    return template
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", type=Path, help="a tokenizer.json (default: the e2e tiny BPE)")
@@ -74,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         tokens = counter.count_texts(texts).tokens
         cost = best_us(functools.partial(counter.count_texts, texts))
         print(f"{chars:>8} {tokens:>7} {cost:>9.1f} {cost / chars:>8.3f}")
+    template = llama3_template()
+    for messages in (2, 10, 50):
+        body = {"messages": [{"role": "user", "content": PROSE} for _ in range(messages)]}
+        cost = best_us(functools.partial(template.render, body))
+        print(f"chat template, {messages:>2} messages: {cost:8.1f} us ({cost / messages:.1f} us a message)")
     print(f"asyncio.to_thread round trip: {asyncio.run(thread_hop_us()):.1f} us")
     print(f"OFF_LOOP_CHARS = {OFF_LOOP_CHARS}")
     return 0

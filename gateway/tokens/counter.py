@@ -3,12 +3,15 @@
 Completions (a string, or a list of strings: each counted, each a sequence of its own) and TGI's
 ``inputs`` are counted exactly as the engine tokenizes them: with the tokenizer's special tokens
 (the BOS its post-processor adds) unless the body's ``add_special_tokens`` says otherwise. A chat
-is counted without rendering its model's chat template: every message's text, each tool and tool
-call's JSON, plus ``CHAT_TOKENS_PER_MESSAGE`` per message and ``CHAT_TOKENS_PER_REQUEST`` for the
-template's markers. That total is close, not exact (a template's own text, such as a default
-system prompt, is not in it), so its lowest plausible count is the messages' text alone, which
-every template contains. Prompts the tokenizer cannot count (images, audio, token ids) are
-``None``: estimated as before.
+whose messages are text is rendered with the model's chat template when it has one
+(``gateway.tokens.template``) and the result counted without special tokens, as vLLM does:
+exact. Otherwise (no template, one that refuses the chat, message parts, tool calls, the
+request's own ``chat_template``) a chat is counted approximately: every message's text, each
+tool and tool call's JSON, plus ``CHAT_TOKENS_PER_MESSAGE`` per message and
+``CHAT_TOKENS_PER_REQUEST`` for the template's markers. That total is close, not exact (a
+template's own text, such as a default system prompt, is not in it), so its lowest plausible
+count is the messages' text alone, which every template contains. Prompts the tokenizer cannot
+count (images, audio, token ids) are ``None``: estimated as before.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from typing import Any, Final
 from tokenizers import Tokenizer
 
 from gateway.api.openai import ParsedRequest
+from gateway.tokens.template import ChatTemplate
 
 __all__ = [
     "CHAT_TOKENS_PER_MESSAGE",
     "CHAT_TOKENS_PER_REQUEST",
     "OFF_LOOP_CHARS",
+    "TEMPLATE_CHARS_PER_MESSAGE",
     "PromptCounter",
     "PromptTexts",
     "TokenCount",
@@ -39,7 +44,10 @@ CHAT_TOKENS_PER_MESSAGE: Final = 5
 #: Tokens a chat template adds once: the BOS and the assistant's header it ends with
 #: (``add_generation_prompt``): 1 + 4 for Llama 3, 3 for ChatML.
 CHAT_TOKENS_PER_REQUEST: Final = 5
-#: Prompt text (characters, all prompts together) above which counting runs in a worker thread:
+#: What rendering one message of a chat template costs, in characters of encoding (about 5 us).
+TEMPLATE_CHARS_PER_MESSAGE: Final = 32
+#: Prompt text (characters, all prompts together, plus ``TEMPLATE_CHARS_PER_MESSAGE`` per chat
+#: message) above which counting runs in a worker thread:
 #: encoding costs 0.2 to 0.5 us per character (docs/benchmarks.md, "Counting prompt tokens"), so
 #: below it counting holds the event loop for at most a few hundred microseconds.
 OFF_LOOP_CHARS: Final = 1024
@@ -60,13 +68,15 @@ class TokenCount:
 @dataclass(frozen=True, slots=True)
 class PromptTexts:
     """What to encode: ``prompts`` (one per sequence) and, for a chat, the ``extra`` text
-    (tools, tool calls) and its ``messages`` count."""
+    (tools, tool calls), its ``messages`` count and the ``body`` a chat template may render
+    (``None``: a chat no template can count exactly, or not a chat)."""
 
     prompts: list[str]
     add_special_tokens: bool
     chat: bool = False
     extra: list[str] | None = None
     messages: int = 0
+    body: Mapping[str, Any] | None = None
 
 
 def prompt_texts(parsed: ParsedRequest) -> PromptTexts | None:
@@ -96,6 +106,9 @@ def _chat_texts(body: Mapping[str, Any], add_special_tokens: bool) -> PromptText
         return None
     texts: list[str] = []
     extra: list[str] = []
+    # A template renders the chat as vLLM would only for plain text messages and the server's
+    # own template: vLLM reshapes parts and tool-call arguments before rendering.
+    renderable = body.get("chat_template") is None and not body.get("continue_final_message")
     for message in messages:
         if not isinstance(message, dict):
             return None
@@ -103,6 +116,7 @@ def _chat_texts(body: Mapping[str, Any], add_special_tokens: bool) -> PromptText
         if isinstance(content, str):
             texts.append(content)
         elif isinstance(content, list):
+            renderable = False
             for part in content:
                 if not isinstance(part, dict) or not isinstance(part.get("text"), str):
                     return None  # an image, audio or file: its tokens are the engine's to count
@@ -110,10 +124,18 @@ def _chat_texts(body: Mapping[str, Any], add_special_tokens: bool) -> PromptText
         elif content is not None:
             return None
         if message.get("tool_calls"):
+            renderable = False
             extra.append(_json(message["tool_calls"]))
     if body.get("tools"):
         extra.append(_json(body["tools"]))
-    return PromptTexts(texts, add_special_tokens, chat=True, extra=extra, messages=len(messages))
+    return PromptTexts(
+        texts,
+        add_special_tokens,
+        chat=True,
+        extra=extra,
+        messages=len(messages),
+        body=body if renderable else None,
+    )
 
 
 def _json(value: object) -> str:
@@ -121,19 +143,32 @@ def _json(value: object) -> str:
 
 
 class PromptCounter:
-    """Counts prompts with one ``Tokenizer``. Thread-safe: ``count`` may run in a worker thread
-    (``encode_batch_fast`` releases the GIL while it encodes)."""
+    """Counts prompts with one ``Tokenizer`` and, for chats, its model's ``ChatTemplate`` when it
+    has one. Thread-safe: ``count`` may run in a worker thread (``encode_batch_fast`` releases
+    the GIL while it encodes)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, template: ChatTemplate | None = None) -> None:
         self._tokenizer = tokenizer
+        self._template = template
 
     def count(self, parsed: ParsedRequest) -> TokenCount | None:
         """``parsed``'s prompt counted (see the module), or ``None`` when it cannot be."""
         texts = prompt_texts(parsed)
         return None if texts is None else self.count_texts(texts)
 
+    @staticmethod
+    def weight(texts: PromptTexts) -> int:
+        """What counting ``texts`` costs, in characters (compared with ``OFF_LOOP_CHARS``)."""
+        chars = sum(map(len, texts.prompts)) + sum(map(len, texts.extra or ()))
+        return chars + TEMPLATE_CHARS_PER_MESSAGE * texts.messages
+
     def count_texts(self, texts: PromptTexts) -> TokenCount:
         """``texts`` counted (``prompt_texts``' result)."""
+        if texts.body is not None and self._template is not None:
+            rendered = self._template.render(texts.body)
+            if rendered is not None:
+                (count,) = self._encode([rendered], add_special_tokens=texts.add_special_tokens)
+                return TokenCount(max(count, 1), max(count, 1), True)
         counts = self._encode(texts.prompts, add_special_tokens=texts.add_special_tokens)
         if not texts.chat:
             total = max(sum(counts), 1)

@@ -6,7 +6,8 @@
 the local Hugging Face cache, by the id clients send; the cache's by a serving replica's
 ``hardware.model``. None found (or a file that does not load): ``None``, and the prompt is
 estimated. Loading (a ``tokenizer.json`` of several MB takes a few hundred ms) runs in a worker
-thread, once per file; a prompt longer than ``OFF_LOOP_CHARS`` is counted in one too. A reload
+thread, once per file (its chat template with it); a prompt that weighs more than
+``OFF_LOOP_CHARS`` (``PromptCounter.weight``) is counted in one too. A reload
 forgets what was found and loaded, so a changed path or a file added to the cache is used from
 the next request on.
 """
@@ -28,6 +29,7 @@ from gateway.config.store import SettingsStore
 from gateway.replicas.registry import ReplicaRegistry
 from gateway.tokens.counter import OFF_LOOP_CHARS, PromptCounter, TokenCount, prompt_texts
 from gateway.tokens.files import cached_tokenizer, tokenizer_file
+from gateway.tokens.template import load_chat_template
 
 __all__ = ["PROMPT_TOKENIZERS", "PromptTokenizers"]
 
@@ -92,8 +94,7 @@ class PromptTokenizers:
         counter = await self.counter(parsed.model, parsed.engine)
         if counter is None:
             return None
-        chars = sum(map(len, texts.prompts)) + sum(map(len, texts.extra or ()))
-        if chars <= OFF_LOOP_CHARS:
+        if counter.weight(texts) <= OFF_LOOP_CHARS:
             return counter.count_texts(texts)
         return await asyncio.to_thread(counter.count_texts, texts)
 
@@ -104,8 +105,10 @@ async def _load(path: Path) -> PromptCounter | None:
     except Exception as exc:
         log.warning("tokenizer %s does not load (%s); prompts of its model are estimated", path, exc)
         return None
-    log.info("counting prompt tokens with %s", path)
-    return PromptCounter(tokenizer)
+    template = await asyncio.to_thread(load_chat_template, path.parent)
+    chats = "its chat template" if template is not None else "no chat template: chats approximately"
+    log.info("counting prompt tokens with %s (%s)", path, chats)
+    return PromptCounter(tokenizer, template)
 
 
 #: The app's ``PromptTokenizers`` (``gateway.app`` installs it; absent: every prompt is estimated).

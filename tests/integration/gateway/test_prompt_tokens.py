@@ -28,7 +28,6 @@ from gateway.app import build_app
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.tenants import hash_api_key
-from gateway.tokens.counter import CHAT_TOKENS_PER_MESSAGE, CHAT_TOKENS_PER_REQUEST
 from simulator.profile import load_profile
 from simulator.server import build_app as build_emulator
 from tests.support.tokenizer import tokenizer, write_hub_snapshot, write_tokenizer
@@ -137,7 +136,8 @@ async def test_a_tokenizer_in_the_hugging_face_cache_counts_chats(
             url, "/v1/chat/completions", {"messages": messages, "max_tokens": MAX_TOKENS}
         )
     assert status == 200, answer
-    counted = tokens(content, special=False) + CHAT_TOKENS_PER_MESSAGE + CHAT_TOKENS_PER_REQUEST
+    # Rendered with the snapshot's chat template (tokenizer_config.json), as vLLM renders it.
+    counted = tokens(f"<|user|>\n{content}\n<|assistant|>\n", special=False)
     assert cost == counted + 2 * MAX_TOKENS
     assert counted != len(content) // 4  # not the 4-characters-a-token prior
 

@@ -5,6 +5,7 @@ tokenizer cannot count."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from gateway.tokens.counter import (
     PromptCounter,
     TokenCount,
 )
+from gateway.tokens.template import load_chat_template
 from tests.support.tokenizer import tokenizer
 
 TEXT = "Sluice admits each request whose forecast meets its targets, or queues it."
@@ -105,3 +107,81 @@ def test_what_a_text_tokenizer_cannot_count_is_left_to_the_estimate(
     tok: Tokenizer, endpoint: str, body: dict[str, Any]
 ) -> None:
     assert count(tok, endpoint, body) is None
+
+
+def templated(tok: Tokenizer, tmp_path: Path, **files: str) -> PromptCounter:
+    for name, content in files.items():
+        (tmp_path / name.replace("__", ".")).write_text(content, encoding="utf-8")
+    return PromptCounter(tok, load_chat_template(tmp_path))
+
+
+#: The e2e tiny model's template (deploy/vllm-cpu/build_tiny_model.py), with a BOS from the config.
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        pytest.param(
+            {"tokenizer_config__json": json.dumps({"chat_template": TEMPLATE, "bos_token": "<s>"})},
+            id="tokenizer-config",
+        ),
+        pytest.param(
+            {
+                "tokenizer_config__json": json.dumps(
+                    {
+                        "chat_template": [{"name": "default", "template": TEMPLATE}],
+                        "bos_token": {"content": "<s>"},
+                    }
+                )
+            },
+            id="named-templates",
+        ),
+        pytest.param(
+            {"chat_template__jinja": TEMPLATE, "tokenizer_config__json": json.dumps({"bos_token": "<s>"})},
+            id="chat-template-jinja",
+        ),
+    ],
+)
+def test_a_chat_rendered_with_its_template_is_counted_exactly(
+    tok: Tokenizer, tmp_path: Path, files: dict[str, str]
+) -> None:
+    counter = templated(tok, tmp_path, **files)
+    messages = [{"role": "system", "content": OTHER}, {"role": "user", "content": TEXT}]
+    rendered = f"<s><|system|>\n{OTHER}\n<|user|>\n{TEXT}\n<|assistant|>\n"
+    exact = n(tok, rendered, special=False)
+    parsed = parse_request("chat", json.dumps({"model": "m", "messages": messages}).encode())
+    assert counter.count(parsed) == TokenCount(exact, exact, True)
+    body = {"model": "m", "messages": messages, "add_generation_prompt": False}
+    without = n(tok, rendered.removesuffix("<|assistant|>\n"), special=False)
+    assert counter.count(parse_request("chat", json.dumps(body).encode())) == TokenCount(
+        without, without, True
+    )
+
+
+@pytest.mark.parametrize(
+    ("template", "extra"),
+    [
+        pytest.param("{{ raise_exception('roles must alternate') }}", {}, id="template-refuses"),
+        pytest.param(TEMPLATE, {"chat_template": "{{ messages }}"}, id="the-requests-own-template"),
+    ],
+)
+def test_a_chat_the_template_cannot_count_is_counted_approximately(
+    tok: Tokenizer, tmp_path: Path, template: str, extra: dict[str, Any]
+) -> None:
+    counter = templated(tok, tmp_path, tokenizer_config__json=json.dumps({"chat_template": template}))
+    body = {"model": "m", "messages": [{"role": "user", "content": TEXT}], **extra}
+    text = n(tok, TEXT, special=False)
+    approximate = TokenCount(text + CHAT_TOKENS_PER_MESSAGE + CHAT_TOKENS_PER_REQUEST, text, False)
+    assert counter.count(parse_request("chat", json.dumps(body).encode())) == approximate
+
+
+def test_a_template_that_does_not_compile_is_no_template(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": "{% for %}"}), encoding="utf-8"
+    )
+    assert load_chat_template(tmp_path) is None
+    assert load_chat_template(tmp_path / "missing") is None
