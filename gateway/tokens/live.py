@@ -60,8 +60,11 @@ class PromptTokenizers:
             self._loads.clear()
 
     def tokenizer_path(self, model: str, engine: str | None = None) -> Path | None:
-        """The ``tokenizer.json`` for ``model`` (see the module), or ``None``."""
+        """The ``tokenizer.json`` for ``model`` (see the module), or ``None`` (also when no
+        replica serves it)."""
         serving = [r.settings for r in self._registry.replicas() if r.serves(model, engine)]
+        if not serving:
+            return None  # a model no replica serves is answered 404: nothing to look up or keep
         for replica in serving:
             if replica.tokenizer is not None and (path := tokenizer_file(replica.tokenizer)) is not None:
                 return path

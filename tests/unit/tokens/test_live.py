@@ -111,3 +111,12 @@ async def test_sizing_counts_first_and_estimates_when_counting_fails(tmp_path: P
     app[PROMPT_TOKENIZERS] = _Failing(store, fleet(store, MODEL), env={})
     request = make_mocked_request("POST", "/v1/completions", app=app)
     assert await prompt_size(request, service, completion()) == prompt_size_of(service, completion())
+
+
+async def test_a_model_no_replica_serves_is_not_looked_up(tmp_path: Path) -> None:
+    hub = tmp_path / "hub"
+    write_hub_snapshot(hub, "other/model")
+    store = SettingsStore(settings())
+    tokenizers = PromptTokenizers(store, fleet(store, MODEL), env={"HF_HUB_CACHE": str(hub)})
+    assert tokenizers.tokenizer_path("other/model") is None
+    assert await tokenizers.count(completion(model="other/model")) is None
