@@ -11,7 +11,9 @@ clock. Per request (``LiveAdmission.admit``), after the body is parsed:
    what ``min_tokens``/``ignore_eos`` make sure: ``output_floor``);
 3. **the tenant's budget**, with a ``LiveBudget``: the limiter (Redis or memory, async) is asked
    for the cost the engine names (``AdmissionEngine.budget_cost``) and its answer handed to the
-   engine, which decides on it (the engine's budget port is synchronous);
+   engine, which decides on it (the engine's budget port is synchronous). A request that is not
+   streamed reserves its whole output cap of a token bucket; one sent without ``max_tokens`` gets
+   the largest the bucket holds (``MAX_TOKENS_SET``: forwarded, and named in a response header);
 4. **the decision** (``AdmissionEngine.submit``): admitted -> a ``Ticket`` for the replica it
    was sent to; queued -> the handler awaits a future that a ``Resolution`` of a later
    re-evaluation completes; refused -> a typed error (``gateway.http.errors``).
