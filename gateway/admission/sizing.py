@@ -1,16 +1,16 @@
 """A request's prompt size, counted or estimated once per request and carried on it.
 
 ``prompt_size(request, service, parsed, tenant)`` counts it with the model's tokenizer when Sluice
-has one (``gateway.tokens``: exact for completions, close for chats, with their lowest plausible
-count), else estimates it as ``estimated_prompt_size`` does. The estimate: exact when the
-prompt was sent as token ids, else its characters at the tenant's learned characters per token
-(``PredictionService.estimate_prompt_tokens``: the tenant's own ratio, blended with a fleet prior
-no other single tenant decides; 4 characters per token when the service fails), at least 1. With
-it comes the lowest plausible count (``PromptSize.fewest``), the only size a prompt may be refused
-as too long on: an estimate alone never refuses it. The first caller pays and stores it on the
-request (``PROMPT_SIZE``); every later caller on the same request, admission's forecast and the
-in-flight entry the proxy leases, reads the same numbers, so the budget is charged for the prompt
-admission judged.
+has one (``gateway.tokens``: exact for completions and for chats its chat template renders, else
+close, with their lowest plausible count), else estimates it as ``estimated_prompt_size`` does.
+The estimate: exact when the prompt was sent as token ids, else its characters at the tenant's
+learned characters per token (``PredictionService.estimate_prompt_tokens``: the tenant's own
+ratio, blended with a fleet prior no other single tenant decides; 4 characters per token when the
+service fails), at least 1. With it comes the lowest plausible count (``PromptSize.fewest``), the
+only size a prompt may be refused as too long on: an estimate alone never refuses it. The first
+caller pays and stores it on the request (``PROMPT_SIZE``); every later caller on the same
+request, admission's forecast and the in-flight entry the proxy leases, reads the same numbers,
+so the budget is charged for the prompt admission judged.
 """
 
 from __future__ import annotations
