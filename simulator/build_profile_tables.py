@@ -1,4 +1,4 @@
-"""Derive the per-layer linear timing tables of ``config/profiles/*.yaml`` from Vidur's CSVs.
+"""Derive the per-layer linear timing tables of ``simulator/profiles/*.yaml`` from Vidur's CSVs.
 
 ``python -m simulator.build_profile_tables CSV --tp N`` prints ``linear_ms_per_layer`` as YAML;
 ``--ratio-to OTHER_CSV`` prints instead the median ratio of the two tables at their shared token
