@@ -448,14 +448,9 @@ def pieces() -> list[tuple[str, float, float]]:
     from gateway.admission.retry_after import RetryAfter
     from gateway.config.settings import LoggingSettings
     from gateway.http.errors import AdmissionRejected, error_response
-    from gateway.observability.logs import (
-        RequestOutcome,
-        TextFormatter,
-        access_fields,
-        configure_logging,
-        log_access,
-        new_request_id,
-    )
+    from gateway.observability.log_format import TextFormatter
+    from gateway.observability.logs import configure_logging, log_access, new_request_id
+    from gateway.observability.outcome import RequestOutcome, access_fields
 
     err = AdmissionRejected(
         "first token predicted 0.234 s after the client's deadline (best replica emu)",

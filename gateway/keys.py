@@ -15,7 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.config.store import SettingsStore
-from gateway.observability.logs import RequestOutcome
+from gateway.observability.outcome import RequestOutcome
 from gateway.prediction.live import LivePredictions
 from gateway.prediction.service import PredictionService
 from gateway.replicas.emulators import EmulatorProcess

@@ -73,7 +73,7 @@ from gateway.http.errors import (
     admission_error,
     refusal_reason_headers,
 )
-from gateway.observability.logs import RequestOutcome
+from gateway.observability.outcome import RequestOutcome
 from gateway.prediction.live import (
     PREDICTION_HEADER,
     PREDICTION_HEADERS,

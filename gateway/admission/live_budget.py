@@ -36,7 +36,8 @@ from gateway.admission.request import AdmissionRequest
 from gateway.admission.retry_after import RefusalReason, retry_after
 from gateway.http.errors import Refused, rate_limit_headers
 from gateway.limits.base import Limiter, LimiterUnavailable, Reservation, TenantLimits, rejection_reason
-from gateway.observability.logs import RequestOutcome, new_request_id
+from gateway.observability.logs import new_request_id
+from gateway.observability.outcome import RequestOutcome
 
 __all__ = [
     "DRAIN_TIMEOUT_S",

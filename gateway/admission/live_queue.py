@@ -20,7 +20,7 @@ from aiohttp import web
 from gateway.admission.engine import AdmissionEngine
 from gateway.admission.results import Resolution
 from gateway.http.errors import ClientClosedRequest
-from gateway.observability.logs import RequestOutcome
+from gateway.observability.outcome import RequestOutcome
 
 __all__ = ["CallLater", "LiveQueue", "TimerHandle", "Watch"]
 

@@ -1,8 +1,8 @@
-"""Logging setup, the per-request record, request ids and the structured access log.
+"""Logging setup, request ids and the structured access log.
 
-``configure_logging(settings)`` installs one stderr handler (text or JSON). ``RequestOutcome`` is
-what happened to one request; the proxy and admission fill it in, the access log and the metrics
-read it. ``request_context_middleware`` gives every request an id and an outcome and writes one
+``configure_logging(settings)`` installs one stderr handler (text or JSON: ``log_format``).
+``RequestOutcome`` (``gateway.observability.outcome``, exported here too) is what happened to one
+request. ``request_context_middleware`` gives every request an id and an outcome and writes one
 access line when it is done; ``add_request_id_header`` puts the id on every response. Lines below
 WARNING are buffered and written in batches (at most every ``ACCESS_FLUSH_INTERVAL_S``, or past
 ``ACCESS_BUFFER_CHARS``, before a WARNING, and at ``flush``), like nginx's ``access_log buffer=``.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import math
 import os
@@ -23,9 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
-from json.encoder import encode_basestring_ascii
-from typing import Any, Final
+from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -34,10 +31,10 @@ from aiohttp.typedefs import Handler, Middleware
 from gateway.config.settings import LoggingSettings
 from gateway.config.store import SettingsStore
 from gateway.http.echo import clip
+from gateway.observability.log_format import JsonFormatter, TextFormatter
+from gateway.observability.outcome import ACCESS_LOGGER, RequestOutcome, access_fields
 from gateway.observability.repeats import RepeatFilter
 
-#: The access logger's name: its records are the access lines (``log_access``).
-ACCESS_LOGGER = "sluice.access"
 access_log = logging.getLogger(ACCESS_LOGGER)
 #: Buffered lines are written once they hold this many characters (else at the end of the event
 #: loop's iteration, at most once per ``ACCESS_FLUSH_INTERVAL_S``).
@@ -51,82 +48,6 @@ ACCESS_FLUSH_INTERVAL_S = 0.01
 REQUEST_ID_HEADER = "x-request-id"
 #: An incoming ``x-request-id`` is honoured only when it matches this (else we generate one).
 _SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,128}$")
-
-
-@dataclass(slots=True)
-class RequestOutcome:
-    """What happened to one request. Times are ``time.monotonic()`` seconds; ``None`` = unknown.
-
-    ``prompt_tokens`` / ``completion_tokens`` are the replica's own usage counts (``None`` when
-    the replica never reported them, e.g. a stream cut before its usage chunk).
-    ``status`` is the HTTP status sent to the client (200 for a stream even if it was cut later;
-    then ``error`` says why). ``error`` is an error code such as ``upstream_error`` or
-    ``client_disconnected``; ``None`` means the request completed normally.
-    """
-
-    request_id: str
-    method: str
-    path: str
-    received_at: float
-    model: str | None = None
-    stream: bool = False
-    replica: str | None = None
-    status: int | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    dispatched_at: float | None = None
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    error: str | None = None
-    #: The resolved class and tenant; ``None`` until admission / tenancy set them (metrics: ``none``).
-    request_class: str | None = None
-    tenant: str | None = None
-    #: ``admitted``, ``rejected`` or ``shadow_rejected`` (a shadow rule would have rejected it; it
-    #: was admitted); ``None``: derived from whether a replica was chosen.
-    decision: str | None = None
-    #: Why the decision was taken (a ``RejectReason`` value, or ``None`` for a plain admit).
-    reason: str | None = None
-    #: Seconds in Sluice's queue, 0.0 when dispatched at once; ``None``: never went through it.
-    queue_wait_s: float | None = None
-    #: The exact Retry-After of a rejection, seconds (the header rounds it up to whole seconds).
-    retry_after_s: float | None = None
-    #: The effective targets, seconds (after a client deadline tightened them).
-    ttft_target_s: float | None = None
-    tpot_target_s: float | None = None
-    #: The engine forecast for the replica the request was sent to, in seconds (TTFT from dispatch).
-    predicted_ttft_s: float | None = None
-    predicted_tpot_s: float | None = None
-    #: Content-carrying SSE events relayed (one per engine step per sequence on vLLM): what a
-    #: stream cut before its usage chunk really produced.
-    tokens_streamed: int = 0
-
-    @property
-    def ttft_s(self) -> float | None:
-        """Seconds from dispatch to the replica until the first generated token arrived."""
-        if self.dispatched_at is None or self.first_token_at is None:
-            return None
-        return self.first_token_at - self.dispatched_at
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Mean seconds per output token after the first, for a stream that ended without error.
-
-        ``None`` for non-streamed answers, errors, or fewer than two completion tokens (the
-        replica's usage count; the SSE event count is not a token count on every engine).
-        """
-        tokens = self.completion_tokens
-        if self.first_token_at is None or self.finished_at is None or self.error is not None:
-            return None
-        if tokens is None or tokens < 2:
-            return None
-        return max(0.0, self.finished_at - self.first_token_at) / (tokens - 1)
-
-    @property
-    def duration_s(self) -> float | None:
-        """Seconds from receipt by the gateway until the response (or stream) fully ended."""
-        if self.finished_at is None:
-            return None
-        return self.finished_at - self.received_at
 
 
 REQUEST_ID = web.RequestKey("request_id", str)
@@ -282,172 +203,6 @@ def _direct_handler() -> SluiceLogHandler | None:
     if any(not isinstance(f, RepeatFilter) for f in handler.filters):
         return None
     return handler
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 1)
-
-
-def access_fields(outcome: RequestOutcome) -> dict[str, Any]:
-    """The access line's fields, in print order; durations in milliseconds, rounded to 0.1.
-
-    Who (request id, tenant, class), where (replica, model), what was decided and why (decision,
-    reason, queue wait, Retry-After), how it went (status, error, predicted against actual TTFT
-    and TPOT) and what it cost (tokens in and out). Never prompt text or keys: only the tenant's
-    name, which the tenants section of the config defines.
-    """
-    return {
-        "request_id": outcome.request_id,
-        "method": outcome.method,
-        "path": outcome.path,
-        "status": outcome.status,
-        "tenant": outcome.tenant,
-        "class": outcome.request_class,
-        "decision": outcome.decision,
-        "reason": outcome.reason,
-        "replica": outcome.replica,
-        "model": outcome.model,
-        "stream": outcome.stream,
-        "duration_ms": _ms(outcome.duration_s),
-        "queue_wait_ms": _ms(outcome.queue_wait_s),
-        "retry_after_ms": _ms(outcome.retry_after_s),
-        "predicted_ttft_ms": _ms(outcome.predicted_ttft_s),
-        "ttft_ms": _ms(outcome.ttft_s),
-        "predicted_tpot_ms": _ms(outcome.predicted_tpot_s),
-        "tpot_ms": _ms(outcome.tpot_s),
-        "prompt_tokens": outcome.prompt_tokens,
-        "completion_tokens": outcome.completion_tokens,
-        "tokens_streamed": outcome.tokens_streamed,
-        "error": outcome.error,
-    }
-
-
-class TextFormatter(logging.Formatter):
-    """``time level logger message key=value ...``; structured ``fields`` appended as key=value."""
-
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
-
-        #: ``formatTime``'s memo: (whole epoch second, its local time text).
-        self._second: tuple[int, str] = (-1, "")
-
-    def format(self, record: logging.LogRecord) -> str:
-        fields: dict[str, Any] | None = getattr(record, "fields", None)
-        if record.exc_info or record.exc_text or record.stack_info:
-            line = super().format(record)
-        else:
-            # ``logging.Formatter.format``'s line for this format, without its generic steps
-            # (style lookup, ``%`` against the record's ``__dict__``): the access line's hot path.
-            record.message = record.getMessage()
-            record.asctime = self.formatTime(record)
-            line = f"{record.asctime} {record.levelname} {record.name} {record.message}"
-        if not fields:
-            return line
-        head, sep, tail = line.partition("\n")  # keep a traceback after the fields
-        return f"{head} {_text_pairs(fields)}{sep}{tail}"
-
-    def access_line(self, outcome: RequestOutcome, created: float) -> str:
-        """``format``'s line for ``outcome``'s access record (``access_fields``) made at ``created``
-        (epoch seconds), without the record or the fields' dict."""
-        asctime = self._asctime(created, int((created - int(created)) * 1000) + 0.0)
-        level = logging.getLevelName(logging.INFO)
-        return f"{asctime} {level} {ACCESS_LOGGER} access {_access_pairs(outcome)}"
-
-    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
-        """``logging.Formatter.formatTime``'s text, with the date and time part computed once per
-        second (an access line per request otherwise pays a ``localtime`` and a ``strftime``)."""
-        if datefmt or not self.default_msec_format:
-            return super().formatTime(record, datefmt)
-        return self._asctime(record.created, record.msecs)
-
-    def _asctime(self, created: float, msecs: float) -> str:
-        if not self.default_msec_format:
-            return time.strftime(self.default_time_format, self.converter(created))
-        second = int(created)
-        memo = self._second
-        if memo[0] != second:
-            memo = self._second = (second, time.strftime(self.default_time_format, self.converter(second)))
-        return self.default_msec_format % (memo[1], msecs)
-
-
-def _text_pairs(fields: dict[str, Any]) -> str:
-    """``key=value`` for each field, space separated (``_text_value``)."""
-    return " ".join([f"{key}={_text_value(value)}" for key, value in fields.items()])
-
-
-def _access_pairs(o: RequestOutcome) -> str:
-    """``_text_pairs(access_fields(o))``, one f-string: the same keys in the same order, each
-    value through ``_text_value`` (keep it in step with ``access_fields``). The fields that are
-    often ``None`` print their ``-`` inline (no call): a 429 has no replica, tokens or TTFT."""
-    tv, ms = _text_value, _ms_text
-    return (
-        f"request_id={tv(o.request_id)} method={tv(o.method)} path={tv(o.path)} status={tv(o.status)} "
-        f"tenant={'-' if o.tenant is None else tv(o.tenant)} "
-        f"class={'-' if o.request_class is None else tv(o.request_class)} "
-        f"decision={'-' if o.decision is None else tv(o.decision)} "
-        f"reason={'-' if o.reason is None else tv(o.reason)} "
-        f"replica={'-' if o.replica is None else tv(o.replica)} "
-        f"model={'-' if o.model is None else tv(o.model)} stream={tv(o.stream)} "
-        f"duration_ms={ms(o.duration_s)} queue_wait_ms={ms(o.queue_wait_s)} "
-        f"retry_after_ms={ms(o.retry_after_s)} predicted_ttft_ms={ms(o.predicted_ttft_s)} "
-        f"ttft_ms={ms(o.ttft_s)} predicted_tpot_ms={ms(o.predicted_tpot_s)} tpot_ms={ms(o.tpot_s)} "
-        f"prompt_tokens={'-' if o.prompt_tokens is None else tv(o.prompt_tokens)} "
-        f"completion_tokens={'-' if o.completion_tokens is None else tv(o.completion_tokens)} "
-        f"tokens_streamed={tv(o.tokens_streamed)} error={'-' if o.error is None else tv(o.error)}"
-    )
-
-
-def _ms_text(seconds: float | None) -> str:
-    """``_text_value(_ms(seconds))``."""
-    return "-" if seconds is None else _text_value(round(seconds * 1000, 1))
-
-
-def _text_value(value: Any) -> str:
-    if value is None:
-        return "-"
-    kind = type(value)
-    if kind is int or kind is float:
-        return str(value)
-    if value is True:
-        return "true"
-    if value is False:
-        return "false"
-    text = value if kind is str else str(value)
-    return json.dumps(text) if (" " in text or not text) else text
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ts (epoch seconds), level, logger, msg, structured fields, exc."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        payload: dict[str, Any] = {
-            "ts": round(record.created, 6),
-            "level": record.levelname,
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        fields: dict[str, Any] | None = getattr(record, "fields", None)
-        if fields:
-            payload.update(fields)
-        if record.exc_info:
-            payload["exc"] = self.formatException(record.exc_info)
-        return json.dumps(payload, default=str)
-
-    def access_line(self, outcome: RequestOutcome, created: float) -> str:
-        """``format``'s line for ``outcome``'s access record (``access_fields``) made at
-        ``created`` (epoch seconds), without the record: the same object, keys in the same order,
-        by the same encoder settings (``json.dumps(..., default=str)``)."""
-        level = encode_basestring_ascii(logging.getLevelName(logging.INFO))
-        fields = _FIELDS_JSON.encode(access_fields(outcome))
-        return f'{{"ts": {round(created, 6)!r}, "level": {level}, {_ACCESS_JSON_NAME}, {fields[1:]}'
-
-
-#: The access line's ``logger`` and ``msg`` members in ``JsonFormatter``'s JSON.
-_ACCESS_JSON_NAME: Final = f'"logger": "{ACCESS_LOGGER}", "msg": "access"'
-
-
-#: ``json.dumps(..., default=str)``'s encoder, made once.
-_FIELDS_JSON = json.JSONEncoder(default=str)
 
 
 class RedactMalformedRequests(logging.Filter):

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from gateway.api.openai import ParsedRequest
 from gateway.config.settings import Settings
-from gateway.observability.logs import RequestOutcome
+from gateway.observability.outcome import RequestOutcome
 from gateway.replicas.registry import LiveRequest, Replica
 
 #: Status logged for a request whose client went away before its response was sent (nginx's).

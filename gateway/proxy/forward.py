@@ -47,7 +47,8 @@ from gateway.config.store import SettingsStore
 from gateway.http.echo import clip
 from gateway.http.errors import GatewayError, Refused, UpstreamError
 from gateway.keys import OutcomeListener
-from gateway.observability.logs import OUTCOME, RequestOutcome
+from gateway.observability.logs import OUTCOME
+from gateway.observability.outcome import RequestOutcome
 from gateway.observability.repeats import repeat_key
 from gateway.prediction.live import (
     PREDICTED_TTFT_HEADER,

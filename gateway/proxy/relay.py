@@ -44,7 +44,8 @@ from gateway.http.errors import (
     replica_context_error,
     sse_error_event,
 )
-from gateway.observability.logs import REQUEST_ID, RequestOutcome
+from gateway.observability.logs import REQUEST_ID
+from gateway.observability.outcome import RequestOutcome
 from gateway.proxy.exchange import Exchange, ReplicaOverloaded, describe, detached
 from gateway.proxy.headers import relayed
 from gateway.replicas.registry import LiveRequest, Replica, ReplicaRegistry

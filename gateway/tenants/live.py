@@ -48,8 +48,9 @@ from gateway.http.errors import GatewayError, Unauthenticated
 from gateway.keys import OUTCOME_LISTENERS, PREDICTION_SERVICE, STORE, OutcomeListener
 from gateway.limits.base import Limiter, LimiterStats
 from gateway.limits.factory import build_limiter
-from gateway.observability.logs import OUTCOME, RequestOutcome
+from gateway.observability.logs import OUTCOME
 from gateway.observability.metrics import METRICS, SluiceMetrics
+from gateway.observability.outcome import RequestOutcome
 from gateway.prediction.service import PredictionService
 from gateway.tenants import Authenticator, AuthError, Tenant
 from gateway.tenants.pricing import configured_weights, fleet_token_weights

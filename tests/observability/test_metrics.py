@@ -22,11 +22,11 @@ from gateway.limits.base import (
     Reservation,
     TenantLimits,
 )
-from gateway.observability.logs import RequestOutcome
 from gateway.observability.metrics import METRICS, SluiceMetrics
 from gateway.observability.metrics.endpoints import replica_targets
 from gateway.observability.metrics.labels import code_label, configured_classes, configured_tenants, limited
 from gateway.observability.metrics.outcomes import decision_of, proxy_overhead_s, relative_error, slo_result
+from gateway.observability.outcome import RequestOutcome
 from gateway.replicas.config import HealthSettings, ReplicaSettings
 from gateway.replicas.registry import ReplicaRegistry
 from gateway.replicas.snapshot import ReplicaSnapshot

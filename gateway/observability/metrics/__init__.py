@@ -23,7 +23,6 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-from gateway.observability.logs import RequestOutcome
 from gateway.observability.metrics.children import Children
 from gateway.observability.metrics.labels import LabelLimits, configured_classes, configured_tenants
 from gateway.observability.metrics.outcomes import text_field
@@ -51,6 +50,7 @@ from gateway.observability.metrics.tenants import (
     ReservationView,
     TenantMetrics,
 )
+from gateway.observability.outcome import RequestOutcome
 
 if TYPE_CHECKING:
     from gateway.config.settings import Settings

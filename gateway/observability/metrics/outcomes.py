@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any, Final
 
-from gateway.observability.logs import RequestOutcome
 from gateway.observability.metrics.labels import code_label
+from gateway.observability.outcome import RequestOutcome
 
 #: Outcome errors that mean the client left, not that Sluice or the replica failed.
 _ABANDONED: Final = frozenset({"client_disconnected", "cancelled"})

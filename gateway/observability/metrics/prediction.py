@@ -17,7 +17,6 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.observability.logs import RequestOutcome
 from gateway.observability.metrics.buckets import (
     ABS_ERROR_BUCKETS,
     ERROR_BUCKETS,
@@ -32,6 +31,7 @@ from gateway.observability.metrics.outcomes import (
     proxy_overhead_s,
     relative_error,
 )
+from gateway.observability.outcome import RequestOutcome
 from predictor import FEATURE_NAMES, FitReport
 from predictor.correction import CorrectionState
 

@@ -17,7 +17,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.observability.logs import RequestOutcome
 from gateway.observability.metrics.buckets import (
     DURATION_BUCKETS,
     QUEUE_WAIT_BUCKETS,
@@ -34,6 +33,7 @@ from gateway.observability.metrics.outcomes import (
     observed_tpot_s,
     slo_result,
 )
+from gateway.observability.outcome import RequestOutcome
 
 #: The admission queue's waiting requests per class name (any names; limited when exported).
 QueueSource = Callable[[], Mapping[str, int]]

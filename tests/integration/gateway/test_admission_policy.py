@@ -23,7 +23,7 @@ from gateway.app import build_app
 from gateway.config.settings import ServerSettings, Settings
 from gateway.config.store import SettingsStore
 from gateway.keys import OUTCOME_LISTENERS
-from gateway.observability.logs import RequestOutcome
+from gateway.observability.outcome import RequestOutcome
 from gateway.replicas.config import HealthSettings, ReplicaSettings
 from simulator.profile import load_profile
 from simulator.server import build_app as build_emulator

@@ -20,7 +20,7 @@ from gateway.app import build_app
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.keys import OUTCOME_LISTENERS
-from gateway.observability.logs import RequestOutcome
+from gateway.observability.outcome import RequestOutcome
 from gateway.replicas.config import EmulatorSettings, HealthSettings
 from tests.support.procs import free_port
 

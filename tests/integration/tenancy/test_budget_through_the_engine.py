@@ -25,7 +25,7 @@ from gateway.app import build_app
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.keys import OUTCOME_LISTENERS
-from gateway.observability.logs import RequestOutcome
+from gateway.observability.outcome import RequestOutcome
 from gateway.tenants.live import TENANCY
 from tests.integration.tenancy.fleet import (
     KEY,

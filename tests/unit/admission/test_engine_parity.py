@@ -34,7 +34,7 @@ from gateway.config.store import SettingsStore
 from gateway.http.errors import GatewayError, Refused
 from gateway.limits.base import TenantLimits
 from gateway.limits.memory import MemoryLimiter
-from gateway.observability.logs import RequestOutcome
+from gateway.observability.outcome import RequestOutcome
 from gateway.prediction.live import LivePredictions
 from gateway.prediction.service import PredictionService
 from gateway.replicas.registry import ReplicaRegistry, ReplicaState

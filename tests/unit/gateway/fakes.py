@@ -21,7 +21,7 @@ from gateway.app import build_app
 from gateway.config.settings import ServerSettings, Settings
 from gateway.config.store import SettingsStore
 from gateway.keys import OUTCOME_LISTENERS
-from gateway.observability.logs import RequestOutcome
+from gateway.observability.outcome import RequestOutcome
 from gateway.replicas.config import HardwareSettings, HealthSettings, ReplicaSettings, ScrapeSettings
 
 MODEL = "test-model"

@@ -21,16 +21,9 @@ import pytest
 
 from gateway.config.settings import LoggingSettings, ServerSettings
 from gateway.observability import logs
-from gateway.observability.logs import (
-    JsonFormatter,
-    RequestOutcome,
-    SluiceLogHandler,
-    TextFormatter,
-    access_fields,
-    configure_logging,
-    flush_logs,
-    log_access,
-)
+from gateway.observability.log_format import JsonFormatter, TextFormatter
+from gateway.observability.logs import SluiceLogHandler, configure_logging, flush_logs, log_access
+from gateway.observability.outcome import ACCESS_LOGGER, RequestOutcome, access_fields
 from tests.unit.gateway.conftest import StartGateway, StartReplica
 from tests.unit.gateway.fakes import MODEL, FakeReplica, gateway_settings
 
@@ -70,7 +63,7 @@ REJECTED = RequestOutcome(
     finished_at=10.002,
     error="deadline_exceeded",
 )
-ACCESS_MARK = f" {logs.ACCESS_LOGGER} access "
+ACCESS_MARK = f" {ACCESS_LOGGER} access "
 
 
 class Sink(io.StringIO):
@@ -122,7 +115,7 @@ def no_records(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _record(outcome: RequestOutcome, created: float) -> logging.LogRecord:
-    record = logging.LogRecord(logs.ACCESS_LOGGER, logging.INFO, __file__, 0, "access", (), None)
+    record = logging.LogRecord(ACCESS_LOGGER, logging.INFO, __file__, 0, "access", (), None)
     record.created, record.msecs = created, int((created - int(created)) * 1000) + 0.0
     record.fields = access_fields(outcome)
     return record
@@ -233,7 +226,7 @@ async def test_json_lines_too() -> None:
     assert json.loads(line) | {"ts": 0} == {
         "ts": 0,
         "level": "INFO",
-        "logger": logs.ACCESS_LOGGER,
+        "logger": ACCESS_LOGGER,
         "msg": "access",
         **access_fields(REJECTED),
     }
@@ -404,7 +397,7 @@ async def test_a_body_too_slow_is_a_408_that_closes_the_connection(
     gw = await start_gateway(settings=settings)
     assert gw.client.server.port is not None
     reader, writer = await asyncio.open_connection("127.0.0.1", gw.client.server.port)
-    with caplog.at_level(logging.INFO, logger=logs.ACCESS_LOGGER):
+    with caplog.at_level(logging.INFO, logger=ACCESS_LOGGER):
         writer.write(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"x-request-id: slow-1\r\nContent-Length: 100\r\n\r\n{"
@@ -422,7 +415,7 @@ async def test_a_body_too_slow_is_a_408_that_closes_the_connection(
     assert b"connection: close" in head.lower()
     assert b"x-request-id: slow-1" in head.lower()
     assert json.loads(body)["error"]["code"] == "request_timeout"
-    (record,) = [r for r in caplog.records if r.name == logs.ACCESS_LOGGER]
+    (record,) = [r for r in caplog.records if r.name == ACCESS_LOGGER]
     fields = record.fields  # type: ignore[attr-defined]
     assert (fields["request_id"], fields["status"], fields["error"]) == ("slow-1", 408, "request_timeout")
 
@@ -434,7 +427,7 @@ async def test_errors_ids_and_the_admin_guard_in_one_layer(
     request id echoed (or made), the access status of each."""
     _, url = await start_replica(FakeReplica())
     gw = await start_gateway({"r1": url})
-    with caplog.at_level(logging.INFO, logger=logs.ACCESS_LOGGER):
+    with caplog.at_level(logging.INFO, logger=ACCESS_LOGGER):
         wrong = await gw.client.get("/v1/chat/completions", headers={"x-request-id": "mine-1"})
         bad = await gw.client.post(
             "/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"}
@@ -446,5 +439,5 @@ async def test_errors_ids_and_the_admin_guard_in_one_layer(
     assert bad.status == 400
     assert (await bad.json())["error"]["type"] == "invalid_request_error"
     assert len(bad.headers["x-request-id"]) == 32
-    statuses = [r.fields["status"] for r in caplog.records if r.name == logs.ACCESS_LOGGER]  # type: ignore[attr-defined]
+    statuses = [r.fields["status"] for r in caplog.records if r.name == ACCESS_LOGGER]  # type: ignore[attr-defined]
     assert statuses == [405, 400]

@@ -18,7 +18,7 @@ from multidict import CIMultiDict
 from gateway.config.settings import AdminSettings, Settings
 from gateway.config.store import SettingsStore
 from gateway.http.admin import ADMIN_LISTENER, AdminGuard, AdminListener
-from gateway.observability.logs import JsonFormatter, TextFormatter
+from gateway.observability.log_format import JsonFormatter, TextFormatter
 from gateway.tenants import AuthSettings, TenantsSettings, hash_api_key
 from tests.support.procs import port_is_open
 from tests.unit.gateway.conftest import StartGateway, StartReplica

@@ -38,7 +38,7 @@ from gateway.admission.retry_after import RefusalReason
 from gateway.config.settings import Settings
 from gateway.http.errors import SHOULD_RETRY, AdmissionRejected, admission_error, error_response
 from gateway.keys import HEALTH, REGISTRY, SCRAPER
-from gateway.observability.logs import RequestOutcome
+from gateway.observability.outcome import RequestOutcome
 from gateway.replicas.config import HealthSettings, ScrapeSettings
 from gateway.replicas.registry import ReplicaState
 from tests.unit.gateway.conftest import StartGateway, StartReplica

@@ -11,13 +11,9 @@ from typing import Any
 import pytest
 
 from gateway.config.settings import LoggingSettings
-from gateway.observability.logs import (
-    JsonFormatter,
-    RequestOutcome,
-    TextFormatter,
-    access_fields,
-    configure_logging,
-)
+from gateway.observability.log_format import JsonFormatter, TextFormatter
+from gateway.observability.logs import configure_logging
+from gateway.observability.outcome import RequestOutcome, access_fields
 from tests.unit.gateway.conftest import StartGateway, StartReplica
 from tests.unit.gateway.fakes import MODEL, FakeReplica, gateway_settings
 

@@ -16,7 +16,7 @@ from aiohttp import web
 from gateway.config.settings import AdminSettings, ServerSettings, Settings
 from gateway.http.admin import ADMIN_LISTENER
 from gateway.http.echo import ECHO_LIMIT, clip
-from gateway.observability import logs
+from gateway.observability.outcome import ACCESS_LOGGER
 from tests.unit.gateway.conftest import StartGateway, StartReplica
 from tests.unit.gateway.fakes import MODEL, FakeReplica, chat_chunk, gateway_settings, sse
 
@@ -164,7 +164,7 @@ async def test_a_huge_model_name_is_clipped_in_the_404_and_in_the_logs(
     message = body["message"]
     assert message == f"the model `{'m' * ECHO_LIMIT}…[+{1_000_000 - ECHO_LIMIT} chars]` does not exist"
     assert caught.value.param == "model"
-    (access,) = [r for r in caplog.records if r.name == logs.ACCESS_LOGGER]
+    (access,) = [r for r in caplog.records if r.name == ACCESS_LOGGER]
     assert access.fields["model"] == clip(name)  # type: ignore[attr-defined]
     assert max(len(r.getMessage()) for r in caplog.records if r.name.startswith("sluice")) < 4 * ECHO_LIMIT
 
@@ -187,10 +187,10 @@ async def test_a_long_path_is_clipped_in_the_access_line(
     gw = await start_gateway({"r1": replica_url})
     path = "/" + "p" * 5000
 
-    with caplog.at_level(logging.INFO, logger=logs.ACCESS_LOGGER):
+    with caplog.at_level(logging.INFO, logger=ACCESS_LOGGER):
         resp = await gw.client.get(path)
 
     assert resp.status == 404
     assert (await resp.json())["error"]["message"] == "no such route"
-    (access,) = [r for r in caplog.records if r.name == logs.ACCESS_LOGGER]
+    (access,) = [r for r in caplog.records if r.name == ACCESS_LOGGER]
     assert access.fields["path"] == clip(path)  # type: ignore[attr-defined]

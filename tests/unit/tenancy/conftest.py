@@ -22,7 +22,7 @@ from gateway.config.settings import Settings
 from gateway.limits.base import LimiterStats, TenantLimits
 from gateway.limits.config import LimitsSettings, TenantLimitSettings, TokenWeightSettings
 from gateway.limits.memory import MemoryLimiter
-from gateway.observability.logs import RequestOutcome
+from gateway.observability.outcome import RequestOutcome
 from gateway.tenants import AuthSettings, TenantSettings, TenantsSettings, hash_api_key
 from gateway.tenants.live import TENANCY, Tenancy
 from tests.unit.gateway.fakes import MODEL, FakeReplica, gateway_settings, make_app, url_of

@@ -28,7 +28,8 @@ from gateway.limits.config import TenantLimitSettings
 from gateway.limits.failover import FailoverLimiter
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis import RedisLimiter, connect
-from gateway.observability.logs import JsonFormatter, RequestOutcome, TextFormatter
+from gateway.observability.log_format import JsonFormatter, TextFormatter
+from gateway.observability.outcome import RequestOutcome
 from gateway.tenants import AuthSettings, TenantSettings, TenantsSettings, hash_api_key
 from gateway.tenants.live import TENANCY
 from tests.support.procs import free_port

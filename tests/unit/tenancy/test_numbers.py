@@ -14,7 +14,7 @@ from gateway.admission.live_budget import is_unlimited, over_budget
 from gateway.http.errors import go_duration, rate_limit_headers
 from gateway.limits.base import TenantLimits
 from gateway.limits.memory import MemoryLimiter
-from gateway.observability.logs import RequestOutcome
+from gateway.observability.outcome import RequestOutcome
 from gateway.prediction.facts import ReplicaFacts
 from gateway.prediction.service import PredictionService
 from gateway.replicas.config import HardwareSettings, ReplicaSettings
