@@ -354,7 +354,8 @@ async def _model(base: str) -> str:
     """The first model the gateway lists, once a health check has found a replica healthy (on a
     loaded machine the first checks can time out)."""
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
-    async with aiohttp.ClientSession() as session:
+    headers = {"Authorization": f"Bearer {API_KEYS[TEAM_A]}"}  # the list needs a tenant's key
+    async with aiohttp.ClientSession(headers=headers) as session:
         while True:
             async with session.get(f"{base}/v1/models") as resp:
                 data = (await resp.json())["data"]

@@ -136,7 +136,7 @@ def test_serve_from_the_environment_with_the_demo_tenant(fleet: dict[str, str]) 
     gateway = Proc([*_sluice(), "serve"], name="serve-env", env=env)
     try:
         gateway.wait_http(base + "/readyz", timeout_s=scaled(60))
-        model = _first_model(base)
+        model = _first_model(base, key="sk-demo")
         with pytest.raises(openai.AuthenticationError):
             _chat(base, "sk-wrong", model)
         assert _chat(base, "sk-demo", model) > 0
