@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from gateway.limits import bucket
 
@@ -199,6 +199,46 @@ class Limiter(Protocol):
     async def close(self) -> None:
         """Release connections; the limiter is unusable afterwards."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLevels:
+    """A tenant's budgets as they stand now, read without taking anything (``LevelReader``).
+
+    ``tokens``/``requests``: the buckets now (``retry_after_s`` 0.0), ``None`` when unlimited;
+    ``in_flight``: reservations allowed and not settled (leases not expired); ``limits``: the
+    limits these levels are of (a fallback's share while storage is down); ``origin``: the
+    limiter that answered.
+    """
+
+    tokens: BucketState | None
+    requests: BucketState | None
+    in_flight: int
+    limits: TenantLimits
+    origin: str
+
+
+@runtime_checkable
+class LevelReader(Protocol):
+    """A limiter that can report a tenant's levels without side effects on its buckets."""
+
+    async def levels(self, tenant: str, limits: TenantLimits) -> TenantLevels:
+        """``tenant``'s buckets and in-flight count under ``limits``, now; takes and writes nothing.
+        Storage backends raise ``LimiterUnavailable`` as for ``reserve``."""
+        ...
+
+
+def tenant_levels(
+    limits: TenantLimits, token_level: float, request_level: float, in_flight: int, origin: str
+) -> TenantLevels:
+    """``TenantLevels`` from a backend's bucket levels (``math.inf`` for an unlimited bucket)."""
+    return TenantLevels(
+        tokens=token_bucket_state(limits, token_level, 0.0, blocked=False),
+        requests=request_bucket_state(limits, request_level, blocked=False),
+        in_flight=in_flight,
+        limits=limits,
+        origin=origin,
+    )
 
 
 @dataclass

@@ -19,10 +19,12 @@ from typing import Literal
 from gateway.limits.base import (
     BucketState,
     ConcurrencyState,
+    LevelReader,
     Limiter,
     LimiterStats,
     LimitKind,
     Reservation,
+    TenantLevels,
     TenantLimits,
     overall_retry_after,
     request_bucket_state,
@@ -161,6 +163,12 @@ class OverLimitCache:
 
     async def in_flight(self, tenant: str) -> int:
         return await self.inner.in_flight(tenant)
+
+    async def levels(self, tenant: str, limits: TenantLimits) -> TenantLevels:
+        """The inner limiter's levels (``LevelReader``); the cache holds only rejections."""
+        if not isinstance(self.inner, LevelReader):
+            raise TypeError(f"limiter {self.inner.name!r} cannot report levels")
+        return await self.inner.levels(tenant, limits)
 
     async def close(self) -> None:
         self._entries.clear()

@@ -20,7 +20,15 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Final, Literal
 
-from gateway.limits.base import Limiter, LimiterStats, LimiterUnavailable, Reservation, TenantLimits
+from gateway.limits.base import (
+    LevelReader,
+    Limiter,
+    LimiterStats,
+    LimiterUnavailable,
+    Reservation,
+    TenantLevels,
+    TenantLimits,
+)
 from gateway.observability.repeats import repeat_key
 
 FailureMode = Literal["fail_open", "fail_closed"]
@@ -110,6 +118,18 @@ class FailoverLimiter:
         except LimiterUnavailable as exc:
             self._failed(exc)
             return local
+
+    async def levels(self, tenant: str, limits: TenantLimits) -> TenantLevels:
+        """The primary's levels while storage answers, else the fallback's (``LevelReader``);
+        read-only either way. A failed read marks storage down like any storage call."""
+        if not self.degraded and isinstance(self.primary, LevelReader):
+            try:
+                return await self.primary.levels(tenant, limits)
+            except LimiterUnavailable as exc:
+                self._failed(exc)
+        if not isinstance(self.fallback, LevelReader):
+            raise TypeError(f"limiter {self.fallback.name!r} cannot report levels")
+        return await self.fallback.levels(tenant, limits)
 
     async def close(self) -> None:
         prober, self._prober = self._prober, None

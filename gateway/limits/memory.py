@@ -16,7 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.limits import bucket
-from gateway.limits.base import LimiterStats, LimitKind, Reservation, TenantLimits, build_reservation
+from gateway.limits.base import (
+    LimiterStats,
+    LimitKind,
+    Reservation,
+    TenantLevels,
+    TenantLimits,
+    build_reservation,
+    tenant_levels,
+)
 
 #: Default lease of a concurrency slot, in seconds: longer than any request should run.
 DEFAULT_LEASE_TTL_S = 900.0
@@ -176,6 +184,17 @@ class MemoryLimiter:
             return 0
         state.prune(self._clock())
         return len(state.leases)
+
+    async def levels(self, tenant: str, limits: TenantLimits) -> TenantLevels:
+        """``tenant``'s buckets at this gateway's share of ``limits``, now (``LevelReader``);
+        creates, prunes and writes nothing."""
+        now = self._clock()
+        local = limits.scaled(self.share)
+        state = self._tenants.get(tenant) or _Tenant()
+        tokens = self._level(state.tokens_full_at, now, local.tokens_per_minute, local.token_capacity)
+        requests = self._level(state.requests_full_at, now, local.requests_per_minute, local.request_capacity)
+        in_flight = sum(1 for expiry in state.leases.values() if expiry > now)
+        return tenant_levels(local, tokens, requests, in_flight, self.name)
 
     async def close(self) -> None:
         self._tenants.clear()

@@ -34,8 +34,10 @@ from gateway.limits.base import (
     LimiterUnavailable,
     LimitKind,
     Reservation,
+    TenantLevels,
     TenantLimits,
     build_reservation,
+    tenant_levels,
 )
 from gateway.limits.memory import DEFAULT_LEASE_TTL_S
 from gateway.limits.pipelined import Packed, for_client
@@ -159,11 +161,12 @@ class RedisLimiter:
         self._reserve = client.register_script(script_text("token_bucket.lua"))
         self._settle = client.register_script(script_text("settle.lua"))
         self._in_flight = client.register_script(script_text("in_flight.lua"))
+        self._levels = client.register_script(script_text("levels.lua"))
         #: Script calls to a single plain server go on one pipelined connection
         #: (``gateway.limits.pipelined``); a cluster, TLS or a Unix socket keep redis-py's path.
         self._fast = for_client(client, stale_after_s=timeout_s)
         if self._fast is not None:
-            self._fast.preload(self._reserve, self._settle, self._in_flight)
+            self._fast.preload(self._reserve, self._settle, self._in_flight, self._levels)
         self._repairs: set[asyncio.Task[None]] = set()
         #: ``keys(tenant)`` remembered (strings built once per tenant, not per call).
         self._keys: dict[str, TenantKeys] = {}
@@ -200,7 +203,7 @@ class RedisLimiter:
 
     async def _load_all(self) -> None:
         """SCRIPT LOAD every script (a cluster client sends it to every primary)."""
-        for script in (self._reserve, self._settle, self._in_flight):
+        for script in (self._reserve, self._settle, self._in_flight, self._levels):
             await self._client.script_load(script.script)
 
     async def reserve(
@@ -249,6 +252,15 @@ class RedisLimiter:
 
     async def in_flight(self, tenant: str) -> int:
         return int(await self._call(self._in_flight, (self.keys(tenant).leases,), ()))
+
+    async def levels(self, tenant: str, limits: TenantLimits) -> TenantLevels:
+        """``tenant``'s buckets and unexpired leases on Redis's clock (``levels.lua``: reads only,
+        so an idle tenant's keys still expire on their own); ``LevelReader``."""
+        keys = self.keys(tenant)
+        tokens = _rate_and_capacity(limits.tokens_per_minute, limits.token_capacity)
+        requests = _rate_and_capacity(limits.requests_per_minute, limits.request_capacity)
+        raw = await self._call(self._levels, (keys.tokens, keys.requests, keys.leases), (*tokens, *requests))
+        return tenant_levels(limits, float(raw[0]), float(raw[1]), int(raw[2]), self.name)
 
     async def ping(self) -> None:
         """One ``PING`` within ``timeout_s``, on the path script calls take (the pipelined
