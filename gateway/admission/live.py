@@ -352,7 +352,8 @@ class LiveAdmission:
                 self._budget.forget(areq)
         if isinstance(submitted, BudgetRefused):
             # Refused by the tenant's budget before any class was judged (the outcome says none).
-            raise over_budget(submitted, outcome)
+            weights = None if self._budget is None else self._budget.weights()
+            raise over_budget(submitted, outcome, weights)
         cls = settings.classes[choice.name]
         outcome.request_class = choice.name
         outcome.ttft_target_s = (

@@ -33,9 +33,16 @@ from aiohttp import web
 from gateway.admission.budget import BudgetAnswer, BudgetRefused
 from gateway.admission.fairness import TokenWeights
 from gateway.admission.request import AdmissionRequest
-from gateway.admission.retry_after import RefusalReason, retry_after
-from gateway.http.errors import Refused, rate_limit_headers
-from gateway.limits.base import Limiter, LimiterUnavailable, Reservation, TenantLimits, rejection_reason
+from gateway.admission.retry_after import RefusalReason, RetryAfter, retry_after
+from gateway.http.errors import Refused, go_duration, rate_limit_headers
+from gateway.limits.base import (
+    BucketState,
+    Limiter,
+    LimiterUnavailable,
+    Reservation,
+    TenantLimits,
+    rejection_reason,
+)
 from gateway.observability.logs import new_request_id
 from gateway.observability.outcome import RequestOutcome
 
@@ -48,6 +55,7 @@ __all__ = [
     "is_unlimited",
     "over_budget",
     "rejection_message",
+    "token_unit",
 ]
 
 log = logging.getLogger("sluice.tenancy")
@@ -229,40 +237,73 @@ class LiveBudget:
 # -- the 429 -----------------------------------------------------------------------------------------
 
 
-def rejection_message(reservation: Reservation) -> str:
-    """The 429 message: which budget, what the request needs, when to retry (never a key)."""
+def token_unit(weights: TokenWeights | None) -> str:
+    """What a tenant's token budget counts: ``tokens`` when the weights are plain (a prompt and an
+    output token 1 each, nothing per request or per token of context), else ``weighted tokens``."""
+    plain = weights is not None and weights.input == weights.output == 1.0
+    plain = plain and weights is not None and weights.request == weights.context == 0.0
+    return "tokens" if plain else "weighted tokens"
+
+
+def _limit_words(state: BucketState) -> str:
+    """``Limit N`` (per minute), with the bucket's size when it is not the same number."""
+    limit, burst = round(state.limit_per_minute), round(state.capacity)
+    return f"Limit {limit}" if burst == limit else f"Limit {limit}, Burst {burst}"
+
+
+def rejection_message(
+    reservation: Reservation, retry: RetryAfter | None = None, *, unit: str = "weighted tokens"
+) -> str:
+    """The 429 message in OpenAI's words: which budget, its limit, what is used and what the
+    request asked for, and the wait ``retry`` sends (``None``: retrying cannot help, so what to
+    change instead). ``unit``: what the token budget counts (``token_unit``). Never a key."""
     name = reservation.tenant
     tokens = reservation.tokens
+    tpm = f"{unit} per min (TPM)"
     if reservation.oversize and tokens is not None:
         return (
-            f"Request too large for tenant {name}: it needs {reservation.cost_tokens:.0f} weighted tokens, "
-            f"more than its token budget can ever hold ({tokens.capacity:.0f}). Lower max_tokens or "
-            "shorten the prompt."
+            f"Request too large for tenant {name} on {tpm}: {_limit_words(tokens)}, Requested "
+            f"{math.ceil(reservation.cost_tokens)}. Lower max_tokens or shorten the prompt (or raise the "
+            "tenant's token_burst)."
         )
     reason = rejection_reason(reservation)
-    what = {
-        "tokens": "weighted tokens per minute",
-        "requests": "requests per minute",
-        "concurrency": "concurrent requests",
-    }.get(reason, reason)
-    retry = reservation.retry_after_s
+    requested = math.ceil(reservation.cost_tokens)
+    if reason == "tokens" and tokens is not None:
+        what = f"{tpm}: {_limit_words(tokens)}, Used {_used(tokens)}, Requested {requested}"
+    elif reason == "requests" and reservation.requests is not None:
+        requests = reservation.requests
+        what = f"requests per min (RPM): {_limit_words(requests)}, Used {_used(requests)}, Requested 1"
+    elif reason == "concurrency" and reservation.concurrency is not None:
+        slots = reservation.concurrency
+        what = f"concurrent requests: Limit {slots.limit}, In flight {slots.in_flight}, Requested 1"
+    else:
+        what = reason
     when = (
-        f" Please try again in {retry:.3g}s."
-        if retry is not None and math.isfinite(retry)
-        else " Please try again when one of your requests has finished."
+        "Retrying cannot help."
+        if retry is None
+        else f"Please try again in {go_duration(retry.milliseconds / 1000)}."
     )
-    return f"Rate limit reached for tenant {name} on {what}.{when}"
+    return f"Rate limit reached for tenant {name} on {what}. {when}"
 
 
-def over_budget(refused: BudgetRefused, outcome: RequestOutcome) -> Refused:
-    """The 429 for a request whose tenant's budget is spent (the engine's exact Retry-After, the
-    refused reservation's ``x-ratelimit-*`` headers), recorded on ``outcome``."""
+def _used(state: BucketState) -> int:
+    """What the bucket has given out and not yet refilled: its size less what is left (more than
+    the size while an extra charge is paid off), whole units: the size less the
+    ``x-ratelimit-remaining-*`` header's number."""
+    return max(0, math.ceil(state.capacity - state.remaining - 1e-9))
+
+
+def over_budget(
+    refused: BudgetRefused, outcome: RequestOutcome, weights: TokenWeights | None = None
+) -> Refused:
+    """The 429 for a request whose tenant's budget is spent (the engine's Retry-After, the refused
+    reservation's ``x-ratelimit-*`` headers), recorded on ``outcome``. ``weights``: the token
+    weights reservations are priced with (they name the budget's unit in the message)."""
     answer = refused.answer
     assert isinstance(answer, Reservation)
     outcome.decision, outcome.reason = "rejected", rejection_reason(answer)
-    error = Refused(
-        refused.reason, rejection_message(answer), retry_after=refused.retry_after, reservation=answer
-    )
+    message = rejection_message(answer, refused.retry_after, unit=token_unit(weights))
+    error = Refused(refused.reason, message, retry_after=refused.retry_after, reservation=answer)
     outcome.retry_after_s = error.retry_after_s
     return error
 

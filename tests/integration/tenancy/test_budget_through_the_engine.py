@@ -24,6 +24,7 @@ from gateway.admission.live import ADMISSION
 from gateway.app import build_app
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
+from gateway.http.errors import go_duration
 from gateway.keys import OUTCOME_LISTENERS
 from gateway.observability.outcome import RequestOutcome
 from gateway.tenants.live import TENANCY
@@ -144,8 +145,9 @@ async def test_a_budget_refusal_comes_from_the_engine_unchanged(
         }
         assert error == {
             "error": {
-                "message": f"Request too large for tenant {TENANT}: it needs 56 weighted tokens, more than "
-                "its token budget can ever hold (40). Lower max_tokens or shorten the prompt.",
+                "message": f"Request too large for tenant {TENANT} on weighted tokens per min (TPM): "
+                "Limit 60, Burst 40, Requested 56. Lower max_tokens or shorten the prompt (or raise the "
+                "tenant's token_burst).",
                 "type": "rate_limit_exceeded",
                 "param": None,
                 "code": "rate_limit_exceeded",
@@ -176,8 +178,11 @@ async def test_a_budget_refusal_comes_from_the_engine_unchanged(
             "rate_limit_exceeded",
             None,
         )
-        assert error["error"]["message"].startswith(
-            f"Rate limit reached for tenant {TENANT} on weighted tokens per minute. Please try again in "
+        # OpenAI's words; the wait is the one Retry-After sends (retry-after-ms, in Go's syntax).
+        remaining = int(_ratelimit(refused)["x-ratelimit-remaining-tokens"])
+        assert error["error"]["message"] == (
+            f"Rate limit reached for tenant {TENANT} on weighted tokens per min (TPM): Limit 60, Burst 40, "
+            f"Used {40 - remaining}, Requested {RESERVED}. Please try again in {go_duration(wait_ms / 1000)}."
         )
 
     # The access-log fields of the refusals: no class judged, never sent, the exact wait.

@@ -221,7 +221,11 @@ async def test_429_headers_are_exact(start_tenant_gateway: StartTenantGateway) -
         "rate_limit_exceeded",
         None,
     )
-    assert "weighted tokens per minute" in error["message"]
+    # OpenAI's words: the budget, its limit and burst, what is used and what this one asked for.
+    assert error["message"] == (
+        "Rate limit reached for tenant team-a on weighted tokens per min (TPM): Limit 600, Burst 100, "
+        "Used 80, Requested 40. Please try again in 2s."
+    )
     assert len(gw.replica.seen) == 2
     outcome = gw.outcomes[-1]
     assert (outcome.decision, outcome.reason, outcome.retry_after_s) == ("rejected", "tokens", 2.0)
@@ -297,7 +301,10 @@ async def test_oversize_request_is_never_retryable(start_tenant_gateway: StartTe
     assert resp.status == 429
     assert "Retry-After" not in resp.headers
     assert resp.headers["x-should-retry"] == "false"
-    assert "more than its token budget can ever hold (100)" in (await resp.json())["error"]["message"]
+    assert (await resp.json())["error"]["message"] == (
+        "Request too large for tenant team-a on weighted tokens per min (TPM): Limit 600, Burst 100, "
+        "Requested 110. Lower max_tokens or shorten the prompt (or raise the tenant's token_burst)."
+    )
 
 
 async def test_concurrency_limit_then_release(start_tenant_gateway: StartTenantGateway) -> None:
