@@ -61,6 +61,7 @@ from gateway.replicas.emulators import start_emulators, stop_emulators
 from gateway.replicas.health import HealthChecker
 from gateway.replicas.registry import ReplicaRegistry
 from gateway.replicas.scraper import MetricsScraper
+from gateway.tenants.admin_api import install_tenants_admin
 from gateway.tenants.live import TENANCY, install_tenancy
 from gateway.tokens.live import PROMPT_TOKENIZERS, PromptTokenizers
 
@@ -124,7 +125,8 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
     admin_app.router.add_get("/sluice/v1/replicas", _replicas_view(app))
     install_metrics(app, serve_on=admin_app)
     # Before admission: its limiter and budget start before admission and close after it.
-    install_tenancy(app)
+    tenancy = install_tenancy(app)
+    install_tenants_admin(app, admin_app, tenancy)
     app.cleanup_ctx.append(_admission)
     app.cleanup_ctx.append(_proxy)
     app.router.add_post("/v1/chat/completions", _chat_completions)

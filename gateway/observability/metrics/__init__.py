@@ -45,6 +45,7 @@ from gateway.observability.metrics.requests import (
     SizeShareSource,
 )
 from gateway.observability.metrics.tenants import (
+    LevelsView,
     LimiterCollector,
     LimiterStatsView,
     ReservationView,
@@ -156,6 +157,10 @@ class SluiceMetrics:
     def observe_settle(self, reservation: ReservationView, actual_cost_tokens: float) -> None:
         """After a ``settle`` of an allowed reservation: the tokens really charged."""
         self.tenants.observe_settle(reservation, actual_cost_tokens)
+
+    def observe_levels(self, tenant: str, levels: LevelsView) -> None:
+        """A tenant's budgets read from the limiter now: see ``TenantMetrics.observe_levels``."""
+        self.tenants.observe_levels(tenant, levels)
 
     def track_limiter(self, stats: LimiterStatsView, *, redis: bool = True) -> None:
         """Export ``stats`` (Redis errors, fail-open/closed decisions, degraded, over-limit cache) at

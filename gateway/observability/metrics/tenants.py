@@ -2,7 +2,9 @@
 of its latest reservation through this gateway, and the limiter stack's Redis counters.
 
 ``TenantMetrics`` is fed by the limiter's producer (``observe_reservation`` after a reserve,
-``observe_settle`` after a settle); the level gauges are written at scrape time, not per request.
+``observe_settle`` after a settle); the level gauges are written at scrape time, not per request,
+and refreshed from the limiter's read-only levels every second or so (``observe_levels``), so an
+idle tenant's gauges decay to the truth.
 ``LimiterCollector`` reads ``LimiterStatsView`` at every scrape; no samples while none is wired
 (or for the memory backend, which has no storage to report on). The ``*View`` protocols are
 what these read of ``gateway.limits.base``'s types.
@@ -56,6 +58,26 @@ class ReservationView(Protocol):
     def requests(self) -> BucketView | None: ...
     @property
     def concurrency(self) -> ConcurrencyView | None: ...
+
+
+class LevelsView(Protocol):
+    """A tenant's budgets read from the limiter now (``gateway.limits.base.TenantLevels``)."""
+
+    @property
+    def tokens(self) -> BucketView | None: ...
+    @property
+    def requests(self) -> BucketView | None: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def limits(self) -> LimitsView: ...
+
+
+class LimitsView(Protocol):
+    """A tenant's configured concurrency limit (``gateway.limits.base.TenantLimits``)."""
+
+    @property
+    def max_concurrent(self) -> int | None: ...
 
 
 class LimiterStatsView(Protocol):
@@ -146,6 +168,22 @@ class TenantMetrics:
         if reservation.concurrency is not None:
             child(self.tenant_in_flight, tenant).set(reservation.concurrency.in_flight)
             child(self.tenant_concurrency_limit, tenant).set(reservation.concurrency.limit)
+
+    def observe_levels(self, tenant_name: str, levels: LevelsView) -> None:
+        """The tenant gauges from the limiter's levels read now (the periodic refresh that makes
+        them follow settles and refill while the tenant is idle); replaces any reservation not
+        yet written, which is older than this read."""
+        tenant = self._labels.tenant_label(tenant_name)
+        self._levels.latest.pop(tenant, None)
+        child = self._children.child
+        for kind, bucket in (("tokens", levels.tokens), ("requests", levels.requests)):
+            if bucket is not None:
+                child(self.tenant_bucket_remaining, tenant, kind).set(bucket.remaining)
+                child(self.tenant_bucket_capacity, tenant, kind).set(bucket.capacity)
+                child(self.tenant_limit_per_minute, tenant, kind).set(bucket.limit_per_minute)
+        child(self.tenant_in_flight, tenant).set(levels.in_flight)
+        if levels.limits.max_concurrent is not None:
+            child(self.tenant_concurrency_limit, tenant).set(levels.limits.max_concurrent)
 
     def observe_settle(self, reservation: ReservationView, actual_cost_tokens: float) -> None:
         """After a ``settle`` of an allowed reservation: the tokens really charged."""
