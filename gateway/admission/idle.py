@@ -16,6 +16,7 @@ import math
 from typing import Final
 
 from gateway.admission.config import ClassSettings
+from gateway.admission.decision import Blocker
 from gateway.admission.request import AdmissionRequest
 from gateway.admission.retry_after import DEFAULT_REMAINING_TOKENS
 from gateway.admission.slack import _IDLE_STATES_KEPT, SlackRules, _Candidate
@@ -93,12 +94,24 @@ class IdleForecasts:
     def hopeless(self, request: AdmissionRequest, cls: ClassSettings, c: _Candidate) -> bool:
         """Whether even an idle copy of the replica would miss the TTFT budget or TPOT target (a
         request of one output token has no TPOT)."""
+        return self.missed_when_idle(request, cls, c) is not None
+
+    def missed_when_idle(
+        self, request: AdmissionRequest, cls: ClassSettings, c: _Candidate
+    ) -> Blocker | None:
+        """The target an idle copy of the replica would miss: ``Blocker.TPOT`` when its TPOT does
+        (what the client is told to change first), else ``Blocker.TTFT`` when its TTFT does,
+        else ``None`` (also without a step model)."""
         ttft, tpot = self.forecast(request, c)
         if math.isnan(ttft):
-            return False
+            return None
         if request.max_tokens_on(c.view.state.max_model_len) <= 1:
             tpot = 0.0
-        return ttft > request.fresh_ttft_budget_s(cls) or tpot > cls.tpot_target_s
+        if tpot > cls.tpot_target_s:
+            return Blocker.TPOT
+        if ttft > request.fresh_ttft_budget_s(cls):
+            return Blocker.TTFT
+        return None
 
     def forecast(self, request: AdmissionRequest, c: _Candidate) -> tuple[float, float]:
         """(TTFT, TPOT) of ``request`` on an idle copy of ``c``'s replica, seconds, with the

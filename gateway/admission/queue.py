@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from gateway.admission.config import AdmissionSettings, ClassSettings
 from gateway.admission.decision import Admitter, Blocker, Decision, Queue, Reject, RejectReason
 from gateway.admission.fairness import TenantKey, TokenWeights, VirtualTokenCounter
+from gateway.admission.refusal import queue_deadline_message
 from gateway.admission.request import AdmissionRequest
 from gateway.admission.retry_after import RetryAfterPolicy
 from gateway.admission.views import ReplicaView
@@ -292,7 +293,7 @@ class AdmissionQueue:
                 RejectReason.DEADLINE_EXCEEDED,
                 self._retry.after(entry.earliest_retry_s),
                 None,
-                f"waited {entry.waited_s(now):.3g} s in the queue ({entry.blocker}); its deadline passed",
+                queue_deadline_message(entry.blocker, entry.waited_s(now)),
                 entry.blocker,
             )
             out.rejected.append((entry, reject))

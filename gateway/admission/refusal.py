@@ -34,16 +34,74 @@ def _as_judged(c: _Candidate, now: float) -> Forecast | None:
     return f.with_overhead(c.ttft_s, f.overhead_s + c.ttft_s - f.ttft_s, now)
 
 
+#: What keeps a request off every replica, in a client's words: never a replica's name or an
+#: internal identifier (the request's log line carries the replica, ``sluice_admission_*`` the blocker).
+_BLOCKER_WORDS: Final[dict[str, str]] = {
+    Blocker.TTFT: "its first token would be late",
+    Blocker.TPOT: "its time per output token would exceed its TPOT target",
+    Blocker.STREAMS_TPOT: "it would slow the running streams past their TPOT targets",
+    Blocker.STREAMS_STALL: "its prompt would stall the running streams longer than their targets allow",
+    Blocker.KV_SHARE: "its class's share of the KV cache is in use",
+    Blocker.SLOT_SHARE: "its class's share of the decode slots is in use",
+    Blocker.YIELD_TTFT: "it yields to the first tokens of a higher-priority class",
+    Blocker.YIELD_TPOT: "it yields to the TPOT targets of a higher-priority class's streams",
+    Blocker.UNMODELLED: "every replica is still being calibrated and at its in-flight limit",
+    Blocker.NO_REPLICA: "no healthy replica can serve it",
+    Blocker.PROMPT_SIZE: "its prompt is too large",
+    Blocker.QUEUE_FULL: "its class's queue is full",
+    Blocker.HELD_BACK: "requests that have waited longer go first",
+    Blocker.CONCURRENCY: "every replica holds its most requests at once",
+    Blocker.SATURATED: "every replica is saturated",
+}
+
+
+def blocker_words(blocker: str | None) -> str:
+    """What ``blocker`` (a ``Blocker`` value) means to a client, in a few words."""
+    if blocker is None:
+        return "no replica can take it yet"
+    return _BLOCKER_WORDS.get(blocker, "no replica can take it yet")
+
+
+def _tpot_story(cls: ClassSettings, c: _Candidate) -> str:
+    """The request's own TPOT forecast against its target, in the prediction header's numbers."""
+    f = c.forecast
+    assert f is not None
+    return (
+        f"its predicted time per output token {f.tpot_s * 1e3:.2f} ms exceeds the "
+        f"{cls.tpot_target_s * 1e3:.3g} ms TPOT target"
+    )
+
+
 def _blocker_story(cls: ClassSettings, c: _Candidate, blocker: Blocker) -> str:
     """The failing forecast behind ``blocker`` with its target, in the prediction headers' units
-    (its own TPOT), or the constraint's name."""
-    f = c.forecast
-    if blocker == Blocker.TPOT and f is not None:
+    (its own TPOT), or what the constraint means (``blocker_words``)."""
+    if blocker == Blocker.TPOT and c.forecast is not None:
+        return _tpot_story(cls, c)
+    return blocker_words(blocker)
+
+
+def hopeless_advice(name: str, blocker: Blocker | None, *, client_bound: bool = False) -> str:
+    """What to change when even an idle replica could not serve the request in class ``name``:
+    the target or limit that fails (``blocker``; TTFT when ``None``), as a sentence."""
+    where = f"admission.classes.{name}"
+    if blocker == Blocker.TPOT:
         return (
-            f"its predicted time per output token {f.tpot_s * 1e3:.2f} ms exceeds the "
-            f"{cls.tpot_target_s * 1e3:.3g} ms target"
+            f"Raise the TPOT target ({where}.tpot_target_s) or send the request in a class with a looser one."
         )
-    return f"the replica's load ({blocker}) blocks it"
+    if blocker == Blocker.KV_SHARE:
+        return (
+            f"Lower max_tokens or shorten the prompt, or raise the class's KV-cache share ({where}.kv_share)."
+        )
+    if blocker in (Blocker.TTFT, None):
+        if client_bound:
+            return "Shorten the prompt or allow a later deadline."
+        return f"Shorten the prompt, or raise the TTFT target ({where}.ttft_target_s)."
+    return f"Change the class's limits ({where}) or send the request in another class."
+
+
+def _hopeless_tail(name: str, missed: Blocker, client_bound: bool = False) -> str:
+    advice = hopeless_advice(name, missed, client_bound=client_bound)
+    return f". Not attainable even on an idle replica, so retrying cannot help: {advice}"
 
 
 def late_message(
@@ -54,32 +112,46 @@ def late_message(
     wait: float,
     first: float,
     deadline: float,
-    hopeless: bool,
+    hopeless: Blocker | None,
 ) -> str:
     """Why the first token would be late: the predicted TTFT (the ``x-sluice-predicted-ttft-ms``
     header's number, as judged: margins and dispatch overhead in), after ``wait`` seconds
-    for ``blocker`` when it must wait for one."""
-    target = (
-        "the client's deadline" if request.client_bound(cls) else f"the {cls.ttft_target_s:.3g} s TTFT target"
-    )
-    tail = "; not attainable even on an idle replica" if hopeless else ""
-    if not math.isfinite(first):
-        why = _blocker_story(cls, c, blocker)
-        return f"{why}: no replica can take this request within its limits before {target}{tail}"
+    for ``blocker`` when it must wait for one. ``hopeless``: the target even an idle replica would
+    miss (``IdleForecasts.missed_when_idle``; ``None``: retrying can help). A wait that never ends,
+    or a TPOT missed even when idle, is told as ``blocked_message`` tells it: that target fails,
+    not the TTFT. No replica is named."""
+    name = request.request_class
+    if not math.isfinite(first) or hopeless == Blocker.TPOT:
+        return blocked_message(cls, c, blocker if hopeless is None else hopeless, hopeless, name)
+    bound = request.client_bound(cls)
+    target = "the client's deadline" if bound else f"the {cls.ttft_target_s:.3g} s TTFT target"
     late = first - deadline
     ttft = f"predicted TTFT {c.ttft_s * 1e3:.1f} ms"
     if wait > 0.0:
         ttft = f"{_blocker_story(cls, c, blocker)} for about {wait:.3g} s more, then a {ttft}"
-    return f"first token predicted {late:.3g} s after {target}: {ttft} (best replica {c.view.name}){tail}"
+    tail = "" if hopeless is None else _hopeless_tail(name, hopeless, bound)
+    return f"first token predicted {late:.3g} s after {target}: {ttft}{tail}"
 
 
-def blocked_message(cls: ClassSettings, c: _Candidate, blocker: Blocker, hopeless: bool) -> str:
-    """Why no replica takes it now: the forecast that failed, with its target (its numbers as
-    the prediction headers print them)."""
-    if blocker == Blocker.TPOT:
-        tail = "; not attainable even on an idle replica" if hopeless else ""
-        return f"{_blocker_story(cls, c, blocker)} (best replica {c.view.name}){tail}"
-    return f"no replica can take this request now without breaking its limits ({blocker})"
+def blocked_message(
+    cls: ClassSettings, c: _Candidate, blocker: Blocker, hopeless: Blocker | None, class_name: str
+) -> str:
+    """Why no replica takes the request of class ``class_name`` now: the forecast that failed,
+    with its target (its numbers as the prediction headers print them), or what blocks it; when
+    ``hopeless`` (the target even an idle replica would miss), what to change. No replica is named."""
+    tail = "" if hopeless is None else _hopeless_tail(class_name, hopeless)
+    if blocker == Blocker.TPOT and c.forecast is not None:
+        return f"{_tpot_story(cls, c)}{tail}"
+    return f"no replica can take this request now: {blocker_words(blocker)}{tail}"
+
+
+def queue_deadline_message(blocker: str | None, waited_s: float | None = None) -> str:
+    """Why a queued request is refused: predicted to wait past its queue deadline (``waited_s``
+    ``None``), or it waited ``waited_s`` seconds and its deadline passed; what it waited for."""
+    why = blocker_words(blocker)
+    if waited_s is None:
+        return f"still waiting for a replica ({why}); predicted to wait past its queue deadline"
+    return f"waited {waited_s:.3g} s in the queue ({why}); its deadline passed"
 
 
 class WaitEstimates:

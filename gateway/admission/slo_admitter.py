@@ -74,7 +74,13 @@ from gateway.admission.decision import (
 )
 from gateway.admission.idle import IdleForecasts
 from gateway.admission.probe import IdleProbe
-from gateway.admission.refusal import WaitEstimates, _as_judged, blocked_message, late_message
+from gateway.admission.refusal import (
+    WaitEstimates,
+    _as_judged,
+    blocked_message,
+    late_message,
+    queue_deadline_message,
+)
 from gateway.admission.request import AdmissionRequest
 from gateway.admission.retry_after import RetryAfterPolicy
 from gateway.admission.slack import SlackRules, _Candidate
@@ -291,15 +297,17 @@ class SloAdmitter:
             reason = RejectReason.DEADLINE_EXCEEDED
             if not queued and not request.client_bound(cls):
                 reason = RejectReason.SLO_UNATTAINABLE
-            hopeless = not math.isfinite(best_retry) or self._idle.hopeless(request, cls, best)
-            after = None if hopeless else self._retry.after(best_retry)
+            missed = self._idle.missed_when_idle(request, cls, best)
+            if missed is None and not math.isfinite(best_retry):
+                missed = blocker
+            after = None if missed is not None else self._retry.after(best_retry)
             wait = best_wait if can_queue else 0.0
             first = now + wait + best.ttft_s
             return Reject(
                 reason,
                 after,
                 _as_judged(best, now),
-                late_message(request, cls, best, blocker, wait, first, deadline, hopeless),
+                late_message(request, cls, best, blocker, wait, first, deadline, missed),
                 blocker,
                 best.view.name,
             )
@@ -314,21 +322,25 @@ class SloAdmitter:
                 RejectReason.DEADLINE_EXCEEDED,
                 self._retry.after(best_retry),
                 forecast,
-                f"still waiting for a replica ({blocker}); predicted to wait past its queue deadline",
+                queue_deadline_message(blocker),
                 blocker,
                 best.view.name,
             )
         if cls.queue_capacity > 0 and cls.max_queue_wait_s > 0.0 and fits_queue:
             return Queue(blocker, best_wait, best.view.name, forecast)
         reason = RejectReason.OVERLOADED if blocker in _LOAD_BLOCKERS else RejectReason.SLO_UNATTAINABLE
-        hopeless = not math.isfinite(best_retry) or (
-            reason == RejectReason.SLO_UNATTAINABLE and self._idle.hopeless(request, cls, best)
+        missed = (
+            self._idle.missed_when_idle(request, cls, best)
+            if reason == RejectReason.SLO_UNATTAINABLE
+            else None
         )
+        if missed is None and not math.isfinite(best_retry):
+            missed = blocker
         return Reject(
             reason,
-            None if hopeless else self._retry.after(best_retry),
+            None if missed is not None else self._retry.after(best_retry),
             _as_judged(best, now),
-            blocked_message(cls, best, blocker, hopeless),
+            blocked_message(cls, best, blocker, missed, request.request_class),
             blocker,
             best.view.name,
         )

@@ -275,15 +275,27 @@ class Refused(GatewayError):
 
 class AdmissionRejected(Refused):
     """429: admission refused the request because of load (``reason``: ``overloaded``,
-    ``slo_unattainable``, ``deadline_exceeded``); type and code are the reason."""
+    ``slo_unattainable``, ``deadline_exceeded``); type and code are the reason.
 
-    def __init__(self, message: str, *, reason: str, retry_after: RetryAfter | None) -> None:
-        super().__init__(RefusalReason(reason), message, retry_after=retry_after)
+    Without ``retry_after`` (even an idle replica could not serve it as asked: a configuration
+    mismatch, not load) it is a 400 ``invalid_request_error`` with the reason as its code and
+    ``x-should-retry: false``, which the ``openai`` SDKs raise as ``BadRequestError`` and never
+    retry; its message says which target or limit to change. ``detail``: for the log only."""
+
+    def __init__(
+        self, message: str, *, reason: str, retry_after: RetryAfter | None, detail: str | None = None
+    ) -> None:
+        super().__init__(RefusalReason(reason), message, retry_after=retry_after, detail=detail)
+        if retry_after is None:
+            self.status = 400
+            self._error_type = "invalid_request_error"
+            self.log_level = None
 
 
 def admission_error(reject: Reject, *, endpoint: str = "chat") -> Refused:
     """The refusal for an enforced admission ``Reject``: 429 for load (``overloaded``,
-    ``slo_unattainable``, ``deadline_exceeded``), 503 when no replica is healthy, 400 for
+    ``slo_unattainable``, ``deadline_exceeded``; 400 when not retryable: ``AdmissionRejected``),
+    503 when no replica is healthy, 400 for
     ``prompt_too_large`` (OpenAI's ``context_length_exceeded`` when it is the context that is
     exceeded: ``context_length_error``); the reject's own ``retry_after`` (``None``: not
     retryable). ``endpoint`` (``gateway.api.openai.Endpoint``) names the prompt's field."""
@@ -294,7 +306,11 @@ def admission_error(reject: Reject, *, endpoint: str = "chat") -> Refused:
         return Refused(reason, reject.message, retry_after=None, param=prompt_param(endpoint))
     if reason == RefusalReason.NO_HEALTHY_REPLICA:
         return Refused(reason, reject.message, retry_after=reject.retry_after)
-    return AdmissionRejected(reject.message, reason=reason.value, retry_after=reject.retry_after)
+    # The replica's name is the operator's: the log line's, never the client's message.
+    detail = None if reject.replica is None else f"best replica {reject.replica}"
+    return AdmissionRejected(
+        reject.message, reason=reason.value, retry_after=reject.retry_after, detail=detail
+    )
 
 
 #: The request field that holds the prompt, per endpoint (``gateway.api.openai.Endpoint``).

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import openai
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -20,6 +21,8 @@ from gateway.admission.config import AdmissionSettings
 from gateway.app import build_app
 from gateway.config.settings import ServerSettings, Settings
 from gateway.config.store import SettingsStore
+from gateway.keys import OUTCOME_LISTENERS
+from gateway.observability.outcome import RequestOutcome
 from gateway.replicas.config import HardwareSettings, HealthSettings, ReplicaSettings
 from simulator.profile import load_profile
 from simulator.server import build_app as build_emulator
@@ -62,13 +65,38 @@ async def test_one_token_goes_through_and_a_tpot_refusal_cites_the_headers_tpot(
     assert hi.headers["x-sluice-admission"] == "admitted"
 
     refused = await client.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 16})
-    assert refused.status == 429, await refused.text()
+    # Hopeless (even an idle replica misses the target): not a 429 but a 400 the SDKs never retry.
+    assert refused.status == 400, await refused.text()
     error = (await refused.json())["error"]
-    assert error["code"] == "slo_unattainable"
+    assert (error["type"], error["code"]) == ("invalid_request_error", "slo_unattainable")
     assert refused.headers["x-sluice-admission-reason"] == "slo_unattainable"
     # The body names the forecast that failed with its target, in the header's numbers.
-    found = re.search(r"time per output token ([0-9.]+) ms exceeds the 1 ms target", error["message"])
+    found = re.search(r"time per output token ([0-9.]+) ms exceeds the 1 ms TPOT target", error["message"])
     assert found is not None, error["message"]
     assert found.group(1) == refused.headers["x-sluice-predicted-tpot-ms"]
     assert "idle replica" in error["message"]  # hopeless: retrying cannot help
+    assert "admission.classes.plain.tpot_target_s" in error["message"]  # what to change
+    assert "r0" not in error["message"]  # the replica's name is the operator's
     assert refused.headers.get("x-should-retry") == "false"
+    assert "Retry-After" not in refused.headers
+
+
+async def test_the_sdk_raises_a_hopeless_refusal_at_once_and_names_what_to_change(
+    aiohttp_server: Any, aiohttp_client: Any
+) -> None:
+    """The real ``openai`` SDK (default retries) gets ``BadRequestError`` and sends it once."""
+    client = await gateway(aiohttp_server, aiohttp_client)
+    seen: list[RequestOutcome] = []
+    client.app[OUTCOME_LISTENERS].append(seen.append)
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused", max_retries=2)
+    model = (await sdk.models.list()).data[0].id
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        await sdk.completions.create(model=model, prompt="hi", max_tokens=16)
+
+    assert refused.value.code == "slo_unattainable"
+    assert refused.value.response.headers["x-should-retry"] == "false"
+    assert "1 ms TPOT target" in refused.value.message
+    assert "admission.classes.plain.tpot_target_s" in refused.value.message
+    assert [(o.status, o.reason) for o in seen] == [(400, "slo_unattainable")]  # never retried
+    await sdk.close()

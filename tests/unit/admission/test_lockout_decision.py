@@ -79,6 +79,13 @@ def test_one_output_token_is_never_refused_on_tpot() -> None:
     tpot = decision_headers(refused, "plain", hopeless)[PREDICTED_TPOT_MS]
     assert _ms(refused.message, "time per output token") == tpot
     assert "idle replica" in refused.message
+    # The TPOT failed, not the TTFT: the body names that target and the setting to change, and
+    # no replica (its name is the operator's: the log line carries it).
+    assert "1 ms TPOT target" in refused.message
+    assert "TTFT" not in refused.message
+    assert "admission.classes.plain.tpot_target_s" in refused.message
+    assert refused.replica == "a"
+    assert "replica a" not in refused.message
 
 
 def test_a_refusal_on_tpot_names_its_tpot_in_the_body_and_the_headers() -> None:
@@ -88,8 +95,9 @@ def test_a_refusal_on_tpot_names_its_tpot_in_the_body_and_the_headers() -> None:
     headers = decision_headers(refused, "plain", UNQUEUED)
     # The body cites the TPOT the header carries, with its target; not a first token "late".
     assert _ms(refused.message, "time per output token") == headers[PREDICTED_TPOT_MS]
-    assert "50 ms target" in refused.message
+    assert "50 ms TPOT target" in refused.message
     assert "first token" not in refused.message
+    assert "replica a" not in refused.message
 
 
 def test_a_late_first_token_names_the_wait_and_the_ttft_the_header_carries() -> None:
