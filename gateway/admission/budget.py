@@ -5,7 +5,8 @@ before admission decides it: the engine prices the request (``budget_cost``: its
 predicted output, never below what it is sure to produce: ``sure_output``, weighted; a
 response that cannot be stopped part-way reserves its whole output cap: ``reserved_output``),
 ``TenantBudget.reserve`` answers, and a refused answer is the typed
-``BudgetRefused`` (``rate_limit_exceeded``, the bucket's exact wait as its Retry-After). An
+``BudgetRefused`` (``rate_limit_exceeded``, with a jittered Retry-After from when the budget
+really frees: ``budget_retry_after``). An
 allowed reservation is settled exactly once: with the tokens the request really cost when it
 ends, with nothing (a refund) when admission refuses it or it never reaches a replica.
 
@@ -15,7 +16,8 @@ before it submits (``AdmissionEngine.budget_cost`` says whether and at what cost
 over through the port, and starts its settles as tasks of their own. ``BudgetLedger`` is the
 engine's side: what each request holds, from its reservation to its settle, across a
 re-placement (a placement its replica refused hands its hold to the next one, never reserving
-twice).
+twice), and when each tenant's running requests are predicted to end (``SlotClock``), the wait a
+``max_concurrent`` refusal is told.
 
 A stream that outruns its hold is charged ahead: ``Hold.next_top_up`` says what the next step
 costs (pure), the live adapter takes it from the limiter and records it (``Hold.took``), and the
@@ -25,10 +27,11 @@ settle charges only what the steps did not (docs/tenants.md, "Hard caps").
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Final, Protocol
 
+from gateway.admission.config import RetryAfterSettings
 from gateway.admission.fairness import TokenWeights
 from gateway.admission.ports import EngineLog
 from gateway.admission.request import AdmissionRequest
@@ -37,20 +40,24 @@ from gateway.admission.retry_after import (
     UNMEASURED_WAIT_S,
     RefusalReason,
     RetryAfter,
+    UniformSource,
     retry_after,
 )
+from gateway.admission.views import TrackedStream
 
 __all__ = [
     "BudgetAnswer",
     "BudgetLedger",
     "BudgetRefused",
     "Hold",
+    "SlotClock",
     "TenantBudget",
     "TopUp",
     "bucket_output_cap",
     "budget_cost",
     "budget_retry_after",
     "context_left",
+    "predicted_end",
     "request_cost",
     "reserved_output",
     "sure_output",
@@ -59,21 +66,27 @@ __all__ = [
 #: The largest output cap ``bucket_output_cap`` considers when the context is unknown (2**53 - 1,
 #: ``gateway.api.openai.MAX_TOKENS_LIMIT``: the most a body's ``max_tokens`` may say).
 _MAX_OUTPUT_CAP = 2**53 - 1
+#: Weight of the newest duration in ``SlotClock.typical_s`` (an exponential moving average).
+_TYPICAL_WEIGHT: Final = 0.2
 
 
 class BudgetAnswer(Protocol):
     """A limiter's answer to one reservation (``gateway.limits.base.Reservation`` fits).
 
-    ``allowed``: every budget was taken (else none was). ``oversize``: the cost exceeds what the
-    tenant's token bucket can ever hold. ``retry_after_s``: seconds until the buckets hold the
-    cost (``None``: unknown, only a concurrency slot is missing; or never, when ``oversize``).
-    ``cost_tokens``: the weighted tokens reserved."""
+    ``allowed``: every budget was taken (else none was). ``blocked_by``: the budgets that refused
+    it (``tokens``, ``requests``, ``concurrency``; empty when allowed). ``oversize``: the cost
+    exceeds what the tenant's token bucket can ever hold. ``retry_after_s``: seconds until the
+    buckets hold the cost (``None``: unknown, only a concurrency slot is missing; or never, when
+    ``oversize``). ``cost_tokens``: the weighted tokens reserved."""
 
     @property
     def tenant(self) -> str: ...
 
     @property
     def allowed(self) -> bool: ...
+
+    @property
+    def blocked_by(self) -> frozenset[str]: ...
 
     @property
     def oversize(self) -> bool: ...
@@ -106,8 +119,8 @@ class BudgetRefused:
     """A request refused because its tenant's budget is spent (429 ``rate_limit_exceeded``).
 
     ``answer``: the limiter's refused reservation (its buckets make the ``x-ratelimit-*``
-    headers). ``retry_after``: the bucket's exact wait (no jitter); ``None`` when the request can
-    never fit (``oversize``)."""
+    headers). ``retry_after``: when to come back (``budget_retry_after``); ``None`` when the
+    request can never fit (``oversize``)."""
 
     tenant: str
     answer: BudgetAnswer
@@ -198,14 +211,93 @@ def budget_cost(weights: TokenWeights, request: AdmissionRequest) -> float:
     return request_cost(weights, request.prompt_tokens, reserved_output(request), request.choices)
 
 
-def budget_retry_after(answer: BudgetAnswer) -> RetryAfter | None:
-    """The Retry-After of a refused reservation: the limiter's exact wait; the unmeasured wait
-    when only a concurrency slot is missing (one frees when a request ends, time unknown);
-    ``None`` (not retryable) when the request can never fit."""
+def budget_retry_after(
+    answer: BudgetAnswer, slot_wait_s: float, settings: RetryAfterSettings, rng: UniformSource
+) -> RetryAfter | None:
+    """The Retry-After of a refused reservation, jittered (``retry_after``: drawn in ``[d, d x (1
+    + jitter)]``, so never before the budget frees unless that is past ``max_s / (1 + jitter)``),
+    ``d`` the wait until every budget that refused it frees: the limiter's wait until its token
+    and request buckets refill to this request's cost and, when a concurrency slot is missing,
+    ``slot_wait_s`` (seconds until the tenant's earliest running request is predicted to end:
+    ``SlotClock.wait_s``), the longer of the two. ``None`` (not retryable) when the request can
+    never fit."""
     if answer.oversize:
         return None
     wait = answer.retry_after_s
-    return retry_after(RefusalReason.RATE_LIMITED, UNMEASURED_WAIT_S if wait is None else wait)
+    if wait is None:
+        wait = slot_wait_s
+    elif "concurrency" in answer.blocked_by:
+        wait = max(wait, slot_wait_s)
+    return retry_after(RefusalReason.RATE_LIMITED, wait, settings, rng)
+
+
+def predicted_end(stream: TrackedStream[Any], now: float) -> float | None:
+    """When ``stream`` is predicted to end, seconds of the engine's clock (never before ``now``):
+    its first token ``predicted_ttft_s`` after its dispatch (or now, if that is past), then one
+    token per ``predicted_tpot_s`` up to its predicted output; a stream with tokens ends after its
+    remaining predicted output, at least one more token. ``None``: no forecast (no finite TTFT,
+    or no TPOT > 0)."""
+    tpot, ttft = stream.predicted_tpot_s, stream.predicted_ttft_s
+    if not (math.isfinite(tpot) and tpot > 0.0 and math.isfinite(ttft)):
+        return None
+    expected = max(stream.expected_output_tokens, 1.0)
+    produced = stream.tokens_at(now)
+    if produced <= 0:
+        return max(stream.live.started_at + ttft, now) + (expected - 1.0) * tpot
+    return now + max(expected - produced, 1.0) * tpot
+
+
+class SlotClock:
+    """When a tenant's concurrency slot frees, as this engine knows it: every hold it granted,
+    from its reservation to its settle, and the forecast of those running on a replica.
+
+    ``wait_s``: seconds until the earliest of the tenant's running requests is predicted to end
+    (``predicted_end``); a running request without a forecast ends the typical duration after its
+    reservation; with none running here (all queued, or the slots held by other gateways) the
+    typical duration. ``typical_s``: that typical duration, seconds from reservation to settle, a
+    moving average over every tenant's released holds (``UNMEASURED_WAIT_S`` before the first).
+    Pure: times are the engine's ``now``."""
+
+    def __init__(self) -> None:
+        self._holds: dict[str, dict[int, Hold]] = {}
+        self._typical_s: float | None = None
+
+    @property
+    def typical_s(self) -> float:
+        return UNMEASURED_WAIT_S if self._typical_s is None else self._typical_s
+
+    def held(self, hold: Hold) -> None:
+        """``hold`` was granted (at ``hold.reserved_at``); it holds a slot until ``released``."""
+        self._holds.setdefault(hold.answer.tenant, {})[id(hold)] = hold
+
+    def released(self, hold: Hold, now: float) -> None:
+        """``hold`` was settled or refunded at ``now``: its slot is free, its duration learned."""
+        tenant = hold.answer.tenant
+        holds = self._holds.get(tenant)
+        if holds is None or holds.pop(id(hold), None) is None:
+            return
+        if not holds:
+            del self._holds[tenant]
+        duration = max(now - hold.reserved_at, 0.0)
+        typical = self._typical_s
+        self._typical_s = duration if typical is None else typical + _TYPICAL_WEIGHT * (duration - typical)
+
+    def holding(self, tenant: str) -> int:
+        """Holds of ``tenant`` granted here and not released."""
+        return len(self._holds.get(tenant, ()))
+
+    def wait_s(self, tenant: str, now: float) -> float:
+        """Seconds (>= 0) until one of ``tenant``'s running requests is predicted to end (see the
+        class)."""
+        typical = self.typical_s
+        earliest = math.inf
+        for hold in self._holds.get(tenant, {}).values():
+            stream = hold.stream
+            if stream is None:
+                continue  # queued, or between two placements: not running
+            end = predicted_end(stream, now)
+            earliest = min(earliest, hold.reserved_at + typical if end is None else end)
+        return typical if earliest == math.inf else max(earliest - now, 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +319,9 @@ class Hold:
     per choice; ``None``: unknown, the replica's context decides). ``covered_output``: output
     tokens the budget holds for it, the reservation's and every step charged ahead since
     (``next_top_up``); ``ahead_cost``: the weighted tokens those steps took, already charged for
-    good, so its settle charges only the rest."""
+    good, so its settle charges only the rest. ``reserved_at``: when it was reserved (the
+    engine's clock, seconds). ``stream``: the request as admission tracks it while it runs on a
+    replica (``None`` while queued or between placements): its forecast end frees its slot."""
 
     answer: BudgetAnswer
     weights: TokenWeights
@@ -235,8 +329,10 @@ class Hold:
     output_tokens: int
     choices: int
     output_cap: int | None = None
+    reserved_at: float = 0.0
     covered_output: int = field(init=False)
     ahead_cost: float = 0.0
+    stream: TrackedStream[Any] | None = None
 
     def __post_init__(self) -> None:
         self.covered_output = self.output_tokens
@@ -270,12 +366,24 @@ class BudgetLedger:
     Parked holds are keyed by (tenant, request id): an adapter that places a request again does
     so before anything else can submit (the live adapter's ``finish`` and next ``submit`` run in
     one loop step), so requests sharing a client-chosen id never take each other's hold.
-    ``log``: where a settle that raised is reported."""
+    ``log``: where a settle that raised is reported. ``rng`` and ``retry_settings`` (the
+    settings in force, read at each refusal): a refusal's jittered Retry-After
+    (``budget_retry_after``). ``slots``: when each tenant's held requests end."""
 
-    def __init__(self, budget: TenantBudget, log: EngineLog) -> None:
+    def __init__(
+        self,
+        budget: TenantBudget,
+        log: EngineLog,
+        *,
+        rng: UniformSource,
+        retry_settings: Callable[[], RetryAfterSettings] = RetryAfterSettings,
+    ) -> None:
         self.budget = budget
         self._log = log
+        self._rng = rng
+        self._retry_settings = retry_settings
         self._parked: dict[tuple[str, str], list[Hold]] = {}
+        self.slots = SlotClock()
 
     def cost(self, request: AdmissionRequest) -> float | None:
         """The weighted tokens ``reserve`` will take for ``request``; ``None`` when it takes
@@ -301,14 +409,30 @@ class BudgetLedger:
         if answer is None:
             return None
         if not answer.allowed:
-            return BudgetRefused(tenant, answer, budget_retry_after(answer))
+            slot_wait = self.slots.wait_s(tenant, now)
+            retry = budget_retry_after(answer, slot_wait, self._retry_settings(), self._rng)
+            return BudgetRefused(tenant, answer, retry)
         cap = None if request.max_tokens is None else request.max_tokens * request.choices
-        return Hold(
-            answer, weights, request.prompt_tokens, reserved_output(request), request.choices, output_cap=cap
+        hold = Hold(
+            answer,
+            weights,
+            request.prompt_tokens,
+            reserved_output(request),
+            request.choices,
+            output_cap=cap,
+            reserved_at=now,
         )
+        self.slots.held(hold)
+        return hold
+
+    def running(self, hold: Hold | None, stream: TrackedStream[Any]) -> None:
+        """The request holding ``hold`` was sent to a replica and runs as ``stream``."""
+        if hold is not None:
+            hold.stream = stream
 
     def park(self, hold: Hold, request: AdmissionRequest) -> None:
         """Keep ``hold`` for ``request``'s next placement (its replica refused this one)."""
+        hold.stream = None
         self._parked.setdefault((hold.answer.tenant, request.request_id), []).append(hold)
 
     def refund(self, hold: Hold | None, now: float) -> None:
@@ -330,6 +454,8 @@ class BudgetLedger:
     def _settle(self, hold: Hold | None, actual_cost_tokens: float, now: float) -> None:
         if hold is None:
             return
+        hold.stream = None
+        self.slots.released(hold, now)
         try:
             self.budget.settle(hold.answer, actual_cost_tokens, now)
         except Exception:

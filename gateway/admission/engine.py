@@ -126,7 +126,11 @@ class AdmissionEngine:
         self._rng = rng
         self._new_entry = new_entry
         self._log: EngineLog = log if log is not None else QuietLog()
-        self._budget = BudgetLedger(budget, self._log) if budget is not None else None
+        self._budget = (
+            None
+            if budget is None
+            else BudgetLedger(budget, self._log, rng=rng, retry_settings=lambda: self._settings.retry_after)
+        )
         self.view_cache = ViewCache(
             predictions, self._log, max_age_s=view_max_age_s, stale_margin=settings.stale_margin
         )
@@ -609,6 +613,8 @@ class AdmissionEngine:
         output = request.expected_output_tokens if forecast is None else forecast.output_tokens_used
         stream = TrackedStream(entry, request.request_class, output, tpot, ttft)
         self.view_cache.track(replica, entry, stream)
+        if self._budget is not None:
+            self._budget.running(hold, stream)
         self._sent[key] = _Sent(replica, entry, request, route, forecast, hold)
 
     def _forget(self, sent: _Sent) -> None:

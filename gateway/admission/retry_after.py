@@ -14,15 +14,17 @@ would free up first:
 ``retry_after(reason, wait_s, ...)`` is the ONE function that turns a wait into the delay a client
 is told, for every refusal (``RefusalReason``):
 
-* **load-driven** reasons (admission's ``overloaded``, ``slo_unattainable``, ``deadline_exceeded``,
-  ``no_healthy_replica``, and ``replicas_saturated``: every replica refused as overloaded) are
-  jittered: the delay is drawn uniformly from ``[d, d x (1 + jitter)]`` (never earlier than the
-  wait, since an earlier retry would be refused again) with ``d`` clamped to ``[min_s, max_s / (1
-  + jitter)]``, so it never exceeds ``max_s`` (<= 60 s) and clients refused together spread;
-* **exact** reasons (a tenant's budget: the token bucket's refill; the budget store's next probe;
-  a gateway shutting down) are not: the delay is the wait itself, at most 60 s. A client told to
-  come back earlier than the bucket holds its request would only be refused again, and the
-  clients of one tenant are not a crowd to spread (each waits for its own refill).
+* **jittered** reasons (admission's ``overloaded``, ``slo_unattainable``, ``deadline_exceeded``,
+  ``no_healthy_replica``, ``replicas_saturated``: every replica refused as overloaded; and a
+  tenant's budget, ``rate_limit_exceeded``) are drawn uniformly from ``[d, d x (1 + jitter)]``
+  (never earlier than the wait, since an earlier retry would be refused again) with ``d`` clamped
+  to ``[min_s, max_s / (1 + jitter)]``, so it never exceeds ``max_s`` (<= 60 s) and clients
+  refused together spread. A budget's wait is when it really frees (``budget.budget_retry_after``:
+  a bucket's refill to this request's cost, the predicted end of the tenant's earliest running
+  request for a concurrency slot); without the spread every client of a tenant refused in the
+  same instant would come back in the same instant and be refused together again;
+* **exact** reasons (the budget store's next probe; a gateway shutting down) are not: the delay
+  is the wait itself, at most 60 s.
 """
 
 from __future__ import annotations
@@ -75,13 +77,12 @@ class RefusalReason(StrEnum):
     SHUTTING_DOWN = "server_shutting_down"
 
 
-#: Reasons whose wait is exact (no jitter): a token bucket's refill, the store's next probe, a
-#: shutdown. Every other reason is load-driven and jittered.
-EXACT_REASONS: Final = frozenset(
-    {RefusalReason.RATE_LIMITED, RefusalReason.LIMITER_UNAVAILABLE, RefusalReason.SHUTTING_DOWN}
-)
-#: The wait used where nothing measured one, seconds: a concurrency slot (it frees when some
-#: request ends), a replica's overload refusal without a Retry-After, a gateway shutting down.
+#: Reasons whose wait is exact (no jitter): the budget store's next probe, a shutdown. Every other
+#: reason is jittered.
+EXACT_REASONS: Final = frozenset({RefusalReason.LIMITER_UNAVAILABLE, RefusalReason.SHUTTING_DOWN})
+#: The wait used where nothing measured one, seconds: a concurrency slot before any request of
+#: the gateway has ended (``budget.SlotClock``), a replica's overload refusal without a
+#: Retry-After, a gateway shutting down.
 UNMEASURED_WAIT_S: Final = 1.0
 _DEFAULT_SETTINGS: Final = RetryAfterSettings()
 
@@ -144,13 +145,14 @@ def retry_after(
 ) -> RetryAfter:
     """When a client refused for ``reason`` should come back, ``wait_s`` seconds being the wait
     that was predicted or measured: the forecast's drain time, a replica's own ``Retry-After``,
-    the limiter's exact refill wait, ``UNMEASURED_WAIT_S`` when nothing measured it (``inf``/NaN:
+    a budget's refill or free slot, ``UNMEASURED_WAIT_S`` when nothing measured it (``inf``/NaN:
     unknown, the cap).
 
-    Load-driven reasons: jittered in ``[d, d x (1 + settings.jitter_fraction)]``, ``d`` the wait
-    clamped to ``[settings.min_s, settings.max_s / (1 + jitter)]``; one draw from ``rng`` (required:
-    ``ValueError`` without one). ``EXACT_REASONS``: the wait itself (>= 0), at most 60 s, no draw
-    (``settings`` and ``rng`` unused). Either way ``seconds`` is in 1..60 and ``milliseconds`` in 1..60,000.
+    Every reason but ``EXACT_REASONS``: jittered in ``[d, d x (1 + settings.jitter_fraction)]``,
+    ``d`` the wait clamped to ``[settings.min_s, settings.max_s / (1 + jitter)]``; one draw from
+    ``rng`` (required: ``ValueError`` without one). ``EXACT_REASONS``: the wait itself (>= 0), at
+    most 60 s, no draw (``settings`` and ``rng`` unused). Either way ``seconds`` is in 1..60 and
+    ``milliseconds`` in 1..60,000.
     """
     if reason in EXACT_REASONS:
         delay = min(max(wait_s, 0.0), RETRY_AFTER_CAP_S) if not math.isnan(wait_s) else RETRY_AFTER_CAP_S

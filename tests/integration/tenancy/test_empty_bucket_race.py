@@ -201,12 +201,12 @@ async def test_token_bucket_race(tmp_path: Path, replica: str) -> None:
     assert all(a.usage == (PROMPT_TOKENS, MAX_TOKENS) for a in answers if a.status == 200)
     assert_rejections(answers, retry_after=True)
     # What is left is half a request's worth: the 429s say so, and that it will take hours (the
-    # bucket's reset time); Retry-After says 60 s, the most Sluice sends (the openai SDKs ignore
-    # more), so a client asks again then.
+    # bucket's reset time); Retry-After says 40-60 s (the most Sluice sends, 60 s, jittered down
+    # to spread the clients: the openai SDKs ignore more), so a client asks again then.
     for answer in answers:
         if answer.status == 429:
             assert int(answer.headers["x-ratelimit-remaining-tokens"]) == RESERVED // 2, answer.headers
-            assert int(answer.headers["retry-after"]) == 60, answer.headers
+            assert 40 <= int(answer.headers["retry-after"]) <= 60, answer.headers
             assert "h" in answer.headers["x-ratelimit-reset-tokens"], answer.headers
 
 

@@ -58,12 +58,13 @@ def assert_error_body(body: dict[str, Any], *, error_type: str, code: str | None
         pytest.param(0.2, "1", "200", id="at-least-one-second"),
         pytest.param(60.0, "60", "60000", id="sixty-seconds"),
         pytest.param(60.4, "60", "60000", id="capped-at-sixty-seconds"),
-        pytest.param(300.0, "60", "60000", id="a-bucket-refilling-in-minutes-says-sixty"),
+        pytest.param(300.0, "60", "60000", id="a-wait-of-minutes-says-sixty"),
     ],
 )
 def test_retry_after_headers(retry_after_s: float, header: str, millis: str) -> None:
-    """An exact wait (a tenant's bucket) as headers: whole seconds rounded up, at most 60."""
-    retry = retry_after(RefusalReason.RATE_LIMITED, retry_after_s)
+    """An exact wait (the budget store's next probe) as headers: whole seconds rounded up, at
+    most 60."""
+    retry = retry_after(RefusalReason.LIMITER_UNAVAILABLE, retry_after_s)
     assert refusal_headers(retry) == {"Retry-After": header, "retry-after-ms": millis}
 
 

@@ -44,7 +44,7 @@ class Case:
 
 _503 = "service_unavailable_error"
 CASES = [
-    Case("budget", RefusalReason.RATE_LIMITED, 429, "rate_limit_exceeded", "rate_limit_exceeded", "exact"),
+    Case("budget", RefusalReason.RATE_LIMITED, 429, "rate_limit_exceeded", "rate_limit_exceeded", "jittered"),
     Case(
         "budget-store-down", RefusalReason.LIMITER_UNAVAILABLE, 503, _503, "rate_limit_unavailable", "exact"
     ),
@@ -119,8 +119,8 @@ def test_load_driven_delays_spread_and_repeat_with_a_seed(case: Case) -> None:
 
 @pytest.mark.parametrize("reason", sorted(EXACT_REASONS))
 def test_an_exact_wait_draws_nothing_and_needs_no_source(reason: RefusalReason) -> None:
-    """A token bucket's refill is exact: a client told to come back earlier would be refused
-    again, so no jitter; nothing is drawn, so no source is needed."""
+    """The budget store's next probe and a shutdown are exact: no jitter; nothing is drawn, so
+    no source is needed."""
 
     class Refuses:
         def random(self) -> float:

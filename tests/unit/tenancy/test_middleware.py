@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import random
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,9 +22,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from gateway.admission.config import RetryAfterSettings
 from gateway.admission.retry_after import RefusalReason, retry_after
 from gateway.config.settings import Settings
-from gateway.http.errors import Refused, error_response
+from gateway.http.errors import Refused, error_response, go_duration
 from gateway.keys import STORE
 from gateway.limits.config import TenantLimitSettings
 from gateway.limits.failover import FailoverLimiter
@@ -212,9 +215,10 @@ async def test_429_headers_are_exact(start_tenant_gateway: StartTenantGateway) -
         "x-ratelimit-remaining-tokens": "20",
         "x-ratelimit-reset-tokens": "8s",
     }
-    # 40 needed, 20 left, 10 per second: exactly 2 s.
-    assert third.headers["Retry-After"] == "2"
-    assert third.headers["retry-after-ms"] == "2000"
+    # 40 needed, 20 left, 10 per second: 2 s, jittered up to half as much again.
+    wait_ms = int(third.headers["retry-after-ms"])
+    assert 2000 <= wait_ms <= 3000
+    assert third.headers["Retry-After"] == str(math.ceil(wait_ms / 1000))
     error = (await third.json())["error"]
     assert (error["type"], error["code"], error["param"]) == (
         "rate_limit_exceeded",
@@ -224,13 +228,14 @@ async def test_429_headers_are_exact(start_tenant_gateway: StartTenantGateway) -
     # OpenAI's words: the budget, its limit and burst, what is used and what this one asked for.
     assert error["message"] == (
         "Rate limit reached for tenant team-a on weighted tokens per min (TPM): Limit 600, Burst 100, "
-        "Used 80, Requested 40. Please try again in 2s."
+        f"Used 80, Requested 40. Please try again in {go_duration(wait_ms / 1000)}."
     )
     assert len(gw.replica.seen) == 2
     outcome = gw.outcomes[-1]
-    assert (outcome.decision, outcome.reason, outcome.retry_after_s) == ("rejected", "tokens", 2.0)
+    assert (outcome.decision, outcome.reason) == ("rejected", "tokens")
+    assert outcome.retry_after_s == pytest.approx(wait_ms / 1000, abs=0.001)
 
-    gw.clock.advance(2.0)
+    gw.clock.advance(wait_ms / 1000)
     assert (await gw.post()).status == 200
 
 
@@ -321,7 +326,10 @@ async def test_concurrency_limit_then_release(start_tenant_gateway: StartTenantG
     await gw.tenancy.budget.drain()
 
     assert refused.status == 429
-    assert (refused.headers["Retry-After"], refused.headers["retry-after-ms"]) == ("1", "1000")
+    # Until the held request is predicted to end (or a typical request's duration), jittered.
+    wait_ms = int(refused.headers["retry-after-ms"])
+    assert 100 <= wait_ms <= 60_000
+    assert refused.headers["Retry-After"] == str(math.ceil(wait_ms / 1000))
     assert _ratelimit(refused) == {}  # no token or request budget configured
     assert [o.reason for o in gw.outcomes if o.status == 429] == ["concurrency"]
     assert first.status == 200
@@ -575,8 +583,10 @@ async def test_access_line_says_who_what_and_why_without_the_prompt(
     assert admitted["class"] is not None
     assert (admitted["prompt_tokens"], admitted["completion_tokens"]) == (PROMPT_TOKENS, 10)
     assert (limited["tenant"], limited["decision"], limited["replica"]) == ("team-a", "rejected", None)
-    # The tenant's bucket refused it before any class was chosen; Retry-After is the exact refill.
-    assert (limited["class"], limited["reason"], limited["retry_after_ms"]) == (None, "tokens", 600.0)
+    # The tenant's bucket refused it before any class was chosen; Retry-After is the refill
+    # (0.6 s), jittered up to half as much again.
+    assert (limited["class"], limited["reason"]) == (None, "tokens")
+    assert 600.0 <= limited["retry_after_ms"] <= 900.0
     assert limited["error"] == "rate_limit_exceeded"
     logged = "\n".join(json.dumps(line) for line in lines)
     assert secret_prompt not in logged
@@ -588,7 +598,9 @@ async def test_access_line_says_who_what_and_why_without_the_prompt(
 
 def test_rate_limited_error_response_shape() -> None:
     reason = RefusalReason.RATE_LIMITED
-    resp = error_response(Refused(reason, "slow down", retry_after=retry_after(reason, 0.25)))
+    exact = RetryAfterSettings(jitter_fraction=0.0)
+    retry = retry_after(reason, 0.25, exact, random.Random(0))
+    resp = error_response(Refused(reason, "slow down", retry_after=retry))
 
     assert resp.status == 429
     assert (resp.headers["Retry-After"], resp.headers["retry-after-ms"]) == ("1", "250")

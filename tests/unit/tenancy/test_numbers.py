@@ -5,10 +5,12 @@ engine's (``tests/unit/admission/test_engine_budget.py``)."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
 from gateway.admission.budget import BudgetRefused, budget_retry_after, request_cost
+from gateway.admission.config import RetryAfterSettings
 from gateway.admission.fairness import TokenWeights
 from gateway.admission.live_budget import is_unlimited, over_budget
 from gateway.http.errors import go_duration, rate_limit_headers
@@ -86,8 +88,10 @@ def test_rate_limit_headers_never_show_a_debt() -> None:
     headers = rate_limit_headers(refused)
     assert headers["x-ratelimit-remaining-tokens"] == "0"
     assert headers["x-ratelimit-reset-tokens"] == "15s"  # 150 tokens short at 10 per second
-    error = over_budget(BudgetRefused("t", refused, budget_retry_after(refused)), _outcome())
-    assert error.headers()["Retry-After"] == "6"  # 60 short of 10
+    retry = budget_retry_after(refused, 0.0, RetryAfterSettings(), random.Random(0))
+    error = over_budget(BudgetRefused("t", refused, retry), _outcome())
+    # 60 short of 10 a second: 6 s, jittered up to half as much again.
+    assert 6 <= int(error.headers()["Retry-After"]) <= 9
 
 
 @pytest.mark.parametrize(
