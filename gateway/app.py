@@ -62,6 +62,7 @@ from gateway.replicas.health import HealthChecker
 from gateway.replicas.registry import ReplicaRegistry
 from gateway.replicas.scraper import MetricsScraper
 from gateway.tenants.admin_api import install_tenants_admin
+from gateway.tenants.keys_api import install_keys_api
 from gateway.tenants.live import TENANCY, install_tenancy
 from gateway.tokens.live import PROMPT_TOKENIZERS, PromptTokenizers
 
@@ -126,7 +127,7 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
     install_metrics(app, serve_on=admin_app)
     # Before admission: its limiter and budget start before admission and close after it.
     tenancy = install_tenancy(app)
-    install_tenants_admin(app, admin_app, tenancy)
+    install_keys_api(app, admin_app, install_tenants_admin(app, admin_app, tenancy), tenancy)
     app.cleanup_ctx.append(_admission)
     app.cleanup_ctx.append(_proxy)
     app.router.add_post("/v1/chat/completions", _chat_completions)

@@ -1,5 +1,6 @@
-"""The `sluice` command line: serve, config show|init, check-config, hash-key, sim
-(``--engine vllm|tgi|sglang``), and ``--version``.
+"""The `sluice` command line: serve, config show|init, check-config, hash-key, keys
+issue|list|revoke (``gateway.tenants.keys_cli``), sim (``--engine vllm|tgi|sglang``), and
+``--version``.
 
 What ``serve`` and ``config`` run is one of: a file (``--config``), replicas named by URL
 (``--replica``, each asked what it runs: ``gateway.replicas.discover``) or the embedded default.
@@ -21,6 +22,7 @@ from gateway.config.load import ConfigError, load_settings
 from gateway.config.settings import Settings
 from gateway.config.starter import ENV, Source, UsageError, load_source, resolve_source
 from gateway.config.store import SettingsStore
+from gateway.tenants.keys_cli import add_keys_parser, run_keys
 from gateway.version import package_version
 
 EXIT_OK = 0
@@ -135,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
         "sha256:<hex> hash that api_keys, the keys file and admin.token_sha256 hold. The key "
         "itself is never printed.",
     )
+
+    add_keys_parser(sub)
 
     sim = sub.add_parser(
         "sim",
@@ -352,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.command == "hash-key":
         return _hash_key()
+    if args.command == "keys":
+        return run_keys(args)
     if args.command == "sim":
         return _sim(args.args)
     logging.getLogger(__name__).error("unknown command %s", args.command)

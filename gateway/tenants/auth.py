@@ -97,17 +97,29 @@ class AuthError:
 class Authenticator:
     """API keys to tenants, from one settings snapshot (immutable; build a new one on reload).
 
-    Building hashes nothing (the settings hold digests already): O(keys).
+    Building hashes nothing (the settings hold digests already): O(keys). ``issued``: more keys,
+    hash -> tenant name, from the key store (those of tenants not configured are ignored);
+    ``revoked``: hashes of ``settings``' keys that no longer open anything.
     """
 
-    def __init__(self, settings: TenantsSettings) -> None:
+    def __init__(
+        self,
+        settings: TenantsSettings,
+        *,
+        issued: Mapping[str, str] | None = None,
+        revoked: frozenset[str] = frozenset(),
+    ) -> None:
         tenants = {name: Tenant.from_settings(name, t) for name, t in settings.tenants.items()}
         self._tenants: Mapping[str, Tenant] = MappingProxyType(tenants)
         self._by_digest: dict[bytes, Tenant] = {
             hash_digest(key_hash): tenants[name]
             for name, tenant in settings.tenants.items()
             for key_hash in tenant.api_keys
+            if key_hash not in revoked
         }
+        for key_hash, name in (issued or {}).items():
+            if name in tenants:
+                self._by_digest[hash_digest(key_hash)] = tenants[name]
         self._required = settings.auth_required
         anonymous = settings.auth.anonymous_tenant
         self._anonymous = tenants[anonymous] if anonymous is not None else Tenant(ANONYMOUS_TENANT)

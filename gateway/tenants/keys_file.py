@@ -1,6 +1,8 @@
 """The keys file: more API key hashes per tenant, kept apart from the main configuration.
 
-The file maps tenant names to lists of ``sha256:`` hashes. ``apply_keys_file`` reads the file
+The file maps tenant names to lists of entries: ``sha256:`` hashes written by hand, or mappings
+``{id, prefix, hash, created_at}`` of keys issued by ``sluice keys`` (``gateway.tenants.key_store``,
+which rewrites the file). ``apply_keys_file`` reads the file
 ``TenantsSettings.keys_file`` names, validates it as strictly as ``api_keys`` (hashes only, every
 tenant configured, no hash used twice anywhere) and returns the settings with the hashes added.
 It runs wherever the configuration is loaded, so the keys file reloads with the rest. Problems
@@ -10,6 +12,7 @@ raise ``gateway.config.load.ConfigError``, one line each, secrets shown as ``<re
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Final
 
@@ -19,7 +22,12 @@ from gateway.config.source import ConfigError, StrictSafeLoader, read_text
 from gateway.tenants.config import TenantsSettings
 from gateway.tenants.keys import REDACTED, key_hash_problem, normalise_key_hash
 
-__all__ = ["apply_keys_file", "keys_file_path", "load_keys_file", "parse_keys_file"]
+__all__ = ["KEY_ID", "apply_keys_file", "keys_file_path", "load_keys_file", "parse_keys_file"]
+
+#: An issued key's id (``gateway.tenants.key_store``).
+KEY_ID: Final = re.compile(r"^key_[0-9a-f]{16}$")
+#: The fields of an issued key's entry; ``hash`` is required.
+_ISSUED_FIELDS: Final = frozenset({"id", "prefix", "hash", "created_at"})
 
 _EXPECTED: Final = "expected a mapping of tenant names to lists of key hashes (sha256:<hex>)"
 
@@ -34,8 +42,9 @@ def keys_file_path(settings: TenantsSettings, base_dir: Path | None = None) -> P
 
 
 def apply_keys_file(settings: TenantsSettings, base_dir: Path | None = None) -> TenantsSettings:
-    """``settings`` with the keys file's hashes appended to each tenant's ``api_keys``; ``settings``
-    itself when it names no keys file. Raises ``ConfigError`` (for the keys file) on any problem."""
+    """``settings`` with the keys file's hashes appended to each tenant's ``api_keys`` and
+    ``keys_file`` made absolute; ``settings`` itself when it names no keys file. Raises
+    ``ConfigError`` (for the keys file) on any problem."""
     path = keys_file_path(settings, base_dir)
     if path is None:
         return settings
@@ -45,7 +54,9 @@ def apply_keys_file(settings: TenantsSettings, base_dir: Path | None = None) -> 
         for name, tenant in settings.tenants.items()
     }
     # Validated above, rule by rule: copying without re-validation keeps the snapshot frozen and exact.
-    return settings.model_copy(update={"tenants": tenants})
+    # The path is kept absolute, so that the running gateway finds the file it rewrites
+    # (``gateway.tenants.key_store``) whatever its working directory.
+    return settings.model_copy(update={"tenants": tenants, "keys_file": str(path.resolve())})
 
 
 def load_keys_file(path: str | Path, settings: TenantsSettings) -> dict[str, list[str]]:
@@ -94,6 +105,26 @@ def _unknown_tenant(name: object, position: int, known: list[str]) -> str:
     return f"(entry {position}): not a configured tenant (known: {listed}) (got {REDACTED!r})"
 
 
+def _issued_problem(item: dict[object, object]) -> str | None:
+    """Why an issued key's entry is not valid, as one line; ``None`` when it is."""
+    if any(k not in _ISSUED_FIELDS for k in item):
+        # Field names are not shown: a key pasted as a mapping's key would be.
+        return f"unknown field; an issued key's entry has only {', '.join(sorted(_ISSUED_FIELDS))}"
+    if "hash" not in item:
+        return "an issued key's entry needs its hash"
+    problem = key_hash_problem(item["hash"])
+    if problem is not None:
+        return f"hash: {problem}"
+    key_id, prefix, created = item.get("id"), item.get("prefix"), item.get("created_at")
+    if key_id is not None and not (isinstance(key_id, str) and KEY_ID.match(key_id)):
+        return "id: expected key_ followed by 16 hex digits"
+    if prefix is not None and not isinstance(prefix, str):
+        return "prefix: expected a string"
+    if created is not None and (isinstance(created, bool) or not isinstance(created, int | float)):
+        return "created_at: expected Unix seconds"
+    return None
+
+
 def _check(data: object, settings: TenantsSettings) -> tuple[list[str], dict[str, list[str]]]:
     if data is None:
         return [], {}
@@ -116,12 +147,13 @@ def _check(data: object, settings: TenantsSettings) -> tuple[list[str], dict[str
             continue
         keys[name] = []
         for index, item in enumerate(hashes):
-            problem = key_hash_problem(item)
+            problem = _issued_problem(item) if isinstance(item, dict) else key_hash_problem(item)
             if problem is not None:
                 problems.append(f"{name}.{index}: {problem} (got {REDACTED!r})")
                 continue
-            assert isinstance(item, str)
-            key_hash = normalise_key_hash(item)
+            raw = item["hash"] if isinstance(item, dict) else item
+            assert isinstance(raw, str)
+            key_hash = normalise_key_hash(raw)
             if key_hash in first:
                 where = first[key_hash]
                 problems.append(f"{name}.{index}: key hash already used at {where} (got {key_hash!r})")

@@ -118,6 +118,9 @@ class Tenancy:
         self._limiter = limiter
         self.stats = limiter_stats(limiter) if stats is None else stats
         self._clock = clock
+        #: Keys beyond the configuration's (``use_keys``): hash -> tenant, and revoked hashes.
+        self._issued: Mapping[str, str] = {}
+        self._revoked: frozenset[str] = frozenset()
         self._auth = Authenticator(store.current.tenants)
         self._weights: TokenWeights | None = None
         self._weights_at = -math.inf
@@ -159,9 +162,17 @@ class Tenancy:
         if self._budget is not None:
             self._budget.limiter = limiter
 
+    def use_keys(self, issued: Mapping[str, str], revoked: frozenset[str]) -> None:
+        """Authenticate with the key store's keys too from now on: ``issued`` (hash -> tenant)
+        added to the configuration's, ``revoked`` hashes of configured keys taken away."""
+        if issued == self._issued and revoked == self._revoked:
+            return
+        self._issued, self._revoked = dict(issued), revoked
+        self._auth = Authenticator(self._store.current.tenants, issued=self._issued, revoked=revoked)
+
     def _on_swap(self, old: Settings, new: Settings) -> None:
         if old.tenants != new.tenants:
-            self._auth = Authenticator(new.tenants)
+            self._auth = Authenticator(new.tenants, issued=self._issued, revoked=self._revoked)
         if old.limits.token_weights != new.limits.token_weights:
             self._weights = None
             self._pinned = configured_weights(new.limits)
