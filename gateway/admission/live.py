@@ -353,7 +353,8 @@ class LiveAdmission:
         if isinstance(submitted, BudgetRefused):
             # Refused by the tenant's budget before any class was judged (the outcome says none).
             weights = None if self._budget is None else self._budget.weights()
-            raise over_budget(submitted, outcome, weights)
+            ietf = self._store.current.limits.ietf_headers
+            raise over_budget(submitted, outcome, weights, ietf_headers=ietf)
         cls = settings.classes[choice.name]
         outcome.request_class = choice.name
         outcome.ttft_target_s = (

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Final, Protocol
 
 from aiohttp import web
@@ -34,7 +34,7 @@ from gateway.admission.budget import BudgetAnswer, BudgetRefused
 from gateway.admission.fairness import TokenWeights
 from gateway.admission.request import AdmissionRequest
 from gateway.admission.retry_after import RefusalReason, RetryAfter, retry_after
-from gateway.http.errors import Refused, go_duration, rate_limit_headers
+from gateway.http.errors import Refused, go_duration, ietf_rate_limit_headers, rate_limit_headers
 from gateway.limits.base import (
     BucketState,
     Limiter,
@@ -54,6 +54,7 @@ __all__ = [
     "add_rate_limit_headers",
     "is_unlimited",
     "over_budget",
+    "rate_limit_headers_hook",
     "rejection_message",
     "token_unit",
 ]
@@ -294,23 +295,48 @@ def _used(state: BucketState) -> int:
 
 
 def over_budget(
-    refused: BudgetRefused, outcome: RequestOutcome, weights: TokenWeights | None = None
+    refused: BudgetRefused,
+    outcome: RequestOutcome,
+    weights: TokenWeights | None = None,
+    *,
+    ietf_headers: bool = False,
 ) -> Refused:
     """The 429 for a request whose tenant's budget is spent (the engine's Retry-After, the refused
-    reservation's ``x-ratelimit-*`` headers), recorded on ``outcome``. ``weights``: the token
-    weights reservations are priced with (they name the budget's unit in the message)."""
+    reservation's ``x-ratelimit-*`` headers, and the IETF fields with ``ietf_headers``), recorded
+    on ``outcome``. ``weights``: the token weights reservations are priced with (they name the
+    budget's unit in the message)."""
     answer = refused.answer
     assert isinstance(answer, Reservation)
     outcome.decision, outcome.reason = "rejected", rejection_reason(answer)
     message = rejection_message(answer, refused.retry_after, unit=token_unit(weights))
-    error = Refused(refused.reason, message, retry_after=refused.retry_after, reservation=answer)
+    error = Refused(
+        refused.reason,
+        message,
+        retry_after=refused.retry_after,
+        reservation=answer,
+        ietf_headers=ietf_headers,
+    )
     outcome.retry_after_s = error.retry_after_s
     return error
 
 
-async def add_rate_limit_headers(request: web.BaseRequest, response: web.StreamResponse) -> None:
-    """``on_response_prepare`` hook: a request whose budget was reserved carries its
-    ``x-ratelimit-*`` headers, as OpenAI's responses do."""
-    reservation = request.get(RESERVATION)
-    if reservation is not None:
-        response.headers.update(rate_limit_headers(reservation))
+ResponseHook = Callable[[web.BaseRequest, web.StreamResponse], Awaitable[None]]
+
+
+def rate_limit_headers_hook(ietf_headers: Callable[[], bool] = lambda: False) -> ResponseHook:
+    """An ``on_response_prepare`` hook: a request whose budget was reserved carries its
+    ``x-ratelimit-*`` headers, as OpenAI's responses do (a stream's, and a refusal's after the
+    reservation, too), and the IETF fields while ``ietf_headers()`` (``limits.ietf_headers``)."""
+
+    async def hook(request: web.BaseRequest, response: web.StreamResponse) -> None:
+        reservation = request.get(RESERVATION)
+        if reservation is not None:
+            response.headers.update(rate_limit_headers(reservation))
+            if ietf_headers():
+                response.headers.update(ietf_rate_limit_headers(reservation))
+
+    return hook
+
+
+#: The hook without the IETF fields.
+add_rate_limit_headers: Final = rate_limit_headers_hook()

@@ -230,10 +230,10 @@ class Refused(GatewayError):
     ``retry_after``: when to come back (``gateway.admission.retry_after.retry_after``); ``None``
     means retrying cannot help, said with ``x-should-retry: false``, which the ``openai`` SDKs
     obey. ``reservation``: a tenant's refused reservation, whose buckets give OpenAI's
-    ``x-ratelimit-*`` headers. ``code``: a finer code than the reason's own (a
-    ``prompt_too_large`` that is OpenAI's ``context_length_exceeded``). Refusals answered 429
-    are logged at DEBUG: they are counted in metrics and in the access line, and a line per
-    refusal would flood the log exactly when the gateway is busiest.
+    ``x-ratelimit-*`` headers (and the IETF fields with ``ietf_headers``). ``code``: a finer code
+    than the reason's own (a ``prompt_too_large`` that is OpenAI's ``context_length_exceeded``).
+    Refusals answered 429 are logged at DEBUG: they are counted in metrics and in the access
+    line, and a line per refusal would flood the log exactly when the gateway is busiest.
     """
 
     def __init__(
@@ -246,12 +246,14 @@ class Refused(GatewayError):
         reservation: Reservation | None = None,
         detail: str | None = None,
         code: str | None = None,
+        ietf_headers: bool = False,
     ) -> None:
         answer = _ANSWERS[reason]
         super().__init__(message, param=param, code=code or answer.code, status=answer.status, detail=detail)
         self.reason = reason
         self.retry_after = retry_after
         self.reservation = reservation
+        self.ietf_headers = ietf_headers
         self._error_type = answer.error_type
         if answer.status == 429:
             self.log_level = logging.DEBUG
@@ -262,7 +264,7 @@ class Refused(GatewayError):
         return None if self.retry_after is None else self.retry_after.delay_s
 
     def headers(self) -> dict[str, str]:
-        return refusal_headers(self.retry_after, self.reservation)
+        return refusal_headers(self.retry_after, self.reservation, ietf=self.ietf_headers)
 
     def body(self) -> dict[str, Any]:
         body = super().body()
@@ -377,17 +379,22 @@ def replica_context_error(message: str, endpoint: str) -> ContextLengthExceeded 
     return ContextLengthExceeded(text, param="max_tokens" if over_cap else prompt_param(endpoint))
 
 
-def refusal_headers(retry: RetryAfter | None, reservation: Reservation | None = None) -> dict[str, str]:
+def refusal_headers(
+    retry: RetryAfter | None, reservation: Reservation | None = None, *, ietf: bool = False
+) -> dict[str, str]:
     """A refusal's headers: ``Retry-After`` (RFC 9110 delay-seconds, 1..60) and ``retry-after-ms``
     (1..60,000) when it may be retried, else ``x-should-retry: false``; plus the tenant's
     ``x-ratelimit-*`` when ``reservation`` is given (a bucket refilling later than 60 s keeps its
-    exact time there; a client told 60 s asks again then)."""
+    exact time there; a client told 60 s asks again then), and with ``ietf`` the IETF fields
+    (``ietf_rate_limit_headers``)."""
     if retry is None:
         headers = {SHOULD_RETRY: "false"}
     else:
         headers = {"Retry-After": str(retry.seconds), "retry-after-ms": str(retry.milliseconds)}
     if reservation is not None:
         headers.update(rate_limit_headers(reservation))
+        if ietf:
+            headers.update(ietf_rate_limit_headers(reservation))
     return headers
 
 
@@ -427,7 +434,7 @@ def _bucket_headers(kind: str, state: BucketState) -> dict[str, str]:
 
 def rate_limit_headers(reservation: Reservation) -> dict[str, str]:
     """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` for ``reservation``
-    (a refusal's, and an admitted response's: ``gateway.admission.live_budget.add_rate_limit_headers``).
+    (a refusal's, and an admitted response's: ``gateway.admission.live_budget.rate_limit_headers_hook``).
 
     Limit: the budget per minute; remaining: whole units left (never negative); reset: time until
     the bucket is full again. A budget that is unlimited has no headers.
@@ -438,6 +445,40 @@ def rate_limit_headers(reservation: Reservation) -> dict[str, str]:
     if reservation.tokens is not None:
         headers.update(_bucket_headers("tokens", reservation.tokens))
     return headers
+
+
+#: The IETF fields' names (draft-ietf-httpapi-ratelimit-headers-11).
+RATELIMIT_POLICY: Final = "RateLimit-Policy"
+RATELIMIT: Final = "RateLimit"
+
+
+def ietf_rate_limit_headers(reservation: Reservation) -> dict[str, str]:
+    """The IETF ``RateLimit-Policy`` and ``RateLimit`` fields for ``reservation``
+    (draft-ietf-httpapi-ratelimit-headers-11: structured-field lists, one item per budget the
+    tenant has; none when it has none).
+
+    ``"requests"`` and ``"tokens"``: quota ``q`` per window ``w`` of 60 s (the budget per minute, as
+    ``x-ratelimit-limit-*``), ``r`` whole units left (never negative), ``t`` whole seconds until the
+    bucket is full again (rounded up); tokens in the unit the budget counts (``qu="tokens"``, a
+    unit outside the draft's registry). ``"concurrency"``: ``q`` requests at once
+    (``qu="concurrent-requests"``), ``r`` slots free, no window."""
+    policies: list[str] = []
+    levels: list[str] = []
+    for name, state, unit in (
+        ("requests", reservation.requests, ""),
+        ("tokens", reservation.tokens, ';qu="tokens"'),
+    ):
+        if state is not None:
+            policies.append(f'"{name}";q={round(state.limit_per_minute)};w=60{unit}')
+            reset = max(0, math.ceil(state.reset_after_s - 1e-9)) if math.isfinite(state.reset_after_s) else 0
+            levels.append(f'"{name}";r={max(0, math.floor(state.remaining))};t={reset}')
+    slots = reservation.concurrency
+    if slots is not None:
+        policies.append(f'"concurrency";q={slots.limit};qu="concurrent-requests"')
+        levels.append(f'"concurrency";r={max(0, slots.limit - slots.in_flight)}')
+    if not policies:
+        return {}
+    return {RATELIMIT_POLICY: ", ".join(policies), RATELIMIT: ", ".join(levels)}
 
 
 def _json_string(value: str | None) -> str:

@@ -190,6 +190,14 @@ class LimitsSettings(Section):
         bool,
         Field(description="Answer tenants known to be over a limit from memory until their retry time."),
     ] = True
+    ietf_headers: Annotated[
+        bool,
+        Field(
+            description="Also send the IETF RateLimit-Policy and RateLimit fields "
+            "(draft-ietf-httpapi-ratelimit-headers-11) beside OpenAI's x-ratelimit-* headers, on every "
+            "response of a tenant with limits."
+        ),
+    ] = False
 
     @model_validator(mode="before")
     @classmethod

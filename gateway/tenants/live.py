@@ -40,7 +40,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from gateway.admission.fairness import TokenWeights
-from gateway.admission.live_budget import LiveBudget, add_rate_limit_headers
+from gateway.admission.live_budget import LiveBudget, rate_limit_headers_hook
 from gateway.api.openai import COMPLETION_ROUTES, Endpoint
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
@@ -291,7 +291,8 @@ def install_tenancy(
     tenancy = Tenancy(app[STORE], app[PREDICTION_SERVICE], limiter=limiter, stats=stats, clock=clock)
     app[TENANCY] = tenancy
     app.middlewares.append(tenancy.middleware)
-    app.on_response_prepare.append(add_rate_limit_headers)
+    store = app[STORE]
+    app.on_response_prepare.append(rate_limit_headers_hook(lambda: store.current.limits.ietf_headers))
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         tenancy.start(app.get(METRICS), app[OUTCOME_LISTENERS])
