@@ -43,6 +43,7 @@ __all__ = [
     "KeyStoreError",
     "configured_records",
     "derived_id",
+    "issued_record",
     "new_key_id",
     "new_secret",
 ]

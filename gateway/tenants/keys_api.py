@@ -5,13 +5,15 @@ it is shown, with ``Cache-Control: no-store``); ``GET .../keys`` lists the tenan
 prefix (hand-written ones too), never a secret or a hash; ``DELETE .../keys/{key_id}`` revokes
 one (404 ``key_not_found``; 409 ``key_not_revocable`` for a key written in the configuration).
 All behind the admin token. The store is Redis when ``limits.backend: redis`` (every gateway
-sees a change within ``REDIS_POLL_S``), else the keys file; a change applies to this gateway's
-authentication at once. Every change is logged (``sluice.keys``: tenant, id, prefix; never the
-secret). Operator guide: docs/tenants.md.
+sees a change within ``redis_keys.REDIS_POLL_S`` seconds), else the keys file; a change applies
+to this gateway's authentication at once. Every change is logged (``sluice.keys``: tenant, id,
+prefix; never the secret). Operator guide: docs/tenants.md.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,20 +24,40 @@ from aiohttp import web
 from gateway.config.store import SettingsStore
 from gateway.http.errors import InvalidRequest, RouteNotFound
 from gateway.keys import STORE
+from gateway.limits.redis import connect
 from gateway.tenants.admin_api import TenantsAdmin
 from gateway.tenants.key_store import FileKeyStore, KeyStore, KeyStoreError
 from gateway.tenants.keys_file import keys_file_path
 from gateway.tenants.live import Tenancy
+from gateway.tenants.redis_keys import RedisKeyStore
 
-__all__ = ["KEY_STORE", "KeysApi", "file_store", "install_keys_api"]
+__all__ = ["KEYS_TIMEOUT_S", "KEY_STORE", "KeysApi", "file_store", "install_keys_api", "key_store"]
 
 log = logging.getLogger("sluice.keys")
+
+#: Least seconds a key store call to Redis may take (key changes are rare; the limiter's
+#: millisecond budget is for the request path).
+KEYS_TIMEOUT_S: Final = 1.0
 
 
 def file_store(store: SettingsStore) -> FileKeyStore:
     """The keys-file store of ``store``'s settings (``tenants.keys_file``, read once)."""
     path = keys_file_path(store.current.tenants)
     return FileKeyStore(None if path is None else Path(path), lambda: store.current.tenants)
+
+
+def key_store(store: SettingsStore) -> KeyStore:
+    """Where ``store``'s settings keep issued keys: Redis with ``limits.backend: redis``, else the
+    keys file (chosen once, at startup)."""
+    limits = store.current.limits
+    if limits.backend != "redis" or limits.redis is None:
+        return file_store(store)
+    redis = limits.redis
+    timeout_s = max(redis.timeout_s, KEYS_TIMEOUT_S)
+    client = connect(redis.url, cluster=redis.cluster, timeout_s=timeout_s, max_connections=4)
+    return RedisKeyStore(
+        client, lambda: store.current.tenants, key_prefix=redis.key_prefix, timeout_s=timeout_s
+    )
 
 
 class KeysApi:
@@ -92,15 +114,31 @@ def install_keys_api(
     """Add the key routes to ``admin_app`` and load the store's keys into ``tenancy`` at startup.
     The store is chosen at startup from ``limits.backend`` (restart required to change it)."""
     settings_store = app[STORE]
-    api = KeysApi(admin, tenancy, file_store(settings_store))
+    api = KeysApi(admin, tenancy, key_store(settings_store))
     app[KEY_STORE] = api
     admin_app.router.add_post("/sluice/v1/tenants/{id}/keys", api.issue_view)
     admin_app.router.add_get("/sluice/v1/tenants/{id}/keys", api.list_view)
     admin_app.router.add_delete("/sluice/v1/tenants/{id}/keys/{key_id}", api.revoke_view)
 
     async def lifecycle(_app: web.Application) -> AsyncIterator[None]:
+        keys = api.keys
+        poller: asyncio.Task[None] | None = None
+        if isinstance(keys, RedisKeyStore):
+            try:
+                await keys.refresh()
+            except Exception as exc:
+                log.warning("cannot read the issued API keys from Redis at startup (%s); retrying", exc)
+            poller = asyncio.get_running_loop().create_task(keys.poll(api.apply))
         api.apply()
-        yield
+        try:
+            yield
+        finally:
+            if poller is not None:
+                poller.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await poller
+            if isinstance(keys, RedisKeyStore):
+                await keys.close()
 
     app.cleanup_ctx.append(lifecycle)
     return api
