@@ -1,11 +1,12 @@
 """Thirty ``openai`` SDK clients against a tenant allowed four requests at a time: the 429s spread them.
 
-Real processes: an emulated vLLM replica and ``sluice serve`` (a tenant with ``max_concurrent:
-4`` and no other budget). Thirty ``openai.AsyncOpenAI`` clients, default retries (the SDK sends
-a request up to three times, waiting what ``retry-after-ms`` says), each stream one completion
-at the same instant. Four are served at once; every concurrency 429 says when the tenant's
-earliest running stream is predicted to end, jittered, so the refused clients come back spread
-over a window instead of together.
+Real processes: an emulated vLLM replica (its hardware configured, so admission forecasts each
+stream) and ``sluice serve`` (a tenant with ``max_concurrent: 4`` and no other budget). Thirty
+``openai.AsyncOpenAI`` clients, default retries (the SDK sends a request up to three times,
+waiting what ``retry-after-ms`` says), each stream one completion at the same instant. Four are
+served at once; every concurrency 429 says when the tenant's earliest running stream is
+predicted to end, jittered, so the refused clients come back spread over a window instead of
+together.
 
 What must hold: every client is served or raises ``openai.RateLimitError`` whose message names
 the concurrency limit; the refusals' ``retry-after-ms`` are not all equal and cover a window at
@@ -34,6 +35,8 @@ pytestmark = pytest.mark.timeout(scaled(240))
 #: Clients, and the tenant's concurrency limit.
 CLIENTS = 30
 MAX_CONCURRENT = 4
+#: What the emulated replica is (its profile ``llama3-8b-h100``), for the forecast's prior.
+HARDWARE = {"gpu": "H100-SXM", "model": "Llama-3-8B", "max_num_seqs": 1024, "max_num_batched_tokens": 8192}
 #: Output of each stream, tokens: long enough that a stream outlives a burst of refusals.
 MAX_TOKENS = 64
 
@@ -81,6 +84,8 @@ async def test_thirty_sdk_clients_against_four_slots_come_back_spread(tmp_path: 
     config = gateway_config(
         replica, free_port(), limits={"backend": "memory"}, tenant_limits={"max_concurrent": MAX_CONCURRENT}
     )
+    # The emulated profile's hardware: admission forecasts each stream from the first request on.
+    config["replicas"][0]["hardware"] = HARDWARE
     seen = Seen()
     with gateways(tmp_path, [config]) as (gateway,):
         model = await model_of(gateway.url)
