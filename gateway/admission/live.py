@@ -55,7 +55,7 @@ from gateway.admission.attainment import AttainmentState
 from gateway.admission.budget import BudgetRefused, TopUp
 from gateway.admission.engine import AdmissionEngine
 from gateway.admission.fairness import TokenWeights
-from gateway.admission.live_budget import LiveBudget, is_unlimited, over_budget
+from gateway.admission.live_budget import RESERVATION, LiveBudget, is_unlimited, over_budget, refunded
 from gateway.admission.live_queue import CallLater, LiveQueue, Watch
 from gateway.admission.ports import AdmissionReplica, route_of
 from gateway.admission.results import Ending, Resolution, Saturated, UnknownModel, labels
@@ -67,6 +67,7 @@ from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.http.echo import clip
 from gateway.http.errors import (
+    GatewayError,
     InvalidRequest,
     ModelNotFound,
     Refused,
@@ -305,7 +306,25 @@ class LiveAdmission:
 
         ``watch(request, on_lost)``: the disconnect monitor's ``watch``, so that a client that goes
         away while its request is queued is dropped from the queue (then ``ClientClosedRequest``).
+        A request refused here never reached a replica: the engine refunded its reservation, and
+        its ``x-ratelimit-*`` headers say so (``refunded``).
         """
+        try:
+            return await self._admit(request, parsed, outcome, watch=watch)
+        except GatewayError:
+            reservation = request.get(RESERVATION)
+            if reservation is not None:
+                request[RESERVATION] = refunded(reservation)
+            raise
+
+    async def _admit(
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        outcome: RequestOutcome,
+        *,
+        watch: Watch | None,
+    ) -> Ticket:
         settings = self._settings
         tenant: Tenant | None = request.get(TENANT)
         tenant_name = None if tenant is None else str(tenant.name)

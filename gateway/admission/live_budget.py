@@ -26,6 +26,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Final, Protocol
 
 from aiohttp import web
@@ -55,6 +56,7 @@ __all__ = [
     "is_unlimited",
     "over_budget",
     "rate_limit_headers_hook",
+    "refunded",
     "rejection_message",
     "token_unit",
 ]
@@ -318,6 +320,28 @@ def over_budget(
     )
     outcome.retry_after_s = error.retry_after_s
     return error
+
+
+def refunded(reservation: Reservation) -> Reservation:
+    """``reservation`` as its buckets stand once it is refunded whole (a request refused before
+    any replica): its tokens and its request back, its reset times that much sooner, its
+    concurrency slot free. What the headers of such a refusal say."""
+
+    def back(state: BucketState | None, units: float) -> BucketState | None:
+        if state is None or state.limit_per_minute <= 0.0:
+            return state
+        sooner = units * 60.0 / state.limit_per_minute
+        return replace(
+            state, remaining=state.remaining + units, reset_after_s=max(0.0, state.reset_after_s - sooner)
+        )
+
+    slots = reservation.concurrency
+    return replace(
+        reservation,
+        tokens=back(reservation.tokens, reservation.cost_tokens),
+        requests=back(reservation.requests, 1.0),
+        concurrency=None if slots is None else replace(slots, in_flight=max(0, slots.in_flight - 1)),
+    )
 
 
 ResponseHook = Callable[[web.BaseRequest, web.StreamResponse], Awaitable[None]]

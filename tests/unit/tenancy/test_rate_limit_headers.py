@@ -37,6 +37,9 @@ LIMITS = TenantLimitSettings(
     max_concurrent=4,
 )
 
+#: The IETF policy field of ``LIMITS``.
+POLICY = '"requests";q=60;w=60, "tokens";q=600;w=60;qu="tokens", "concurrency";q=4;qu="concurrent-requests"'
+
 
 def settings(*, ietf: bool) -> Any:
     def build(url: str) -> Settings:
@@ -124,9 +127,7 @@ async def test_the_ietf_fields_are_sent_only_when_switched_on(
     answer = await create(client)
     await gw.tenancy.budget.drain()
     # Held while the answer was sent: one slot of four taken.
-    assert answer.headers["RateLimit-Policy"] == (
-        '"requests";q=60;w=60, "tokens";q=600;w=60;qu="tokens", "concurrency";q=4;qu="concurrent-requests"'
-    )
+    assert answer.headers["RateLimit-Policy"] == POLICY
     assert answer.headers["RateLimit"] == '"requests";r=9;t=1, "tokens";r=60;t=4, "concurrency";r=3'
     assert answer.headers["x-ratelimit-remaining-tokens"] == "60"  # OpenAI's stay
 
@@ -144,3 +145,34 @@ async def test_the_ietf_fields_are_sent_only_when_switched_on(
     assert "RateLimit" not in response.headers
     assert "RateLimit-Policy" not in response.headers
     await plain.close()
+
+
+async def test_a_request_refused_before_any_replica_shows_its_reservation_refunded(
+    start_tenant_gateway: StartTenantGateway,
+) -> None:
+    """Refused after its budget was reserved (no replica serves its model): the engine refunds it
+    whole, and its headers show the buckets as they stand: full."""
+    gw = await start_tenant_gateway(Scripted().answer, settings=settings(ietf=True))
+    client = sdk(gw)
+
+    with pytest.raises(openai.APIStatusError) as refused:
+        await client.completions.with_raw_response.create(
+            model="no-such-model", prompt=[7] * PROMPT_TOKENS, max_tokens=MAX_TOKENS
+        )
+    await gw.tenancy.budget.drain()
+
+    assert refused.value.status_code == 404
+    assert gw.stats.allowed_total == 1  # reserved before its model was looked up
+    headers = refused.value.response.headers
+    assert ratelimit(headers) == {
+        "x-ratelimit-limit-requests": "60",
+        "x-ratelimit-remaining-requests": "10",
+        "x-ratelimit-reset-requests": "0s",
+        "x-ratelimit-limit-tokens": "600",
+        "x-ratelimit-remaining-tokens": "100",
+        "x-ratelimit-reset-tokens": "0s",
+        "ratelimit-policy": POLICY,
+        "ratelimit": '"requests";r=10;t=0, "tokens";r=100;t=0, "concurrency";r=4',
+    }
+    assert await gw.level(limits=LIMITS.to_limits()) == 100.0  # the limiter agrees
+    await client.close()
