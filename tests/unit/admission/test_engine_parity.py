@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, cast
 
-import pytest
 from aiohttp.test_utils import make_mocked_request
 
 from bench.goodput.core import FACTS, PROFILE, admission_settings
@@ -406,7 +405,7 @@ async def test_the_script_covers_queueing_refusals_and_re_placement() -> None:
     assert stats.count(outcome=Outcome.DISPATCHED) > 0  # dispatched from the queue
 
 
-async def test_the_tenant_over_budget_is_told_the_buckets_exact_wait() -> None:
+async def test_the_tenant_over_budget_is_told_the_buckets_refill_jittered() -> None:
     _, live = await play()
     small = {i: live.decisions[i] for i, (*_, tenant) in enumerate(ARRIVALS) if tenant == "small"}
     assert [d for d, _, _ in small.values()] == [
@@ -419,8 +418,12 @@ async def test_the_tenant_over_budget_is_told_the_buckets_exact_wait() -> None:
     ]
     over = [retry for d, _, retry in small.values() if d.startswith("rejected")]
     # Nothing left after three at 0.02 s, refilled at 1,000 a second: 1,000 more in 1 s, and
-    # in 0.9 s from 0.12 s. Exact, not jittered.
-    assert over == pytest.approx([1.0, 0.9])
+    # in 0.9 s from 0.12 s; each jittered up to half as much again (the same draw on both sides:
+    # the parity tests compare them).
+    assert len(over) == 2
+    for retry, wait in zip(over, [1.0, 0.9], strict=True):
+        assert retry is not None
+        assert wait - 1e-9 <= retry <= wait * 1.5 + 1e-9
 
 
 async def test_a_drifting_adapter_is_caught() -> None:
