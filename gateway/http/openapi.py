@@ -101,9 +101,15 @@ _RETRY_HEADERS: Final[dict[str, Any]] = {
     "x-should-retry": _header("``false`` when retrying cannot help (the ``openai`` SDKs obey it)."),
 }
 _RATE_LIMIT_HEADERS: Final[dict[str, Any]] = {
-    f"x-ratelimit-{part}-{kind}": _header(f"OpenAI's {part} of the tenant's {kind} budget.")
-    for part in ("limit", "remaining", "reset")
-    for kind in ("requests", "tokens")
+    **{
+        f"x-ratelimit-{part}-{kind}": _header(f"OpenAI's {part} of the tenant's {kind} budget.")
+        for part in ("limit", "remaining", "reset")
+        for kind in ("requests", "tokens")
+    },
+    "RateLimit-Policy": _header(
+        "The tenant's budgets (draft-ietf-httpapi-ratelimit-headers-11), with limits.ietf_headers."
+    ),
+    "RateLimit": _header("What is left of each budget (the IETF draft's field), with limits.ietf_headers."),
 }
 
 
