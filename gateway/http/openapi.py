@@ -76,6 +76,7 @@ _ERRORS: Final[Mapping[int, str]] = {
     401: "Missing, malformed or unknown API key (or admin token); carries ``WWW-Authenticate``.",
     404: "Unknown route, or no replica serves the model (``model_not_found``).",
     405: "Wrong method for this path; carries ``Allow``.",
+    409: "A key change the key store cannot make (``keys_not_writable``, ``key_not_revocable``).",
     408: "The body did not arrive within ``server.client_read_timeout_s`` (``request_timeout``); "
     "the connection is closed.",
     413: "Body over ``server.max_body_bytes`` (``request_too_large``).",
@@ -252,6 +253,45 @@ def _get(
     }
 
 
+def _admin_operation(
+    summary: str, status: int, errors: tuple[int, ...], params: tuple[str, ...]
+) -> dict[str, Any]:
+    """An admin operation answering JSON with ``status`` or the ``errors``, with path ``params``."""
+    responses = {str(status): _ok(summary, _JSON_OBJECT)}
+    responses.update({str(code): _error_response(code) for code in (401, 404, *errors)})
+    path_params = [
+        {"name": name, "in": "path", "required": True, "schema": {"type": "string"}} for name in params
+    ]
+    return {
+        "summary": summary,
+        "security": [{"adminToken": []}, {}],
+        "parameters": [_request_id_parameter(), *path_params],
+        "responses": responses,
+    }
+
+
+def _tenant_paths() -> dict[str, Any]:
+    """The tenants admin routes (``gateway.tenants.admin_api``, ``gateway.tenants.keys_api``)."""
+    tenant, key = ("id",), ("id", "key_id")
+    return {
+        "/sluice/v1/tenants": {
+            "get": _admin_operation("Every tenant: limits, buckets now, in flight, recent 429s.", 200, (), ())
+        },
+        "/sluice/v1/tenants/{id}": {"get": _admin_operation("One tenant (as in the list).", 200, (), tenant)},
+        "/sluice/v1/tenants/{id}/keys": {
+            "get": _admin_operation(
+                "The tenant's API keys by id and prefix, never a secret.", 200, (), tenant
+            ),
+            "post": _admin_operation(
+                "Issue a key; the answer holds its secret, shown once.", 201, (409, 503), tenant
+            ),
+        },
+        "/sluice/v1/tenants/{id}/keys/{key_id}": {
+            "delete": _admin_operation("Revoke a key.", 200, (409, 503), key),
+        },
+    }
+
+
 def _component_names() -> dict[str, str]:
     """Pydantic's ``$defs`` key (the class name) -> the public component name."""
     return {**{model.__name__: name for model, name in REQUEST_SCHEMAS.items()}, **_NESTED_NAMES}
@@ -345,6 +385,7 @@ def openapi_spec() -> dict[str, Any]:
             (401, 404),
             admin=True,
         ),
+        **_tenant_paths(),
     }
     return {
         "openapi": OPENAPI_VERSION,
