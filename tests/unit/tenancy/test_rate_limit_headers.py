@@ -9,6 +9,7 @@ settled at 20 + 2 x 10 = 40 weighted tokens (conftest), the bucket refills 10 a 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import openai
@@ -175,4 +176,44 @@ async def test_a_request_refused_before_any_replica_shows_its_reservation_refund
         "ratelimit": '"requests";r=10;t=0, "tokens";r=100;t=0, "concurrency";r=4',
     }
     assert await gw.level(limits=LIMITS.to_limits()) == 100.0  # the limiter agrees
+    await client.close()
+
+
+async def test_request_and_concurrency_refusals_say_limit_and_use(
+    start_tenant_gateway: StartTenantGateway,
+) -> None:
+    """One request a minute, a burst of 2, one at a time: a request beside a running one is refused
+    for its slot (taking nothing), the third allowed one in a row for its request budget, each in
+    OpenAI's words."""
+    scripted = Scripted()
+    limits = TenantLimitSettings(requests_per_minute=1.0, request_burst=2.0, max_concurrent=1)
+
+    def build(url: str) -> Settings:
+        return tenancy_settings(url, limits=limits)
+
+    gw = await start_tenant_gateway(scripted.hang, settings=build)
+    client = sdk(gw)
+
+    held = asyncio.create_task(create(client))
+    await scripted.arrived.wait()
+    with pytest.raises(openai.RateLimitError) as busy:
+        await create(client)
+    assert isinstance(busy.value.body, dict)
+    assert busy.value.body["message"].startswith(
+        "Rate limit reached for tenant team-a on concurrent requests: Limit 1, In flight 1, Requested 1. "
+        "Please try again in "
+    )
+    scripted.release.set()
+    await held
+    await create(client)  # the burst's second request
+    await gw.tenancy.budget.drain()
+
+    with pytest.raises(openai.RateLimitError) as spent:
+        await create(client)
+    assert isinstance(spent.value.body, dict)
+    wait = go_duration(int(spent.value.response.headers["retry-after-ms"]) / 1000)
+    assert spent.value.body["message"] == (
+        "Rate limit reached for tenant team-a on requests per min (RPM): Limit 1, Burst 2, Used 2, "
+        f"Requested 1. Please try again in {wait}."
+    )
     await client.close()
