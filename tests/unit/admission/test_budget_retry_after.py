@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from gateway.admission.budget import BudgetRefused, SlotClock, budget_retry_after, predicted_end
+from gateway.admission.budget import BudgetRefused, Hold, SlotClock, budget_retry_after, predicted_end
 from gateway.admission.config import RetryAfterSettings
 from gateway.admission.engine import AdmissionEngine
 from gateway.admission.results import Ending, Submitted
@@ -24,7 +24,7 @@ from gateway.limits.base import Reservation, TenantLimits
 from gateway.limits.memory import MemoryLimiter
 from gateway.replicas.registry import LiveRequest
 from gateway.replicas.snapshot import InFlight
-from replay.budget import MemoryBudget
+from replay.budget import DEFAULT_WEIGHTS, MemoryBudget
 from tests.unit.admission.test_policies import Fleet, Predictions, new_entry, policy_settings
 from tests.unit.limits.fakes import FakeClock
 
@@ -165,6 +165,28 @@ def test_with_nothing_running_the_slot_wait_is_the_typical_duration() -> None:
     assert slots.typical_s == pytest.approx(4.0 + 0.2 * (2.0 - 4.0))
     assert slots.wait_s("acme", 5.0) == pytest.approx(slots.typical_s)
     assert slots.holding("acme") == 0
+
+
+def test_a_running_request_without_a_forecast_ends_a_typical_duration_after_its_reservation() -> None:
+    limits = TenantLimits(max_concurrent=3)
+    limiter = MemoryLimiter(clock=FakeClock())
+    clock = SlotClock()
+
+    def hold(rid: str, at: float, running: TrackedStream[InFlight] | None) -> Hold:
+        answer = limiter.reserve_now("t", cost_tokens=0.0, limits=limits, request_id=rid)
+        held = Hold(answer, DEFAULT_WEIGHTS, 100, 10, 1, reserved_at=at)
+        held.stream = running
+        clock.held(held)
+        return held
+
+    first = hold("a", 0.0, None)
+    clock.released(first, 3.0)  # typical: 3 s
+    hold("queued", 0.0, None)  # not running: no end of its own
+    hold("unforecast", 1.0, stream(1.0, math.nan, 0.0, 100.0))
+    assert clock.wait_s("t", 2.5) == pytest.approx(1.0 + 3.0 - 2.5)
+    hold("forecast", 2.45, stream(2.45, 0.1, 0.01, 50.0))  # ends at 2.55 + 0.49, before 4.0
+    assert clock.wait_s("t", 2.5) == pytest.approx(3.04 - 2.5)
+    assert clock.holding("t") == 3
 
 
 def engine_with(limits: TenantLimits) -> tuple[AdmissionEngine, MemoryBudget]:
