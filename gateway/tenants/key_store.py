@@ -59,7 +59,8 @@ Source = Literal["config", "keys_file", "redis"]
 class KeyStoreError(Exception):
     """A key change the store cannot make; ``status`` and ``code`` say how the API answers it
     (409 ``keys_not_writable``: no store for issued keys; 409 ``key_not_revocable``: a key
-    written by hand in the configuration)."""
+    written by hand in the configuration; 409 ``keys_file_invalid``; 503 ``keys_unavailable``:
+    Redis did not answer)."""
 
     def __init__(self, message: str, *, status: int = 409, code: str = "keys_not_writable") -> None:
         super().__init__(message)
@@ -256,7 +257,10 @@ class FileKeyStore:
         return data if isinstance(data, dict) else {}
 
     def _file_records(self) -> list[KeyRecord]:
-        return file_records(self._read(), self._settings().tenants)
+        try:
+            return file_records(self._read(), self._settings().tenants)
+        except ConfigError as exc:
+            raise KeyStoreError(f"The keys file is invalid: {exc}", code="keys_file_invalid") from None
 
     def _writable(self) -> Path:
         if self.path is None:
@@ -275,10 +279,8 @@ class FileKeyStore:
     async def issue(self, tenant: str) -> tuple[KeyRecord, str]:
         self._writable()
         async with self._lock:
-            try:
-                data = self._read()
-            except ConfigError as exc:
-                raise KeyStoreError(f"The keys file is invalid: {exc}") from None
+            self._file_records()  # validates the file: KeyStoreError when it is invalid
+            data = self._read()
             secret = new_secret()
             record = issued_record(tenant, secret, "keys_file", self._clock())
             entries = data.get(tenant)

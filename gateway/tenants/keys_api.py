@@ -22,7 +22,7 @@ from typing import Final
 from aiohttp import web
 
 from gateway.config.store import SettingsStore
-from gateway.http.errors import InvalidRequest, RouteNotFound
+from gateway.http.errors import GatewayError, InvalidRequest, RouteNotFound
 from gateway.keys import STORE
 from gateway.limits.redis import connect
 from gateway.tenants.admin_api import TenantsAdmin
@@ -38,6 +38,14 @@ log = logging.getLogger("sluice.keys")
 #: Least seconds a key store call to Redis may take (key changes are rare; the limiter's
 #: millisecond budget is for the request path).
 KEYS_TIMEOUT_S: Final = 1.0
+
+
+def store_error(exc: KeyStoreError) -> GatewayError:
+    """The answer to a change the key store could not make: a client error (409), or a server
+    error (503) when its storage did not answer."""
+    if exc.status >= 500:
+        return GatewayError(exc.message, code=exc.code, status=exc.status)
+    return InvalidRequest(exc.message, code=exc.code, status=exc.status)
 
 
 def file_store(store: SettingsStore) -> FileKeyStore:
@@ -78,7 +86,7 @@ class KeysApi:
         try:
             record, secret = await self.keys.issue(tenant)
         except KeyStoreError as exc:
-            raise InvalidRequest(exc.message, code=exc.code, status=exc.status) from None
+            raise store_error(exc) from None
         self.apply()
         log.info("API key issued: tenant=%s id=%s prefix=%s", tenant, record.id, record.prefix)
         body = {**record.public(), "secret": secret}
@@ -87,7 +95,10 @@ class KeysApi:
     async def list_view(self, request: web.Request) -> web.Response:
         """``GET /sluice/v1/tenants/{id}/keys``: the tenant's keys, without secrets or hashes."""
         tenant = self.admin.tenant(request.match_info["id"]).name
-        records = await self.keys.records(tenant)
+        try:
+            records = await self.keys.records(tenant)
+        except KeyStoreError as exc:
+            raise store_error(exc) from None
         return web.json_response({"object": "list", "data": [r.public() for r in records]})
 
     async def revoke_view(self, request: web.Request) -> web.Response:
@@ -97,7 +108,7 @@ class KeysApi:
         try:
             record = await self.keys.revoke(tenant, key_id)
         except KeyStoreError as exc:
-            raise InvalidRequest(exc.message, code=exc.code, status=exc.status) from None
+            raise store_error(exc) from None
         if record is None:
             raise RouteNotFound(f"Tenant {tenant!r} has no key {key_id!r}.", code="key_not_found")
         self.apply()

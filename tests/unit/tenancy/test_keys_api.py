@@ -175,3 +175,20 @@ async def test_sluice_keys_round_trip(start_tenant_gateway: StartTenantGateway, 
     assert code == 1
     assert "404" in err
     assert "has no key" in err
+
+
+async def test_a_keys_file_broken_by_hand_is_a_409_not_a_crash(
+    start_tenant_gateway: StartTenantGateway, tmp_path: Path
+) -> None:
+    keys_file = tmp_path / "keys.yaml"
+    gw = await start_tenant_gateway(Scripted().answer, settings=with_keys_file(keys_file))
+    keys_file.write_text("team-a: ['sk-a-plaintext-key-pasted-here']\n")
+
+    for resp in (
+        await gw.client.post("/sluice/v1/tenants/team-a/keys"),
+        await gw.client.get("/sluice/v1/tenants/team-a/keys"),
+    ):
+        body = await _json(resp, 409)
+        assert body["error"]["code"] == "keys_file_invalid"
+        assert "sk-a-plaintext" not in body["error"]["message"]
+    assert "sk-a-plaintext-key-pasted-here" in keys_file.read_text()  # left as it was
