@@ -5,8 +5,10 @@ requests) and takes from all of them at once or from none. ``reserve`` happens a
 the tenant's ``TenantLimits`` (passed on every call, so a reload applies to the next request) and
 a request id unique per reservation; ``settle`` happens exactly once when the request ends, with
 the tokens it really cost, and frees the concurrency slot. A ``Reservation`` carries everything a
-429 needs (``x-ratelimit-*`` headers, an exact ``Retry-After``). Storage failures surface as
-``LimiterUnavailable`` only; the failure policy (``failover.FailoverLimiter``) decides what it means.
+429 needs from the limiter (``x-ratelimit-*`` headers, the exact wait until the buckets refill;
+admission adds the wait for a concurrency slot and the jitter: ``admission.budget``). Storage
+failures surface as ``LimiterUnavailable`` only; the failure policy (``failover.FailoverLimiter``)
+decides what it means.
 """
 
 from __future__ import annotations
