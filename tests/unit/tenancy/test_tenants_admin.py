@@ -18,6 +18,8 @@ from gateway.observability.metrics import METRICS
 from gateway.tenants import AuthSettings, hash_api_key
 from gateway.tenants.admin_api import TENANTS_ADMIN
 from gateway.tenants.recent import RecentRefusals
+from tests.support.speed import scaled
+from tests.unit.gateway.fakes import wait_for
 from tests.unit.limits.fakes import FakeClock
 from tests.unit.tenancy.conftest import ADMIN_TOKEN, Scripted, StartTenantGateway, bearer, tenancy_settings
 
@@ -162,3 +164,17 @@ def test_recent_refusals_forget_what_left_the_window() -> None:
     clock.advance(10.0)
     assert recent.by_reason("a") == {}
     assert recent.by_reason("b") == {}
+
+
+async def test_the_running_gateway_refreshes_the_gauges_on_its_own(
+    start_tenant_gateway: StartTenantGateway,
+) -> None:
+    gw = await start_tenant_gateway(Scripted().answer, settings=tight)
+    metrics = gw.app[METRICS]
+    remaining = 'sluice_tenant_bucket_remaining{bucket="tokens",tenant="team-a"}'
+    assert (await gw.post()).status == 200
+    await gw.tenancy.budget.drain()
+    assert _gauge(metrics.exposition()[0].decode(), remaining) == 160.0
+    gw.clock.advance(3.0)  # idle: 30 tokens of refill, no request, no explicit refresh
+
+    await wait_for(lambda: _gauge(metrics.exposition()[0].decode(), remaining) == 190.0, scaled(10.0))
