@@ -5,8 +5,10 @@ the hashing (``hash_api_key``, what ``sluice hash-key`` prints); ``auth`` the ``
 that maps an ``Authorization`` header to a ``Tenant`` or an ``AuthError``; ``keys_file`` the
 loader of the optional keys file. These are pure: no I/O except reading the keys file, no
 logging. Not imported here: ``pricing`` (what a request costs in weighted tokens, and the token
-weights) and ``live`` (the aiohttp middleware that authenticates, reserves and settles on the
-request path).
+weights), ``live`` (the aiohttp middleware that authenticates, reserves and settles on the
+request path), ``admin_api`` and ``recent`` (``GET /sluice/v1/tenants``, recent 429s, the tenant
+gauges' refresh), ``key_store``, ``redis_keys`` and ``keys_api`` (keys issued, listed and revoked
+while the gateway runs, in the keys file or Redis) and ``keys_cli`` (``sluice keys``).
 """
 
 from gateway.tenants.auth import Authenticator, AuthError, AuthFailure, Tenant, bearer_token
