@@ -121,12 +121,13 @@ class FailoverLimiter:
 
     async def levels(self, tenant: str, limits: TenantLimits) -> TenantLevels:
         """The primary's levels while storage answers, else the fallback's (``LevelReader``);
-        read-only either way. A failed read marks storage down like any storage call."""
+        read-only either way. A failed read does not mark storage down: an operator's read (or
+        the gauges' refresh) must not change how requests are limited; requests find out."""
         if not self.degraded and isinstance(self.primary, LevelReader):
             try:
                 return await self.primary.levels(tenant, limits)
-            except LimiterUnavailable as exc:
-                self._failed(exc)
+            except LimiterUnavailable:
+                pass
         if not isinstance(self.fallback, LevelReader):
             raise TypeError(f"limiter {self.fallback.name!r} cannot report levels")
         return await self.fallback.levels(tenant, limits)

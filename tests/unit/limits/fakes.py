@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from gateway.limits.base import LimiterUnavailable, Reservation, TenantLimits
+from gateway.limits.base import LimiterUnavailable, Reservation, TenantLevels, TenantLimits
 from gateway.limits.memory import MemoryLimiter
 
 
@@ -59,6 +59,10 @@ class FlakyStorage:
     async def in_flight(self, tenant: str) -> int:
         self._check()
         return await self.inner.in_flight(tenant)
+
+    async def levels(self, tenant: str, limits: TenantLimits) -> TenantLevels:
+        self._check()
+        return await self.inner.levels(tenant, limits)
 
     async def close(self) -> None:
         self.closed = True
