@@ -1,6 +1,7 @@
 """The tenants admin API and the tenant gauges' refresh.
 
-``GET /sluice/v1/tenants`` lists every configured tenant and ``GET /sluice/v1/tenants/{id}``
+``GET /sluice/v1/tenants`` lists every configured tenant (and the token weights a budget is
+charged with now) and ``GET /sluice/v1/tenants/{id}``
 shows one: its weight, classes and limits; its buckets and in-flight requests as the limiter
 holds them now (Redis when the budget is shared, read-only: ``LevelReader.levels``); its 429s of
 the last few minutes by reason (``RecentRefusals``). Both sit behind the admin token like every
@@ -112,7 +113,15 @@ class TenantsAdmin:
         """``GET /sluice/v1/tenants``: every configured tenant (``describe``), by name."""
         tenants = list(self.tenancy.authenticator.tenants.values())
         described = await asyncio.gather(*(self.describe(t) for t in tenants))
-        return web.json_response({"object": "list", "data": described})
+        weights = self.tenancy.weights()
+        return web.json_response(
+            {
+                "object": "list",
+                "data": described,
+                # What a token costs a budget now (per prompt token, per output token, ...).
+                "token_weights": dataclasses.asdict(weights),
+            }
+        )
 
     async def one_view(self, request: web.Request) -> web.Response:
         """``GET /sluice/v1/tenants/{id}``: one tenant (``describe``)."""

@@ -50,6 +50,7 @@ async def test_lists_every_tenant_with_limits_and_full_buckets(
     body = await resp.json()
 
     assert resp.status == 200
+    assert body["token_weights"] == {"input": 1.0, "output": 2.0, "request": 0.0, "context": 0.0}
     assert [t["id"] for t in body["data"]] == ["team-a", "team-b"]
     a, b = body["data"]
     assert a["limits"]["tokens_per_minute"] == 600.0
