@@ -241,4 +241,7 @@ async def test_the_openai_sdk_sees_a_stopped_stream_as_a_rate_limit_error(
 
     assert 0 < received < TALK
     assert caught.value.code == "rate_limit_exceeded"
-    assert caught.value.message.endswith(f"it was stopped after {received} output tokens.")
+    assert caught.value.message == (
+        "Rate limit reached for tenant team-a on weighted tokens per min (TPM): this stream outran its "
+        f"token reservation and the budget holds no more; it was stopped after {received} output tokens."
+    )
