@@ -173,7 +173,7 @@ def _install() -> None:
     _wrap_sync(logs, "log_access", "log_access")
     _wrap_sync(tenancy.Tenancy, "_authenticate", "Tenancy._authenticate")
     _wrap_sync(tenancy.Tenancy, "weights", "Tenancy.weights")
-    _wrap_sync(admission_live, "estimated_prompt_tokens", "estimated_prompt_tokens")
+    _wrap_async(admission_live, "prompt_size", "prompt_size")
     _wrap_sync(live_budget, "new_request_id", "new_request_id")
     _wrap_sync(proxy.Proxy, "_with_overhead", "Proxy._with_overhead")
     _wrap_async(aiohttp.ClientResponse, "start", "ClientResponse.start")
