@@ -21,7 +21,8 @@ import yaml
 from gateway.cli import main
 from gateway.config.load import load_settings
 from gateway.config.settings import Settings
-from gateway.tenants import Authenticator, hash_api_key
+from gateway.keys import STORE
+from gateway.tenants import Authenticator, apply_keys_file, hash_api_key
 from tests.unit.tenancy.conftest import KEY_A, Scripted, StartTenantGateway, tenancy_settings
 
 HAND_KEY = "sk-hand-written-team-a-51c2"
@@ -192,3 +193,32 @@ async def test_a_keys_file_broken_by_hand_is_a_409_not_a_crash(
         assert body["error"]["code"] == "keys_file_invalid"
         assert "sk-a-plaintext" not in body["error"]["message"]
     assert "sk-a-plaintext-key-pasted-here" in keys_file.read_text()  # left as it was
+
+
+async def test_a_reload_keeps_issued_keys_open_and_revoked_ones_closed(
+    start_tenant_gateway: StartTenantGateway, tmp_path: Path
+) -> None:
+    keys_file = tmp_path / "keys.yaml"
+    gw = await start_tenant_gateway(Scripted().answer, settings=with_keys_file(keys_file))
+    secret = (await _json(await gw.client.post("/sluice/v1/tenants/team-a/keys"), 201))["secret"]
+    listed = (await _json(await gw.client.get("/sluice/v1/tenants/team-a/keys"), 200))["data"]
+    hand = next(k for k in listed if k["source"] == "keys_file" and k["prefix"] is None)
+    await _json(await gw.client.delete(f"/sluice/v1/tenants/team-a/keys/{hand['id']}"), 200)
+
+    store = gw.app[STORE]
+    current = store.current
+    bare = current.tenants.model_copy(
+        update={
+            "tenants": {
+                **current.tenants.tenants,
+                "team-a": current.tenants.tenants["team-a"].model_copy(
+                    update={"api_keys": [hash_api_key(KEY_A)]}
+                ),
+            }
+        }
+    )
+    store.swap(current.model_copy(update={"tenants": apply_keys_file(bare)}))  # what a reload loads
+
+    assert (await gw.post(key=secret)).status == 200
+    assert (await gw.post(key=HAND_KEY)).status == 401
+    assert (await gw.post(key=KEY_A)).status == 200
