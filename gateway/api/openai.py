@@ -11,14 +11,16 @@ replica to judge. Malformed input raises ``InvalidRequest`` (400) naming the off
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from gateway.api.json_body import check_content_type, field_problem, load_object
+from gateway.api.json_body import DEFAULT_LIMITS, JsonLimits, check_content_type, field_problem, load_object
 from gateway.api.tgi import TGI_ENGINE, json_bytes, parse_generate, upstream_generate_body
 from gateway.http.echo import clip
 from gateway.http.errors import BodyTooLarge, ClientClosedRequest, InvalidRequest, ModelNotFound
@@ -132,6 +134,11 @@ class ParsedRequest:
         return self.endpoint in NATIVE_ENDPOINTS
 
 
+#: Bodies at least this long are decoded and validated on a worker thread (``asyncio.to_thread``),
+#: so that the event loop never spends more than about a millisecond on one; below it the thread
+#: hop costs more than it saves (docs/operations.md, "Floods and slow clients").
+OFF_LOOP_BYTES = 64 * 1024
+
 #: The request's parsed body, cached by ``read_request``.
 PARSED = web.RequestKey("parsed_request", ParsedRequest)
 #: ``models(engine)``: the ids of the models that healthy replicas running ``engine`` serve
@@ -139,26 +146,32 @@ PARSED = web.RequestKey("parsed_request", ParsedRequest)
 ENGINE_MODELS: web.AppKey[Callable[[str], list[str]]] = web.AppKey("engine_models")
 
 
-async def read_request(request: web.Request, endpoint: Endpoint, limit: int) -> ParsedRequest:
-    """The request's body read (at most ``limit`` bytes) and parsed, once per request.
+async def read_request(
+    request: web.Request, endpoint: Endpoint, limit: int, limits: JsonLimits = DEFAULT_LIMITS
+) -> ParsedRequest:
+    """The request's body read (at most ``limit`` bytes) and parsed within ``limits``, once per
+    request; a body of ``OFF_LOOP_BYTES`` or more is parsed on a worker thread.
 
     The tenancy middleware and the proxy both need it; the first caller pays, later callers get
     the same ``ParsedRequest``. Raises ``BodyTooLarge`` (413), ``ClientClosedRequest`` (a client
     gone mid-body) or ``InvalidRequest`` (415 for a body not sent as ``application/json``, else
     400).
     """
-    parsed = request.get(PARSED)
-    if parsed is None:
-        raw = await _read_body(request, limit)
-        check_content_type(request.headers.get("Content-Type"))
-        if endpoint in NATIVE_ENDPOINTS:
-            models = request.config_dict.get(ENGINE_MODELS)
-            served = models(TGI_ENGINE) if models is not None else []
-            model = resolve_native_model(served, request.headers.get(MODEL_HEADER))
-            parsed = parse_native(endpoint, raw, model)
-        else:
-            parsed = parse_request(endpoint, raw)
-        request[PARSED] = parsed
+    cached: ParsedRequest | None = request.get(PARSED)
+    if cached is not None:
+        return cached
+    raw = await _read_body(request, limit)
+    check_content_type(request.headers.get("Content-Type"))
+    parse: Callable[[], ParsedRequest]
+    if endpoint in NATIVE_ENDPOINTS:
+        models = request.config_dict.get(ENGINE_MODELS)
+        served = models(TGI_ENGINE) if models is not None else []
+        model = resolve_native_model(served, request.headers.get(MODEL_HEADER))
+        parse = partial(parse_native, endpoint, raw, model, limits)
+    else:
+        parse = partial(parse_request, endpoint, raw, limits)
+    parsed = await asyncio.to_thread(parse) if len(raw) >= OFF_LOOP_BYTES else parse()
+    request[PARSED] = parsed
     return parsed
 
 
@@ -181,9 +194,14 @@ def resolve_native_model(served: list[str], asked: str | None) -> str:
     )
 
 
-def parse_native(endpoint: Endpoint, raw: bytes, model: str) -> ParsedRequest:
-    """A ``/generate`` or ``/generate_stream`` body as a ``ParsedRequest`` for ``model``."""
-    body, max_new_tokens, stream, details = parse_generate(raw, streaming_route=endpoint == "generate_stream")
+def parse_native(
+    endpoint: Endpoint, raw: bytes, model: str, limits: JsonLimits = DEFAULT_LIMITS
+) -> ParsedRequest:
+    """A ``/generate`` or ``/generate_stream`` body (within ``limits``) as a ``ParsedRequest`` for
+    ``model``."""
+    body, max_new_tokens, stream, details = parse_generate(
+        raw, streaming_route=endpoint == "generate_stream", limits=limits
+    )
     return ParsedRequest(
         endpoint=endpoint,
         model=model,
@@ -216,13 +234,13 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
     return body
 
 
-def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
-    """Decode (``gateway.api.json_body.load_object``: finite numbers only) and validate one
-    OpenAI request body; raises ``InvalidRequest`` with the field as ``param``. (Native TGI bodies
-    go through ``parse_native``.)"""
+def parse_request(endpoint: Endpoint, raw: bytes, limits: JsonLimits = DEFAULT_LIMITS) -> ParsedRequest:
+    """Decode (``gateway.api.json_body.load_object``: within ``limits``, finite numbers only) and
+    validate one OpenAI request body; raises ``InvalidRequest`` with the field as ``param``.
+    (Native TGI bodies go through ``parse_native``.)"""
     if endpoint in NATIVE_ENDPOINTS:
         raise ValueError(f"{endpoint} is a native TGI endpoint: use parse_native")
-    body = load_object(raw)
+    body = load_object(raw, limits)
     fields = _plain_fields(endpoint, body)
     if fields is None:
         try:

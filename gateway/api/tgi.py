@@ -30,7 +30,7 @@ from typing import Annotated, Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from gateway.api.json_body import field_problem, load_object
+from gateway.api.json_body import DEFAULT_LIMITS, JsonLimits, field_problem, load_object
 from gateway.http.errors import InvalidRequest
 
 #: TGI's default output cap when ``parameters.max_new_tokens`` is absent (``default_max_new_tokens``).
@@ -88,16 +88,18 @@ class _GenerateBody(BaseModel):
     stream: StrictBool = False
 
 
-def parse_generate(raw: bytes, *, streaming_route: bool) -> tuple[dict[str, Any], int | None, bool, bool]:
+def parse_generate(
+    raw: bytes, *, streaming_route: bool, limits: JsonLimits = DEFAULT_LIMITS
+) -> tuple[dict[str, Any], int | None, bool, bool]:
     """Validate a ``/generate`` or ``/generate_stream`` body.
 
     Returns ``(body, max_new_tokens, stream, details)``: the decoded JSON object, the output cap in
     tokens (TGI's default 100 when absent, ``None`` when the client sent ``null``), whether the
     answer is a stream (always on ``/generate_stream``; ``"stream": true`` on ``/generate``) and
     whether the client itself asked for ``details``. Raises ``InvalidRequest`` (400) naming the
-    field (``gateway.api.json_body.load_object``: finite numbers only).
+    field (``gateway.api.json_body.load_object``: within ``limits``, finite numbers only).
     """
-    body = load_object(raw)
+    body = load_object(raw, limits)
     try:
         parsed = _GenerateBody.model_validate(body)
     except ValidationError as exc:

@@ -72,6 +72,24 @@ class ServerSettings(Section):
     max_body_bytes: Annotated[
         int, Field(gt=0, description="Largest request body accepted, in bytes; larger bodies get 413.")
     ] = 8 * 1024 * 1024
+    max_json_depth: Annotated[
+        int,
+        Field(
+            ge=2,
+            le=512,
+            description="Deepest nesting of arrays and objects a request body may have (its own object "
+            "is 1); deeper bodies get 400 (request_too_complex) before they are decoded.",
+        ),
+    ] = 64
+    max_json_items: Annotated[
+        int,
+        Field(
+            ge=16,
+            description="Most values a request body may hold in all its arrays and objects together "
+            "(messages, content parts, prompt strings, token ids, tool definitions); more get 400 "
+            "(request_too_complex) before they are decoded. Bounds the memory one body decodes to.",
+        ),
+    ] = 200_000
     upstream_connect_timeout_s: Annotated[
         PositiveSeconds, Field(description="Time allowed to open a TCP connection to a replica, in seconds.")
     ] = 5.0

@@ -72,7 +72,8 @@ _ERRORS: Final[Mapping[int, str]] = {
     400: "Invalid request: not JSON, a missing field, a field of the wrong type or a non-finite number "
     "(``param`` names it), a malformed header, or a prompt over every replica's limits "
     "(``prompt_too_large``; ``context_length_exceeded`` when the prompt and ``max_tokens`` exceed "
-    "the context, whether Sluice or the replica finds it).",
+    "the context, whether Sluice or the replica finds it), or a body nesting too deep or holding too "
+    "many values (``request_too_complex``).",
     401: "Missing, malformed or unknown API key (or admin token); carries ``WWW-Authenticate``.",
     404: "Unknown route, or no replica serves the model (``model_not_found``).",
     405: "Wrong method for this path; carries ``Allow``.",

@@ -41,6 +41,7 @@ from aiohttp import web
 
 from gateway.admission.live import LiveAdmission, Ticket, mark_saturated
 from gateway.admission.retry_after import UNMEASURED_WAIT_S, RefusalReason, retry_after
+from gateway.api.json_body import JsonLimits
 from gateway.api.openai import Endpoint, read_request, upstream_body, upstream_path, with_max_tokens
 from gateway.api.sse import Event, EventSplitter
 from gateway.config.store import SettingsStore
@@ -118,7 +119,12 @@ class Proxy:
         try:
             if self.draining:
                 raise _shutting_down("Sluice is shutting down; retry shortly")
-            parsed = await read_request(request, endpoint, settings.server.max_body_bytes)
+            parsed = await read_request(
+                request,
+                endpoint,
+                settings.server.max_body_bytes,
+                JsonLimits(settings.server.max_json_depth, settings.server.max_json_items),
+            )
             outcome.model, outcome.stream = clip(parsed.model), parsed.stream
         except GatewayError as err:
             self._refused(outcome, err)

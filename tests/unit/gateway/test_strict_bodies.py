@@ -41,7 +41,8 @@ CHAT: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content":
         pytest.param(b'{"a": 1', "request body is not valid JSON (line 1, column 8)", None, id="truncated"),
         pytest.param(b"", "request body is not valid JSON (line 1, column 1)", None, id="empty"),
         pytest.param(b'{"a": "\xff"}', "request body is not valid JSON: it is not", None, id="not-utf8"),
-        pytest.param(b"[" * 100_000 + b"]" * 100_000, JSON_TOO_COMPLEX, None, id="too-deep"),
+        pytest.param(b'{"a": ' + b"1" * 5000 + b"}", JSON_TOO_COMPLEX, None, id="integer-too-long"),
+        pytest.param(b"[" * 100_000 + b"]" * 100_000, "request body nests deeper than", None, id="too-deep"),
     ],
 )
 def test_load_object_refuses_with_a_fixed_message(raw: bytes, message: str, param: str | None) -> None:
