@@ -66,7 +66,7 @@ class JsonLimits:
     """
 
     max_depth: int = 64
-    max_items: int = 200_000
+    max_items: int = 100_000
 
 
 #: The limits at ``ServerSettings``' defaults.
@@ -85,27 +85,33 @@ def check_shape(raw: bytes, limits: JsonLimits) -> None:
     ``limits.max_depth`` deep and holds at most ``limits.max_items`` values; else raise
     ``InvalidRequest`` (400, ``param`` ``None``: the place is not known) naming the setting.
 
-    Linear in ``raw``'s size, with copies of it at most (strings emptied, then only the brackets)
-    and no Python object per value. Exact for valid JSON; for invalid JSON the counts are those of
-    the valid prefix the decoder would read before it fails, give or take a string's brackets.
+    Linear in ``raw``'s size, with a few copies of it at most and no Python object per value.
+    First counted on the raw bytes, strings included (an upper bound: most bodies stop there);
+    only a body over a limit by that count is counted again with its strings emptied. Exact for
+    valid JSON; for invalid JSON the counts are those of the valid prefix the decoder would read
+    before it fails, give or take a string's brackets.
     """
     encoding = json.detect_encoding(raw)  # from the first four bytes
     if encoding not in ("utf-8", "utf-8-sig"):  # UTF-16 and -32: rare, transcoded to scan
         raw = raw.decode(encoding, errors="replace").encode()
-    bare = _STRING.sub(b'""', raw.replace(b"\\\\", b"").replace(b'\\"', b""))
-    items = bare.count(b",") + bare.count(b"[") + bare.count(b"{")
-    if items > limits.max_items:
-        raise InvalidRequest(
-            f"request body holds more than {limits.max_items} values (server.max_json_items)",
-            code="request_too_complex",
-        )
-    brackets = bare.translate(None, _NOT_BRACKETS)
-    del bare
-    if max(accumulate(map(_DEPTH_STEP.__getitem__, brackets)), default=0) > limits.max_depth:
-        raise InvalidRequest(
-            f"request body nests deeper than {limits.max_depth} levels (server.max_json_depth)",
-            code="request_too_complex",
-        )
+    if _over(raw, limits) is None:
+        return
+    problem = _over(_STRING.sub(b'""', raw.replace(b"\\\\", b"").replace(b'\\"', b"")), limits)
+    if problem is not None:
+        raise InvalidRequest(problem, code="request_too_complex")
+
+
+def _over(text: bytes, limits: JsonLimits) -> str | None:
+    """The refusal's message when ``text``'s commas and brackets, all counted, go over
+    ``limits``; ``None`` when they do not."""
+    opening = text.count(b"[") + text.count(b"{")
+    if opening + text.count(b",") > limits.max_items:
+        return f"request body holds more than {limits.max_items} values (server.max_json_items)"
+    if opening > limits.max_depth:
+        brackets = text.translate(None, _NOT_BRACKETS)
+        if max(accumulate(map(_DEPTH_STEP.__getitem__, brackets))) > limits.max_depth:
+            return f"request body nests deeper than {limits.max_depth} levels (server.max_json_depth)"
+    return None
 
 
 def check_content_type(content_type: str | None) -> None:

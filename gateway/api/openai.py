@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Annotated, Any, Literal
@@ -134,10 +135,14 @@ class ParsedRequest:
         return self.endpoint in NATIVE_ENDPOINTS
 
 
-#: Bodies at least this long are decoded and validated on a worker thread (``asyncio.to_thread``),
-#: so that the event loop never spends more than about a millisecond on one; below it the thread
-#: hop costs more than it saves (docs/operations.md, "Floods and slow clients").
+#: Bodies at least this long are decoded and validated on ``_PARSER``'s thread, so that the event
+#: loop spends at most about 2 ms on one; below it the thread hop costs more than it saves
+#: (docs/operations.md, "Floods and slow clients").
 OFF_LOOP_BYTES = 64 * 1024
+#: One thread for big bodies: decoding holds the GIL (``json``'s C scanner does not release it),
+#: so more threads would not decode faster, only take the GIL from the event loop more often
+#: and hold more half-decoded bodies in memory at once.
+_PARSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-body")
 
 #: The request's parsed body, cached by ``read_request``.
 PARSED = web.RequestKey("parsed_request", ParsedRequest)
@@ -150,7 +155,7 @@ async def read_request(
     request: web.Request, endpoint: Endpoint, limit: int, limits: JsonLimits = DEFAULT_LIMITS
 ) -> ParsedRequest:
     """The request's body read (at most ``limit`` bytes) and parsed within ``limits``, once per
-    request; a body of ``OFF_LOOP_BYTES`` or more is parsed on a worker thread.
+    request; a body of ``OFF_LOOP_BYTES`` or more is parsed on the one body-parsing thread.
 
     The tenancy middleware and the proxy both need it; the first caller pays, later callers get
     the same ``ParsedRequest``. Raises ``BodyTooLarge`` (413), ``ClientClosedRequest`` (a client
@@ -170,7 +175,10 @@ async def read_request(
         parse = partial(parse_native, endpoint, raw, model, limits)
     else:
         parse = partial(parse_request, endpoint, raw, limits)
-    parsed = await asyncio.to_thread(parse) if len(raw) >= OFF_LOOP_BYTES else parse()
+    if len(raw) >= OFF_LOOP_BYTES:
+        parsed = await asyncio.get_running_loop().run_in_executor(_PARSER, parse)
+    else:
+        parsed = parse()
     request[PARSED] = parsed
     return parsed
 

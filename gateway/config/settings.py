@@ -89,7 +89,7 @@ class ServerSettings(Section):
             "(messages, content parts, prompt strings, token ids, tool definitions); more get 400 "
             "(request_too_complex) before they are decoded. Bounds the memory one body decodes to.",
         ),
-    ] = 200_000
+    ] = 100_000
     upstream_connect_timeout_s: Annotated[
         PositiveSeconds, Field(description="Time allowed to open a TCP connection to a replica, in seconds.")
     ] = 5.0

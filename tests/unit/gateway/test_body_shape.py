@@ -71,13 +71,13 @@ def test_load_object_checks_the_shape_before_decoding() -> None:
     assert load_object(deep, JsonLimits(max_depth=66)) == json.loads(deep)
 
 
-def test_the_defaults_take_a_context_of_token_ids_and_deep_tool_schemas() -> None:
+def test_the_defaults_take_99_000_token_ids_and_deep_tool_schemas() -> None:
     server = ServerSettings()
     assert (server.max_json_depth, server.max_json_items) == (
         DEFAULT_LIMITS.max_depth,
         DEFAULT_LIMITS.max_items,
     )
-    tokens = json.dumps({"model": MODEL, "prompt": list(range(131_072))}).encode()
+    tokens = json.dumps({"model": MODEL, "prompt": list(range(99_000))}).encode()
     check_shape(tokens, DEFAULT_LIMITS)
     schema: dict[str, Any] = {"type": "string"}
     for _ in range(14):
