@@ -56,7 +56,8 @@ async def test_levels_follow_reserve_and_settle_without_taking_anything_everywhe
     # Reading took nothing: the next reservation sees the level the first one left (plus refill).
     r2 = await limiter.reserve(TENANT, cost_tokens=100, limits=LIMITS, request_id="b")
     assert 300 - EPS <= bucket(r2.tokens).remaining <= 300 + 10 * backend.elapsed() + EPS
-    assert r2.concurrency is not None and r2.concurrency.in_flight == 2
+    assert r2.concurrency is not None
+    assert r2.concurrency.in_flight == 2
     await limiter.settle(r, actual_cost_tokens=50)  # a refund of 150
     await limiter.settle(r2, actual_cost_tokens=100)
     after = await levels(backend)
