@@ -167,11 +167,10 @@ class QueueSettings(Section):
     fairness: Annotated[
         Literal["tokens", "requests"],
         Field(
-            description="What the tenants' fair share counts when several wait: 'tokens' (weighted "
-            "prompt and output tokens, with the token weights the tenants' budgets use: the step model's "
-            "relative GPU time of a prefill and a decode token, or limits.token_weights; each tenant gets "
-            "its weighted share of GPU time) or 'requests' (every request counts 1, whatever its size: a "
-            "tenant sending long prompts gets most of the GPU).",
+            description="What the tenants' fair share counts when several wait: 'tokens' (prompt and "
+            "output tokens, counted as the tenants' budgets count them, limits.token_weights: plain by "
+            "default, a share of GPU time with mode gpu_time) or 'requests' (every request counts 1, "
+            "whatever its size: a tenant sending long prompts gets most of the GPU).",
         ),
     ] = "tokens"
 

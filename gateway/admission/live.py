@@ -55,7 +55,14 @@ from gateway.admission.attainment import AttainmentState
 from gateway.admission.budget import BudgetRefused, TopUp
 from gateway.admission.engine import AdmissionEngine
 from gateway.admission.fairness import TokenWeights
-from gateway.admission.live_budget import RESERVATION, LiveBudget, is_unlimited, over_budget, refunded
+from gateway.admission.live_budget import (
+    RESERVATION,
+    LiveBudget,
+    is_unlimited,
+    over_budget,
+    refunded,
+    token_unit,
+)
 from gateway.admission.live_queue import CallLater, LiveQueue, Watch
 from gateway.admission.ports import AdmissionReplica, route_of
 from gateway.admission.results import Ending, Resolution, Saturated, UnknownModel, labels
@@ -498,6 +505,13 @@ class LiveAdmission:
         if hold.output_cap is not None and hold.covered_output >= hold.output_cap:
             return math.inf
         return float(hold.covered_output)
+
+    def token_unit(self, ticket: Ticket) -> str:
+        """What ``ticket``'s tenant's token budget counts, as its messages say it: ``tokens``
+        (plain weights) or ``weighted tokens`` (``live_budget.token_unit`` of the weights its
+        reservation was priced with; ``tokens`` when it holds none)."""
+        hold = self.engine.held(ticket.key)
+        return "tokens" if hold is None else token_unit(hold.weights)
 
     async def charge_ahead(self, ticket: Ticket, produced: int) -> float | None:
         """``ticket``'s stream has produced ``produced`` output tokens, past what its budget

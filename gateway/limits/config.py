@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from gateway.config.section import PositiveSeconds, Section, SettingsViolations, Violation
 from gateway.limits.base import TenantLimits
@@ -34,8 +34,8 @@ class TenantLimitSettings(Section):
     tokens_per_minute: Annotated[
         PerMinute | None,
         Field(
-            description="Weighted tokens (w_in x prompt + w_out x output) the tenant may use per minute, "
-            "shared by all gateways; null means unlimited."
+            description="Tokens (prompt + output; weighted when limits.token_weights sets weights) the "
+            "tenant may use per minute, shared by all gateways; null means unlimited."
         ),
     ] = None
     requests_per_minute: Annotated[
@@ -48,7 +48,7 @@ class TenantLimitSettings(Section):
     token_burst: Annotated[
         PerMinute | None,
         Field(
-            description="Token bucket capacity, in weighted tokens: the most a tenant can spend at once "
+            description="Token bucket capacity, in the budget's tokens: the most a tenant can spend at once "
             "after being idle; a single request costing more is refused as never admissible. "
             "Default: tokens_per_minute (one minute's worth)."
         ),
@@ -89,8 +89,11 @@ class TenantLimitSettings(Section):
 
 
 class TokenWeightSettings(Section):
-    """The two weights of a tenant's token cost, pinned by the operator (else from the step model)."""
+    """Fixed weights of a tenant's token cost, pinned by the operator: ``{prompt: x, output: y}``."""
 
+    mode: Annotated[
+        Literal["fixed"], Field(description="fixed (the default when prompt and output are given).")
+    ] = "fixed"
     prompt: Annotated[
         Weight,
         Field(description="Weighted tokens one prompt (prefill) token costs; > 0."),
@@ -99,6 +102,56 @@ class TokenWeightSettings(Section):
         Weight,
         Field(description="Weighted tokens one output (decode) token costs; > 0."),
     ]
+
+
+class GpuTimeWeightSettings(Section):
+    """Opt-in GPU-time pricing: ``{mode: gpu_time}``. A prompt token costs 1 and an output token
+    the GPU time of a decode token over a prefill token on the replicas serving the request's
+    model, per their step model at a fixed reference operating point (not the live batch), moving
+    towards a refit by at most ``max_change_per_minute`` a minute."""
+
+    mode: Annotated[Literal["gpu_time"], Field(description="gpu_time: weights from the step model.")]
+    reference_batch_seqs: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=4096,
+            description="Decode batch (sequences per step) the output token's GPU time is taken at; "
+            "capped at each replica's max_num_seqs.",
+        ),
+    ] = 64
+    reference_context_tokens: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=1_000_000,
+            description="Tokens of context each sequence of the reference batch reads, and the "
+            "prompt length a prefill token is priced at.",
+        ),
+    ] = 1024
+    max_change_per_minute: Annotated[
+        float,
+        Field(
+            gt=0,
+            le=1,
+            allow_inf_nan=False,
+            description="Largest relative change of an output token's weight per minute (0.1: at most "
+            "10 % a minute, compounding); a refit moves the weight towards it at this pace.",
+        ),
+    ] = 0.1
+
+
+def _weights_kind(value: Any) -> str:
+    """Which weights section a ``token_weights`` value is: ``gpu_time`` or ``fixed``."""
+    mode = value.get("mode") if isinstance(value, dict) else getattr(value, "mode", None)
+    return "gpu_time" if mode == "gpu_time" else "fixed"
+
+
+#: ``limits.token_weights``: fixed weights or the GPU-time opt-in, told apart by ``mode``.
+WeightSettings = Annotated[
+    Annotated[TokenWeightSettings, Tag("fixed")] | Annotated[GpuTimeWeightSettings, Tag("gpu_time")],
+    Discriminator(_weights_kind),
+]
 
 
 class RedisSettings(Section):
@@ -179,11 +232,13 @@ class LimitsSettings(Section):
         ),
     ] = 900.0
     token_weights: Annotated[
-        TokenWeightSettings | None,
+        WeightSettings | None,
         Field(
-            description="Cost of a request in weighted tokens = prompt x prompt tokens + output x output "
-            "tokens. null: prompt 1 and output = the step model's GPU time of a decode token over a "
-            "prefill token, averaged over the replicas with a step model (2 until one has)."
+            description="What a tenant's token budget counts. null (default): plain tokens, prompt + "
+            "output, as OpenAI's TPM does. {prompt: x, output: y}: weighted tokens = x x prompt "
+            "tokens + y x output tokens. {mode: gpu_time}: a prompt token 1 and an output token "
+            "its GPU time over a prompt token's, per the step model of the replicas serving the "
+            "model at a fixed reference batch, changing at most max_change_per_minute a minute."
         ),
     ] = None
     over_limit_cache: Annotated[

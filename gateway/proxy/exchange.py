@@ -60,6 +60,9 @@ class Exchange:
     #: ``charge_ahead(produced)``: charge the next step; the new cover, or ``None`` when the
     #: tenant's budget refused it (the stream stops). ``LiveAdmission.charge_ahead``.
     charge_ahead: Callable[[int], Awaitable[float | None]] | None = None
+    #: What its tenant's token budget counts (``tokens`` or ``weighted tokens``), for the message
+    #: of a stream the budget stops.
+    token_unit: str = "tokens"
 
 
 class ReplicaOverloaded(Exception):

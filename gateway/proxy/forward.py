@@ -150,6 +150,7 @@ class Proxy:
                 # A stream that outruns its tenant's reservation is charged ahead, or stopped.
                 exchange.paid_output = self._admission.covered_output(ticket)
                 exchange.charge_ahead = functools.partial(self._admission.charge_ahead, ticket)
+                exchange.token_unit = self._admission.token_unit(ticket)
             try:
                 with self._registry.lease(replica, live):
                     outcome.replica = replica.name

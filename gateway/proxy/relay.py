@@ -247,7 +247,7 @@ class Relay:
         charge = ex.charge_ahead
         paid = math.inf if charge is None else await charge(ex.live.tokens_streamed)
         if paid is None:
-            raise _stream_over_budget(ex.live.tokens_streamed - 1, ex.outcome.tenant)
+            raise _stream_over_budget(ex.live.tokens_streamed - 1, ex.outcome.tenant, ex.token_unit)
         ex.paid_output = paid
 
     async def next_chunk(self, ex: Exchange, upstream: aiohttp.ClientResponse) -> bytes:
@@ -413,12 +413,13 @@ def finishing(event: Event) -> bool:
     return isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") for c in choices)
 
 
-def _stream_over_budget(relayed: int, tenant: str | None) -> Refused:
+def _stream_over_budget(relayed: int, tenant: str | None, unit: str) -> Refused:
     """The error event that stops a stream whose tenant's token budget refused to cover more,
-    worded as the budget's 429s are (``gateway.admission.live_budget.rejection_message``)."""
+    worded as the budget's 429s are (``gateway.admission.live_budget.rejection_message``);
+    ``unit``: what the budget counts (``tokens`` or ``weighted tokens``)."""
     return Refused(
         RefusalReason.RATE_LIMITED,
-        f"Rate limit reached for tenant {tenant} on weighted tokens per min (TPM): this stream outran "
+        f"Rate limit reached for tenant {tenant} on {unit} per min (TPM): this stream outran "
         f"its token reservation and the budget holds no more; it was stopped after {relayed} output "
         "tokens.",
         retry_after=None,

@@ -47,13 +47,14 @@ from gateway.config.store import SettingsStore
 from gateway.http.errors import GatewayError, Unauthenticated
 from gateway.keys import OUTCOME_LISTENERS, PREDICTION_SERVICE, STORE, OutcomeListener
 from gateway.limits.base import Limiter, LimiterStats
+from gateway.limits.config import GpuTimeWeightSettings
 from gateway.limits.factory import build_limiter
 from gateway.observability.logs import OUTCOME
 from gateway.observability.metrics import METRICS, SluiceMetrics
 from gateway.observability.outcome import RequestOutcome
 from gateway.prediction.service import PredictionService
 from gateway.tenants import Authenticator, AuthError, Tenant
-from gateway.tenants.pricing import configured_weights, fleet_token_weights
+from gateway.tenants.pricing import PLAIN_WEIGHTS, GpuTimeWeights, configured_weights, reference_ratio
 
 __all__ = ["TENANCY", "TENANT", "Tenancy", "install_tenancy"]
 
@@ -122,11 +123,11 @@ class Tenancy:
         self._issued: Mapping[str, str] = {}
         self._revoked: frozenset[str] = frozenset()
         self._auth = Authenticator(store.current.tenants)
-        self._weights: TokenWeights | None = None
         self._weights_at = -math.inf
-        #: ``limits.token_weights`` as ``TokenWeights`` (``None``: from the step model), built
-        #: once per configuration, not per request.
+        #: ``limits.token_weights`` as ``TokenWeights`` (plain when null; ``None``: GPU-time
+        #: weighting, ``_gpu_time``), built once per configuration, not per request.
         self._pinned = configured_weights(store.current.limits)
+        self._gpu_time: GpuTimeWeights | None = None
         self._budget: LiveBudget | None = None
         self._listeners: list[OutcomeListener] = []
         store.subscribe(self._on_swap)
@@ -174,18 +175,33 @@ class Tenancy:
         if old.tenants != new.tenants:
             self._auth = Authenticator(new.tenants, issued=self._issued, revoked=self._revoked)
         if old.limits.token_weights != new.limits.token_weights:
-            self._weights = None
             self._pinned = configured_weights(new.limits)
+            self._gpu_time = None
+            self._weights_at = -math.inf
 
     def weights(self) -> TokenWeights:
-        """The token weights a reservation made now uses (see the module docstring)."""
+        """The token weights a reservation made now uses: plain tokens by default, the pinned
+        ones, or the GPU-time weights in force (recomputed at most every ``WEIGHTS_REFRESH_S``
+        seconds; see ``gateway.tenants.pricing``)."""
         if self._pinned is not None:
             return self._pinned
+        settings = self._store.current.limits.token_weights
+        if not isinstance(settings, GpuTimeWeightSettings):  # pinned is None only with gpu_time
+            return PLAIN_WEIGHTS
         now = self._clock()
-        if self._weights is None or now - self._weights_at >= WEIGHTS_REFRESH_S:
-            self._weights = fleet_token_weights(self._predictions, self._store.current.all_replicas())
-            self._weights_at = now
-        return self._weights
+        if self._gpu_time is None:
+            self._gpu_time = GpuTimeWeights(settings, now)
+        elif now - self._weights_at < WEIGHTS_REFRESH_S:
+            return self._gpu_time.current
+        self._weights_at = now
+        target = reference_ratio(self._predictions, self._store.current.all_replicas(), settings)
+        return self._gpu_time.update(target, now)
+
+    @property
+    def weighted(self) -> bool:
+        """Whether the token budget counts weighted tokens (not plain prompt + output tokens)."""
+        pinned = self._pinned
+        return pinned is None or not (pinned.input == pinned.output == 1.0)
 
     # -- lifecycle -----------------------------------------------------------------------------------
 

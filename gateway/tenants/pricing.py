@@ -1,19 +1,22 @@
-"""What a tenant's request costs in weighted tokens, and the token weights that price it.
+"""What a tenant's request costs, and the token weights that price it.
 
-Pure numbers (no I/O; the prediction service is only read): the weights come from
-``limits.token_weights`` when set (``configured_weights``), else from the replicas' step models
-(``fleet_token_weights``). The admission engine prices, reserves and settles a tenant's budget
-with them (``gateway.admission.budget.request_cost``); its fairness reads the same weights.
+Pure numbers (no I/O; the prediction service is only read). ``limits.token_weights`` decides
+(``configured_weights``, ``GpuTimeWeights``):
 
-The weights: ``limits.token_weights`` when set. Otherwise a weighted token is a prompt token's worth of GPU
-time on the replicas as they run: ``w_in = 1``, ``w_out`` is the GPU time of one output token
-over one prompt token and ``w_ctx`` what each token of context an output token reads adds
-(its KV read), at the decode batch each replica's engine steps really carried over its latest
-scrape window (``fleet_token_weights``, ``replica_prices``), averaged over the replicas that
-have a valid step model (``gateway.tenants.live.Tenancy`` recomputes them at most every
-``WEIGHTS_REFRESH_S`` seconds); 2 (VTC's 1 : 2) and no context part until one has. A
-reservation is settled with the weights it was made with, so a refit between the two never
-shifts a tenant's balance.
+* ``null`` (the default): plain tokens, prompt 1 and output 1 (``PLAIN_WEIGHTS``), as OpenAI's
+  TPM counts.
+* ``{prompt: x, output: y}``: those two weights, fixed.
+* ``{mode: gpu_time, ...}``: a prompt token 1 and an output token its GPU time over a prompt
+  token's, per the step model of the replicas serving a model, at a fixed reference operating
+  point (``reference_prices``: a stated decode batch and context, not the live batch), averaged
+  over the replicas with a valid step model; ``DEFAULT_WEIGHTS`` (VTC's 1 : 2) until one has.
+  The weight in force moves towards that target by at most ``max_change_per_minute`` a minute
+  (``GpuTimeWeights``), so two identical requests within a minute never differ by more than a
+  factor ``1 + max_change_per_minute``.
+
+A reservation is settled with the weights it was made with, so a change between the two never
+shifts a tenant's balance. ``fleet_token_weights`` (the weights at the live batch) stays for the
+tools that study pricing (``bench.tenancy_cost``).
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ from dataclasses import dataclass
 from typing import Final
 
 from gateway.admission.fairness import TokenWeights
-from gateway.limits.config import LimitsSettings
+from gateway.limits.config import GpuTimeWeightSettings, LimitsSettings
 from gateway.prediction.service import PredictionService
 from gateway.replicas.config import ReplicaSettings
 from predictor import StepModel
 from predictor.step_model import StepBatch
 
-#: Default weights until a step model exists: VTC's 1 : 2 (Sheng et al., OSDI 2024).
+#: Plain tokens: what a tenant's budget counts by default (prompt + output, as OpenAI's TPM).
+PLAIN_WEIGHTS: Final = TokenWeights(input=1.0, output=1.0)
+#: GPU-time weights until a step model exists: VTC's 1 : 2 (Sheng et al., OSDI 2024).
 DEFAULT_WEIGHTS: Final = TokenWeights(input=1.0, output=2.0)
 #: The decode step a decode token's GPU time is taken from, until the replica's own batch is
 #: observed: this many sequences (at most ``max_num_seqs``) with this many tokens of context each.
@@ -222,6 +227,82 @@ def fleet_token_weights(service: PredictionService, replicas: Iterable[ReplicaSe
 
 
 def configured_weights(limits: LimitsSettings) -> TokenWeights | None:
-    """``limits.token_weights`` as ``TokenWeights``; ``None`` when they come from the step model."""
+    """The fixed weights ``limits.token_weights`` states: ``PLAIN_WEIGHTS`` when it is null, the
+    pinned ``{prompt, output}`` otherwise; ``None`` when GPU-time weighting is on (``{mode:
+    gpu_time}``: the weights come from ``GpuTimeWeights``)."""
     pinned = limits.token_weights
-    return None if pinned is None else TokenWeights(input=pinned.prompt, output=pinned.output)
+    if pinned is None:
+        return PLAIN_WEIGHTS
+    if isinstance(pinned, GpuTimeWeightSettings):
+        return None
+    return TokenWeights(input=pinned.prompt, output=pinned.output)
+
+
+def reference_prices(
+    replica: ReplicaSettings, model: StepModel, settings: GpuTimeWeightSettings
+) -> TokenPrices | None:
+    """``step_model_prices`` of ``replica`` at ``settings``' reference operating point: a decode
+    batch of ``reference_batch_seqs`` sequences (at most the replica's ``max_num_seqs``) reading
+    ``reference_context_tokens`` tokens of context each, prompts of that many tokens. Whatever
+    the replica runs now; ``None`` when ``model`` gives no prices."""
+    hardware = replica.hardware
+    return step_model_prices(
+        model,
+        max_num_batched_tokens=hardware.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        max_num_seqs=hardware.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+        decode_seqs=float(settings.reference_batch_seqs),
+        context_tokens=float(settings.reference_context_tokens),
+        prompt_tokens=float(settings.reference_context_tokens),
+    )
+
+
+def reference_ratio(
+    service: PredictionService, replicas: Iterable[ReplicaSettings], settings: GpuTimeWeightSettings
+) -> float | None:
+    """The mean over ``replicas`` with a valid step model of ``reference_prices(...).ratio``: an
+    output token's GPU time over a prompt token's at the reference point; ``None`` when none has
+    one."""
+    ratios: list[float] = []
+    for replica in replicas:
+        model = service.step_model(replica.name)
+        prices = None if model is None else reference_prices(replica, model, settings)
+        if prices is not None:
+            ratios.append(prices.ratio)
+    return sum(ratios) / len(ratios) if ratios else None
+
+
+class GpuTimeWeights:
+    """The GPU-time weights in force for one replica group, moving slowly towards its target.
+
+    ``update(target, now)``: ``target`` is the output weight the step models give now
+    (``reference_ratio``; ``None``: keep the current one), ``now`` monotonic seconds. The output
+    weight is ``DEFAULT_WEIGHTS.output`` until the first target, which it takes as it is (a
+    placeholder, not a price, gives way at once); from then on it moves towards each target by
+    at most a factor ``(1 + max_change_per_minute) ** (elapsed / 60)`` (compounding: at most
+    ``1 + max_change_per_minute`` over any minute). Output weights are rounded to 0.01 and at
+    least 0.01."""
+
+    def __init__(self, settings: GpuTimeWeightSettings, now: float) -> None:
+        self.settings = settings
+        self._output = DEFAULT_WEIGHTS.output
+        self._priced = False
+        self._at = now
+
+    @property
+    def current(self) -> TokenWeights:
+        """The weights a reservation made now is priced with."""
+        return TokenWeights(input=1.0, output=max(round(self._output, 2), 0.01))
+
+    def update(self, target: float | None, now: float) -> TokenWeights:
+        """Move towards ``target`` as far as the time since the last update allows; the weights
+        now."""
+        elapsed = max(now - self._at, 0.0)
+        self._at = now
+        if target is None or not math.isfinite(target) or target <= 0.0:
+            return self.current
+        if not self._priced:
+            self._output, self._priced = target, True
+        else:
+            step = (1.0 + self.settings.max_change_per_minute) ** (elapsed / 60.0)
+            self._output = min(max(target, self._output / step), self._output * step)
+        return self.current

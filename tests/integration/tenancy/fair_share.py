@@ -22,8 +22,9 @@ totals, which the load's sampler reads every 0.25 s. A tenant's GPU time over a 
 increase of its total between the window's first and last samples: what its requests used of
 the replica's busy time there, finished or not.
 
-The gateway weighs tokens as it does by default (``limits.token_weights`` unset: the step
-model's prices, ``gateway.tenants.pricing.fleet_token_weights``) unless ``gateway_config`` pins them.
+The gateway weighs tokens by GPU time (``limits.token_weights: {mode: gpu_time}``: the step
+model's prices at the reference batch, ``gateway.tenants.pricing.GpuTimeWeights``) unless
+``gateway_config`` pins them.
 
 ``python -m tests.integration.tenancy.fair_share`` (``main``) runs the scenarios of the test
 once more, plus fixed VTC weights (1 : 2), and prints each tenant's GPU-time share;
@@ -136,7 +137,8 @@ def gateway_config(
     """One replica, one class whose only binding limit is ``SLOTS`` requests at once, the two
     tenants with their keys and ``weights``, the queue's fair share counting ``fairness``.
     ``token_weights``: pinned as ``limits.token_weights`` (what budgets and fair share charge per
-    prompt and output token); ``None`` (default): the gateway's step-model prices."""
+    prompt and output token); ``None`` (default): GPU-time weighting, the gateway's step-model
+    prices (``{mode: gpu_time}``, free to follow the fit within the run)."""
     hardware = {
         "gpu": "H100-SXM",
         "model": "Llama-3-8B",
@@ -151,7 +153,7 @@ def gateway_config(
         "slot_share": SLOT_SHARE,
     }
     unlimited = {"tokens_per_minute": 1e12, "requests_per_minute": 1e9, "max_concurrent": 10_000}
-    limits: dict[str, Any] = {}
+    limits: dict[str, Any] = {"token_weights": {"mode": "gpu_time", "max_change_per_minute": 1.0}}
     if token_weights is not None:
         limits["token_weights"] = {"prompt": token_weights.input, "output": token_weights.output}
     return {
