@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, Final
@@ -72,12 +73,16 @@ class JsonLimits:
 #: The limits at ``ServerSettings``' defaults.
 DEFAULT_LIMITS: Final = JsonLimits()
 
-#: A string once its escaped backslashes and quotes are gone (``_bare``).
+#: A string once its escaped backslashes and quotes are gone (``_bare_segments``).
 _STRING: Final = re.compile(rb'"[^"]*"')
 #: ``bytes.translate``'s delete argument that keeps only brackets.
 _NOT_BRACKETS: Final = bytes(b for b in range(256) if b not in b"[]{}")
 #: Depth change per byte of the bracket string.
 _DEPTH_STEP: Final = [1 if b in b"[{" else -1 if b in b"]}" else 0 for b in range(256)]
+#: Bytes handed to one C call of the scan: each call holds the GIL, so this keeps the event loop's
+#: wait for it (when the scan runs on the body-parsing thread) well under a millisecond.
+_SEGMENT: Final = 64 * 1024
+_BACKSLASH: Final = ord("\\")
 
 
 def check_shape(raw: bytes, limits: JsonLimits) -> None:
@@ -85,32 +90,72 @@ def check_shape(raw: bytes, limits: JsonLimits) -> None:
     ``limits.max_depth`` deep and holds at most ``limits.max_items`` values; else raise
     ``InvalidRequest`` (400, ``param`` ``None``: the place is not known) naming the setting.
 
-    Linear in ``raw``'s size, with a few copies of it at most and no Python object per value.
-    First counted on the raw bytes, strings included (an upper bound: most bodies stop there);
-    only a body over a limit by that count is counted again with its strings emptied. Exact for
-    valid JSON; for invalid JSON the counts are those of the valid prefix the decoder would read
-    before it fails, give or take a string's brackets.
+    Linear in ``raw``'s size, in C calls of at most ``_SEGMENT`` bytes each, with no Python object
+    per value. First the commas and opening brackets are counted with strings included (an upper
+    bound on the values, and on the depth: most bodies stop there); a body over a limit by that
+    count is scanned again with its strings emptied. Exact for valid JSON; for invalid JSON the
+    counts are those of the valid prefix the decoder would read before it fails, give or take a
+    string's brackets.
     """
     encoding = json.detect_encoding(raw)  # from the first four bytes
     if encoding not in ("utf-8", "utf-8-sig"):  # UTF-16 and -32: rare, transcoded to scan
         raw = raw.decode(encoding, errors="replace").encode()
-    if _over(raw, limits) is None:
+    items = opening = 0
+    for start in range(0, len(raw), _SEGMENT):
+        end = start + _SEGMENT
+        opening += raw.count(b"[", start, end) + raw.count(b"{", start, end)
+        items += raw.count(b",", start, end)
+    if items + opening <= limits.max_items and opening <= limits.max_depth:
         return
-    problem = _over(_STRING.sub(b'""', raw.replace(b"\\\\", b"").replace(b'\\"', b"")), limits)
+    problem = _over(_bare_segments(raw), limits)
     if problem is not None:
         raise InvalidRequest(problem, code="request_too_complex")
 
 
-def _over(text: bytes, limits: JsonLimits) -> str | None:
-    """The refusal's message when ``text``'s commas and brackets, all counted, go over
-    ``limits``; ``None`` when they do not."""
-    opening = text.count(b"[") + text.count(b"{")
-    if opening + text.count(b",") > limits.max_items:
-        return f"request body holds more than {limits.max_items} values (server.max_json_items)"
-    if opening > limits.max_depth:
-        brackets = text.translate(None, _NOT_BRACKETS)
-        if max(accumulate(map(_DEPTH_STEP.__getitem__, brackets))) > limits.max_depth:
-            return f"request body nests deeper than {limits.max_depth} levels (server.max_json_depth)"
+def _segments(raw: bytes) -> Iterator[bytes]:
+    """``raw`` in pieces of about ``_SEGMENT`` bytes, none ending inside a run of backslashes
+    (so that no escape is split)."""
+    start = 0
+    while start < len(raw):
+        end = min(start + _SEGMENT, len(raw))
+        while end < len(raw) and raw[end - 1] == _BACKSLASH:
+            end += 1
+        yield raw[start:end]
+        start = end
+
+
+def _bare_segments(raw: bytes) -> Iterator[bytes]:
+    """``raw``'s pieces with every string's content removed (``""`` left), a string that spans
+    pieces included: escaped backslashes and quotes are dropped first, so that the quotes left
+    alternate between opening and closing."""
+    in_string = False
+    for piece in _segments(raw):
+        piece = piece.replace(b"\\\\", b"").replace(b'\\"', b"")
+        if in_string:
+            close = piece.find(b'"')
+            if close < 0:
+                continue
+            piece, in_string = piece[close + 1 :], False
+        bare = _STRING.sub(b'""', piece)
+        if bare.count(b'"') % 2:  # a string opened here goes on in the next piece
+            bare, in_string = bare[: bare.rindex(b'"')], True
+        yield bare
+
+
+def _over(pieces: Iterable[bytes], limits: JsonLimits) -> str | None:
+    """The refusal's message for the first limit that ``pieces`` (a body with its strings
+    emptied, in order) goes over; ``None`` when it goes over none."""
+    items = depth = 0
+    for piece in pieces:
+        items += piece.count(b",") + piece.count(b"[") + piece.count(b"{")
+        if items > limits.max_items:
+            return f"request body holds more than {limits.max_items} values (server.max_json_items)"
+        brackets = piece.translate(None, _NOT_BRACKETS)
+        if brackets:
+            running = list(accumulate(map(_DEPTH_STEP.__getitem__, brackets), initial=depth))
+            if max(running) > limits.max_depth:
+                return f"request body nests deeper than {limits.max_depth} levels (server.max_json_depth)"
+            depth = running[-1]
     return None
 
 

@@ -15,12 +15,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 BODY_MIB = 2.0
 CONCURRENCY = 8
 #: The gateway's RSS may grow by at most this many times the bytes of the bodies sent at once
-#: (16 MiB here; the parsed shape grew it 6.4 times, to 102 MiB, on the development machine).
+#: (16 MiB here; 50-108 MiB measured on the development machine, the most for the parsed shape).
 #: Unbounded decoding grew it by 1.4 GiB for eight 8 MiB bodies of ``{}`` items.
-GROWTH_PER_BODY_BYTE = 8.0
-#: ``/healthz``'s slowest answer during a round, in seconds, before scaling for a busy host
-#: (25-68 ms measured on the idle development machine).
-HEALTHZ_MAX_S = 0.15
+GROWTH_PER_BODY_BYTE = 10.0
+#: ``/healthz``'s slowest answer during a round of refused bodies, in seconds, before scaling
+#: for a busy host (15-65 ms measured on the development machine).
+HEALTHZ_REFUSED_MAX_S = 0.15
+#: The same for the round of bodies decoded and forwarded (68-160 ms measured): decoding one
+#: holds the GIL for its whole length.
+HEALTHZ_PARSED_MAX_S = 0.3
 
 
 def test_maximum_size_bodies_keep_memory_and_the_loop_bounded() -> None:
@@ -36,8 +39,8 @@ def test_maximum_size_bodies_keep_memory_and_the_loop_bounded() -> None:
     assert by_shape["accepted"].statuses == [413] * CONCURRENCY, report
 
     bound_mib = before + GROWTH_PER_BODY_BYTE * BODY_MIB * CONCURRENCY
-    healthz_bound_s = speed.scaled(HEALTHZ_MAX_S)
     for r in rounds:
         assert r.peak_mib <= bound_mib, report
         assert r.healthz_s, report
-        assert r.healthz_max_s <= healthz_bound_s, report
+        bound_s = HEALTHZ_PARSED_MAX_S if r.shape == "accepted" else HEALTHZ_REFUSED_MAX_S
+        assert r.healthz_max_s <= speed.scaled(bound_s), report

@@ -5,10 +5,12 @@ big bodies are parsed off the event loop."""
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import pytest
 
+from gateway.api import json_body
 from gateway.api import openai as openai_api
 from gateway.api.json_body import DEFAULT_LIMITS, JsonLimits, check_shape, load_object
 from gateway.config.settings import ServerSettings
@@ -130,3 +132,58 @@ async def test_the_gateway_refuses_an_over_complex_body_before_any_replica_sees_
     resp = await _post(gw, json.dumps(fine).encode())
     assert resp.status == 200
     assert len(replica.seen) == 1
+
+
+def _reference(value: object, level: int = 1) -> tuple[int, int]:
+    """(values as ``check_shape`` counts them, depth) from the decoded body: each array or
+    object counts its length, at least 1."""
+    if isinstance(value, dict):
+        children: list[object] = list(value.values())
+    elif isinstance(value, list):
+        children = list(value)
+    else:
+        return 0, level - 1
+    items, depth = max(len(children), 1), level
+    for child in children:
+        sub_items, sub_depth = _reference(child, level + 1)
+        items, depth = items + sub_items, max(depth, sub_depth)
+    return items, depth
+
+
+_TRICKY = ["", "]]]]", "[[{{", ',,"', "\\", '\\"]', "\\\\", "é[", '}}]]\\\\\\"[[']
+
+
+def _random_value(rng: random.Random, level: int) -> object:
+    kind = rng.randrange(5 if level < 12 else 2)
+    if kind == 0:
+        return rng.choice(_TRICKY) * rng.randrange(1, 4)
+    if kind == 1:
+        return rng.randrange(100)
+    if kind in (2, 3):
+        return [_random_value(rng, level + 1) for _ in range(rng.randrange(4))]
+    return {rng.choice(_TRICKY) + str(i): _random_value(rng, level + 1) for i in range(rng.randrange(4))}
+
+
+@pytest.mark.parametrize("segment", [3, 7, 64 * 1024])
+def test_the_scan_agrees_with_the_decoded_body_across_segments(
+    monkeypatch: pytest.MonkeyPatch, segment: int
+) -> None:
+    """Strings full of brackets, commas, escaped quotes and backslashes, cut anywhere by small
+    segments: the limits refuse exactly the bodies the decoded values go over."""
+    monkeypatch.setattr(json_body, "_SEGMENT", segment)
+    rng = random.Random(segment)
+    for _ in range(300):
+        body = {"model": MODEL, "x": _random_value(rng, 2)}
+        raw = json.dumps(body, ensure_ascii=rng.random() < 0.5).encode()
+        items, depth = _reference(body)
+        check_shape(raw, JsonLimits(max_depth=depth, max_items=items))
+        with pytest.raises(InvalidRequest, match=r"server\.max_json_items"):
+            check_shape(raw, JsonLimits(max_depth=depth, max_items=items - 1))
+        if depth > 2:
+            with pytest.raises(InvalidRequest, match=r"server\.max_json_depth"):
+                check_shape(raw, JsonLimits(max_depth=depth - 1, max_items=items))
+
+
+def test_closing_brackets_in_a_string_do_not_hide_deep_nesting() -> None:
+    raw = b'{"a": "' + b"]" * 100 + b'", "b": ' + b"[" * 80 + b"]" * 80 + b"}"
+    assert "nests deeper than 64" in _refusal(raw, DEFAULT_LIMITS)
