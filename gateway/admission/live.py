@@ -441,6 +441,9 @@ class LiveAdmission:
             headers = {**headers, MAX_TOKENS_SET_HEADER: str(max_tokens_set)}
         request[PREDICTION_HEADERS] = headers
         live = resolution.entry
+        hold = self.engine.held(resolution.key)
+        if hold is not None:  # the weights its budget is charged with, for the access line
+            outcome.prompt_weight, outcome.output_weight = hold.weights.input, hold.weights.output
         chars = parsed.prompt_chars if parsed.prompt_token_ids is None else None
         return Ticket(
             areq,

@@ -63,6 +63,10 @@ class RequestOutcome:
     #: Content-carrying SSE events relayed (one per engine step per sequence on vLLM): what a
     #: stream cut before its usage chunk really produced.
     tokens_streamed: int = 0
+    #: What one prompt and one output token cost its tenant's token budget (``None``: no token
+    #: budget held); 1 and 1 with plain tokens, the default.
+    prompt_weight: float | None = None
+    output_weight: float | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -102,8 +106,9 @@ def access_fields(outcome: RequestOutcome) -> dict[str, Any]:
 
     Who (request id, tenant, class), where (replica, model), what was decided and why (decision,
     reason, queue wait, Retry-After), how it went (status, error, predicted against actual TTFT
-    and TPOT) and what it cost (tokens in and out). Never prompt text or keys: only the tenant's
-    name, which the tenants section of the config defines.
+    and TPOT) and what it cost (tokens in and out, and the weights its tenant's budget charged
+    them at). Never prompt text or keys: only the tenant's name, which the tenants section of the
+    config defines.
     """
     return {
         "request_id": outcome.request_id,
@@ -127,5 +132,7 @@ def access_fields(outcome: RequestOutcome) -> dict[str, Any]:
         "prompt_tokens": outcome.prompt_tokens,
         "completion_tokens": outcome.completion_tokens,
         "tokens_streamed": outcome.tokens_streamed,
+        "prompt_weight": outcome.prompt_weight,
+        "output_weight": outcome.output_weight,
         "error": outcome.error,
     }

@@ -220,6 +220,7 @@ class Tenancy:
         )
         if metrics is not None:
             metrics.track_limiter(self.stats, redis=self._store.current.limits.backend == "redis")
+            metrics.track_token_weights(self.weights)
 
     async def stop(self) -> None:
         """Finish outstanding settles, then close the limiter."""

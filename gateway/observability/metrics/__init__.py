@@ -50,6 +50,8 @@ from gateway.observability.metrics.tenants import (
     LimiterStatsView,
     ReservationView,
     TenantMetrics,
+    TokenWeightCollector,
+    WeightsView,
 )
 from gateway.observability.outcome import RequestOutcome
 
@@ -88,6 +90,7 @@ class SluiceMetrics:
         self._attainment = AttainmentCollector(self.labels)
         self._size_shares = SizeShareCollector(self.labels)
         self._limiter = LimiterCollector()
+        self._token_weights = TokenWeightCollector()
         for collector in (
             self._replica_state,
             self._step_models,
@@ -96,6 +99,7 @@ class SluiceMetrics:
             self._attainment,
             self._size_shares,
             self._limiter,
+            self._token_weights,
         ):
             r.register(collector)
         register_runtime(r)
@@ -149,6 +153,10 @@ class SluiceMetrics:
     def track_size_shares(self, rows: SizeShareSource) -> None:
         """Read each class's admission by prompt-size quartile (``rows()``) at every scrape."""
         self._size_shares.source = rows
+
+    def track_token_weights(self, weights: Callable[[], WeightsView]) -> None:
+        """Read the token weights budgets charge now (``weights()``) at every scrape."""
+        self._token_weights.source = weights
 
     def observe_reservation(self, reservation: ReservationView) -> None:
         """After a ``reserve``: see ``TenantMetrics.observe_reservation``."""

@@ -12,7 +12,7 @@ what these read of ``gateway.limits.base``'s types.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -208,6 +208,44 @@ class _LatestReservations(Collector):
         for tenant, reservation in latest.items():
             self._owner.set_levels(tenant, reservation)
         return []
+
+
+class WeightsView(Protocol):
+    """What one token of each kind costs a tenant's token budget (``TokenWeights``)."""
+
+    @property
+    def input(self) -> float: ...
+    @property
+    def output(self) -> float: ...
+
+
+class TokenWeightCollector(Collector):
+    """``sluice_token_weight{token="prompt"|"output"}``: what one prompt and one output token
+    cost a tenant's token budget now, read from ``source()`` at every scrape (1 and 1 with plain
+    tokens); nothing while ``source`` is ``None``."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], WeightsView] | None = None
+
+    def describe(self) -> Iterable[Metric]:
+        return [self._family()]
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        if self.source is not None:
+            weights = self.source()
+            family.add_metric(["prompt"], weights.input)
+            family.add_metric(["output"], weights.output)
+        yield family
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "sluice_token_weight",
+            "What one token of a kind costs a tenant's token budget now (1 with plain tokens, the "
+            "default; limits.token_weights).",
+            labels=["token"],
+        )
 
 
 class LimiterCollector(Collector):

@@ -154,6 +154,8 @@ def _odd_outcomes() -> list[RequestOutcome]:
                 predicted_ttft_s=rng.choice(numbers),
                 predicted_tpot_s=rng.choice(numbers),
                 tokens_streamed=rng.choice([0, 5]),
+                prompt_weight=rng.choice([None, 1.0]),
+                output_weight=rng.choice([None, 1.0, 2.5]),
             )
         )
     return found

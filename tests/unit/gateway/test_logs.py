@@ -64,6 +64,8 @@ def test_access_fields() -> None:
         "prompt_tokens": 7,
         "completion_tokens": 3,
         "tokens_streamed": 0,
+        "prompt_weight": None,
+        "output_weight": None,
         "error": None,
     }
 

@@ -14,6 +14,8 @@ from gateway.admission.fairness import TokenWeights
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.limits.config import GpuTimeWeightSettings, LimitsSettings, TokenWeightSettings
+from gateway.observability.metrics import METRICS
+from gateway.observability.outcome import access_fields
 from gateway.prediction.facts import ReplicaFacts
 from gateway.prediction.service import PredictionService
 from gateway.proxy.relay import _stream_over_budget
@@ -28,6 +30,7 @@ from gateway.tenants.pricing import (
 )
 from predictor import StepModel, StepParams
 from tests.unit.limits.fakes import FakeClock
+from tests.unit.tenancy.conftest import Scripted, StartTenantGateway, tenancy_settings
 
 H100 = ReplicaFacts(gpu="H100-SXM", model="Llama-3-8B", max_num_seqs=256, max_num_batched_tokens=8192)
 REPLICA = ReplicaSettings(
@@ -162,3 +165,29 @@ def test_stopped_stream_names_the_budget_unit() -> None:
 
     assert "on tokens per min (TPM)" in plain.message
     assert "on weighted tokens per min (TPM)" in weighted.message
+
+
+def _plain(url: str) -> Settings:
+    """The tenancy test gateway with the default ``limits:`` (plain tokens)."""
+    return tenancy_settings(url).model_copy(update={"limits": LimitsSettings()})
+
+
+@pytest.mark.parametrize(
+    ("settings", "output"), [(_plain, 1.0), (tenancy_settings, 2.0)], ids=["plain", "fixed"]
+)
+async def test_the_weights_in_force_are_visible(
+    start_tenant_gateway: StartTenantGateway, settings: Any, output: float
+) -> None:
+    """``/sluice/v1/tenants``, the ``sluice_token_weight`` gauge and the access line show the
+    weights a request was charged at."""
+    gw = await start_tenant_gateway(Scripted().answer, settings=settings)
+    resp = await gw.post()
+    assert resp.status == 200, await resp.text()
+    listed = await (await gw.client.get("/sluice/v1/tenants")).json()
+    scraped = gw.app[METRICS].exposition()[0].decode()
+    line = access_fields(gw.outcomes[-1])
+
+    assert (listed["token_weights"]["input"], listed["token_weights"]["output"]) == (1.0, output)
+    assert 'sluice_token_weight{token="prompt"} 1.0' in scraped
+    assert f'sluice_token_weight{{token="output"}} {output}' in scraped
+    assert (line["tenant"], line["prompt_weight"], line["output_weight"]) == ("team-a", 1.0, output)
