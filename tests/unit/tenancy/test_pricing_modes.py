@@ -13,7 +13,12 @@ from gateway.admission.budget import request_cost
 from gateway.admission.fairness import TokenWeights
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
-from gateway.limits.config import GpuTimeWeightSettings, LimitsSettings, TokenWeightSettings
+from gateway.limits.config import (
+    GpuTimeWeightSettings,
+    LimitsSettings,
+    TenantLimitSettings,
+    TokenWeightSettings,
+)
 from gateway.observability.metrics import METRICS
 from gateway.observability.outcome import access_fields
 from gateway.prediction.facts import ReplicaFacts
@@ -191,3 +196,18 @@ async def test_the_weights_in_force_are_visible(
     assert 'sluice_token_weight{token="prompt"} 1.0' in scraped
     assert f'sluice_token_weight{{token="output"}} {output}' in scraped
     assert (line["tenant"], line["prompt_weight"], line["output_weight"]) == ("team-a", 1.0, output)
+
+
+def _plain_and_tiny(url: str) -> Settings:
+    """Plain tokens, and a token bucket no request fits in."""
+    tiny = TenantLimitSettings(tokens_per_minute=600.0, token_burst=2.0)
+    return tenancy_settings(url, limits=tiny).model_copy(update={"limits": LimitsSettings()})
+
+
+async def test_a_plain_budget_refuses_in_tokens(start_tenant_gateway: StartTenantGateway) -> None:
+    gw = await start_tenant_gateway(Scripted().answer, settings=_plain_and_tiny)
+    resp = await gw.post()
+    body = await resp.json()
+
+    assert resp.status == 429
+    assert "for tenant team-a on tokens per min (TPM)" in body["error"]["message"]
