@@ -230,8 +230,15 @@ def load_object(raw: bytes, limits: JsonLimits = DEFAULT_LIMITS) -> dict[str, An
 
 def _non_finite(text: str) -> InvalidRequest:
     """The 400 for ``text`` (which holds a non-finite number): decoded again with each such
-    number marked, and the first one's path named."""
-    path = _path_to_mark(_MARKING.decode(text))
+    number marked, and the first one's path named. Text that breaks the JSON grammar after the
+    number (the first decode stopped at it) gets the not-JSON 400 instead."""
+    try:
+        marked = _MARKING.decode(text)
+    except json.JSONDecodeError as exc:
+        return InvalidRequest(f"request body is not valid JSON (line {exc.lineno}, column {exc.colno})")
+    except (ValueError, RecursionError):
+        return InvalidRequest(JSON_TOO_COMPLEX)
+    path = _path_to_mark(marked)
     if not path:
         return InvalidRequest(NOT_AN_OBJECT)
     where = clip(".".join(path))

@@ -48,6 +48,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from gateway.api.openai import MAX_TOKENS_LIMIT
+from gateway.config.settings import ServerSettings
 from gateway.http.openapi import OPENAPI_PATH, openapi_spec
 from tests.fuzz.live import ADMIN_TOKEN, API_KEY, MAX_BODY_BYTES, MODEL, LiveGateway, serve_gateway
 
@@ -334,18 +335,20 @@ def test_wrong_types_are_400_naming_the_field(
     assert_openai_error(post(live, session, chat(**fields)), 400, param)
 
 
-def test_deep_nesting_just_under_the_decoder_limit_streams(
-    live: LiveGateway, session: requests.Session
-) -> None:
-    """A stream body is re-encoded (usage asked for); nesting the decoder accepted must encode too."""
+def test_deep_nesting_around_the_depth_limit_streams(live: LiveGateway, session: requests.Session) -> None:
+    """A stream body is re-encoded (usage asked for): nesting up to ``server.max_json_depth`` must
+    decode and encode again; deeper is a 400 before it is decoded."""
+    limit = ServerSettings().max_json_depth
     statuses = set()
-    for depth in range(900, 1000, 7):
+    # The body's own object is level 1 and "x" its child: ``depth`` brackets reach depth + 1.
+    for depth in range(limit - 8, limit + 8):
         raw = json.dumps(chat(stream=True)).encode()[:-1] + b', "x": ' + b"[" * depth + b"]" * depth + b"}"
         response = post(live, session, raw)
         statuses.add(response.status_code)
         assert response.status_code in (200, 400), response.text
+        assert response.status_code == (200 if depth + 1 <= limit else 400), (depth, response.text)
 
-    assert 200 in statuses
+    assert statuses == {200, 400}
 
 
 @pytest.mark.parametrize("stream", [False, True])

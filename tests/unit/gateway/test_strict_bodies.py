@@ -37,6 +37,12 @@ CHAT: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content":
             id="nested-list",
         ),
         pytest.param(b"NaN", NOT_AN_OBJECT, None, id="bare-nan"),
+        pytest.param(
+            b'{"": Infinity\x00}',
+            "request body is not valid JSON (line 1, column 14)",
+            None,
+            id="nan-then-junk",
+        ),
         pytest.param(b"[1, 2]", NOT_AN_OBJECT, None, id="not-an-object"),
         pytest.param(b'{"a": 1', "request body is not valid JSON (line 1, column 8)", None, id="truncated"),
         pytest.param(b"", "request body is not valid JSON (line 1, column 1)", None, id="empty"),
