@@ -81,8 +81,11 @@ def test_quick_closed_loop_bench_reports_every_point_with_data(installed: None, 
         if key[2] == "direct":
             assert s["refused"] == 0, where
             continue
-        # Sluice never fails a request itself, forecasts what it admits and measures it.
-        assert s["errors"] == 0, where
+        # Sluice never fails a request itself (a 500); a replica's own failure (502) and a request
+        # still running when the load's grace ran out (status 0, on both paths on a busy host)
+        # are the engine's and the clock's. It forecasts what it admits and measures it.
+        statuses = {o["status"] for o in report["outcomes"][f"{key[0]} {key[1]:g} {key[2]}"]}
+        assert 500 not in statuses, where
         assert p["header"]["ttft"]["n"] > 0, where
         assert p["header"]["tpot"]["n"] > 0, where
         assert p["gateway"]["ttft"]["samples"] > 0, where
