@@ -383,6 +383,9 @@ class BudgetLedger:
         self._rng = rng
         self._retry_settings = retry_settings
         self._parked: dict[tuple[str, str], list[Hold]] = {}
+        #: ``cost``'s last answer: (the request, the weights it was priced with, its reserved
+        #: output, its cost), so that ``reserve`` of the same request does not price it again.
+        self._priced: tuple[AdmissionRequest, TokenWeights, int, float] | None = None
         self.slots = SlotClock()
 
     def cost(self, request: AdmissionRequest) -> float | None:
@@ -390,7 +393,11 @@ class BudgetLedger:
         nothing (no tenant, or a hold parked for it)."""
         if request.tenant is None or self._parked.get((request.tenant, request.request_id)):
             return None
-        return budget_cost(self.budget.weights(), request)
+        weights = self.budget.weights()
+        output = reserved_output(request)
+        cost = request_cost(weights, request.prompt_tokens, output, request.choices)
+        self._priced = (request, weights, output, cost)
+        return cost
 
     def reserve(self, request: AdmissionRequest, now: float) -> Hold | BudgetRefused | None:
         """Reserve ``request``'s cost of its tenant's budget (or take the hold its previous,
@@ -405,7 +412,13 @@ class BudgetLedger:
                 del self._parked[(tenant, request.request_id)]
             return hold
         weights = self.budget.weights()
-        answer = self.budget.reserve(request, budget_cost(weights, request), now)
+        priced, self._priced = self._priced, None
+        if priced is not None and priced[0] is request and priced[1] is weights:
+            output, cost = priced[2], priced[3]
+        else:
+            output = reserved_output(request)
+            cost = request_cost(weights, request.prompt_tokens, output, request.choices)
+        answer = self.budget.reserve(request, cost, now)
         if answer is None:
             return None
         if not answer.allowed:
@@ -417,7 +430,7 @@ class BudgetLedger:
             answer,
             weights,
             request.prompt_tokens,
-            reserved_output(request),
+            output,
             request.choices,
             output_cap=cap,
             reserved_at=now,
