@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from gateway.config.load import load_settings
+from gateway.tenants.config import demo_tenants
 
 ROOT = Path(__file__).resolve().parents[3]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -127,3 +128,32 @@ def test_compose_gateway_configs_validate_and_name_compose_services(config: str,
     assert settings.server.port == 8080
     services = set(_resolved("gpu", "tgi")["services"])
     assert {url.removeprefix("http://").split(":")[0] for url in urls} <= services
+
+
+@pytest.mark.parametrize("config", ["sluice.yaml", "sluice-gpu.yaml", "sluice-tgi.yaml"])
+def test_compose_gateways_keep_budgets_in_the_stacks_redis_for_the_demo_tenant(config: str) -> None:
+    """Every gateway configuration of the stack enforces the demo tenant's budgets in the `redis`
+    service (so several gateways share them), and requires its key: none serves anonymously."""
+    settings = load_settings(ROOT / "deploy" / "compose" / config)
+    assert settings.limits.backend == "redis"
+    assert settings.limits.redis is not None
+    assert settings.limits.redis.url == "redis://redis:6379/0"
+    assert "redis" in _resolved()["services"]
+    assert settings.tenants.tenants == demo_tenants().tenants
+    assert not settings.server.allow_unauthenticated
+
+
+def test_only_the_gateway_prometheus_and_grafana_are_published_on_the_host() -> None:
+    services = _resolved("gpu", "tgi")["services"]
+    published = {
+        name: sorted(int(p["published"]) for p in s.get("ports", [])) for name, s in services.items()
+    }
+    assert {name: ports for name, ports in published.items() if ports} == {
+        "sluice": [8080],
+        "prometheus": [9090],
+        "grafana": [3000],
+    }
+    redis = services["redis"]
+    assert redis["image"].startswith("redis:")
+    assert "ports" not in redis
+    assert services["sluice"]["depends_on"]["redis"]["condition"] == "service_healthy"
