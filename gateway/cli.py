@@ -291,7 +291,7 @@ def _sim(args: list[str]) -> int:
     import signal
     import subprocess
 
-    child = subprocess.Popen([sys.executable, "-m", "simulator", *args])
+    child = subprocess.Popen([sys.executable, "-m", "simulator", *args, "--parent-pid", str(os.getpid())])
     previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
     previous_term = signal.signal(signal.SIGTERM, lambda signum, _: child.send_signal(signum))
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -56,6 +57,13 @@ def _parser() -> argparse.ArgumentParser:
         "--jitter", type=float, default=0.0, help="relative step-time noise, e.g. 0.05 (default 0)"
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="stop (as on SIGTERM) once process PID is no longer this one's parent, so a killed "
+        "`sluice serve` leaves no emulator holding its port (default: run until signalled)",
+    )
     api = parser.add_argument_group(
         "API-server costs",
         "the API server's own work in front of the engine (docs/emulator.md); each flag replaces the "
@@ -118,8 +126,10 @@ async def serve(
     ready: Callable[[str], None] | None = None,
     engine: EngineKind = "vllm",
     max_concurrent_requests: int | None = None,
+    parent_pid: int | None = None,
 ) -> None:
-    """Serve ``profile`` on ``host:port`` until SIGINT/SIGTERM (or cancellation), then shut down.
+    """Serve ``profile`` on ``host:port`` until SIGINT/SIGTERM (or cancellation), then shut down;
+    with ``parent_pid``, also once that process is no longer this one's parent (it died, however).
 
     ``ready`` is called with the base URL once the socket listens (the port is the real one when
     ``port`` is 0).
@@ -139,16 +149,32 @@ async def serve(
         # Handlers first: whoever waits for the ready line may signal right after it.
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        orphaned = None if parent_pid is None else asyncio.create_task(_orphaned(parent_pid, stop))
         try:
             bound_host, bound_port = runner.addresses[0][:2]
             if ready is not None:
                 ready(f"http://{_url_host(str(bound_host))}:{bound_port}")
             await stop.wait()
         finally:
+            if orphaned is not None:
+                orphaned.cancel()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
     finally:
         await runner.cleanup()
+
+
+#: Seconds between checks that the parent named by ``--parent-pid`` is still the parent.
+PARENT_POLL_S = 0.5
+
+
+async def _orphaned(parent_pid: int, stop: asyncio.Event) -> None:
+    """Set ``stop`` once ``parent_pid`` is no longer this process's parent (polled; a dead
+    parent's children are re-parented, so ``os.getppid`` changes on every platform)."""
+    while os.getppid() == parent_pid:  # noqa: ASYNC110 - nothing signals a parent's death
+        await asyncio.sleep(PARENT_POLL_S)
+    log.warning("parent process %d is gone: stopping", parent_pid)
+    stop.set()
 
 
 def _url_host(host: str) -> str:
@@ -229,6 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     ready=ready,
                     engine=engine,
                     max_concurrent_requests=args.max_concurrent_requests,
+                    parent_pid=args.parent_pid,
                 )
             )
     except OSError as exc:

@@ -1,10 +1,11 @@
 """Replica emulators Sluice starts itself (``emulators:`` in the settings; demo and development).
 
-Each emulator is ``python -m simulator --profile P --port N --host H [--seed S] --jitter J`` in its
-own process group, so a Ctrl-C in the terminal reaches only the gateway, which then stops the
-emulators itself after it has drained its own requests. Startup waits until every emulator's
-``/health`` answers; a failure names the emulator and shows the tail of its output. Stopping sends
-SIGTERM to the group, then SIGKILL after ``grace_s`` seconds.
+Each emulator is ``python -m simulator --profile P --port N --host H [--seed S] --jitter J
+--parent-pid GATEWAY`` in its own process group, so a Ctrl-C in the terminal reaches only the
+gateway, which then stops the emulators itself after it has drained its own requests; a gateway
+killed outright (SIGKILL) leaves none running, as each stops once its parent is gone. Startup
+waits until every emulator's ``/health`` answers; a failure names the emulator and shows the tail
+of its output. Stopping sends SIGTERM to the group, then SIGKILL after ``grace_s`` seconds.
 
 Changes to ``emulators:`` in a reloaded file take effect on restart only.
 """
@@ -42,14 +43,15 @@ class EmulatorStartError(RuntimeError):
 
 
 def emulator_command(emulator: EmulatorSettings) -> list[str]:
-    """The argv that starts ``emulator`` with this interpreter."""
+    """The argv that starts ``emulator`` with this interpreter, as a child of this process."""
     argv = [sys.executable, "-m", "simulator", "--profile", emulator.profile]
     argv += ["--port", str(emulator.port), "--host", emulator.host]
     if emulator.seed is not None:
         argv += ["--seed", str(emulator.seed)]
     if emulator.engine != "vllm":
         argv += ["--engine", emulator.engine]
-    return [*argv, "--jitter", repr(emulator.jitter)]
+    # --parent-pid: the emulator stops by itself if this gateway dies without stopping it.
+    return [*argv, "--jitter", repr(emulator.jitter), "--parent-pid", str(os.getpid())]
 
 
 class EmulatorProcess:

@@ -95,7 +95,7 @@ def test_emulator_command() -> None:
     settings = EmulatorSettings(name="e", profile="p", port=8001, host="0.0.0.0", seed=4, jitter=0.1)
     assert emulator_command(settings) == [
         sys.executable, "-m", "simulator", "--profile", "p", "--port", "8001", "--host", "0.0.0.0",
-        "--seed", "4", "--jitter", "0.1",
+        "--seed", "4", "--jitter", "0.1", "--parent-pid", str(os.getpid()),
     ]  # fmt: skip
     assert "--seed" not in emulator_command(EmulatorSettings(name="e", port=8001))
 
@@ -254,6 +254,35 @@ def test_stopping_run_gateway_stops_the_emulators_it_started(sig: signal.Signals
     assert proc.returncode == 0, output
     assert not port_is_open(emulator_port), output
     assert "emulator sim stopped" in output
+
+
+def test_a_killed_gateway_leaves_no_emulator_running() -> None:
+    """SIGKILL gives the gateway no chance to stop its emulators: each stops by itself once its
+    parent is gone (``--parent-pid``), so the next start finds its ports free."""
+    gateway_port, emulator_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RUN_GATEWAY, str(gateway_port), str(emulator_port)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not _ready(gateway_port):
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "gateway not ready in 60 s"
+            time.sleep(0.2)
+        assert port_is_open(emulator_port)
+    finally:
+        proc.kill()
+        output, _ = proc.communicate()
+
+    # Generous: the emulator polls its parent every half second, then drains and exits.
+    deadline = time.monotonic() + 30
+    while port_is_open(emulator_port) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not port_is_open(emulator_port), output
 
 
 async def test_an_emulator_dying_after_startup_is_logged_with_its_output(
