@@ -23,7 +23,7 @@ from gateway.admission.classes_config import (
     batch_class,
     interactive_class,
 )
-from gateway.config.section import Name, PositiveSeconds, Section, SettingsViolations, Violation
+from gateway.config.section import Name, PositiveSeconds, Section, SettingsViolations, Violation, not_above
 
 __all__ = [
     "INTERACTIVE_STALL_BUDGET_HORIZON",
@@ -117,10 +117,8 @@ class RetryAfterSettings(Section):
 
     @model_validator(mode="after")
     def _min_below_max(self) -> RetryAfterSettings:
-        if self.min_s > self.max_s:
-            raise SettingsViolations(
-                [Violation(("min_s",), f"must not exceed max_s ({self.max_s!r})", self.min_s)]
-            )
+        if found := not_above(self, "min_s", "max_s"):
+            raise SettingsViolations(found)
         return self
 
 
@@ -296,14 +294,8 @@ class AttainmentSettings(Section):
 
     @model_validator(mode="after")
     def _floor_below_cap(self) -> AttainmentSettings:
-        if self.min_margin > self.max_margin:
-            raise SettingsViolations(
-                [
-                    Violation(
-                        ("min_margin",), f"must not exceed max_margin ({self.max_margin!r})", self.min_margin
-                    )
-                ]
-            )
+        if found := not_above(self, "min_margin", "max_margin"):
+            raise SettingsViolations(found)
         return self
 
 

@@ -50,6 +50,15 @@ class SettingsViolations(ValueError):
         )
 
 
+def not_above(section: BaseModel, low: str, high: str) -> list[Violation]:
+    """The violation of ``section.low <= section.high`` (say ``min_s`` and ``max_s``), reported at
+    ``low`` with ``high``'s value in its message; ``[]`` when the rule holds."""
+    low_value, high_value = getattr(section, low), getattr(section, high)
+    if low_value <= high_value:
+        return []
+    return [Violation((low,), f"must not exceed {high} ({high_value!r})", low_value)]
+
+
 class Section(BaseModel):
     """Base of every section: unknown keys are errors, values are immutable, types are strict."""
 

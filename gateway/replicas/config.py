@@ -24,6 +24,7 @@ from gateway.config.section import (
     Section,
     SettingsViolations,
     Violation,
+    not_above,
 )
 from gateway.tokens.files import tokenizer_file
 from predictor.hardware import UNKNOWN_GPU, gpu_names, lookup_gpu
@@ -268,14 +269,8 @@ class HealthSettings(Section):
     @model_validator(mode="after")
     def _timeout_fits_interval(self) -> HealthSettings:
         # A check that may outlive the interval would overlap the next one to the same replica.
-        if self.timeout_s > self.interval_s:
-            raise SettingsViolations(
-                [
-                    Violation(
-                        ("timeout_s",), f"must not exceed interval_s ({self.interval_s!r})", self.timeout_s
-                    )
-                ]
-            )
+        if found := not_above(self, "timeout_s", "interval_s"):
+            raise SettingsViolations(found)
         return self
 
 
@@ -298,11 +293,7 @@ class ScrapeSettings(Section):
 
     @model_validator(mode="after")
     def _timing_is_coherent(self) -> ScrapeSettings:
-        found: list[Violation] = []
-        if self.timeout_s > self.interval_s:
-            found.append(
-                Violation(("timeout_s",), f"must not exceed interval_s ({self.interval_s!r})", self.timeout_s)
-            )
+        found = not_above(self, "timeout_s", "interval_s")
         # A rate needs two scrapes inside the window.
         if self.window_s < 2 * self.interval_s:
             message = f"must be at least twice interval_s ({2 * self.interval_s!r})"
