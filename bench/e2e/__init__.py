@@ -1,4 +1,4 @@
-"""End-to-end bench: Sluice in front of two real vLLM-on-CPU replicas, driven by AIPerf (issue 7).
+"""End-to-end bench: Sluice in front of two real vLLM-on-CPU replicas, driven by AIPerf.
 
 ``python -m bench.e2e``; see :mod:`bench.e2e.core`.
 """

@@ -11,7 +11,7 @@ from their characters (``TEXT``), every request reserving and settling its tenan
    replays the same grids at 2x, where Sluice is compared with the best baseline;
 3. replays every policy at 0.5x, 1x, 1.5x, 2x and 3x the fleet's capacity, and a spike
    (normal load, 3x for a while, normal again);
-4. judges the issue's targets (``verdicts``): met, not met, or not met for want of data;
+4. judges Sluice's targets (``verdicts``): met, not met, or not met for want of data;
 5. writes the tables between the markers of ``docs/benchmarks.md`` and the plots to
    ``docs/img/`` (plots only when matplotlib, the ``bench`` extra, is installed).
 
@@ -124,7 +124,7 @@ LOADS: Final = (0.5, 1.0, 1.5, 2.0, 3.0)
 #: tuned again: the best of each grid there is a candidate).
 TUNE_LOAD: Final = 1.0
 COMPARE_LOAD: Final = 2.0
-#: The issue's targets: goodput at 2x and 3x >= 90 % of Sluice's own at 1x; at 2x >= 1.3x the
+#: Sluice's targets: goodput at 2x and 3x >= 90 % of Sluice's own at 1x; at 2x >= 1.3x the
 #: best baseline's; wasted GPU time < 2 % at every load; recovery within 5 s of the spike's end.
 OWN_RATIO: Final = 0.9
 BASELINE_RATIO: Final = 1.3
@@ -725,7 +725,7 @@ def best_baseline(tr: TraceRun, load: float) -> CellResult | None:
 
 
 def verdicts(tr: TraceRun, sluice: str = "sluice") -> list[Verdict]:
-    """The issue's targets for one of Sluice's rows on this trace, every one of them, always.
+    """The targets for one of Sluice's rows on this trace, every one of them, always.
 
     A target whose cells are missing (or whose baseline produced no goodput) is ``NO_DATA``; the
     comparison with the best baseline says the loads the baselines' knobs were tuned at.
@@ -955,7 +955,7 @@ def report(
             f"{plan.normal_load:g}x):",
             "",
             spike_table(tr),
-            "The issue's targets for Sluice on this trace:",
+            "Sluice's targets on this trace:",
             "",
             *(targets_check(tr, s) for s in SLUICES),
         ]

@@ -1,1 +1,1 @@
-"""Proxy overhead bench (issue 7): Sluice with everything on against peers; see ``bench.overhead.core``."""
+"""Proxy overhead bench: Sluice with everything on against peers; see ``bench.overhead.core``."""

@@ -81,7 +81,7 @@ PROMPT = "Say hello to the overhead benchmark, briefly. " * 4
 #: The configuration ``--baseline-tree`` adds: Sluice with everything on, from another checkout.
 BASELINE = "sluice-baseline"
 
-#: The issue's targets.
+#: The bench's targets.
 TARGET_VS_LITELLM = 20.0
 TARGET_ADDED_P50_MS = 0.5
 TARGET_VS_BARE = 0.5
@@ -314,7 +314,7 @@ def _throughput_verdict(
 
 
 def targets_of(cells: Sequence[Cell]) -> list[Verdict]:
-    """The issue's three targets, every one of them, always, each with the figures it rests on.
+    """The three targets, every one of them, always, each with the figures it rests on.
 
     A target whose cells were not measured (LiteLLM's, the bare proxy's, Sluice's at json c=1 or
     c=32, the direct row its added latency is measured from) is ``NO_DATA``.
@@ -620,7 +620,7 @@ def markdown(report: Report) -> str:
     ]
     for name, why in report.unavailable.items():
         out.append(f"- **{name} not measured**: {why}")
-    out += ["", table(report.cells), "", "Targets (issue 7):", ""]
+    out += ["", table(report.cells), "", "Targets:", ""]
     out += [v.line() for v in report.targets]
     floor = floor_lines(report.cells)
     if floor:

@@ -1,4 +1,4 @@
-"""The floor: a pass-through proxy doing only the least of the work issue 7's "everything on" lists.
+"""The floor: a pass-through proxy doing only the least of the work "everything on" means.
 
 The bare proxy (``bench/overhead/bare.py``) plus, per ``POST /v1/...`` request, the cheapest form
 of each feature the overhead bench turns on in Sluice, written with the libraries Sluice must use

@@ -1,4 +1,4 @@
-"""Where one request's wall-clock time goes inside Sluice at concurrency 1 (issue 7, "+p50 at c=1").
+"""Where one request's wall-clock time goes inside Sluice at concurrency 1 (the "+p50 at c=1" target).
 
 At concurrency 1 the latency Sluice adds is its serial path, not its throughput: every await on
 the way from the request's bytes arriving to the response's bytes leaving counts in full. This
