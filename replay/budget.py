@@ -46,7 +46,7 @@ class MemoryBudget:
     def _clock(self) -> float:
         return self._now
 
-    def weights(self) -> TokenWeights:
+    def weights(self, model: str | None = None) -> TokenWeights:
         return self._weights
 
     def reserve(self, request: AdmissionRequest, cost_tokens: float, now: float) -> BudgetAnswer | None:

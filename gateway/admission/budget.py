@@ -101,13 +101,14 @@ class BudgetAnswer(Protocol):
 class TenantBudget(Protocol):
     """The tenants' budgets as the engine uses them; synchronous, no I/O of its own.
 
-    ``weights``: the token weights a reservation is priced with now. ``reserve``: take
+    ``weights``: the token weights a reservation for ``model`` is priced with now (``None``: no
+    model in particular; weights may differ per model's replica group). ``reserve``: take
     ``cost_tokens`` weighted tokens, one request and one concurrency slot of ``request.tenant``'s
     budget at ``now`` (seconds of the adapter's clock), all or none; ``None`` when that tenant has
     no budget (nothing to enforce, nothing to settle). ``settle``: once per allowed answer, with
     the weighted tokens the request really cost (0.0: a refund); it frees the concurrency slot."""
 
-    def weights(self) -> TokenWeights: ...
+    def weights(self, model: str | None = None) -> TokenWeights: ...
 
     def reserve(self, request: AdmissionRequest, cost_tokens: float, now: float) -> BudgetAnswer | None: ...
 
@@ -384,7 +385,8 @@ class BudgetLedger:
         self._retry_settings = retry_settings
         self._parked: dict[tuple[str, str], list[Hold]] = {}
         #: ``cost``'s last answer: (the request, the weights it was priced with, its reserved
-        #: output, its cost), so that ``reserve`` of the same request does not price it again.
+        #: output, its cost), so that ``reserve`` of the same request holds what ``cost`` priced
+        #: (the answer an adapter fetched at that cost), not the weights of a moment later.
         self._priced: tuple[AdmissionRequest, TokenWeights, int, float] | None = None
         self.slots = SlotClock()
 
@@ -393,7 +395,7 @@ class BudgetLedger:
         nothing (no tenant, or a hold parked for it)."""
         if request.tenant is None or self._parked.get((request.tenant, request.request_id)):
             return None
-        weights = self.budget.weights()
+        weights = self.budget.weights(request.model)
         output = reserved_output(request)
         cost = request_cost(weights, request.prompt_tokens, output, request.choices)
         self._priced = (request, weights, output, cost)
@@ -411,11 +413,13 @@ class BudgetLedger:
             if not parked:
                 del self._parked[(tenant, request.request_id)]
             return hold
-        weights = self.budget.weights()
         priced, self._priced = self._priced, None
-        if priced is not None and priced[0] is request and priced[1] is weights:
-            output, cost = priced[2], priced[3]
+        if priced is not None and priced[0] is request:
+            # The adapter reserved ``cost``'s answer with the limiter already: the hold keeps the
+            # weights that answer was priced with, even if the weights in force moved since.
+            weights, output, cost = priced[1], priced[2], priced[3]
         else:
+            weights = self.budget.weights(request.model)
             output = reserved_output(request)
             cost = request_cost(weights, request.prompt_tokens, output, request.choices)
         answer = self.budget.reserve(request, cost, now)

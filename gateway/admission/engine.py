@@ -260,7 +260,7 @@ class AdmissionEngine:
         if max_tokens is None and token_capacity is not None and self._budget is not None:
             # The context left at the fewest plausible prompt tokens: an estimate never cuts it.
             left = self._context_left(route, fewest_prompt_tokens or prompt_tokens, arrival_s)
-            weights = self._budget.budget.weights()
+            weights = self._budget.budget.weights(model)
             cap = bucket_output_cap(weights, prompt_tokens, choices, token_capacity, left)
             # Never below min_tokens (vLLM refuses min_tokens > max_tokens): then too large, refused.
             max_tokens = max(cap, min_tokens)
@@ -287,6 +287,7 @@ class AdmissionEngine:
             choices=choices,
             fewest_prompt_tokens=fewest_prompt_tokens,
             reserve_whole_output=whole,
+            model=model,
         )
 
     def submit(

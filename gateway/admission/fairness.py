@@ -24,9 +24,10 @@ Inputs consumed
     or ``REQUEST_COUNT`` (every request 1, tokens 0: request-count fairness) with
     ``admission.queue.fairness: requests``. The live gateway charges, with ``fairness: tokens``,
     the tenants' budget weights instead (``LiveAdmission.token_weights``, i.e.
-    ``gateway.tenants.live.Tenancy.weights``: the GPU time of a prompt and an output token on the
-    replicas as they run, or ``limits.token_weights``), so that a tenant's fair share is a share
-    of GPU time and of the currency its budget pays in. Tenant
+    ``gateway.tenants.live.Tenancy.weights``: with GPU-time weights the mean over the models'
+    replica groups of a prompt and an output token's GPU time, else ``limits.token_weights``),
+    so that a tenant's fair share is a share of GPU time and of the currency its budget pays
+    in. Tenant
     weights (> 0) from the tenants' configuration; a tenant not listed weighs 1. The tenant key is
     ``AdmissionRequest.tenant``; ``None`` (no tenant) is one tenant like any other.
 

@@ -378,7 +378,7 @@ class LiveAdmission:
                 self._budget.forget(areq)
         if isinstance(submitted, BudgetRefused):
             # Refused by the tenant's budget before any class was judged (the outcome says none).
-            weights = None if self._budget is None else self._budget.weights()
+            weights = None if self._budget is None else self._budget.weights(areq.model)
             ietf = self._store.current.limits.ietf_headers
             raise over_budget(submitted, outcome, weights, ietf_headers=ietf)
         cls = settings.classes[choice.name]

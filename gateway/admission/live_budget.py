@@ -90,8 +90,10 @@ def is_unlimited(limits: TenantLimits) -> bool:
 class LiveBudget:
     """The engine's ``TenantBudget`` over the gateway's limiter (see the module).
 
-    ``weights``: the token weights a reservation is priced with now (``Tenancy.weights``).
-    ``metrics``: where reservations and settles are reported (``None``: nowhere).
+    ``weights``: the token weights a reservation is priced with now (``Tenancy.weights``);
+    ``model_weights``: those for a given model (``Tenancy.weights(model)``: its replica group's),
+    ``None``: ``weights`` for every model. ``metrics``: where reservations and settles are
+    reported (``None``: nowhere).
     ``retry_backoff_s``: the Retry-After base of a 503 when the limiter's storage is down."""
 
     def __init__(
@@ -99,11 +101,13 @@ class LiveBudget:
         limiter: Limiter,
         weights: Callable[[], TokenWeights],
         *,
+        model_weights: Callable[[str], TokenWeights] | None = None,
         metrics: BudgetMetrics | None = None,
         retry_backoff_s: Callable[[], float] = lambda: 1.0,
     ) -> None:
         self.limiter = limiter
         self._weights = weights
+        self._model_weights = model_weights
         self.metrics = metrics
         self._retry_backoff_s = retry_backoff_s
         self._fetched: dict[int, Reservation] = {}
@@ -154,8 +158,10 @@ class LiveBudget:
         self._fetched.pop(id(areq), None)
 
     # -- the port -----------------------------------------------------------------------------------
-    def weights(self) -> TokenWeights:
-        return self._weights()
+    def weights(self, model: str | None = None) -> TokenWeights:
+        if model is None or self._model_weights is None:
+            return self._weights()
+        return self._model_weights(model)
 
     def reserve(self, request: AdmissionRequest, cost_tokens: float, now: float) -> BudgetAnswer | None:
         return self._fetched.pop(id(request), None)

@@ -34,7 +34,9 @@ class AdmissionRequest:
     hold the request at all is judged on it, so an estimate alone never refuses it as too long.
     ``reserve_whole_output``: its tenant's budget reserves its whole output cap (``max_tokens``
     per choice), not the prediction: a response that cannot be stopped part-way
-    (``gateway.admission.budget.reserved_output``).
+    (``gateway.admission.budget.reserved_output``). ``model``: the model it names, whose
+    replica group's token weights its budget prices it with (``None``: not known; the
+    budget's weights for no model in particular).
     """
 
     request_id: str
@@ -51,6 +53,7 @@ class AdmissionRequest:
     size_protected: bool = False
     fewest_prompt_tokens: int | None = None
     reserve_whole_output: bool = False
+    model: str | None = None
     _candidate: CandidateRequest | None = field(default=None, init=False, repr=False, compare=False)
     #: Smallest ``max_model_len`` and KV capacity (tokens) a replica needs to hold it at all, at
     #: its fewest plausible prompt tokens.

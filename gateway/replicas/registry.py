@@ -421,6 +421,15 @@ class ReplicaRegistry:
         found = {m for r in self.healthy() if r.engine == engine and r.models is not None for m in r.models}
         return sorted(found)
 
+    def model_groups(self) -> dict[str, list[ReplicaSettings]]:
+        """Each model's replica group: the settings of the replicas whose last model list names
+        it (healthy or not, draining ones left out), in configuration order, by model id."""
+        groups: dict[str, list[ReplicaSettings]] = {}
+        for replica in self._replicas.values():
+            for model in replica.models or ():
+                groups.setdefault(model, []).append(replica.settings)
+        return groups
+
     def healthy_models(self) -> list[Mapping[str, ModelCard]]:
         """Model lists of the healthy replicas, in configuration order."""
         return [r.models for r in self.healthy() if r.models is not None]

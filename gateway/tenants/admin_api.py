@@ -114,12 +114,16 @@ class TenantsAdmin:
         tenants = list(self.tenancy.authenticator.tenants.values())
         described = await asyncio.gather(*(self.describe(t) for t in tenants))
         weights = self.tenancy.weights()
+        by_model = self.tenancy.weights_by_model()
         return web.json_response(
             {
                 "object": "list",
                 "data": described,
-                # What a token costs a budget now (per prompt token, per output token, ...).
+                # What a token costs a budget now (per prompt token, per output token, ...): every
+                # request's with plain or fixed weights; with GPU-time weights, the mean over the
+                # models' replica groups (what fair share charges), each model's below.
                 "token_weights": dataclasses.asdict(weights),
+                "token_weights_by_model": {m: dataclasses.asdict(w) for m, w in by_model.items()},
             }
         )
 

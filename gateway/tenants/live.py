@@ -18,7 +18,9 @@ What it does
     in ``LiveAdmission.admit`` before the decision, settled by the engine when the request ends,
     refunded when it is refused or never reaches a replica). ``Tenancy`` owns what it runs on:
     the limiter (``limits:``; closed at shutdown, after the outstanding settles), the token
-    weights reservations are priced with (``weights``), and the ``LiveBudget`` over both.
+    weights reservations are priced with (``weights(model)``: with GPU-time weights, those of
+    the model's replica group, the registry's replicas serving it), and the ``LiveBudget`` over
+    both.
 
     ``/metrics`` (and ``/metrics/*``) and ``/sluice/v1/*`` need ``Bearer <admin token>`` when
     ``tenants.auth.admin_token_hash`` is set; otherwise they are protected by the bind address
@@ -45,7 +47,7 @@ from gateway.api.openai import COMPLETION_ROUTES, Endpoint
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.http.errors import GatewayError, Unauthenticated
-from gateway.keys import OUTCOME_LISTENERS, PREDICTION_SERVICE, STORE, OutcomeListener
+from gateway.keys import OUTCOME_LISTENERS, PREDICTION_SERVICE, REGISTRY, STORE, OutcomeListener
 from gateway.limits.base import Limiter, LimiterStats
 from gateway.limits.config import GpuTimeWeightSettings
 from gateway.limits.factory import build_limiter
@@ -54,14 +56,14 @@ from gateway.observability.metrics import METRICS, SluiceMetrics
 from gateway.observability.outcome import RequestOutcome
 from gateway.prediction.service import PredictionService
 from gateway.tenants import Authenticator, AuthError, Tenant
-from gateway.tenants.pricing import PLAIN_WEIGHTS, GpuTimeWeights, configured_weights, reference_ratio
+from gateway.tenants.pricing import PLAIN_WEIGHTS, GroupWeights, ReplicaGroups, configured_weights
 
 __all__ = ["TENANCY", "TENANT", "Tenancy", "install_tenancy"]
 
 log = logging.getLogger("sluice.tenancy")
 
 #: Least seconds between two recomputations of the step-model weights (a few step-time lookups
-#: per replica; the fit and the observed batch change by the scrape, every second or so).
+#: per replica, every replica group at once; the fit changes by the scrape, every second or so).
 WEIGHTS_REFRESH_S: Final = 1.0
 
 _COMPLETION_PATHS: Final[Mapping[str, Endpoint]] = COMPLETION_ROUTES
@@ -103,6 +105,9 @@ class Tenancy:
     ``limiter``: use this one instead of building ``limits:``'s (tests; a fake clock); it is closed
     at shutdown all the same. ``stats``: the counters every limiter layer shares (exported by the
     metrics module). ``clock``: monotonic seconds, for the weights' refresh and outcome times.
+    ``groups``: the replicas serving each model, read at each refresh of the GPU-time weights
+    (``use_groups``; the app binds the registry's at startup; none: every model is priced at
+    ``DEFAULT_WEIGHTS``).
     """
 
     def __init__(
@@ -113,8 +118,10 @@ class Tenancy:
         limiter: Limiter | None = None,
         stats: LimiterStats | None = None,
         clock: Callable[[], float] = time.monotonic,
+        groups: Callable[[], ReplicaGroups] | None = None,
     ) -> None:
         self._store = store
+        self._groups: Callable[[], ReplicaGroups] = groups or (lambda: {})
         self._predictions = predictions
         self._limiter = limiter
         self.stats = limiter_stats(limiter) if stats is None else stats
@@ -127,7 +134,7 @@ class Tenancy:
         #: ``limits.token_weights`` as ``TokenWeights`` (plain when null; ``None``: GPU-time
         #: weighting, ``_gpu_time``), built once per configuration, not per request.
         self._pinned = configured_weights(store.current.limits)
-        self._gpu_time: GpuTimeWeights | None = None
+        self._gpu_time: GroupWeights | None = None
         self._budget: LiveBudget | None = None
         self._listeners: list[OutcomeListener] = []
         store.subscribe(self._on_swap)
@@ -179,23 +186,45 @@ class Tenancy:
             self._gpu_time = None
             self._weights_at = -math.inf
 
-    def weights(self) -> TokenWeights:
-        """The token weights a reservation made now uses: plain tokens by default, the pinned
-        ones, or the GPU-time weights in force (recomputed at most every ``WEIGHTS_REFRESH_S``
-        seconds; see ``gateway.tenants.pricing``)."""
+    def use_groups(self, groups: Callable[[], ReplicaGroups]) -> None:
+        """Price GPU time per the replica groups ``groups()`` names from now on (model id ->
+        the replicas serving it; ``ReplicaRegistry.model_groups``), from the next refresh."""
+        self._groups = groups
+        self._weights_at = -math.inf
+
+    def weights(self, model: str | None = None) -> TokenWeights:
+        """The token weights a reservation for ``model`` made now uses: plain tokens by default,
+        the pinned ones, or the GPU-time weights in force for ``model``'s replica group
+        (``DEFAULT_WEIGHTS`` for a model no replica serves; ``None``: the mean over the groups,
+        what fair share charges). Every group is recomputed at most every ``WEIGHTS_REFRESH_S``
+        seconds (see ``gateway.tenants.pricing``); in between, and always with plain or pinned
+        weights, this is a lookup."""
         if self._pinned is not None:
             return self._pinned
+        groups = self._group_weights()
+        return PLAIN_WEIGHTS if groups is None else groups.for_model(model)
+
+    def weights_by_model(self) -> dict[str, TokenWeights]:
+        """With GPU-time weights, those in force per model served now (its replica group's),
+        by model id; ``{}`` with plain or pinned weights (every model's are ``weights()``)."""
+        groups = None if self._pinned is not None else self._group_weights()
+        return {} if groups is None else groups.by_model()
+
+    def _group_weights(self) -> GroupWeights | None:
+        """The GPU-time weights of every replica group, refreshed when they are due; ``None``
+        unless GPU-time weighting is on."""
         settings = self._store.current.limits.token_weights
         if not isinstance(settings, GpuTimeWeightSettings):  # pinned is None only with gpu_time
-            return PLAIN_WEIGHTS
+            return None
         now = self._clock()
-        if self._gpu_time is None:
-            self._gpu_time = GpuTimeWeights(settings, now)
+        groups = self._gpu_time
+        if groups is None:
+            groups = self._gpu_time = GroupWeights(settings)
         elif now - self._weights_at < WEIGHTS_REFRESH_S:
-            return self._gpu_time.current
+            return groups
         self._weights_at = now
-        target = reference_ratio(self._predictions, self._store.current.all_replicas(), settings)
-        return self._gpu_time.update(target, now)
+        groups.refresh(self._groups(), self._predictions, now)
+        return groups
 
     @property
     def weighted(self) -> bool:
@@ -215,12 +244,13 @@ class Tenancy:
         self._budget = LiveBudget(
             self._limiter,
             self.weights,
+            model_weights=self.weights,
             metrics=metrics,
             retry_backoff_s=lambda: store.current.limits.retry_backoff_s,
         )
         if metrics is not None:
             metrics.track_limiter(self.stats, redis=self._store.current.limits.backend == "redis")
-            metrics.track_token_weights(self.weights)
+            metrics.track_token_weights(self.weights, by_model=self.weights_by_model)
 
     async def stop(self) -> None:
         """Finish outstanding settles, then close the limiter."""
@@ -312,6 +342,9 @@ def install_tenancy(
     app.on_response_prepare.append(rate_limit_headers_hook(lambda: store.current.limits.ietf_headers))
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        registry = app.get(REGISTRY)
+        if registry is not None:  # built by the replicas' context, which starts before this one
+            tenancy.use_groups(registry.model_groups)
         tenancy.start(app.get(METRICS), app[OUTCOME_LISTENERS])
         try:
             yield

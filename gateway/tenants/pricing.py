@@ -7,23 +7,25 @@ Pure numbers (no I/O; the prediction service is only read). ``limits.token_weigh
   TPM counts.
 * ``{prompt: x, output: y}``: those two weights, fixed.
 * ``{mode: gpu_time, ...}``: a prompt token 1 and an output token its GPU time over a prompt
-  token's, per the step model of the replicas serving a model, at a fixed reference operating
-  point (``reference_prices``: a stated decode batch and context, not the live batch), averaged
-  over the replicas with a valid step model; ``DEFAULT_WEIGHTS`` (VTC's 1 : 2) until one has.
-  The weight in force moves towards that target by at most ``max_change_per_minute`` a minute
-  (``GpuTimeWeights``), so two identical requests within a minute never differ by more than a
-  factor ``1 + max_change_per_minute``.
+  token's, per model: its replica group is the replicas serving that model, and the target is
+  their step models' ratio at a fixed reference operating point (``reference_prices``: a stated
+  decode batch and context, not the live batch), averaged over the group's replicas with a valid
+  step model; ``DEFAULT_WEIGHTS`` (VTC's 1 : 2) until one has, and for a model no replica
+  serves. Each group's weight in force moves towards its target by at most
+  ``max_change_per_minute`` a minute (``GpuTimeWeights``; ``GroupWeights`` keeps one per model),
+  so two identical requests within a minute never differ by more than a factor
+  ``1 + max_change_per_minute``.
 
-A reservation is settled with the weights it was made with, so a change between the two never
-shifts a tenant's balance. ``fleet_token_weights`` (the weights at the live batch) stays for the
-tools that study pricing (``bench.tenancy_cost``).
+A reservation is settled with the weights it was made with (``gateway.admission.budget.Hold``),
+so a change between the two never shifts a tenant's balance. ``fleet_token_weights`` (the
+weights at the live batch) stays for the tools that study pricing (``bench.tenancy_cost``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -256,18 +258,22 @@ def reference_prices(
     )
 
 
+def replica_reference_ratio(
+    service: PredictionService, replica: ReplicaSettings, settings: GpuTimeWeightSettings
+) -> float | None:
+    """``reference_prices(...).ratio`` of ``replica`` per its step model in ``service``: an output
+    token's GPU time over a prompt token's at the reference point; ``None`` when it has none."""
+    model = service.step_model(replica.name)
+    prices = None if model is None else reference_prices(replica, model, settings)
+    return None if prices is None else prices.ratio
+
+
 def reference_ratio(
     service: PredictionService, replicas: Iterable[ReplicaSettings], settings: GpuTimeWeightSettings
 ) -> float | None:
-    """The mean over ``replicas`` with a valid step model of ``reference_prices(...).ratio``: an
-    output token's GPU time over a prompt token's at the reference point; ``None`` when none has
-    one."""
-    ratios: list[float] = []
-    for replica in replicas:
-        model = service.step_model(replica.name)
-        prices = None if model is None else reference_prices(replica, model, settings)
-        if prices is not None:
-            ratios.append(prices.ratio)
+    """The mean over ``replicas`` (one replica group) with a valid step model of
+    ``replica_reference_ratio``; ``None`` when none has one."""
+    ratios = [r for r in (replica_reference_ratio(service, x, settings) for x in replicas) if r is not None]
     return sum(ratios) / len(ratios) if ratios else None
 
 
@@ -287,11 +293,12 @@ class GpuTimeWeights:
         self._output = DEFAULT_WEIGHTS.output
         self._priced = False
         self._at = now
+        self._current = DEFAULT_WEIGHTS
 
     @property
     def current(self) -> TokenWeights:
-        """The weights a reservation made now is priced with."""
-        return TokenWeights(input=1.0, output=max(round(self._output, 2), 0.01))
+        """The weights a reservation made now is priced with (the same object until they change)."""
+        return self._current
 
     def update(self, target: float | None, now: float) -> TokenWeights:
         """Move towards ``target`` as far as the time since the last update allows; the weights
@@ -305,4 +312,72 @@ class GpuTimeWeights:
         else:
             step = (1.0 + self.settings.max_change_per_minute) ** (elapsed / 60.0)
             self._output = min(max(target, self._output / step), self._output * step)
-        return self.current
+        output = max(round(self._output, 2), 0.01)
+        if output != self._current.output:
+            self._current = TokenWeights(input=1.0, output=output)
+        return self._current
+
+
+#: The replicas serving each model, by the model's id (``ReplicaRegistry.model_groups``).
+ReplicaGroups = Mapping[str, Sequence[ReplicaSettings]]
+
+
+class GroupWeights:
+    """The GPU-time weights in force per replica group: one ``GpuTimeWeights`` per model, its
+    group being the replicas serving that model (a replica serving several models is in each
+    of their groups).
+
+    ``refresh(groups, service, now)`` moves every group's weights towards its target
+    (``reference_ratio`` over the group's replicas; a group with no replica or no valid step
+    model keeps its weights, ``DEFAULT_WEIGHTS`` until its first price). A model seen once keeps
+    its weights while it is away (a replica leaving and coming back does not reset its pace);
+    only models some replica served are ever kept, never names a client sends.
+    ``for_model(model)``: O(1), the group's weights, ``DEFAULT_WEIGHTS`` for a model no replica
+    has served. ``fleet``: the mean output weight over the groups served now (what one set of
+    weights for every model, as fair share charges, is), ``DEFAULT_WEIGHTS`` when none is."""
+
+    def __init__(self, settings: GpuTimeWeightSettings) -> None:
+        self.settings = settings
+        self._groups: dict[str, GpuTimeWeights] = {}
+        self._served: frozenset[str] = frozenset()
+        self._fleet = DEFAULT_WEIGHTS
+
+    def for_model(self, model: str | None) -> TokenWeights:
+        """The weights a reservation for ``model`` made now is priced with (``None``: ``fleet``)."""
+        if model is None:
+            return self._fleet
+        found = self._groups.get(model)
+        return DEFAULT_WEIGHTS if found is None else found.current
+
+    @property
+    def fleet(self) -> TokenWeights:
+        """The mean of the served groups' weights (output rounded to 0.01)."""
+        return self._fleet
+
+    def by_model(self) -> dict[str, TokenWeights]:
+        """The weights in force of every model served now, by model id, sorted."""
+        return {model: self._groups[model].current for model in sorted(self._served)}
+
+    def refresh(self, groups: ReplicaGroups, service: PredictionService, now: float) -> None:
+        """Move each group's weights towards its step models' target at ``now`` (monotonic
+        seconds); each replica's reference price is computed once, whatever its groups."""
+        ratios: dict[str, float | None] = {}
+        for model, replicas in groups.items():
+            found: list[float] = []
+            for replica in replicas:
+                if replica.name not in ratios:
+                    ratios[replica.name] = replica_reference_ratio(service, replica, self.settings)
+                ratio = ratios[replica.name]
+                if ratio is not None:
+                    found.append(ratio)
+            weights = self._groups.get(model)
+            if weights is None:
+                weights = self._groups[model] = GpuTimeWeights(self.settings, now)
+            weights.update(sum(found) / len(found) if found else None, now)
+        for model in self._groups.keys() - groups.keys():
+            self._groups[model].update(None, now)
+        self._served = frozenset(model for model, replicas in groups.items() if replicas)
+        outputs = [self._groups[model].current.output for model in self._served]
+        fleet = max(round(sum(outputs) / len(outputs), 2), 0.01) if outputs else DEFAULT_WEIGHTS.output
+        if fleet != self._fleet.output:
+            self._fleet = TokenWeights(input=1.0, output=fleet)

@@ -16,7 +16,7 @@ What each metric means: docs/dashboards.md.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -154,9 +154,15 @@ class SluiceMetrics:
         """Read each class's admission by prompt-size quartile (``rows()``) at every scrape."""
         self._size_shares.source = rows
 
-    def track_token_weights(self, weights: Callable[[], WeightsView]) -> None:
-        """Read the token weights budgets charge now (``weights()``) at every scrape."""
+    def track_token_weights(
+        self,
+        weights: Callable[[], WeightsView],
+        by_model: Callable[[], Mapping[str, WeightsView]] | None = None,
+    ) -> None:
+        """Read the token weights budgets charge now (``weights()``) and, with GPU-time weights,
+        per model (``by_model()``: each model's replica group's) at every scrape."""
         self._token_weights.source = weights
+        self._token_weights.by_model = by_model
 
     def observe_reservation(self, reservation: ReservationView) -> None:
         """After a ``reserve``: see ``TenantMetrics.observe_reservation``."""

@@ -12,7 +12,7 @@ what these read of ``gateway.limits.base``'s types.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -222,29 +222,47 @@ class WeightsView(Protocol):
 class TokenWeightCollector(Collector):
     """``sluice_token_weight{token="prompt"|"output"}``: what one prompt and one output token
     cost a tenant's token budget now, read from ``source()`` at every scrape (1 and 1 with plain
-    tokens); nothing while ``source`` is ``None``."""
+    tokens; with GPU-time weights the mean over the models' replica groups, what fair share
+    charges); nothing while ``source`` is ``None``. ``sluice_model_token_weight{model, token}``:
+    with GPU-time weights, each model's replica group's, read from ``by_model()`` (no series
+    otherwise: every model's are ``sluice_token_weight``)."""
 
     def __init__(self) -> None:
         self.source: Callable[[], WeightsView] | None = None
+        self.by_model: Callable[[], Mapping[str, WeightsView]] | None = None
 
     def describe(self) -> Iterable[Metric]:
-        return [self._family()]
+        return [self._family(), self._model_family()]
 
     def collect(self) -> Iterator[Metric]:
-        family = self._family()
+        family, per_model = self._family(), self._model_family()
         if self.source is not None:
             weights = self.source()
             family.add_metric(["prompt"], weights.input)
             family.add_metric(["output"], weights.output)
+        if self.by_model is not None:
+            for model, weights in self.by_model().items():
+                per_model.add_metric([model, "prompt"], weights.input)
+                per_model.add_metric([model, "output"], weights.output)
         yield family
+        yield per_model
 
     @staticmethod
     def _family() -> GaugeMetricFamily:
         return GaugeMetricFamily(
             "sluice_token_weight",
             "What one token of a kind costs a tenant's token budget now (1 with plain tokens, the "
-            "default; limits.token_weights).",
+            "default; limits.token_weights; with mode gpu_time, the mean over models).",
             labels=["token"],
+        )
+
+    @staticmethod
+    def _model_family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "sluice_model_token_weight",
+            "With limits.token_weights mode gpu_time: what one token of a kind of a request for "
+            "the model costs a tenant's token budget now (its replica group's weights).",
+            labels=["model", "token"],
         )
 
 

@@ -70,8 +70,9 @@ class JumpingPredictions(PredictionService):
 
 
 def _tenancy(limits: dict[str, Any], predictions: PredictionService, clock: FakeClock) -> Tenancy:
+    """A tenancy whose one replica group, ``REPLICA``, serves the model ``m``."""
     settings = Settings(replicas=[REPLICA], limits=LimitsSettings.model_validate(limits))
-    return Tenancy(SettingsStore(settings), predictions, clock=clock)
+    return Tenancy(SettingsStore(settings), predictions, clock=clock, groups=lambda: {"m": [REPLICA]})
 
 
 def test_null_means_plain_tokens() -> None:
@@ -157,7 +158,7 @@ def test_identical_requests_in_a_minute_differ_by_at_most_the_stated_factor() ->
     for second in range(600):
         predictions.model = dear if (second // 7) % 2 else cheap
         clock.now = float(second)
-        costs.append((clock.now, request_cost(tenancy.weights(), 1000, 200)))
+        costs.append((clock.now, request_cost(tenancy.weights("m"), 1000, 200)))
 
     assert tenancy.weighted
     worst = max(max(a, b) / min(a, b) for t0, a in costs for t1, b in costs if t0 <= t1 < t0 + 60.0)
