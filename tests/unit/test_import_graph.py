@@ -1,8 +1,8 @@
 """The import graph of Sluice's packages has no cycle, and the house's layering rules hold.
 
-Every module of ``gateway``, ``predictor``, ``simulator`` and ``replay`` is parsed with ``ast``;
-nothing is imported. An edge A -> B means A's source imports B, wherever the statement stands:
-at module level, under ``if TYPE_CHECKING:``, or inside a function.
+Every module of ``gateway``, ``predictor``, ``simulator``, ``replay`` and ``planner`` is parsed
+with ``ast``; nothing is imported. An edge A -> B means A's source imports B, wherever the
+statement stands: at module level, under ``if TYPE_CHECKING:``, or inside a function.
 
 Both kinds of guarded import are INCLUDED on purpose. Neither creates an import-time cycle, and
 that is why they hide one: the cycles this test was written for (plugins reading their app keys
@@ -19,9 +19,11 @@ re-exports its submodules is not a cycle with them.
 
 Layering asserted here: ``predictor`` imports none of ``gateway``, ``simulator``, ``aiohttp``,
 ``redis``, ``prometheus_client``; ``simulator`` imports none of ``predictor``, ``gateway``,
-``replay``; ``gateway`` imports neither ``simulator`` nor ``replay`` (it starts emulators as
-processes, ``python -m simulator``). ``replay`` may import all three: it is the second adapter
-over the gateway's code, driving the emulator's engine.
+``replay``; ``gateway`` imports neither ``simulator`` nor ``replay`` nor ``planner`` (it starts
+emulators and the planner as processes, ``python -m simulator``, ``python -m planner``).
+``replay`` may import all three: it is the second adapter over the gateway's code, driving the
+emulator's engine. ``planner`` (``sluice plan``) sits on top of ``replay``; nothing of Sluice's
+imports it.
 """
 
 from __future__ import annotations
@@ -35,13 +37,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("gateway", "predictor", "simulator", "replay")
+PACKAGES = ("gateway", "predictor", "simulator", "replay", "planner")
 
 # package -> top-level names it must never import (the house's layering rules).
 FORBIDDEN: dict[str, frozenset[str]] = {
-    "predictor": frozenset({"gateway", "simulator", "aiohttp", "redis", "prometheus_client"}),
-    "simulator": frozenset({"predictor", "gateway", "replay"}),
-    "gateway": frozenset({"simulator", "replay"}),
+    "predictor": frozenset({"gateway", "simulator", "aiohttp", "redis", "prometheus_client", "planner"}),
+    "simulator": frozenset({"predictor", "gateway", "replay", "planner"}),
+    "gateway": frozenset({"simulator", "replay", "planner"}),
+    "replay": frozenset({"planner"}),
 }
 
 

@@ -1,0 +1,7 @@
+"""``python -m planner``: ``sluice plan`` (``planner.cli``)."""
+
+import sys
+
+from planner.cli import main
+
+sys.exit(main())

@@ -1,0 +1,182 @@
+"""``sluice plan`` (``python -m planner``): parse the options, build the workload and classes, make
+the plan, print the report, write the JSON.
+
+Exit codes as ``sluice``'s: 0 a plan was made (whether or not a count met the targets: the report
+says), 2 a usage, trace or configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from gateway.admission import AdmissionSettings
+from planner.plan import PlanOptions, class_targets, make_plan, with_targets
+from planner.report import render_text, to_json
+from planner.workload import Workload, load_workload, parse_length_dist, read_trace, synthetic_workload
+from simulator.profile import Profile, list_profiles, load_profile
+
+__all__ = ["build_parser", "main"]
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+DEFAULT_PROFILE = "llama3-8b-h100"
+DEFAULT_SYNTHETIC_S = 60.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``sluice plan``."""
+    p = argparse.ArgumentParser(
+        prog="sluice plan",
+        description="Capacity planning from the step model and emulator Sluice admits with: replicas "
+        "needed for the classes' targets (replayed in virtual time through the admission engine), the KV "
+        "check, recompute versus swap, cost, and a speculative-decoding what-if. Runs from a checkout.",
+    )
+    w = p.add_argument_group("workload: a trace, or a rate with length distributions")
+    w.add_argument("--trace", type=Path, metavar="FILE", help="Azure LLM trace or Mooncake CSV")
+    w.add_argument("--start-s", type=float, default=0.0, help="with --trace: slice from here (s)")
+    w.add_argument(
+        "--duration-s",
+        type=float,
+        help="with --trace: slice length (s, default to the end); synthetic: length "
+        f"(default {DEFAULT_SYNTHETIC_S:g})",
+    )
+    w.add_argument(
+        "--rate", type=float, metavar="R", help="requests/s (a trace is re-timed to it, burst shape kept)"
+    )
+    w.add_argument("--prompt-tokens", metavar="DIST", help="N, uniform:LO:HI or lognormal:MEDIAN:SIGMA")
+    w.add_argument("--output-tokens", metavar="DIST", help="as --prompt-tokens")
+    r = p.add_argument_group("replica and classes")
+    r.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        help=f"a built-in profile ({', '.join(list_profiles())}) or a profile .yaml "
+        f"(default {DEFAULT_PROFILE})",
+    )
+    r.add_argument(
+        "--config", type=Path, metavar="FILE", help="a Sluice YAML: its admission section (classes)"
+    )
+    r.add_argument(
+        "--class",
+        dest="mix",
+        action="append",
+        metavar="NAME[=SHARE]",
+        help="a class of the traffic and its share (repeat; default: the default class, all traffic)",
+    )
+    r.add_argument("--ttft-s", type=float, help="TTFT target of every class in the mix (s)")
+    r.add_argument("--tpot-s", type=float, help="TPOT target of every class in the mix (s)")
+    r.add_argument(
+        "--attainment", type=float, help="share (0-1) of each class's requests that must meet both"
+    )
+    r.add_argument(
+        "--policy",
+        choices=("slo", "admit_all", "concurrency_cap", "saturation", "none"),
+        help="admission policy to replay with (default: the configuration's, slo)",
+    )
+    s = p.add_argument_group("search and checks")
+    s.add_argument("--max-replicas", type=int, default=64)
+    s.add_argument("--warmup-s", type=float, default=0.0, help="arrivals before this are not scored (s)")
+    s.add_argument("--max-tokens", type=int, default=1000, help="the clients' output cap (tokens)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--price-per-gpu-hour", type=float, metavar="USD", help="for the cost check")
+    s.add_argument("--tokens-per-day", type=float, help="volume for GPU-hours (default: the replayed rate)")
+    s.add_argument("--pcie-gbps", type=float, metavar="GB/S", help="host link per GPU, GB/s (swap check)")
+    s.add_argument(
+        "--spec-acceptance", type=float, metavar="ALPHA", help="speculative what-if: acceptance 0-1"
+    )
+    s.add_argument("--spec-draft-tokens", type=int, default=4, metavar="K", help="draft length (default 4)")
+    s.add_argument("--draft-step-ms", type=float, help="the draft model's step time (ms)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", type=Path, metavar="FILE", help="write the plan as JSON")
+    o.add_argument("--plot-dir", type=Path, metavar="DIR", help="write plots here (PNG)")
+    return p
+
+
+def _mix(entries: Sequence[str] | None, default_class: str) -> dict[str, float]:
+    if not entries:
+        return {default_class: 1.0}
+    mix: dict[str, float] = {}
+    for entry in entries:
+        name, _, share = entry.partition("=")
+        mix[name] = float(share) if share else 1.0
+    return mix
+
+
+def _settings(config: Path | None) -> AdmissionSettings:
+    if config is None:
+        return AdmissionSettings()
+    from gateway.config.load import load_settings
+
+    return load_settings(config).admission
+
+
+def _workload(args: argparse.Namespace, profile: Profile) -> Workload:
+    limit = profile.engine.max_model_len
+    if args.trace is not None:
+        if args.prompt_tokens or args.output_tokens:
+            raise ValueError("--prompt-tokens/--output-tokens are for a synthetic workload, not --trace")
+        requests = read_trace(args.trace)
+        return load_workload(
+            requests,
+            str(args.trace),
+            limit,
+            start_s=args.start_s,
+            duration_s=args.duration_s,
+            rate_per_s=args.rate,
+        )
+    if args.rate is None or not args.prompt_tokens or not args.output_tokens:
+        raise ValueError("give --trace FILE, or --rate R with --prompt-tokens DIST and --output-tokens DIST")
+    prompt, output = parse_length_dist(args.prompt_tokens), parse_length_dist(args.output_tokens)
+    duration = args.duration_s or DEFAULT_SYNTHETIC_S
+    requests = synthetic_workload(args.rate, prompt, output, duration, seed=args.seed)
+    source = (
+        f"Poisson {args.rate:g} req/s, prompt {prompt.describe()}, output {output.describe()} tokens, "
+        f"seed {args.seed}"
+    )
+    if not requests:
+        raise ValueError(f"{source}: no arrival in {duration:g} s")
+    return load_workload(requests, source, limit, duration_s=duration)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``sluice plan``; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    from gateway.config.load import ConfigError
+
+    try:
+        profile = load_profile(args.profile)
+        settings = _settings(args.config)
+        if args.policy is not None:
+            settings = settings.model_copy(update={"policy": args.policy})
+        mix = _mix(args.mix, settings.default_class)
+        settings = with_targets(
+            settings, list(mix), ttft_s=args.ttft_s, tpot_s=args.tpot_s, attainment=args.attainment
+        )
+        classes = class_targets(settings, mix)
+        workload = _workload(args, profile)
+    except (ValueError, ConfigError) as exc:
+        print(f"sluice plan: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    options = PlanOptions(
+        max_replicas=args.max_replicas,
+        warmup_s=args.warmup_s,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        price_per_gpu_hour=args.price_per_gpu_hour,
+        tokens_per_day=args.tokens_per_day,
+        pcie_Bps=None if args.pcie_gbps is None else args.pcie_gbps * 1e9,
+        acceptance=args.spec_acceptance,
+        draft_tokens=args.spec_draft_tokens,
+        draft_step_s=None if args.draft_step_ms is None else args.draft_step_ms / 1e3,
+    )
+    plan = make_plan(workload, profile, settings, classes, options)
+    sys.stdout.write(render_text(plan))
+    if args.plot_dir is not None:
+        print("plots: none yet (the utilisation curve is not implemented); --plot-dir ignored")
+    if args.json is not None:
+        args.json.write_text(json.dumps(to_json(plan), indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    return EXIT_OK
