@@ -1,6 +1,6 @@
 """The `sluice` command line: serve, config show|init, check-config, hash-key, keys
-issue|list|revoke (``gateway.tenants.keys_cli``), sim (``--engine vllm|tgi|sglang``), and
-``--version``.
+issue|list|revoke (``gateway.tenants.keys_cli``), sim (``--engine vllm|tgi|sglang``), plan
+(capacity planning: ``python -m planner`` from a checkout) and ``--version``.
 
 What ``serve`` and ``config`` run is one of: a file (``--config``), replicas named by URL
 (``--replica``, each asked what it runs: ``gateway.replicas.discover``) or the embedded default.
@@ -148,6 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     sim.add_argument("args", nargs=argparse.REMAINDER, help="see `sluice sim --help`")
+
+    plan = sub.add_parser(
+        "plan",
+        help="capacity planning: replicas for the targets, KV check, cost (from a checkout)",
+        description="Replay a workload in virtual time through the admission engine and the emulator "
+        "to find the replicas its classes' targets need, with closed-form checks (planner/).",
+        add_help=False,
+    )
+    plan.add_argument("args", nargs=argparse.REMAINDER, help="see `sluice plan --help`")
     return parser
 
 
@@ -302,6 +311,31 @@ def _sim(args: list[str]) -> int:
     return 128 - status if status < 0 else status
 
 
+#: The checkout ``sluice plan`` runs the planner from: planner/ and replay/ are not installed.
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def _plan(args: list[str]) -> int:
+    """``sluice plan ARGS``: ``python -m planner ARGS`` with the checkout on the path (the planner
+    drives ``replay``, which the gateway never imports); exit 2 when there is no checkout."""
+    import subprocess
+
+    if not (CHECKOUT / "planner" / "__main__.py").is_file() or not (CHECKOUT / "replay").is_dir():
+        print(
+            "sluice plan: needs a checkout of Sluice (planner/ and replay/ are not installed with "
+            "the package); run it from the repository: .venv/bin/sluice plan ...",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
+    path = os.pathsep.join(p for p in (str(CHECKOUT), os.environ.get("PYTHONPATH", "")) if p)
+    try:
+        env = {**os.environ, "PYTHONPATH": path}
+        done = subprocess.run([sys.executable, "-m", "planner", *args], env=env, check=False)
+    except KeyboardInterrupt:
+        return 130
+    return 128 - done.returncode if done.returncode < 0 else done.returncode
+
+
 def _print_banner(settings: Settings) -> None:
     """The ready-to-paste examples for the embedded default (its demo tenant's key, ``sk-demo``)."""
     from gateway.tenants import DEMO_API_KEY
@@ -340,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         # Everything after `sim` is the emulator's own command line: argparse's REMAINDER would
         # refuse the options (`--profile ...`) that come before any positional.
         return _sim(raw[1:])
+    if raw[:1] == ["plan"]:
+        return _plan(raw[1:])
     args = build_parser().parse_args(argv)
     if args.command == "check-config":
         return _check_config(args.file)
@@ -360,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_keys(args)
     if args.command == "sim":
         return _sim(args.args)
+    if args.command == "plan":
+        return _plan(args.args)
     logging.getLogger(__name__).error("unknown command %s", args.command)
     return EXIT_CONFIG
 

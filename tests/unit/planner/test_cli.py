@@ -1,0 +1,103 @@
+"""``sluice plan``'s command line (``planner.cli``) and its workload inputs (``planner.workload``).
+
+Small workloads only (a few virtual seconds at a few requests per second): what is checked is
+the wiring (options to plan, report and JSON, exit codes), not the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gateway import cli as gateway_cli
+from planner.cli import main
+from planner.workload import LengthDist, load_workload, parse_length_dist, read_trace
+from replay.traces import TraceRequest
+
+SMALL = ["--rate", "4", "--prompt-tokens", "256", "--output-tokens", "uniform:16:48", "--duration-s", "4"]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("512", LengthDist("const", 512.0)),
+        ("uniform:10:20", LengthDist("uniform", 10, 20)),
+        ("lognormal:800:0.8", LengthDist("lognormal", 800.0, 0.8)),
+    ],
+)
+def test_length_dists_parse(text: str, expected: LengthDist) -> None:
+    assert parse_length_dist(text) == expected
+
+
+@pytest.mark.parametrize("text", ["0", "uniform:20:10", "lognormal:800", "zipf:1:2", "x"])
+def test_bad_length_dists_are_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="expected N"):
+        parse_length_dist(text)
+
+
+def test_both_trace_formats_are_read(tmp_path: Path) -> None:
+    azure = tmp_path / "azure.csv"
+    azure.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.0000000,100,10\n2023-11-16 18:15:47.5000000,200,20\n",
+        encoding="utf-8",
+    )
+    mooncake = tmp_path / "mooncake.csv"
+    mooncake.write_text("timestamp_ms,input_length,output_length\n0,100,10\n3000,200,20\n", encoding="utf-8")
+    assert read_trace(azure) == [TraceRequest(0.0, 100, 10), TraceRequest(1.5, 200, 20)]
+    assert [r.prompt_tokens for r in read_trace(mooncake)] == [100, 200]
+    other = tmp_path / "other.csv"
+    other.write_text("a,b\n1,2\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="unknown format"):
+        read_trace(other)
+
+
+def test_workload_slice_rate_and_model_len() -> None:
+    requests = [TraceRequest(float(i), 100 * (i + 1), 10) for i in range(10)]
+    # Arrivals 2..5 s (4 requests), re-based to 0; prompt + output 310, 410, 510, 610 tokens:
+    # the last does not fit 550.
+    w = load_workload(requests, "t", 550, start_s=2.0, duration_s=4.0)
+    assert [r.arrival_s for r in w.requests] == [0.0, 1.0, 2.0]
+    assert (w.too_long, w.duration_s) == (1, 4.0)
+    # Re-timed to 2 req/s: gaps halved; the span is 10 requests / 2 = 5 s.
+    fast = load_workload(requests, "t", 10_000, rate_per_s=2.0)
+    assert fast.requests[1].arrival_s == pytest.approx(0.5)
+    assert fast.rate_per_s == pytest.approx(2.0)
+
+
+def test_plan_prints_the_report_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    code = main([*SMALL, "--price-per-gpu-hour", "2", "--ttft-s", "1", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "RECOMMENDED: 1 replica(s)" in printed
+    assert "not computed: missing PCIe bandwidth" in printed
+    data = json.loads(out.read_text(encoding="utf-8"))
+    assert data["replicas"] == 1
+    assert data["at_n"]["meets"] is True
+    assert data["classes"][0]["ttft_s"] == 1.0
+    assert data["cost"]["price_per_gpu_hour"] == 2.0
+    assert data["swap"]["break_even"] is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--rate", "4"],
+        [*SMALL, "--class", "nosuch"],
+        [*SMALL, "--profile", "nosuch"],
+        ["--trace", "/nonexistent.csv"],
+    ],
+    ids=["no-lengths", "unknown-class", "unknown-profile", "missing-trace"],
+)
+def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith("sluice plan: ")
+
+
+def test_sluice_plan_runs_the_planner_from_the_checkout(capfd: pytest.CaptureFixture[str]) -> None:
+    # `sluice plan` is `python -m planner` in a child process (the gateway never imports it).
+    assert gateway_cli.main(["plan", "--rate", "4"]) == 2
+    assert "sluice plan: give --trace FILE" in capfd.readouterr().err
