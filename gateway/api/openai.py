@@ -22,7 +22,14 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from gateway.api.json_body import DEFAULT_LIMITS, JsonLimits, check_content_type, field_problem, load_object
-from gateway.api.tgi import TGI_ENGINE, json_bytes, parse_generate, upstream_generate_body
+from gateway.api.tgi import (
+    TGI_ENGINE,
+    appendable,
+    generate_members,
+    json_bytes_in_pieces,
+    parse_generate,
+    with_members,
+)
 from gateway.http.echo import clip
 from gateway.http.errors import BodyTooLarge, ClientClosedRequest, InvalidRequest, ModelNotFound
 
@@ -429,22 +436,39 @@ def upstream_body(request: ParsedRequest) -> bytes:
 
     Sluice needs the real prompt and completion token counts, so a streaming request goes out with
     ``stream_options.include_usage = true``; the proxy strips that usage chunk from the client's
-    stream when the client did not ask for it.
+    stream when the client did not ask for it. A member the body lacks is written into the
+    client's bytes; one it has is set in the decoded body, which is encoded again
+    (``gateway.api.tgi.with_members``).
     """
-    if request.native:
-        return upstream_generate_body(
-            request.body, request.raw, stream=request.stream, details=request.details
-        )
-    usage = request.stream and not request.include_usage
-    if not usage and request.max_tokens_set is None:
+    members = _upstream_members(request)
+    return request.raw if members is None else with_members(request.body, request.raw, members)
+
+
+async def encode_upstream_body(request: ParsedRequest) -> bytes:
+    """``upstream_body(request)``; a body of ``OFF_LOOP_BYTES`` or more that must be encoded again
+    (not only written into) is encoded on the body-parsing thread, where it was decoded, a piece
+    at a time (``json_bytes_in_pieces``), so that the event loop waits for neither."""
+    members = _upstream_members(request)
+    if members is None:
         return request.raw
-    body = dict(request.body)
-    if usage:
-        options = body.get("stream_options")
-        body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    if len(request.raw) < OFF_LOOP_BYTES or appendable(request.body, request.raw, members):
+        return with_members(request.body, request.raw, members)
+    encode = partial(with_members, request.body, request.raw, members, json_bytes_in_pieces)
+    return await asyncio.get_running_loop().run_in_executor(_PARSER, encode)
+
+
+def _upstream_members(request: ParsedRequest) -> dict[str, object] | None:
+    """The top-level members ``upstream_body`` sets; ``None`` when the client's bytes go out as
+    they are."""
+    if request.native:
+        return generate_members(request.body, stream=request.stream, details=request.details)
+    members: dict[str, object] = {}
+    if request.stream and not request.include_usage:
+        options = request.body.get("stream_options")
+        members["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
     if request.max_tokens_set is not None:
-        body["max_tokens"] = request.max_tokens_set
-    return json_bytes(body)
+        members["max_tokens"] = request.max_tokens_set
+    return members or None
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
@@ -50,6 +50,113 @@ def json_bytes(payload: object) -> bytes:
         return _encode(payload)
     except RecursionError:
         return _on_fresh_stack(payload)
+
+
+#: JSON's whitespace, what may follow a body's closing brace.
+_JSON_SPACE: Final = b" \t\r\n"
+
+
+def appendable(body: Mapping[str, Any], raw: bytes, members: Mapping[str, object]) -> bool:
+    """True when ``with_members`` can add ``members`` to ``raw`` (the bytes ``body``, a JSON object,
+    was decoded from) without encoding ``body`` again: none of them is in ``body``, and ``raw`` is
+    UTF-8 without a byte-order mark that ends with the object's closing brace (JSON's whitespace
+    after it aside)."""
+    if any(key in body for key in members) or json.detect_encoding(raw) != "utf-8":
+        return False
+    end = raw.rfind(b"}")
+    return end >= 0 and not raw[end + 1 :].strip(_JSON_SPACE)
+
+
+def with_members(
+    body: Mapping[str, Any],
+    raw: bytes,
+    members: Mapping[str, object],
+    encode: Callable[[object], bytes] = json_bytes,
+) -> bytes:
+    """The JSON object ``body`` (decoded from ``raw``) with ``members`` set, as UTF-8 bytes.
+
+    When ``appendable``: ``raw`` itself with the members written before its closing brace, the
+    client's bytes otherwise untouched and no value of ``body`` encoded again (a copy of ``raw``,
+    which costs far less than encoding a big body). Else ``body`` updated and encoded
+    with ``encode`` (``json_bytes``, or ``json_bytes_in_pieces`` for a big body), members already
+    in it replaced in place and new ones last, the order ``appendable``'s path writes them in too."""
+    if not appendable(body, raw, members):
+        return encode({**body, **members})
+    end = raw.rfind(b"}")
+    added = b", ".join(json_bytes(key) + b": " + json_bytes(value) for key, value in members.items())
+    view = memoryview(raw)
+    return b"".join([view[:end], b", " if body else b"", added, view[end:]])
+
+
+#: What ``json_bytes_in_pieces`` hands the C encoder in one call at most: characters of strings,
+#: and values of one list or object.
+_PIECE_CHARS: Final = 64 * 1024
+_PIECE_VALUES: Final = 1024
+
+
+def json_bytes_in_pieces(payload: object) -> bytes:
+    """``json_bytes(payload)`` for a decoded JSON value (dicts with string keys, lists, strings,
+    numbers, booleans, ``None``), the same JSON (escapes aside), encoded in pieces: a list or an
+    object of no more than ``_PIECE_VALUES`` values, none of them a list or an object, and
+    ``_PIECE_CHARS`` characters of strings at most is one piece, a longer string is cut in
+    pieces of that many characters, anything else is split into its values. Every call into the
+    C encoder is short, so a thread encoding a body of megabytes lets the event loop take the
+    GIL between them (one ``json.dumps`` holds it from start to end). Nesting deeper than the
+    thread's stack allows is encoded whole (``json_bytes``)."""
+    out: list[bytes] = []
+    try:
+        _append_pieces(payload, out)
+    except RecursionError:
+        return json_bytes(payload)
+    return b"".join(out)
+
+
+def _one_piece(value: object) -> bool:
+    """``value`` is one of ``json_bytes_in_pieces``' pieces."""
+    if isinstance(value, str):
+        return len(value) <= _PIECE_CHARS
+    if isinstance(value, dict):
+        chars = sum(map(len, value))
+        values: Iterable[object] = value.values()
+    elif isinstance(value, list):
+        chars, values = 0, value
+    else:
+        return True
+    if len(value) > _PIECE_VALUES:
+        return False
+    for item in values:
+        if isinstance(item, str):
+            chars += len(item)
+        elif isinstance(item, (dict, list)):
+            return False
+    return chars <= _PIECE_CHARS
+
+
+def _append_pieces(value: object, out: list[bytes]) -> None:
+    if _one_piece(value):
+        out.append(json_bytes(value))
+    elif isinstance(value, str):
+        out.append(b'"')
+        for start in range(0, len(value), _PIECE_CHARS):
+            out.append(json_bytes(value[start : start + _PIECE_CHARS])[1:-1])
+        out.append(b'"')
+    elif isinstance(value, dict):
+        out.append(b"{")
+        for index, (key, item) in enumerate(value.items()):
+            if index:
+                out.append(b", ")
+            _append_pieces(key, out)
+            out.append(b": ")
+            _append_pieces(item, out)
+        out.append(b"}")
+    else:
+        assert isinstance(value, list)
+        out.append(b"[")
+        for index, item in enumerate(value):
+            if index:
+                out.append(b", ")
+            _append_pieces(item, out)
+        out.append(b"]")
 
 
 def _encode(payload: object) -> bytes:
@@ -114,12 +221,17 @@ def parse_generate(
 def upstream_generate_body(body: Mapping[str, Any], raw: bytes, *, stream: bool, details: bool) -> bytes:
     """The body sent to the replica: a non-streamed ``/generate`` always asks for ``details`` (the
     generated token count); a stream is counted event by event and goes out unchanged."""
+    members = generate_members(body, stream=stream, details=details)
+    return raw if members is None else with_members(body, raw, members)
+
+
+def generate_members(body: Mapping[str, Any], *, stream: bool, details: bool) -> dict[str, object] | None:
+    """The top-level members ``upstream_generate_body`` sets on ``body`` (``with_members``);
+    ``None`` when the client's bytes go out unchanged."""
     if stream or details:
-        return raw
+        return None
     parameters = body.get("parameters")
-    sent = dict(body)
-    sent["parameters"] = {**(parameters if isinstance(parameters, dict) else {}), "details": True}
-    return json_bytes(sent)
+    return {"parameters": {**(parameters if isinstance(parameters, dict) else {}), "details": True}}
 
 
 def generated_tokens(payload: object) -> int | None:

@@ -42,7 +42,7 @@ from aiohttp import web
 from gateway.admission.live import LiveAdmission, Ticket, mark_saturated
 from gateway.admission.retry_after import UNMEASURED_WAIT_S, RefusalReason, retry_after
 from gateway.api.json_body import JsonLimits
-from gateway.api.openai import Endpoint, read_request, upstream_body, upstream_path, with_max_tokens
+from gateway.api.openai import Endpoint, encode_upstream_body, read_request, upstream_path, with_max_tokens
 from gateway.api.sse import Event, EventSplitter
 from gateway.config.store import SettingsStore
 from gateway.http.echo import clip
@@ -343,11 +343,12 @@ class Proxy:
         server = ex.settings.server
         timeout = _upstream_timeout(server.upstream_connect_timeout_s, server.upstream_read_timeout_s)
         url = ex.replica.base_url + upstream_path(ex.parsed)
+        body = await encode_upstream_body(ex.parsed)
         ex.outcome.dispatched_at = self._clock()
         try:
             return await self._session.post(
                 url,
-                data=upstream_body(ex.parsed),
+                data=body,
                 headers=forwarded(ex.request, ex.replica.settings.authorization()),
                 timeout=timeout,
                 allow_redirects=False,
