@@ -7,7 +7,8 @@ the local Hugging Face cache, by the id clients send; the cache's by a serving r
 ``hardware.model``. None found (or a file that does not load): ``None``, and the prompt is
 estimated. Loading (a ``tokenizer.json`` of several MB takes a few hundred ms) runs in a worker
 thread, once per file (its chat template with it); a prompt that weighs more than
-``OFF_LOOP_CHARS`` (``PromptCounter.weight``) is counted in one too. A reload
+``OFF_LOOP_CHARS`` (``PromptCounter.weight``), or whose body is ``OFF_LOOP_BYTES`` or more (its
+texts gathered there too), is counted in one too. A reload
 forgets what was found and loaded, so a changed path or a file added to the cache is used from
 the next request on.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 from aiohttp import web
 from tokenizers import Tokenizer
 
-from gateway.api.openai import ParsedRequest
+from gateway.api.openai import OFF_LOOP_BYTES, ParsedRequest
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.replicas.registry import ReplicaRegistry
@@ -91,6 +92,10 @@ class PromptTokenizers:
         the prompt cannot be counted (token ids, images): the caller estimates it then."""
         if parsed.prompt_token_ids is not None:
             return None
+        if len(parsed.raw) >= OFF_LOOP_BYTES:
+            # Even gathering a big body's texts (one per message) is work for a thread.
+            counter = await self.counter(parsed.model, parsed.engine)
+            return None if counter is None else await asyncio.to_thread(counter.count, parsed)
         texts = prompt_texts(parsed)
         if texts is None:
             return None

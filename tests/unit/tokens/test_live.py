@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +14,15 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
+import gateway.tokens.counter as counter_module
+import gateway.tokens.live as live_module
 from gateway.admission.sizing import PromptSize, prompt_size, prompt_size_of
-from gateway.api.openai import ModelCard, ParsedRequest, parse_request
+from gateway.api.openai import OFF_LOOP_BYTES, ModelCard, ParsedRequest, parse_request
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.prediction.service import PredictionService
 from gateway.replicas.registry import ReplicaRegistry
-from gateway.tokens.counter import TokenCount
+from gateway.tokens.counter import PromptTexts, TokenCount, prompt_texts
 from gateway.tokens.live import PROMPT_TOKENIZERS, PromptTokenizers
 from tests.support.tokenizer import tokenizer, write_hub_snapshot, write_tokenizer
 
@@ -121,3 +124,31 @@ async def test_a_model_no_replica_serves_is_not_looked_up(tmp_path: Path) -> Non
     tokenizers = PromptTokenizers(store, fleet(store, MODEL), env={"HF_HUB_CACHE": str(hub)})
     assert tokenizers.tokenizer_path("other/model") is None
     assert await tokenizers.count(completion(model="other/model")) is None
+
+
+async def test_a_big_bodys_prompt_is_gathered_and_counted_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body of ``OFF_LOOP_BYTES`` or more: even its texts (one per message, some 30,000 of them in
+    a maximum-size body) are gathered in the worker thread, and counted as a small body's are."""
+    store = SettingsStore(settings(tokenizer=str(write_tokenizer(tmp_path / "tiny"))))
+    tokenizers = PromptTokenizers(store, fleet(store, MODEL), env={})
+    messages = [{"role": "user", "content": PROMPT}] * (OFF_LOOP_BYTES // len(PROMPT) + 1)
+    parsed = parse_request("chat", json.dumps({"model": MODEL, "messages": messages}).encode())
+    assert len(parsed.raw) >= OFF_LOOP_BYTES
+    gathered_on: list[bool] = []
+
+    def recording(request: ParsedRequest) -> PromptTexts | None:
+        gathered_on.append(threading.current_thread() is threading.main_thread())
+        return prompt_texts(request)
+
+    monkeypatch.setattr(counter_module, "prompt_texts", recording)
+    monkeypatch.setattr(live_module, "prompt_texts", recording)
+
+    count = await tokenizers.count(parsed)
+
+    assert gathered_on == [False]
+    loaded, texts = await tokenizers.counter(MODEL), prompt_texts(parsed)
+    assert loaded is not None
+    assert texts is not None
+    assert count == loaded.count_texts(texts)
