@@ -130,7 +130,8 @@ def _bare_segments(raw: bytes) -> Iterator[bytes]:
     alternate between opening and closing."""
     in_string = False
     for piece in _segments(raw):
-        piece = piece.replace(b"\\\\", b"").replace(b'\\"', b"")
+        if b"\\" in piece:  # most pieces have no escape: no copy of them
+            piece = piece.replace(b"\\\\", b"").replace(b'\\"', b"")
         if in_string:
             close = piece.find(b'"')
             if close < 0:
