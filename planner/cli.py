@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gateway.admission import AdmissionSettings
-from planner.plan import PlanOptions, class_targets, make_plan, with_targets
+from planner.curve import DEFAULT_LOADS
+from planner.plan import Plan, PlanOptions, class_targets, make_plan, with_targets
 from planner.report import render_text, to_json
 from planner.workload import Workload, load_workload, parse_length_dist, read_trace, synthetic_workload
 from simulator.profile import Profile, list_profiles, load_profile
@@ -89,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--spec-draft-tokens", type=int, default=4, metavar="K", help="draft length (default 4)")
     s.add_argument("--draft-step-ms", type=float, help="the draft model's step time (ms)")
+    s.add_argument(
+        "--curve-loads",
+        default=",".join(f"{x:g}" for x in DEFAULT_LOADS),
+        metavar="X,Y,...",
+        help="loads (fractions of one replica's saturated throughput) of the latency curve; "
+        "'' for none (default %(default)s)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--json", type=Path, metavar="FILE", help="write the plan as JSON")
     o.add_argument("--plot-dir", type=Path, metavar="DIR", help="write plots here (PNG)")
@@ -141,6 +149,21 @@ def _workload(args: argparse.Namespace, profile: Profile) -> Workload:
     return load_workload(requests, source, limit, duration_s=duration)
 
 
+def _plot(plan: Plan, folder: Path) -> None:
+    """Write the plan's plots to ``folder`` and say where (or why not)."""
+    from planner.plots import plot_curve
+
+    if not plan.curve:
+        print("plots: none (no latency curve was asked for)")
+        return
+    first = plan.classes[0]
+    written = plot_curve(plan.curve, first.ttft_s, first.tpot_s, folder / "latency-vs-utilisation.png")
+    if written is None:
+        print("plots: skipped, matplotlib is not installed (pip install -e '.[bench]')")
+    else:
+        print(f"wrote {written}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``sluice plan``; returns the exit code."""
     args = build_parser().parse_args(argv)
@@ -160,6 +183,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, ConfigError) as exc:
         print(f"sluice plan: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        loads = tuple(float(x) for x in args.curve_loads.split(",") if x.strip())
+    except ValueError:
+        print(
+            f"sluice plan: --curve-loads {args.curve_loads!r}: expected numbers separated by commas",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    if any(x <= 0 for x in loads):
+        print("sluice plan: --curve-loads must be > 0", file=sys.stderr)
+        return EXIT_USAGE
     options = PlanOptions(
         max_replicas=args.max_replicas,
         warmup_s=args.warmup_s,
@@ -171,11 +205,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         acceptance=args.spec_acceptance,
         draft_tokens=args.spec_draft_tokens,
         draft_step_s=None if args.draft_step_ms is None else args.draft_step_ms / 1e3,
+        curve_loads=loads,
     )
     plan = make_plan(workload, profile, settings, classes, options)
     sys.stdout.write(render_text(plan))
     if args.plot_dir is not None:
-        print("plots: none yet (the utilisation curve is not implemented); --plot-dir ignored")
+        _plot(plan, args.plot_dir)
     if args.json is not None:
         args.json.write_text(json.dumps(to_json(plan), indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.json}")

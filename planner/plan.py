@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from gateway.admission import AdmissionSettings
 from planner import checks
 from planner.closed_forms import mean_held_token_steps
+from planner.curve import DEFAULT_LOADS, CurvePoint, utilisation_curve
 from planner.replicas import ClassTarget, ReplayScore, SearchResult, replay_at, smallest_meeting
 from planner.workload import Workload
 from replay.emulated import measure_capacity
@@ -31,7 +32,8 @@ class PlanOptions:
     not scored. ``max_tokens``: the clients' output cap. ``price_per_gpu_hour`` (``None``: no cost
     check), ``tokens_per_day`` (volume for GPU-hours; ``None``: the replayed rate),
     ``pcie_Bps`` (``None``: the swap check names it missing), ``acceptance`` / ``draft_tokens`` /
-    ``draft_step_s`` (the speculative what-if; ``None`` acceptance: skipped).
+    ``draft_step_s`` (the speculative what-if; ``None`` acceptance: skipped). ``curve_loads``:
+    the loads of the latency-against-utilisation curve (empty: no curve).
     """
 
     max_replicas: int = 64
@@ -44,6 +46,7 @@ class PlanOptions:
     acceptance: float | None = None
     draft_tokens: int = 4
     draft_step_s: float | None = None
+    curve_loads: tuple[float, ...] = DEFAULT_LOADS
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +66,7 @@ class Plan:
     swap: checks.SwapCheck
     cost: checks.CostCheck | None
     speculative: checks.SpeculativeCheck | None
+    curve: tuple[CurvePoint, ...] = ()
 
 
 def with_targets(
@@ -167,6 +171,17 @@ def make_plan(
             options.draft_tokens,
             options.draft_step_s,
         )
+    curve: tuple[CurvePoint, ...] = ()
+    if options.curve_loads and capacity > 0:
+        curve = utilisation_curve(
+            workload,
+            profile,
+            capacity,
+            classes[0],
+            loads=options.curve_loads,
+            seed=options.seed,
+            max_tokens=options.max_tokens,
+        )
     return Plan(
         profile.name,
         profile.tensor_parallel,
@@ -180,4 +195,5 @@ def make_plan(
         checks.swap_check(profile, options.pcie_Bps),
         cost,
         speculative,
+        curve,
     )

@@ -81,8 +81,9 @@ class ClassResult:
 @dataclass(frozen=True, slots=True)
 class ReplayScore:
     """A replay at ``replicas``: per class results, goodput (requests and output tokens per second
-    that met their class's targets, over the scored span), the engines' busy share (0-1: busy time
-    over replicas x the replay's length), and the preemptions the engines made."""
+    that met their class's targets, over the scored span), the engines' busy share (0-1: time
+    with a step running over replicas x the replay's length; continuous batching keeps it near 1
+    under any steady load, so it is no utilisation), and the preemptions the engines made."""
 
     replicas: int
     classes: tuple[ClassResult, ...]
@@ -90,7 +91,7 @@ class ReplayScore:
     goodput_rps: float
     goodput_output_tps: float
     goodput_tps: float
-    utilisation: float
+    busy_share: float
     preemptions: int
 
     @property
@@ -210,17 +211,23 @@ def replay_at(
     seed: int = 0,
     warmup_s: float = 0.0,
     max_tokens: int = 1000,
+    to_the_end: bool = False,
 ) -> ReplayScore:
     """Replay ``workload`` through the admission engine in front of ``replicas`` engines of
     ``profile``; requests arriving before ``warmup_s`` load the fleet but are not scored.
-    ``max_tokens``: the clients' output cap (the gateway sizes requests with it)."""
+    ``max_tokens``: the clients' output cap (the gateway sizes requests with it). The replay stops
+    following a request once it is a certain miss (no first token by the loosest TTFT target), so
+    its latencies are missing from the quantiles; ``to_the_end``: follow every request to its
+    last token instead (slower under overload; for latency curves)."""
     if replicas < 1:
         raise ValueError("replicas must be >= 1")
     class_of = class_picker(classes, seed)
     config = FleetConfig(profile, facts_of(profile), replicas=replicas, seed=seed, max_tokens=max_tokens)
     policy = _MixedClassPolicy(settings, class_of, seed=seed)
     # The replay stops following a request once it is a certain miss: use the loosest targets.
-    loosest = Targets(max(c.ttft_s for c in classes), max(c.tpot_s for c in classes))
+    loosest = Targets(
+        math.inf if to_the_end else max(c.ttft_s for c in classes), max(c.tpot_s for c in classes)
+    )
     span = (warmup_s, math.inf)
     result = run_gateway_replay(workload.requests, config, policy, targets=loosest, scored=span)
     scored = [o for o in result.outcomes if o.arrival_s >= warmup_s]

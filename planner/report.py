@@ -24,13 +24,15 @@ def _num(x: float, fmt: str = ".1f") -> str:
     return "unbounded" if math.isinf(x) else format(x, fmt)
 
 
-def _replay_lines(label: str, score: ReplayScore | None) -> list[str]:
+def _replay_lines(label: str, score: ReplayScore | None, plan: Plan) -> list[str]:
     if score is None:
         return [f"  {label}: not replayed (zero replicas serve nothing)"]
     verdict = "meets the targets" if score.meets else "MISSES the targets"
+    fleet = score.replicas * plan.capacity_rps
+    load = plan.workload.rate_per_s / fleet if fleet > 0 else math.nan
     lines = [
-        f"  {label}: {score.replicas} replica(s) {verdict}; goodput {score.goodput_rps:.2f} req/s, "
-        f"{score.goodput_output_tps:.0f} output tok/s; engines busy {score.utilisation:.0%}; "
+        f"  {label}: {score.replicas} replica(s) {verdict}; load {load:.0%} of saturated throughput; "
+        f"goodput {score.goodput_rps:.2f} req/s, {score.goodput_output_tps:.0f} output tok/s; "
         f"{score.preemptions} preemption(s)"
     ]
     for c in score.classes:
@@ -66,11 +68,11 @@ def render_text(plan: Plan) -> str:
     if s.replicas is None:
         out.append(f"  no count up to {s.limit} meets the targets (raise --max-replicas, or loosen them)")
         best = s.replays[max(s.replays)] if s.replays else None
-        out += _replay_lines("largest tried", best)
+        out += _replay_lines("largest tried", best, plan)
     else:
         out.append(f"  RECOMMENDED: {s.replicas} replica(s) ({s.replicas * plan.gpus_per_replica} GPU(s))")
-        out += _replay_lines("at N", s.at)
-        out += _replay_lines("at N-1", s.below)
+        out += _replay_lines("at N", s.at, plan)
+        out += _replay_lines("at N-1", s.below, plan)
     out.append(f"  replays run: {', '.join(str(n) for n in sorted(s.replays))}")
     out += ["", "KV cache (Little's law, per replica)"]
     for kv in (plan.kv_at_target, plan.kv_replayed):
@@ -121,6 +123,19 @@ def render_text(plan: Plan) -> str:
                 f"  batch {sp.batch} at {sp.context_tokens} context tokens: {sp.tokens_per_step:.2f} tokens "
                 f"per step; TPOT {_ms(sp.tpot_s)} plain -> {_ms(sp.tpot_spec_s)} speculative "
                 f"(x{sp.speedup:.2f}; verify step {_ms(sp.verify_step_s)})"
+            )
+    if plan.curve:
+        first = plan.classes[0]
+        out += [
+            "",
+            "Latency against utilisation (one replica, no admission; load = offered / saturated throughput)",
+            f"  {'load':>5} {'req/s':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} "
+            f"{'met ' + first.name:>16}",
+        ]
+        for p in plan.curve:
+            out.append(
+                f"  {p.load:>5.0%} {p.rate_per_s:>6.2f} {_ms(p.ttft_p50_s):>9} {_ms(p.ttft_p99_s):>9} "
+                f"{_ms(p.tpot_p50_s):>9} {_ms(p.tpot_p99_s):>9} {p.attainment:>16.1%}"
             )
     return "\n".join(out) + "\n"
 
@@ -175,6 +190,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "swap": asdict(plan.swap),
         "cost": None if plan.cost is None else asdict(plan.cost),
         "speculative": None if plan.speculative is None else asdict(plan.speculative),
+        "curve": [asdict(p) for p in plan.curve],
     }
     if plan.speculative is not None:
         data["speculative"]["speedup"] = plan.speculative.speedup

@@ -69,7 +69,9 @@ def test_workload_slice_rate_and_model_len() -> None:
 
 def test_plan_prints_the_report_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
-    code = main([*SMALL, "--price-per-gpu-hour", "2", "--ttft-s", "1", "--json", str(out)])
+    code = main(
+        [*SMALL, "--price-per-gpu-hour", "2", "--ttft-s", "1", "--curve-loads", "", "--json", str(out)]
+    )
     printed = capsys.readouterr().out
     assert code == 0
     assert "RECOMMENDED: 1 replica(s)" in printed
@@ -82,15 +84,38 @@ def test_plan_prints_the_report_and_writes_json(tmp_path: Path, capsys: pytest.C
     assert data["swap"]["break_even"] is None
 
 
+def test_latency_curve_table_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plan.json"
+    code = main([*SMALL, "--curve-loads", "0.3,1.2", "--plot-dir", str(tmp_path), "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "Latency against utilisation" in printed
+    curve = json.loads(out.read_text(encoding="utf-8"))["curve"]
+    assert [p["load"] for p in curve] == [0.3, 1.2]
+    # Past saturation the queue grows: the p99 TTFT at 120 % is above the one at 30 %.
+    assert curve[1]["ttft_p99_s"] > curve[0]["ttft_p99_s"]
+    assert (tmp_path / "latency-vs-utilisation.png").stat().st_size > 0
+
+
 @pytest.mark.parametrize(
     "argv",
     [
+        [*SMALL, "--curve-loads", "a,b"],
+        [*SMALL, "--curve-loads", "0"],
         ["--rate", "4"],
         [*SMALL, "--class", "nosuch"],
         [*SMALL, "--profile", "nosuch"],
         ["--trace", "/nonexistent.csv"],
     ],
-    ids=["no-lengths", "unknown-class", "unknown-profile", "missing-trace"],
+    ids=[
+        "curve-not-numbers",
+        "curve-zero",
+        "no-lengths",
+        "unknown-class",
+        "unknown-profile",
+        "missing-trace",
+    ],
 )
 def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2

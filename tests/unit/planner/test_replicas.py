@@ -90,7 +90,7 @@ def test_recommended_count_meets_the_targets_and_one_fewer_does_not(
     settings = AdmissionSettings().model_copy(update={"policy": policy})
     settings = with_targets(settings, ["interactive"], ttft_s=0.5, tpot_s=0.04, attainment=0.9)
     classes = class_targets(settings, mix)
-    plan = make_plan(workload, profile, settings, classes, PlanOptions(max_replicas=16))
+    plan = make_plan(workload, profile, settings, classes, PlanOptions(max_replicas=16, curve_loads=()))
     n = plan.search.replicas
     assert n is not None
     assert n >= 2, "the workload must need more than one replica for N - 1 to mean anything"
