@@ -16,13 +16,15 @@ from gateway.admission.budget import BudgetAnswer
 from gateway.admission.fairness import TokenWeights
 from gateway.admission.request import AdmissionRequest
 from gateway.limits.base import LimiterStats, Reservation, TenantLimits
+from gateway.limits.config import LimitsSettings
 from gateway.limits.memory import MemoryLimiter
+from gateway.tenants.pricing import PLAIN_WEIGHTS, configured_weights
 
 __all__ = ["DEFAULT_WEIGHTS", "MemoryBudget"]
 
-#: The weights a reservation is priced with unless given: VTC's 1 : 2, the live default before a
-#: step model is fitted.
-DEFAULT_WEIGHTS: Final = TokenWeights(input=1.0, output=2.0)
+#: The weights a reservation is priced with unless given: the gateway's own default
+#: (``limits.token_weights`` left at its default: plain tokens, prompt + output).
+DEFAULT_WEIGHTS: Final = configured_weights(LimitsSettings()) or PLAIN_WEIGHTS
 
 
 class MemoryBudget:

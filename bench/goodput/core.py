@@ -47,6 +47,7 @@ from bench.goodput.metrics import (
     recovery_time_s,
     rejections_stop_s,
     score,
+    score_by_tenant,
 )
 from bench.verdicts import Status, Verdict, judge, missing
 from gateway.admission import AdmissionSettings, ClassSettings, Decision
@@ -90,8 +91,8 @@ FACTS: Final = ReplicaFacts(
 #: Prompts reach the gateway as text: it sizes each from its characters at its learned ratio
 #: (the trace's true tokens drive the engine).
 TEXT: Final = PromptText()
-#: Each tenant's token budget, as a multiple of its share of the fleet's capacity in weighted
-#: tokens (prompt + 2 x output, the default weights): every Sluice request reserves and settles
+#: Each tenant's token budget, as a multiple of its share of the fleet's capacity in tokens
+#: (prompt + output: the gateway's default pricing): every Sluice request reserves and settles
 #: through the limiter, and no budget binds below this multiple of capacity, so the comparison
 #: stays one of admission.
 BUDGET_HEADROOM: Final = 4.0
@@ -276,6 +277,8 @@ class CellResult:
     extra: dict[str, float] = field(default_factory=dict)
     #: Sluice's forecast errors over the scored requests (``spec.forecast_accuracy`` only).
     accuracy: ForecastAccuracy | None = None
+    #: Each tenant's own score over the scored requests (``score_by_tenant``).
+    by_tenant: Mapping[str, Score] = field(default_factory=dict)
 
 
 class ForecastRecorder(SluicePolicy):
@@ -316,8 +319,7 @@ def tenant_budgets(spec: CellSpec) -> dict[str, TenantLimits]:
     """Every tenant's budget for ``spec``'s fleet (``BUDGET_HEADROOM``); tenants ``t0``.. as
     ``replay.gateway_requests`` names them."""
     tenants = FleetConfig(load_profile(PROFILE), FACTS).tenants
-    weighted_per_request = 2.0 * spec.mean_tokens  # prompt + 2 x output <= 2 x (prompt + output)
-    per_minute = BUDGET_HEADROOM * spec.capacity * spec.replicas * 60.0 * weighted_per_request / tenants
+    per_minute = BUDGET_HEADROOM * spec.capacity * spec.replicas * 60.0 * spec.mean_tokens / tenants
     return {f"t{i}": TenantLimits(tokens_per_minute=per_minute) for i in range(tenants)}
 
 
@@ -369,8 +371,11 @@ def run_cell(spec: CellSpec) -> CellResult:
         for (reason, blocker), n in sorted(policy.refusals.items()):
             extra[f"refused {reason}/{blocker}"] = float(n)
     accuracy = forecast_accuracy(scored, policy.forecasts) if isinstance(policy, ForecastRecorder) else None
+    by_tenant = score_by_tenant(scored, TARGETS, last - first)
     if spec.spike is None:
-        return CellResult(spec, cell, time.perf_counter() - started, extra=extra, accuracy=accuracy)
+        return CellResult(
+            spec, cell, time.perf_counter() - started, extra=extra, accuracy=accuracy, by_tenant=by_tenant
+        )
     series = attainment_series(scored, TARGETS, first, last)
     start, end = spec.spike
     return CellResult(
@@ -389,6 +394,7 @@ def run_cell(spec: CellSpec) -> CellResult:
         rejections_stop_s(series, end),
         extra,
         accuracy,
+        by_tenant,
     )
 
 
@@ -632,6 +638,29 @@ def results_table(tr: TraceRun) -> str:
                 f"{100 * s.attainment:.1f} % | {100 * s.rejection_rate:.1f} % | {quartile_text(s)} | "
                 f"{100 * s.wasted:.1f} % |"
             )
+    return "\n".join(rows) + "\n"
+
+
+def tenant_table(tr: TraceRun, policy: str = "sluice") -> str:
+    """``policy``'s goodput per tenant at each load: requests per second that met both targets
+    and their attainment, per tenant, and the lowest tenant goodput over the highest ("-" when a
+    tenant has none)."""
+    cells = sorted((c for c in tr.cells if c.spec.policy == policy and c.by_tenant), key=_load_of)
+    tenants = sorted({name for c in cells for name in c.by_tenant})
+    if not cells:
+        return f"No {LABELS.get(policy, policy)} cell scored per tenant.\n"
+    rows = [
+        "| load | "
+        + " | ".join(f"{name}: goodput req/s (attainment)" for name in tenants)
+        + " | lowest / highest |",
+        "|---:|" + "---:|" * (len(tenants) + 1),
+    ]
+    for c in cells:
+        scores = [c.by_tenant.get(name) for name in tenants]
+        texts = ["-" if s is None else f"{s.goodput:.2f} ({100 * s.attainment:.0f} %)" for s in scores]
+        goodputs = [s.goodput for s in scores if s is not None]
+        spread = "-" if not goodputs or max(goodputs) <= 0 else f"{min(goodputs) / max(goodputs):.2f}"
+        rows.append(f"| {_load_of(c):g}x | " + " | ".join(texts) + f" | {spread} |")
     return "\n".join(rows) + "\n"
 
 
@@ -951,6 +980,12 @@ def report(
             "so every policy and load is binned alike.",
             "",
             results_table(tr),
+            f"Per tenant ({LABELS['sluice']}): the trace's requests go to its tenants round robin, "
+            "each with a token budget of "
+            f"{BUDGET_HEADROOM:g}x its share of the fleet's capacity in plain tokens (prompt + output, "
+            "the gateway's default pricing), reserved and settled through the gateway's limiter.",
+            "",
+            tenant_table(tr),
             f"Spike ({plan.normal_load:g}x -> {plan.spike_load:g}x for {plan.spike_s:g} s -> "
             f"{plan.normal_load:g}x):",
             "",
@@ -1003,6 +1038,15 @@ def summary(runs: Sequence[TraceRun]) -> list[dict[str, object]]:
                         if s.by_prompt is None
                         else [None if math.isnan(x) else x for x in s.by_prompt.rates]
                     ),
+                    "by_tenant": {
+                        name: {
+                            "goodput_per_s": ts.goodput,
+                            "good_tokens_per_s": ts.token_goodput,
+                            "attainment": ts.attainment,
+                            "rejection_rate": ts.rejection_rate,
+                        }
+                        for name, ts in c.by_tenant.items()
+                    },
                     "recovery_s": c.recovery_s,
                     "rejections_stop_s": c.rejections_stop_s,
                     "seconds": c.seconds,

@@ -21,6 +21,8 @@ span) and the class targets; times are virtual seconds.
   in proportion to the tokens it computed for each (a prefill chunk's tokens, 1 per decode), so
   recomputation after a preemption counts too. A request still running when the replay stopped
   (a certain TTFT miss) counts with the time it had used by then.
+* **per tenant**: goodput, token goodput, attainment and rejection rate of each tenant's own
+  requests (``score_by_tenant``), to show that budgets and fair share leave no tenant behind.
 * **recovery time** after a spike: the pre-spike level is the *lowest* attainment of any
   ``window_s``-long window (sliding by 1 s) of arrivals that ends at least ``guard_s`` before the
   spike starts (requests that arrive just before it are still decoding when it hits, so they
@@ -62,6 +64,7 @@ __all__ = [
     "refusals_by_prompt_quartile",
     "rejections_stop_s",
     "score",
+    "score_by_tenant",
     "wasted_gpu_fraction",
 ]
 
@@ -187,6 +190,13 @@ def score(
         met_tokens=sum(o.prompt_tokens + o.output_tokens for o in outcomes if o.met(targets)),
         by_prompt=None if prompt_edges is None else refusals_by_prompt_quartile(outcomes, prompt_edges),
     )
+
+
+def score_by_tenant(outcomes: Sequence[Outcome], targets: Targets, span_s: float) -> dict[str, Score]:
+    """``score`` of each tenant's own scored ``outcomes`` (goodput, token goodput, attainment,
+    rejections per tenant; no prompt quartiles), by tenant name in sorted order."""
+    tenants = sorted({o.tenant for o in outcomes})
+    return {name: score([o for o in outcomes if o.tenant == name], targets, span_s) for name in tenants}
 
 
 def attainment_series(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -13,6 +14,7 @@ from bench.goodput.metrics import (
     recovery_time_s,
     rejections_stop_s,
     score,
+    score_by_tenant,
     wasted_gpu_fraction,
 )
 from replay import Outcome, Targets
@@ -182,3 +184,24 @@ def test_forecast_accuracy_scores_served_finished_requests_from_their_dispatch()
     empty = forecast_accuracy([], {})
     assert empty.ttft.n == 0
     assert math.isnan(empty.tpot.median_ape)
+
+
+def test_score_by_tenant_scores_each_tenants_own_requests() -> None:
+    """t0: 3 requests, 2 met (one TTFT miss); t1: 2 requests, 1 met, 1 rejected. Over 10 s:
+    t0 goodput 0.2/s at 2/3 attainment, t1 0.1/s at 1/2 with half rejected."""
+    t0 = [outcome(0.0), outcome(1.0), outcome(2.0, ttft=1.5)]
+    t1 = [outcome(3.0), outcome(4.0, rejected=True)]
+    renamed = [*t0, *(dataclasses.replace(o, tenant="t1") for o in t1)]
+    scores = score_by_tenant(renamed, TARGETS, 10.0)
+    assert list(scores) == ["t0", "t1"]
+    assert (scores["t0"].offered, scores["t0"].met, scores["t0"].rejected) == (3, 2, 0)
+    assert scores["t0"].goodput == pytest.approx(0.2)
+    assert scores["t0"].attainment == pytest.approx(2 / 3)
+    assert scores["t0"].token_goodput == pytest.approx(2 * 110 / 10.0)
+    assert (scores["t1"].offered, scores["t1"].met, scores["t1"].rejected) == (2, 1, 1)
+    assert scores["t1"].rejection_rate == pytest.approx(0.5)
+    # The tenants' scores add up to the cell's.
+    whole = score(renamed, TARGETS, 10.0)
+    assert sum(s.met for s in scores.values()) == whole.met
+    assert sum(s.offered for s in scores.values()) == whole.offered
+    assert score_by_tenant([], TARGETS, 10.0) == {}

@@ -24,7 +24,8 @@ from gateway.api.openai import MAX_TOKENS_LIMIT, parse_request
 from gateway.limits.base import LimiterUnavailable, Reservation, TenantLimits
 from gateway.limits.memory import MemoryLimiter
 from gateway.replicas.registry import LiveRequest
-from replay.budget import DEFAULT_WEIGHTS, MemoryBudget
+from gateway.tenants.pricing import DEFAULT_WEIGHTS
+from replay.budget import MemoryBudget
 from tests.unit.admission.fleet import MAX_LEN
 from tests.unit.admission.test_policies import Fleet, Predictions, new_entry, policy_settings
 
@@ -35,7 +36,7 @@ PROMPT = 100
 
 
 def engine_and_budget(limits: TenantLimits = LIMITS) -> tuple[AdmissionEngine, MemoryBudget]:
-    budget = MemoryBudget({"acme": limits})
+    budget = MemoryBudget({"acme": limits}, weights=DEFAULT_WEIGHTS)
     engine = AdmissionEngine(
         SETTINGS, Fleet(["r0"]), Predictions(), rng=random.Random(5), new_entry=new_entry, budget=budget
     )
@@ -147,7 +148,12 @@ def test_ignore_eos_without_max_tokens_reserves_the_context_left() -> None:
     # No replica: the context is unknown, the prediction is reserved (and a stream charged
     # ahead); admission then refuses it anyway.
     empty = AdmissionEngine(
-        SETTINGS, Fleet([]), Predictions(), rng=random.Random(5), new_entry=new_entry, budget=MemoryBudget({})
+        SETTINGS,
+        Fleet([]),
+        Predictions(),
+        rng=random.Random(5),
+        new_entry=new_entry,
+        budget=MemoryBudget({}, weights=DEFAULT_WEIGHTS),
     )
     assert uncapped_ignore_eos(empty, "m") == pytest.approx(PROMPT + 2 * 200)
 

@@ -24,7 +24,8 @@ from gateway.limits.base import Reservation, TenantLimits
 from gateway.limits.memory import MemoryLimiter
 from gateway.replicas.registry import LiveRequest
 from gateway.replicas.snapshot import InFlight
-from replay.budget import DEFAULT_WEIGHTS, MemoryBudget
+from gateway.tenants.pricing import DEFAULT_WEIGHTS
+from replay.budget import MemoryBudget
 from tests.unit.admission.test_policies import Fleet, Predictions, new_entry, policy_settings
 from tests.unit.limits.fakes import FakeClock
 
@@ -190,7 +191,7 @@ def test_a_running_request_without_a_forecast_ends_a_typical_duration_after_its_
 
 
 def engine_with(limits: TenantLimits) -> tuple[AdmissionEngine, MemoryBudget]:
-    budget = MemoryBudget({"acme": limits})
+    budget = MemoryBudget({"acme": limits}, weights=DEFAULT_WEIGHTS)
     engine = AdmissionEngine(
         ADMIT_ALL, Fleet(["r0"]), Predictions(), rng=random.Random(5), new_entry=new_entry, budget=budget
     )

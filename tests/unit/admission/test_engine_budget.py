@@ -19,7 +19,8 @@ from gateway.admission.results import Ending, Saturated, Submitted, UnknownModel
 from gateway.admission.retry_after import RefusalReason
 from gateway.limits.base import Reservation, TenantLimits
 from gateway.replicas.registry import LiveRequest
-from replay.budget import DEFAULT_WEIGHTS, MemoryBudget
+from gateway.tenants.pricing import DEFAULT_WEIGHTS
+from replay.budget import MemoryBudget
 from tests.unit.admission.test_policies import Fleet, Predictions, new_entry, policy_settings
 
 #: One request at a time on the replica; the rest wait (or are refused when the queue is off).
@@ -31,7 +32,7 @@ COST = 200.0
 
 
 def engine_and_budget(limits: TenantLimits = LIMITS) -> tuple[AdmissionEngine, MemoryBudget]:
-    budget = MemoryBudget({"acme": limits})
+    budget = MemoryBudget({"acme": limits}, weights=DEFAULT_WEIGHTS)
     engine = AdmissionEngine(
         CAP_ONE, Fleet(["r0"]), Predictions(), rng=random.Random(5), new_entry=new_entry, budget=budget
     )

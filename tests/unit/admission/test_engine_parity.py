@@ -40,7 +40,7 @@ from gateway.replicas.registry import ReplicaRegistry, ReplicaState
 from gateway.replicas.scraper import MetricsScraper
 from gateway.replicas.snapshot import ReplicaSnapshot
 from gateway.tenants.live import TENANT
-from replay.budget import DEFAULT_WEIGHTS
+from gateway.tenants.pricing import DEFAULT_WEIGHTS
 from replay.loop import VirtualTimeLoop
 from replay.policies import SluicePolicy
 from replay.requests import FleetConfig, GatewayRequest
@@ -251,7 +251,7 @@ class ReplaySide:
 
     def __init__(self) -> None:
         self.config = FleetConfig(load_profile(PROFILE), FACTS, replicas=REPLICAS, jitter=0.0, max_tokens=800)
-        self.policy = SluicePolicy(SETTINGS, seed=SEED, budgets=BUDGETS)
+        self.policy = SluicePolicy(SETTINGS, seed=SEED, budgets=BUDGETS, token_weights=DEFAULT_WEIGHTS)
         self.loop = VirtualTimeLoop(self.config, self.policy)
         self.requests = [
             GatewayRequest(i, tenant, at, prompt, max_tokens)

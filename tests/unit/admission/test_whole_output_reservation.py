@@ -18,7 +18,7 @@ from gateway.admission.fairness import TokenWeights
 from gateway.admission.request import AdmissionRequest
 from gateway.admission.results import Ending, Submitted
 from gateway.limits.base import TenantLimits
-from replay.budget import DEFAULT_WEIGHTS
+from gateway.tenants.pricing import DEFAULT_WEIGHTS
 from tests.unit.admission.fleet import MAX_LEN
 from tests.unit.admission.test_budget_hard_caps import LIMITS, PROMPT, SETTINGS, engine_and_budget, level
 from tests.unit.admission.test_policies import Fleet, Predictions, new_entry
