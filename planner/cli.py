@@ -97,6 +97,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="loads (fractions of one replica's saturated throughput) of the latency curve; "
         "'' for none (default %(default)s)",
     )
+    s.add_argument(
+        "--sweep",
+        action="store_true",
+        help="sweep max_num_seqs x max_num_batched_tokens for the best goodput per replica",
+    )
+    s.add_argument(
+        "--sweep-seqs",
+        metavar="N,M,...",
+        help="max_num_seqs values (default 64,128,256,512 and the profile's)",
+    )
+    s.add_argument(
+        "--sweep-budgets",
+        metavar="N,M,...",
+        help="max_num_batched_tokens values (default 2048,4096,8192 and the profile's)",
+    )
+    s.add_argument(
+        "--sweep-seconds", type=float, default=20.0, help="arrivals replayed per setting (s, default 20)"
+    )
     o = p.add_argument_group("output")
     o.add_argument("--json", type=Path, metavar="FILE", help="write the plan as JSON")
     o.add_argument("--plot-dir", type=Path, metavar="DIR", help="write plots here (PNG)")
@@ -149,6 +167,14 @@ def _workload(args: argparse.Namespace, profile: Profile) -> Workload:
     return load_workload(requests, source, limit, duration_s=duration)
 
 
+def _ints(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
+    """Comma-separated integers >= 1, or ``default`` (deduplicated, sorted) when ``text`` is None."""
+    values = default if text is None else tuple(int(x) for x in text.split(",") if x.strip())
+    if not values or min(values) < 1:
+        raise ValueError(text)
+    return tuple(sorted(set(values)))
+
+
 def _plot(plan: Plan, folder: Path) -> None:
     """Write the plan's plots to ``folder`` and say where (or why not)."""
     from planner.plots import plot_curve
@@ -194,6 +220,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(x <= 0 for x in loads):
         print("sluice plan: --curve-loads must be > 0", file=sys.stderr)
         return EXIT_USAGE
+    seqs: tuple[int, ...] = ()
+    budgets: tuple[int, ...] = ()
+    if args.sweep or args.sweep_seqs or args.sweep_budgets:
+        try:
+            seqs = _ints(args.sweep_seqs, (64, 128, 256, 512, profile.engine.max_num_seqs))
+            budgets = _ints(args.sweep_budgets, (2048, 4096, 8192, profile.engine.max_num_batched_tokens))
+        except ValueError:
+            print(
+                "sluice plan: --sweep-seqs/--sweep-budgets: expected integers >= 1 separated by commas",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
     options = PlanOptions(
         max_replicas=args.max_replicas,
         warmup_s=args.warmup_s,
@@ -206,6 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         draft_tokens=args.spec_draft_tokens,
         draft_step_s=None if args.draft_step_ms is None else args.draft_step_ms / 1e3,
         curve_loads=loads,
+        sweep_seqs=seqs,
+        sweep_budgets=budgets,
+        sweep_seconds=args.sweep_seconds,
     )
     plan = make_plan(workload, profile, settings, classes, options)
     sys.stdout.write(render_text(plan))

@@ -17,6 +17,7 @@ from planner import checks
 from planner.closed_forms import mean_held_token_steps
 from planner.curve import DEFAULT_LOADS, CurvePoint, utilisation_curve
 from planner.replicas import ClassTarget, ReplayScore, SearchResult, replay_at, smallest_meeting
+from planner.sweep import Sweep, engine_sweep
 from planner.workload import Workload
 from replay.emulated import measure_capacity
 from simulator.profile import Profile
@@ -33,7 +34,9 @@ class PlanOptions:
     check), ``tokens_per_day`` (volume for GPU-hours; ``None``: the replayed rate),
     ``pcie_Bps`` (``None``: the swap check names it missing), ``acceptance`` / ``draft_tokens`` /
     ``draft_step_s`` (the speculative what-if; ``None`` acceptance: skipped). ``curve_loads``:
-    the loads of the latency-against-utilisation curve (empty: no curve).
+    the loads of the latency-against-utilisation curve (empty: no curve). ``sweep_seqs`` /
+    ``sweep_budgets``: the engine-settings grid (either empty: no sweep), replayed for at most
+    ``sweep_seconds`` of arrivals at ``sweep_load`` x the saturated throughput.
     """
 
     max_replicas: int = 64
@@ -47,6 +50,10 @@ class PlanOptions:
     draft_tokens: int = 4
     draft_step_s: float | None = None
     curve_loads: tuple[float, ...] = DEFAULT_LOADS
+    sweep_seqs: tuple[int, ...] = ()
+    sweep_budgets: tuple[int, ...] = ()
+    sweep_seconds: float = 20.0
+    sweep_load: float = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +74,7 @@ class Plan:
     cost: checks.CostCheck | None
     speculative: checks.SpeculativeCheck | None
     curve: tuple[CurvePoint, ...] = ()
+    sweep: Sweep | None = None
 
 
 def with_targets(
@@ -182,6 +190,21 @@ def make_plan(
             seed=options.seed,
             max_tokens=options.max_tokens,
         )
+    sweep = None
+    if options.sweep_seqs and options.sweep_budgets and capacity > 0:
+        sweep = engine_sweep(
+            workload,
+            profile,
+            settings,
+            classes,
+            capacity,
+            options.sweep_seqs,
+            options.sweep_budgets,
+            load=options.sweep_load,
+            max_seconds=options.sweep_seconds,
+            seed=options.seed,
+            max_tokens=options.max_tokens,
+        )
     return Plan(
         profile.name,
         profile.tensor_parallel,
@@ -196,4 +219,5 @@ def make_plan(
         cost,
         speculative,
         curve,
+        sweep,
     )

@@ -12,6 +12,7 @@ from typing import Any
 
 from planner.plan import Plan
 from planner.replicas import ReplayScore
+from planner.sweep import KNEE_SHARE, Sweep, SweepPoint
 
 __all__ = ["render_text", "to_json"]
 
@@ -137,7 +138,42 @@ def render_text(plan: Plan) -> str:
                 f"  {p.load:>5.0%} {p.rate_per_s:>6.2f} {_ms(p.ttft_p50_s):>9} {_ms(p.ttft_p99_s):>9} "
                 f"{_ms(p.tpot_p50_s):>9} {_ms(p.tpot_p99_s):>9} {p.attainment:>16.1%}"
             )
+    if plan.sweep is not None:
+        out += ["", *_sweep_lines(plan.sweep, plan.policy)]
     return "\n".join(out) + "\n"
+
+
+def _sweep_lines(sw: Sweep, policy: str) -> list[str]:
+    seqs = sorted({p.max_num_seqs for p in sw.points})
+    budgets = sorted({p.max_num_batched_tokens for p in sw.points})
+    at = {(p.max_num_seqs, p.max_num_batched_tokens): p for p in sw.points}
+    b = sw.best
+    out = [
+        f"Engine settings (one replica offered {sw.load:.0%} of its saturated throughput = "
+        f"{sw.rate_per_s:.2f} req/s for {sw.seconds:.0f} s, policy {policy}; goodput in met req/s)",
+        "  max_num_seqs \\ max_num_batched_tokens: " + " ".join(f"{x:>7}" for x in budgets),
+    ]
+    for s in seqs:
+        cells = " ".join(f"{at[(s, x)].goodput_rps:>7.2f}" if (s, x) in at else f"{'-':>7}" for x in budgets)
+        out.append(f"  {s:>40}: {cells}")
+    out.append(
+        f"  BEST: max_num_seqs={b.max_num_seqs}, max_num_batched_tokens={b.max_num_batched_tokens}: "
+        f"{b.goodput_rps:.2f} met req/s per replica ({b.attainment:.1%} of offered met the targets)"
+    )
+    for k in sw.knees:
+        other = "max_num_batched_tokens" if k.axis == "max_num_seqs" else "max_num_seqs"
+        first, last = k.points[0], k.points[-1]
+        out.append(
+            f"  knee of {k.axis} (at {other}={k.fixed}): goodput within {KNEE_SHARE:.0%} of its best from "
+            f"{k.knee}; from {_value(first, k.axis)} to {_value(last, k.axis)} TTFT p99 goes "
+            f"{_ms(first.ttft_p99_s)} -> {_ms(last.ttft_p99_s)}, TPOT p99 {_ms(first.tpot_p99_s)} -> "
+            f"{_ms(last.tpot_p99_s)}, goodput {first.goodput_rps:.2f} -> {last.goodput_rps:.2f} req/s"
+        )
+    return out
+
+
+def _value(p: SweepPoint, axis: str) -> int:
+    return p.max_num_seqs if axis == "max_num_seqs" else p.max_num_batched_tokens
 
 
 def _clean(value: Any) -> Any:
@@ -191,6 +227,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "cost": None if plan.cost is None else asdict(plan.cost),
         "speculative": None if plan.speculative is None else asdict(plan.speculative),
         "curve": [asdict(p) for p in plan.curve],
+        "sweep": None if plan.sweep is None else asdict(plan.sweep),
     }
     if plan.speculative is not None:
         data["speculative"]["speedup"] = plan.speculative.speedup
