@@ -98,10 +98,42 @@ def test_latency_curve_table_json_and_plot(tmp_path: Path, capsys: pytest.Captur
     assert (tmp_path / "latency-vs-utilisation.png").stat().st_size > 0
 
 
+CONFIG = """\
+emulators:
+  - name: emu-0
+    profile: llama3-8b-h100
+    port: 8101
+admission:
+  default_class: chat
+  classes:
+    chat: {ttft_target_s: 0.8, tpot_target_s: 0.06, attainment_target: 0.9}
+    offline: {ttft_target_s: 30, tpot_target_s: 0.2, max_queue_wait_s: 30, priority: 5}
+"""
+
+
+def test_classes_and_targets_come_from_a_config_file(tmp_path: Path) -> None:
+    config = tmp_path / "sluice.yaml"
+    config.write_text(CONFIG, encoding="utf-8")
+    out = tmp_path / "plan.json"
+    argv = [*SMALL, "--config", str(config), "--class", "chat=3", "--class", "offline=1"]
+    assert main([*argv, "--curve-loads", "", "--json", str(out)]) == 0
+    data = json.loads(out.read_text(encoding="utf-8"))
+    assert [(c["name"], c["ttft_s"], c["tpot_s"], c["attainment"], c["share"]) for c in data["classes"]] == [
+        ("chat", 0.8, 0.06, 0.9, 3.0),
+        ("offline", 30.0, 0.2, 0.95, 1.0),
+    ]
+    assert [c["name"] for c in data["at_n"]["classes"]] == ["chat", "offline"]
+    # Without --class, the configuration's default class takes all the traffic.
+    assert main([*SMALL, "--config", str(config), "--curve-loads", "", "--json", str(out)]) == 0
+    assert [c["name"] for c in json.loads(out.read_text(encoding="utf-8"))["classes"]] == ["chat"]
+
+
 @pytest.mark.parametrize(
     "argv",
     [
         [*SMALL, "--curve-loads", "a,b"],
+        [*SMALL, "--sweep-seqs", "0"],
+        [*SMALL, "--config", "/nonexistent.yaml"],
         [*SMALL, "--curve-loads", "0"],
         ["--rate", "4"],
         [*SMALL, "--class", "nosuch"],
@@ -110,6 +142,8 @@ def test_latency_curve_table_json_and_plot(tmp_path: Path, capsys: pytest.Captur
     ],
     ids=[
         "curve-not-numbers",
+        "sweep-zero",
+        "missing-config",
         "curve-zero",
         "no-lengths",
         "unknown-class",
