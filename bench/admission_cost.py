@@ -12,8 +12,8 @@ the gateway's own streams (up to 64 of them, interactive and batch), then times 
 * **re-evaluate**: one queued request re-offered and kept (per examined entry);
 * **view build**: aggregating one replica's 256 streams (per scrape or finish, not per request).
 
-The issue's target is <= 100 us median for one decision over 8 replicas. Each figure is the
-median over ``--samples`` samples of ``--batch`` back-to-back calls, per call.
+The cost target: <= 100 us median for one decision over 8 replicas. Each figure is the median
+over ``--samples`` samples of ``--batch`` back-to-back calls, per call.
 Run: ``.venv/bin/python -m bench.admission_cost`` (prints a table; asserts nothing).
 """
 

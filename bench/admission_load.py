@@ -14,7 +14,7 @@ Open loop: arrivals follow a Poisson process at the given rate whatever the resp
 closed loop would slow down exactly when the gateway is overloaded, hiding the spike).
 No assertion here.
 
-``python -m bench.admission_load --spike`` runs THE SPIKE (issue 4, point 8) and reports its
+``python -m bench.admission_load --spike`` runs the spike scenario and reports its
 targets: ``sluice serve`` (own process) in front of one emulated replica that takes 4 sequences
 at a time (own process); capacity measured first (4 clients straight at the replica), then
 open-loop streaming load: a warm-up at 0.3x capacity, three times capacity for ``SPIKE_S``
@@ -251,7 +251,7 @@ SPIKE_TPOT_TARGET_S = 0.025
 SPIKE_WARMUP_S = 6.0
 SPIKE_S = 25.0
 SPIKE_NORMAL_S = 12.0
-#: Target: no refusal among requests sent this long after the spike's end (the issue's 5 s).
+#: Target: no refusal among requests sent this long after the spike's end (seconds).
 SPIKE_RECOVERY_S = 5.0
 #: Target: a refusal is answered within this at the 99th percentile (at the client).
 SPIKE_REJECT_P99_S = 0.1

@@ -297,7 +297,7 @@ def bound_cell(
     return bounds
 
 
-#: Issue 3's targets (median, p90) per latency.
+#: The accuracy targets (median, p90 absolute percentage error, fractions) per latency.
 TARGETS: Final = {"ttft": (TTFT_MEDIAN, TTFT_P90), "tpot": (TPOT_MEDIAN, TPOT_P90)}
 #: Bootstrap resamples for the intervals of the median and p90.
 _BOOTSTRAP: Final = 2000

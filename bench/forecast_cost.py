@@ -11,8 +11,8 @@ aggregates only), then times with ``time.perf_counter_ns``:
   gateway, O(in flight)), and ``forecast`` (state build plus forecast, per call);
 * one calibration fit (once per scrape per replica, not per request).
 
-The issue's target (issue 3): one forecast for one replica <= 20 us with 8 replicas' worth of
-state in one process; the summary line compares the slowest replica's median with it.
+The cost target: one forecast for one replica <= 20 us with 8 replicas' worth of state in one
+process; the summary line compares the slowest replica's median with it.
 
 Each figure is the median over ``--samples`` samples of ``--batch`` back-to-back calls, per call.
 Run: ``.venv/bin/python -m bench.forecast_cost`` (no assertion on speed anywhere: machines differ).

@@ -12,7 +12,7 @@ module drives streaming load through a gateway and pairs each request's forecast
 
 Errors (``error_stats``): absolute percentage error per request, its median and 90th percentile,
 the same quantiles of the absolute error in seconds, and the median of predicted / observed.
-Issue 3's targets: TTFT median <= 15 %, p90 <= 35 %; TPOT median <= 10 %, p90 <= 25 %, judged by
+The targets: TTFT median <= 15 %, p90 <= 35 %; TPOT median <= 10 %, p90 <= 25 %, judged by
 percentage alone (``ErrorStats.met``).
 
 ``python -m bench.live_accuracy`` is the benchmark: it runs the emulator scenarios of
@@ -53,7 +53,7 @@ from gateway.prediction.live import (
     REPLICA_HEADER,
 )
 
-#: (median, p90) absolute-percentage-error targets of issue 3, as fractions.
+#: (median, p90) absolute-percentage-error targets per latency, as fractions.
 TARGETS: Mapping[str, tuple[float, float]] = {"ttft": (0.15, 0.35), "tpot": (0.10, 0.25)}
 
 #: Words prompts are made of (any text would do: only its length matters).
@@ -525,7 +525,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="python -m bench.live_accuracy",
-        description="Live forecast accuracy of the real gateway on the replica emulator (issue 3's targets).",
+        description=(
+            "Live forecast accuracy of the real gateway on the replica emulator, against the targets: "
+            "TTFT median <= 15 %, p90 <= 35 %; TPOT median <= 10 %, p90 <= 25 %."
+        ),
     )
     parser.add_argument("--scenario", choices=("single", "fleet", "both"), default="both")
     parser.add_argument("--single-clients", type=int, default=8, help="closed-loop streams on one vLLM")

@@ -11,8 +11,8 @@ Two scenarios, each returning every request's forecast and outcome (``bench.live
 
 The gateway knows only what an operator would (an H100-SXM serving Llama-3-8B with vLLM's engine
 limits); admission's ``forecast_margin`` is 0, so the ``x-sluice-predicted-*`` headers carry the
-predictor's own forecast. ``python -m bench.live_accuracy`` runs both at full size against issue
-3's targets; ``tests/integration`` runs them small, as behaviour checks.
+predictor's own forecast. ``python -m bench.live_accuracy`` runs both at full size against its
+targets; ``tests/integration`` runs them small, as behaviour checks.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ trace's length mix, times the number of replicas), ``replay.run_replay`` replays
 LLM inference trace 2023 (conversation) in virtual time: every arrival is forecast by the same
 ``PredictionService`` the gateway runs (fed by the same scrape parsing and calibration), then the
 engine measures what really happened. Reported per cell: median and p90 absolute percentage error
-(APE) of TTFT and TPOT, and whether the issue's targets hold.
+(APE) of TTFT and TPOT, and whether the accuracy targets hold (TTFT median <= 15 %, p90 <= 35 %;
+TPOT median <= 10 %, p90 <= 25 %).
 
 Run: ``.venv/bin/python -m bench.predictor_accuracy`` (writes docs/predictor-accuracy.md);
 ``--quick`` for a smaller run (``QUICK``: every profile at one load on both slices, 400 trace
@@ -84,7 +85,8 @@ QUICK: Final[dict[str, object]] = {
     "no_write": True,
 }
 
-#: The issue's targets (fractions) and the absolute error that counts as met whatever the ratio.
+#: The accuracy targets: (median, p90) absolute percentage error of TTFT and of TPOT (fractions),
+#: and the absolute error (seconds) that counts as met whatever the ratio.
 TTFT_MEDIAN, TTFT_P90, TPOT_MEDIAN, TPOT_P90 = 0.15, 0.35, 0.10, 0.25
 ABS_MET_S: Final = 0.005
 

@@ -15,10 +15,9 @@ metrics. Then:
 Each request's forecast (``x-sluice-predicted-*`` headers) is compared with what it measured (see
 ``bench.live_accuracy``): TTFT at the gateway (dispatch -> first token back) and at the client,
 TPOT at the client. Prints one table row per level with median and p90 absolute percentage error
-and the verdict against issue 3's targets (``ErrorStats.verdict``: a level without data is not
-met), and the share of
-"bursts": streams whose tokens all arrived at once (vLLM's API server starved of CPU), which make
-a client-side TPOT meaningless.
+and the verdict against ``bench.live_accuracy``'s targets (``ErrorStats.verdict``: a level
+without data is not met), and the share of "bursts": streams whose tokens all arrived at once
+(vLLM's API server starved of CPU), which make a client-side TPOT meaningless.
 
 ``--pin`` (default on when the machine has 2 or more CPUs) binds vLLM's OpenMP threads to CPU 0
 (``VLLM_CPU_OMP_THREADS_BIND=0``) and this process to the others: vLLM's spinning OpenMP threads

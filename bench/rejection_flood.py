@@ -25,7 +25,7 @@ Figures, from the gateway's own ``/metrics`` and ``/proc/<pid>/stat``:
 * **gateway CPU**: CPU seconds the gateway process used / duration (1.0 = its core is saturated),
   and the kernel's share of it (``sys``: the loopback sockets' send and receive work);
 * **429 per CPU-second**: rejections / CPU seconds used: the rate one core sustains when the
-  gateway is the bottleneck (the issue's target: >= 5,000 per second on one core);
+  gateway is the bottleneck (the refusal path's target: >= 5,000 per second on one core);
 * **bg CPU** and **us/429 added**: the gateway's CPU share with the admitted traffic alone (2 s
   just before the flood: scrapes, the admitted streams, timers), and its CPU beyond that per
   rejection. On a busy machine the flood's rate drops, the background weighs more in "429 per

@@ -4,7 +4,7 @@ Replays the Azure trace at 1x and 2x load (the goodput bench's cells: same trace
 fleet) with Sluice's default configuration and with single changes to it, next to the tuned
 saturation-shedding baseline, and prints a table of goodput, token goodput, attainment,
 rejections, wasted GPU time and the share served per prompt-size quartile of the trace (with
-the longest quartile's over the shortest's: issue 26's starvation by size). Settings only: the
+the longest quartile's over the shortest's: whether long prompts are starved). Settings only: the
 admission and prediction code is the one that ships. ``--seeds`` repeats every cell with other
 engine seeds (the 2 % step-time jitter), which shows how much one run's numbers move.
 
@@ -70,7 +70,7 @@ BASELINE_KV: Final = 0.4
 def served_by_quartile(s: Score) -> tuple[str, str]:
     """(served / offered per prompt-size quartile of the trace, shortest first, as
     ``"97 / 84 / 68 / 32 %"``; the longest quartile's share served over the shortest's, as
-    ``"0.33"``): issue 26's starvation by size. ``-`` where a quartile has no request."""
+    ``"0.33"``): whether long prompts are starved. ``-`` where a quartile has no request."""
     if s.by_prompt is None:
         return "-", "-"
     served = [1.0 - r for r in s.by_prompt.rates]

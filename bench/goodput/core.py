@@ -131,8 +131,8 @@ OWN_RATIO: Final = 0.9
 BASELINE_RATIO: Final = 1.3
 WASTE_BOUND: Final = 0.02
 RECOVERY_BOUND_S: Final = 5.0
-#: Issue 26 point 5: at ``COMPARE_LOAD``, the longest prompt quartile's share served at least this
-#: fraction of the shortest's.
+#: No starvation by size: at ``COMPARE_LOAD``, the longest prompt quartile's share served at
+#: least this fraction of the shortest's.
 SIZE_RATIO: Final = 1.0 / 3.0
 TRACES: Final = ("azure", "mooncake")
 
@@ -805,8 +805,8 @@ def verdicts(tr: TraceRun, sluice: str = "sluice") -> list[Verdict]:
 
 
 def size_verdict(c: CellResult | None) -> Verdict:
-    """Issue 26 point 5 on ``c`` (Sluice at ``COMPARE_LOAD``): the longest prompt quartile's share
-    served over the shortest's >= ``SIZE_RATIO``; ``NO_DATA`` without the cell, its quartiles, or
+    """No starvation by size on ``c`` (Sluice at ``COMPARE_LOAD``): the longest prompt quartile's
+    share served over the shortest's >= ``SIZE_RATIO``; ``NO_DATA`` without the cell, its quartiles, or
     any shortest prompt served."""
     target = f"longest prompt quartile served at {COMPARE_LOAD:g}x >= {SIZE_RATIO:.2g} of the shortest's rate"
     q = None if c is None else c.score.by_prompt

@@ -70,7 +70,8 @@ class TrackedStream(Generic[_Frozen]):
     immutable objects that change only when the entry does (a streamed token, the real prompt
     size), so ``in_flight()`` and ``streaming()`` return the objects built last time unless the
     fields they copy changed: exactly what a fresh build would return, without allocating two
-    objects per stream per rebuild (issue 7's profile: the rebuilds run on every decision).
+    objects per stream per rebuild (the rebuilds run on every decision: docs/benchmarks.md,
+    'Proxy overhead', profiles their share of a request's CPU).
 
     **A request whose tokens are not seen** (``live.streamed`` False: a non-streamed response
     arrives whole at its end) would otherwise look like a prompt still waiting for its prefill

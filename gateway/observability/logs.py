@@ -41,8 +41,8 @@ access_log = logging.getLogger(ACCESS_LOGGER)
 ACCESS_BUFFER_CHARS = 64 * 1024
 #: Seconds between two writes of buffered lines, at least: a line waits at most this long (plus
 #: the loop iteration) to be written. Under a 429 flood a write per loop iteration would be a
-#: syscall every request or two (cost: docs/admission.md); nginx's ``flush=`` and Envoy's file
-#: flush interval bound it the same way, in seconds.
+#: syscall every request or two; nginx's ``flush=`` and Envoy's file flush interval bound it the
+#: same way, in seconds.
 ACCESS_FLUSH_INTERVAL_S = 0.01
 
 REQUEST_ID_HEADER = "x-request-id"
