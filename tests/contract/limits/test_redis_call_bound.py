@@ -1,7 +1,7 @@
 """One bound per Redis call: the limiter's own ``timeout_s``, not redis-py's socket timeout.
 
 ``connect`` builds clients without a per-command socket timeout (it would arm two more timers per
-command for the same bound, issue 7's profile), so these tests show that the limiter's
+command for the same bound, on the request path), so these tests show that the limiter's
 ``asyncio.timeout`` alone still cuts every kind of call to a hung server (SIGSTOP: sockets open,
 nothing answers) at ``timeout_s``, and that the limiter answers again once the server does.
 Timings: the lower bound is exact (a timeout cannot fire early); the upper one is generous.

@@ -8,7 +8,7 @@ capacity, ``SPIKE_S`` seconds at 3x, and 0.3x again (see that module for why 0.3
 What must hold whatever the machine's speed: the spike is shed (the gateway refuses a large
 share, with 429s that carry a sane Retry-After, and does not refuse everything); what it admits
 is served in full, not queued without bound; and service resumes after the spike (the last
-requests of the normal phase are all served). The issue's figures (TTFT/TPOT p90 of admitted
+requests of the normal phase are all served). The scenario's figures (TTFT/TPOT p90 of admitted
 requests, 429 p99 within 100 ms, no refusal 5 s after the spike) are targets, reported by
 ``python -m bench.admission_load --spike`` (docs/admission.md); this test prints them.
 """

@@ -3,7 +3,7 @@
 One emulated vLLM replica (``simulator.server.build_app``, context 8,192 tokens) behind a real
 gateway served on a real socket, three tenants with keys and token budgets (weights pinned:
 prompt 1, output 2, so that a reservation is ``prompt estimate + 2 x max_tokens``, read back from
-``x-ratelimit-remaining-tokens`` of a fresh bucket). The issue's attack: tenant ``attacker``
+``x-ratelimit-remaining-tokens`` of a fresh bucket). The "hi" attack: tenant ``attacker``
 sends 120 chat "hi" (2 characters, 9 tokens with the template: 0.2 characters a token, which a
 ratio learned per model from everyone's traffic turned into a 24,000-token estimate of a
 12,000-character prompt and a 400). A victim's first long prompt after the attack is admitted
@@ -43,7 +43,7 @@ TENANTS = ("attacker", "victim", "dense")
 #: A token bucket far larger than any one reservation: its first answer says what was reserved.
 BURST = 1_000_000
 MAX_TOKENS = 16
-#: The issue's victim: 12,000 characters of prose (the emulator counts a word or a mark a token).
+#: The victim's prompt: 12,000 characters of prose (the emulator counts a word or a mark a token).
 PROSE = "The replica admits each request whose forecast meets its targets, or queues it. "
 LONG = (PROSE * (12_000 // len(PROSE) + 1))[:12_000]
 HI_REQUESTS = 120
@@ -177,7 +177,7 @@ async def victims_first_reservation(replica_url: str, *, attack: bool) -> tuple[
 async def test_the_hi_attack_leaves_another_tenants_prompt_size_alone(aiohttp_server: Any) -> None:
     replica = await emulator_url(aiohttp_server)
     real_tokens = count_chat_prompt([{"role": "user", "content": LONG}])
-    assert 2_000 < real_tokens < 2_400  # the 2,186, give or take the emulator's count
+    assert 2_000 < real_tokens < 2_400  # its real 2,186 tokens, give or take the emulator's count
 
     status, calm, answer = await victims_first_reservation(replica, attack=False)
     assert status == 200, answer

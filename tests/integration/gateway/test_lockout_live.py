@@ -44,7 +44,8 @@ PLAIN = AdmissionSettings.model_validate(
 #: The burst: 150 prompts of ~3000 tokens, 30 output tokens each, one every 20 ms.
 BURST = 150
 BURST_EVERY_S = 0.02
-#: The issue's bound, before the host's speed factor.
+#: Admission back within this long after the replica went idle (seconds), before the host's
+#: speed factor.
 BACK_WITHIN_S = 5.0
 
 Client = TestClient[web.Request, web.Application]

@@ -1,4 +1,4 @@
-"""A mixed fleet behind one gateway: one emulated vLLM, one TGI, one SGLang (issue 8, point 4).
+"""A mixed fleet behind one gateway: one emulated vLLM, one TGI, one SGLang.
 
 Three emulator processes (``python -m simulator --engine vllm|tgi|sglang``, one profile, so they
 serve the same model) sit behind the real gateway (``build_app`` on a free port, in this process),
@@ -9,7 +9,7 @@ in their own process drive a closed loop: ``OPENAI_CLIENTS`` stream chat complet
 ``MIN_SAMPLES`` requests sent after ``WARMUP_S`` seconds with a forecast (a count, so a slow host
 makes the run longer, not a failure; ``FleetLoad.request_cap`` ends a run where that never comes).
 
-These are behaviour checks, not issue 3's accuracy targets (those are measured by
+These are behaviour checks, not the accuracy targets (those are measured by
 ``python -m bench.live_accuracy``, results in docs/engines.md): every request answered and routed
 to an engine that serves its API, forecast after the warm-up, every engine's fit valid, each
 engine's forecasts within 2x of what its requests measured (median of predicted / observed), TGI's

@@ -8,7 +8,7 @@ makes the run longer, not a failure).
 
 These are behaviour checks, not the accuracy targets: the forecasts must be there and within 2x
 of what the requests measured, which a broken predictor, a lost dispatch overhead or a unit error
-would miss and a busy host would not. Issue 3's targets are measured by
+would miss and a busy host would not. The accuracy targets are measured by
 ``python -m bench.live_accuracy`` (results in docs/predictor-accuracy.md, "Live").
 """
 

@@ -3,8 +3,7 @@
 Three ``sluice serve`` processes share one tenant's budgets in one real ``redis-server``. Each
 test first spends the budget down with a few requests, one at a time, until it holds exactly
 ``LEFT`` more requests, then fires ``BURST`` requests at once, spread over the three gateways,
-and counts what got through. Issue 9, point 4: a tenant cannot exceed its limits through
-concurrency races.
+and counts what got through: a tenant cannot exceed its limits through concurrency races.
 
 The bound is computed from the limits, never measured: refill is so slow (one request's worth in
 hours) that the test's duration cannot matter, so the burst may admit at most

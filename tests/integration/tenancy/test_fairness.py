@@ -1,4 +1,4 @@
-"""Fair share when the fleet is saturated, end to end (issue 5, point 5), in the replica's time.
+"""Fair share when the fleet is saturated, end to end, in the replica's time.
 
 A real ``sluice serve`` (tenancy with API keys, SLO admission, the gateway queue) in front of a
 real emulated replica, two tenants, and closed-loop clients that keep the replica full and both
@@ -18,8 +18,8 @@ tenant over the measured window (``Scenario.window``, until the clients stop). W
   when the documents arrive after the chats have had the replica to themselves for a while (no
   banked credit either way: the newcomer starts level). Its share of the replica's time on a
   shared 2-core machine is as much the machine as the policy, so live it is held to a sanity bound
-  only (``GPU_SANITY``; the weighted tenant gets more); ``-s`` prints the figure. The issue's 10 %
-  of GPU time is checked on the same dispatch in virtual time (``test_fairness_virtual_time``);
+  only (``GPU_SANITY``; the weighted tenant gets more); ``-s`` prints the figure. The 10 % target
+  on GPU time is checked on the same dispatch in virtual time (``test_fairness_virtual_time``);
 * with ``fairness: requests`` and the same workload, both tenants get about as many requests
   served, and the documents therefore clearly more of the replica's time.
 
@@ -58,7 +58,7 @@ WARMUP_S = 8.0
 #: Seconds of load in all.
 LOAD_S = 20.0
 #: Largest relative distance of a tenant's share of the weighted tokens the gateway charged
-#: (what its queue controls) from its weighted share (the issue's "within 10 %"), give or take
+#: (what its queue controls) from its weighted share (the target: within 10 %), give or take
 #: one request's charge (``LoadRun.one_request``: live, the window holds as many requests as the
 #: machine's speed allows; the exact 10 % is ``test_fairness_virtual_time``'s).
 TOLERANCE = 0.10

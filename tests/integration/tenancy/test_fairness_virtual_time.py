@@ -1,4 +1,4 @@
-"""Fair share on the gateway's own dispatch, in virtual time: the issue's 10 %, deterministic.
+"""Fair share on the gateway's own dispatch, in virtual time: the 10 % target, deterministic.
 
 The live test (``test_fairness``) runs a real gateway on a shared machine, where a tenant's share
 of the replica's time is noise from the machine as much as the policy. Here the same workload
@@ -57,10 +57,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 #: The measured window, virtual seconds: from when the step model has left its roofline prior
 #: (as the live test's warm-up) until the clients stop.
 WINDOW_S: Final = (8.0, 40.0)
-#: Largest relative distance of a share from its target (the issue's "within 10 %").
+#: Largest relative distance of a share from its target (the fair-share target: within 10 %).
 TOLERANCE: Final = 0.10
 #: Largest relative distance of a tenant's share of the engine's own time from its target: the
-#: issue's 10 % here too. The charge is within ``TOLERANCE``; on top of it comes the error of the
+#: same 10 %. The charge is within ``TOLERANCE``; on top of it comes the error of the
 #: step model's prices (fitted to the replica's scrape windows and its prefills' TTFTs) against
 #: the engine's cost model, which must stay small enough for the sum to hold.
 ENGINE_TOLERANCE: Final = 0.10

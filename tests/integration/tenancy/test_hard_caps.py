@@ -1,4 +1,4 @@
-"""A tenant's token budget is a hard cap whatever its requests say (issue 33, point 1).
+"""A tenant's token budget is a hard cap whatever its requests say.
 
 Three ``sluice serve`` processes share one tenant's bucket in a real ``redis-server``, in front of
 an emulated vLLM replica whose model always talks long (every answer left to stop on its own is
@@ -49,7 +49,7 @@ from tests.support.redis import RedisNotInstalled, redis_server
 pytestmark = pytest.mark.timeout(240)
 
 GATEWAYS = 3
-#: 100 weighted tokens a second, 2,000 at once (the issue's tenant).
+#: The capped tenant's budget: 100 weighted tokens a second, 2,000 at once.
 TOKENS_PER_MINUTE = 6000.0
 TOKEN_BURST = 2000.0
 OUTPUT_WEIGHT = 2.0

@@ -1,4 +1,4 @@
-"""Keys issued and revoked on one gateway apply on another through Redis (issue 27, point 5).
+"""Keys issued and revoked on one gateway apply on another through Redis.
 
 Two gateways (real aiohttp servers, ``limits.backend: redis`` on a real ``redis-server``) in front
 of one fake replica; clients are the real ``openai`` SDK. A key issued on gateway A through the

@@ -2,9 +2,9 @@
 Redis (a single ``redis-server``, then a three-master Redis Cluster), under many concurrent clients.
 
 The bound: what the tenant is charged never exceeds the bucket's capacity plus its refill over the
-test's duration, plus at most one reservation per gateway (issue 5, point 6). Three separate
-in-process budgets would admit about three times the capacity; the test also checks that the
-budget was really used (the clients were refused only once it was spent).
+test's duration, plus at most one reservation per gateway. Three separate in-process budgets
+would admit about three times the capacity; the test also checks that the budget was really
+used (the clients were refused only once it was spent).
 """
 
 from __future__ import annotations

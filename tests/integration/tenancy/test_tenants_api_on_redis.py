@@ -1,5 +1,4 @@
-"""``GET /sluice/v1/tenants`` reads the shared budget from Redis, without touching it (issue 27,
-point 5).
+"""``GET /sluice/v1/tenants`` reads the shared budget from Redis, without touching it.
 
 Two gateways (real aiohttp servers) share team-a's buckets in a real ``redis-server``; requests
 go through gateway A with the real ``openai`` SDK, and gateway B's admin API shows the level they

@@ -1,4 +1,4 @@
-"""No lock-out, ever (issue 26 point 0), in virtual time: after a burst, an idle replica admits.
+"""No lock-out, ever, in virtual time: after a burst, an idle replica admits.
 
 The replay (``replay.admission.run_gateway_replay``) runs the shipped ``AdmissionEngine``
 (``replay.policies.SluicePolicy``) and ``PredictionService`` in front of the emulator's engine,
@@ -45,12 +45,12 @@ BURST_PROMPT: Final = 3000
 LIGHT_FROM_S: Final = BURST_S + 3.0
 LIGHT_S: Final = 45.0
 LIGHT_EVERY_S: Final = 0.5
-#: The issue's bound: admission back within this long after the replica went idle.
+#: Admission back within this long after the replica went idle (seconds).
 BACK_WITHIN_S: Final = 5.0
 #: Longest Retry-After (jittered, seconds) a refusal may carry when a request of its size is
 #: admitted within a second of it. In the burst the forecast's drain (its TPOT stretched by the
 #: share of prefill the last window measured) gives up to ~11 s while the next window's share
-#: lets one in; the issue's 43-60 s came from a frozen share on an idle replica.
+#: lets one in; the lock-out's 43-60 s came from a frozen share on an idle replica.
 LONGEST_CONTRADICTED_S: Final = 15.0
 
 
@@ -118,7 +118,7 @@ def test_one_token_requests_are_never_refused_after_the_burst() -> None:
 
 
 def test_no_long_retry_after_while_the_same_size_is_admitted_a_second_later() -> None:
-    """The issue saw Retry-After 43-60 s while the replica took the same requests 0.3 s later.
+    """The lock-out answered Retry-After 43-60 s while the replica took the same requests 0.3 s later.
     Here every refusal's Retry-After (jittered) is compared with the next admission of a request
     of the same size: one within a second may follow only a short Retry-After."""
     run = replay()

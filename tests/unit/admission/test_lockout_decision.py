@@ -1,4 +1,4 @@
-"""No lock-out (issue 26 point 0), per decision: one-token requests, a refusal's story, its Retry-After.
+"""No lock-out, per decision: one-token requests, a refusal's story, its Retry-After.
 
 The state here is the one a burst left behind before the prediction service forgot it on an idle
 scrape (``test_lockout.py`` replays the whole of it): a replica with nothing running or waiting
@@ -123,7 +123,7 @@ def test_a_late_first_token_names_the_wait_and_the_ttft_the_header_carries() -> 
 
 def test_retry_after_is_bounded_by_the_replica_draining_to_idle() -> None:
     # Idle: it fits once the load's share is measured again; never told to wait a typical
-    # request's length (256 tokens at the stretched TPOT: ~20 s here, 41-59 s in the issue).
+    # request's length (256 tokens at the stretched TPOT: ~20 s here, 41-59 s in the lock-out).
     idle = decide([view("a", AFTER_BURST)], UNQUEUED)
     assert isinstance(idle, Reject)
     assert idle.retry_after is not None

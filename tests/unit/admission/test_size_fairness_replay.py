@@ -1,5 +1,5 @@
-"""No starvation by size (issue 26 point 5), in virtual time: at 2x load the longest prompts keep
-at least a third of the shortest's admission rate.
+"""No starvation by size, in virtual time: at 2x load the longest prompts keep at least a third
+of the shortest's admission rate.
 
 The replay (``replay.admission.run_gateway_replay``) runs the shipped ``AdmissionEngine``
 (``replay.policies.SluicePolicy``) in front of one emulated vLLM, as the goodput bench does
@@ -32,7 +32,7 @@ LOAD: Final = 2.0
 WARMUP_S: Final = 10.0
 SCORED_S: Final = 40.0
 COOLDOWN_S: Final = 5.0
-#: The issue's bound: the longest quartile's admission rate over the shortest's.
+#: Lower bound on the longest quartile's admission rate over the shortest's.
 MIN_RATIO: Final = 1.0 / 3.0
 #: Most request goodput the protection may cost at this load (its price: short prompts held back).
 MAX_GOODPUT_COST: Final = 0.15

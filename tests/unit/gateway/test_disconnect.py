@@ -25,7 +25,7 @@ from tests.unit.gateway.conftest import StartReplica
 from tests.unit.gateway.fakes import MODEL, FakeReplica, chat_chunk, gateway_settings, make_app, sse, wait_for
 
 TOKEN_INTERVAL_S = 0.02
-#: The issue's bound, measured from the client's disconnect to the replica seeing its drop (the
+#: Bound (seconds) from the client's disconnect to the replica seeing its drop (the
 #: disconnect monitor looks every 0.1 s), scaled by the host-speed factor: a sanity bound.
 BOUND_S = speed.scaled(1.0)
 

@@ -1,4 +1,4 @@
-"""The replica count ``sluice plan`` recommends, checked by replaying it (issue 31 point 2).
+"""The replica count ``sluice plan`` recommends, checked by replaying it.
 
 For small synthetic workloads (8 virtual seconds, Poisson arrivals, an A100 profile so that a
 few replicas are needed), the recommended N, replayed again through the admission engine in

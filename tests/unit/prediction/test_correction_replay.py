@@ -1,4 +1,4 @@
-"""Forecasts corrected by measurement (issue 26 point 1), in the replay's virtual time.
+"""Forecasts corrected by measurement, in the replay's virtual time.
 
 The shipped ``AdmissionEngine`` and ``PredictionService`` (``replay.policies.SluicePolicy``) in
 front of the emulator's engine with the API server's own work modelled on a shared CPU
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.slow
 
 #: Requests that arrived before this are the warm-up (not scored).
 WARM_UP_S: Final = 30.0
-#: The issue's bound on the signed median error once corrected.
+#: Bound on the signed median error (a fraction) once corrected.
 WITHIN: Final = 0.15
 
 

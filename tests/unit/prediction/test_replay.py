@@ -1,6 +1,6 @@
 """The virtual-time replay: trace handling, determinism, and predictions vs the emulator's outcomes.
 
-The accuracy test is the integration test of issue 3 at moderate load: the emulator (the ground
+The accuracy test checks the accuracy targets at moderate load: the emulator (the ground
 truth, whose profile the predictor never sees) runs real trace arrivals, the prediction service
 learns from the same /metrics text and scrape parsing the gateway uses, and every forecast made
 at dispatch is compared with what the request then measured.
@@ -98,7 +98,7 @@ def test_predictions_match_the_emulator_within_the_issue_targets_at_moderate_loa
     assert all(r.forecast.valid for r in records)
     ttft = ape([(r.forecast.ttft_s, r.ttft_s) for r in records if r.ttft_s])
     tpot = ape([(r.forecast.tpot_s, r.tpot_s) for r in records if r.tpot_s])
-    # Issue 3's targets: TTFT median <= 15 %, p90 <= 35 %; TPOT median <= 10 %, p90 <= 25 %.
+    # The accuracy targets: TTFT median <= 15 %, p90 <= 35 %; TPOT median <= 10 %, p90 <= 25 %.
     assert ttft[0] <= 0.15, ttft
     assert ttft[1] <= 0.35, ttft
     assert tpot[0] <= 0.10, tpot

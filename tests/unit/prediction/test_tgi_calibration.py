@@ -1,4 +1,4 @@
-"""TGI's measured step times calibrate the step model directly (issue 8, point 1).
+"""TGI's measured step times calibrate the step model directly.
 
 TGI times every forward pass by kind (``tgi_batch_forward_duration{method="decode"|"prefill"}``)
 and reports its running batch (``tgi_batch_current_size``): each scrape interval is then a measured

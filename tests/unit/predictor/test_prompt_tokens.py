@@ -75,7 +75,7 @@ def test_tiny_prompts_barely_move_a_tenants_own_ratio() -> None:
 
 
 def test_the_hi_attack_leaves_a_newcomer_where_it_was() -> None:
-    """The issue's attack: 100 chat "hi" from one tenant, then another tenant's first long prompt
+    """The "hi" attack: 100 chat "hi" from one tenant, then another tenant's first long prompt
     (12,000 characters, context 8,192) is sized as before the attack."""
     e = PromptTokenEstimator(EAGER)
     before = e.estimate("m", 12_000, "victim").tokens

@@ -1,4 +1,4 @@
-"""The attainment controller in virtual time (issue 26 point 2): the emulator slowed 2x mid-run.
+"""The attainment controller in virtual time: the emulator slowed 2x mid-run.
 
 The replay (``replay.run_gateway_replay``) runs the shipped ``AdmissionEngine`` and
 ``PredictionService`` in front of one emulated H100 serving Llama-3-8B. Mid-run every step of

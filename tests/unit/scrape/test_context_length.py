@@ -1,4 +1,4 @@
-"""A replica's context length from TGI's ``/info`` and SGLang's ``/get_server_info`` (issue 8).
+"""A replica's context length from TGI's ``/info`` and SGLang's ``/get_server_info``.
 
 TGI's ``/v1/models`` has no ``max_model_len`` and SGLang's not always; their info endpoints do.
 The bodies are the emulator's (built from TGI's ``Info`` struct and SGLang's server info) and the

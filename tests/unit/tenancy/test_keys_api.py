@@ -1,4 +1,4 @@
-"""Keys issued, listed and revoked without a restart, kept in the keys file (issue 27, point 5).
+"""Keys issued, listed and revoked without a restart, kept in the keys file.
 
 A real gateway (aiohttp) with ``tenants.keys_file``: a key issued through the admin API opens
 the gateway at once and is in the file as a hash; listing shows ids and prefixes, never a secret

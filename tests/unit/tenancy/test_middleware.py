@@ -564,7 +564,7 @@ async def test_keys_never_reach_logs_or_metrics(
 async def test_access_line_says_who_what_and_why_without_the_prompt(
     start_tenant_gateway: StartTenantGateway, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """One JSON access line per request with tenant, class, decision and reason (issue 6.5)."""
+    """One JSON access line per request with tenant, class, decision and reason."""
     gw = await start_tenant_gateway(
         Scripted().answer, settings=lambda url: tenancy_settings(url, limits=TIGHT)
     )

@@ -1,4 +1,4 @@
-"""``GET /sluice/v1/tenants[/{id}]`` and the tenant gauges' refresh (issue 27, point 5).
+"""``GET /sluice/v1/tenants[/{id}]`` and the tenant gauges' refresh.
 
 A real gateway (aiohttp, a ``MemoryLimiter`` on a hand-driven clock) in front of a fake replica:
 the API shows the limits, the buckets as the limiter holds them now, the requests in flight and
