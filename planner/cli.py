@@ -167,6 +167,10 @@ def _workload(args: argparse.Namespace, profile: Profile) -> Workload:
     return load_workload(requests, source, limit, duration_s=duration)
 
 
+def _progress(line: str) -> None:
+    print(f"sluice plan: {line}", file=sys.stderr, flush=True)
+
+
 def _ints(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
     """Comma-separated integers >= 1, or ``default`` (deduplicated, sorted) when ``text`` is None."""
     values = default if text is None else tuple(int(x) for x in text.split(",") if x.strip())
@@ -248,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sweep_budgets=budgets,
         sweep_seconds=args.sweep_seconds,
     )
-    plan = make_plan(workload, profile, settings, classes, options)
+    plan = make_plan(workload, profile, settings, classes, options, progress=_progress)
     sys.stdout.write(render_text(plan))
     if args.plot_dir is not None:
         _plot(plan, args.plot_dir)

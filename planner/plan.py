@@ -9,7 +9,7 @@ count. The answer is a frozen ``Plan``; ``planner.report`` renders it.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gateway.admission import AdmissionSettings
@@ -128,15 +128,19 @@ def make_plan(
     settings: AdmissionSettings,
     classes: Sequence[ClassTarget],
     options: PlanOptions,
+    progress: Callable[[str], None] | None = None,
 ) -> Plan:
-    """Search the replicas ``workload`` needs on ``profile`` under ``settings`` and run the checks."""
+    """Search the replicas ``workload`` needs on ``profile`` under ``settings`` and run the checks.
+    ``progress``: told one line per replay (for a long plan's terminal), or ``None``."""
+    say = progress or (lambda _: None)
+    say(f"measuring one replica's saturated throughput ({len(workload.requests)} requests)")
     capacity = measure_capacity(
         profile, workload.requests, max_tokens=options.max_tokens, seed=options.seed, min_requests=2000
     )
     start = max(1, math.ceil(workload.rate_per_s / capacity)) if capacity > 0 else 1
 
     def evaluate(n: int) -> ReplayScore:
-        return replay_at(
+        score = replay_at(
             workload,
             profile,
             settings,
@@ -146,6 +150,9 @@ def make_plan(
             warmup_s=options.warmup_s,
             max_tokens=options.max_tokens,
         )
+        met = ", ".join(f"{c.name} {c.attainment:.1%}" for c in score.classes)
+        say(f"{n} replica(s): {'meets' if score.meets else 'misses'} ({met})")
+        return score
 
     search = smallest_meeting(evaluate, start, options.max_replicas)
     at = search.at
@@ -181,6 +188,7 @@ def make_plan(
         )
     curve: tuple[CurvePoint, ...] = ()
     if options.curve_loads and capacity > 0:
+        say(f"latency curve: {len(options.curve_loads)} load(s) on one replica")
         curve = utilisation_curve(
             workload,
             profile,
@@ -192,6 +200,8 @@ def make_plan(
         )
     sweep = None
     if options.sweep_seqs and options.sweep_budgets and capacity > 0:
+        grid = len(options.sweep_seqs) * len(options.sweep_budgets)
+        say(f"engine settings: {grid} setting(s) on one replica")
         sweep = engine_sweep(
             workload,
             profile,
