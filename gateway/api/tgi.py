@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
@@ -88,21 +88,21 @@ def with_members(
     return b"".join([view[:end], b", " if body else b"", added, view[end:]])
 
 
-#: What ``json_bytes_in_pieces`` hands the C encoder in one call at most: characters of strings,
-#: and values of one list or object.
-_PIECE_CHARS: Final = 64 * 1024
+#: What ``json_bytes_in_pieces`` hands the C encoder in one call at most: values (those inside a
+#: list or an object counted), and characters (of strings, keys and integers' digits).
 _PIECE_VALUES: Final = 1024
+_PIECE_CHARS: Final = 64 * 1024
 
 
 def json_bytes_in_pieces(payload: object) -> bytes:
     """``json_bytes(payload)`` for a decoded JSON value (dicts with string keys, lists, strings,
-    numbers, booleans, ``None``), the same JSON (escapes aside), encoded in pieces: a list or an
-    object of no more than ``_PIECE_VALUES`` values, none of them a list or an object, and
-    ``_PIECE_CHARS`` characters of strings at most is one piece, a longer string is cut in
-    pieces of that many characters, anything else is split into its values. Every call into the
-    C encoder is short, so a thread encoding a body of megabytes lets the event loop take the
-    GIL between them (one ``json.dumps`` holds it from start to end). Nesting deeper than the
-    thread's stack allows is encoded whole (``json_bytes``)."""
+    numbers, booleans, ``None``), the same JSON (escapes aside), encoded in pieces of at most
+    ``_PIECE_VALUES`` values and ``_PIECE_CHARS`` characters: consecutive values of a list or an
+    object (lists and objects of scalars among them) encoded together up to those bounds, a
+    longer string cut, a deeper list or object split likewise. Every call into the C encoder is
+    short, so a thread encoding a body of megabytes lets the event loop take the GIL between
+    them (one ``json.dumps`` holds it from start to end). Nesting deeper than the thread's stack
+    allows is encoded whole (``json_bytes``)."""
     out: list[bytes] = []
     try:
         _append_pieces(payload, out)
@@ -111,29 +111,30 @@ def json_bytes_in_pieces(payload: object) -> bytes:
     return b"".join(out)
 
 
-def _one_piece(value: object) -> bool:
-    """``value`` is one of ``json_bytes_in_pieces``' pieces."""
+def _weight(value: object) -> tuple[int, int] | None:
+    """(values, characters) of ``value`` as ``json_bytes_in_pieces`` counts them; ``None`` for a
+    list or an object that holds a list or an object."""
     if isinstance(value, str):
-        return len(value) <= _PIECE_CHARS
-    if isinstance(value, dict):
-        chars = sum(map(len, value))
-        values: Iterable[object] = value.values()
-    elif isinstance(value, list):
-        chars, values = 0, value
-    else:
-        return True
-    if len(value) > _PIECE_VALUES:
-        return False
-    for item in values:
+        return 1, len(value)
+    if isinstance(value, int):
+        return 1, value.bit_length() // 3  # about its digits: a long integer costs its digits
+    if not isinstance(value, (dict, list)):
+        return 1, 0
+    chars = sum(map(len, value)) if isinstance(value, dict) else 0
+    for item in value.values() if isinstance(value, dict) else value:
         if isinstance(item, str):
             chars += len(item)
         elif isinstance(item, (dict, list)):
-            return False
-    return chars <= _PIECE_CHARS
+            return None
+    return 1 + len(value), chars
+
+
+def _one_piece(weight: tuple[int, int] | None) -> bool:
+    return weight is not None and weight[0] <= _PIECE_VALUES and weight[1] <= _PIECE_CHARS
 
 
 def _append_pieces(value: object, out: list[bytes]) -> None:
-    if _one_piece(value):
+    if _one_piece(_weight(value)):
         out.append(json_bytes(value))
     elif isinstance(value, str):
         out.append(b'"')
@@ -142,21 +143,52 @@ def _append_pieces(value: object, out: list[bytes]) -> None:
         out.append(b'"')
     elif isinstance(value, dict):
         out.append(b"{")
-        for index, (key, item) in enumerate(value.items()):
-            if index:
-                out.append(b", ")
-            _append_pieces(key, out)
-            out.append(b": ")
-            _append_pieces(item, out)
+        _append_runs(list(value.items()), out, as_dict=True)
         out.append(b"}")
     else:
         assert isinstance(value, list)
         out.append(b"[")
-        for index, item in enumerate(value):
-            if index:
-                out.append(b", ")
-            _append_pieces(item, out)
+        _append_runs(value, out, as_dict=False)
         out.append(b"]")
+
+
+def _append_runs(items: list[Any], out: list[bytes], *, as_dict: bool) -> None:
+    """A list's values (or an object's ``(key, value)`` pairs, ``as_dict``), comma-separated:
+    runs of them within the bounds encoded together, any other one in pieces of its own."""
+    start = 0
+    while start < len(items):
+        if start:
+            out.append(b", ")
+        end = _run_end(items, start, as_dict=as_dict)
+        if end > start:
+            run = items[start:end]
+            out.append(json_bytes(dict(run) if as_dict else run)[1:-1])
+            start = end
+            continue
+        if as_dict:
+            key, item = items[start]
+            _append_pieces(key, out)
+            out.append(b": ")
+            _append_pieces(item, out)
+        else:
+            _append_pieces(items[start], out)
+        start += 1
+
+
+def _run_end(items: list[Any], start: int, *, as_dict: bool) -> int:
+    """Where the run of ``items`` from ``start`` that one piece holds ends (``start``: none)."""
+    end = start
+    values = chars = 0
+    while end < len(items):
+        key, item = items[end] if as_dict else ("", items[end])
+        weight = _weight(item)
+        if weight is None:
+            break
+        values, chars = values + weight[0], chars + weight[1] + len(key)
+        if values > _PIECE_VALUES or chars > _PIECE_CHARS:
+            break
+        end += 1
+    return end
 
 
 def _encode(payload: object) -> bytes:

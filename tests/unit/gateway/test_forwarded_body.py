@@ -84,6 +84,8 @@ VALUES = [
     pytest.param([{"role": "user", "content": "hi"}] * (tgi._PIECE_VALUES * 2 + 1), id="many-values"),
     pytest.param([list(range(tgi._PIECE_VALUES + 1)), {}, [], ""], id="wide-list"),
     pytest.param({"d": [[[{"k": ["v" * 10] * 3}]]]}, id="nested"),
+    pytest.param({f"k{i}": i for i in range(tgi._PIECE_VALUES * 2)}, id="many-keys"),
+    pytest.param([10**4000] * 20 + [{"x" * LONG: [1]}], id="long-integers-and-key"),
     pytest.param("plain", id="string"),
 ]
 
@@ -99,13 +101,26 @@ def test_json_bytes_in_pieces_says_what_json_bytes_says(value: Any) -> None:
     assert pieces == json_bytes(value)
 
 
+def _values_and_chars(value: object) -> tuple[int, int, int]:
+    """(values, characters of strings and keys, depth) of a JSON value, all of it."""
+    if isinstance(value, str):
+        return 1, len(value), 0
+    if not isinstance(value, (dict, list)):
+        return 1, 0, 0
+    values, chars, depth = 1, sum(map(len, value)) if isinstance(value, dict) else 0, 0
+    for item in value.values() if isinstance(value, dict) else value:
+        v, c, d = _values_and_chars(item)
+        values, chars, depth = values + v, chars + c, max(depth, d)
+    return values, chars, depth + 1
+
+
 @pytest.mark.parametrize("value", VALUES)
 def test_json_bytes_in_pieces_hands_the_encoder_bounded_pieces(
     value: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No call into the encoder gets more than ``_PIECE_CHARS`` characters of strings or
-    ``_PIECE_VALUES`` values of one list or object: a big body's encoding is many short holds of
-    the GIL, not one long one."""
+    """No call into the encoder gets more than ``_PIECE_VALUES`` values (besides the run that
+    holds them) or ``_PIECE_CHARS`` characters: a big body's encoding is many short holds of the
+    GIL, not one long one."""
     handed: list[object] = []
 
     def recording(payload: object) -> bytes:
@@ -115,14 +130,12 @@ def test_json_bytes_in_pieces_hands_the_encoder_bounded_pieces(
     monkeypatch.setattr(tgi, "json_bytes", recording)
     json_bytes_in_pieces(value)
 
+    assert handed
     for payload in handed:
-        if isinstance(payload, str):
-            assert len(payload) <= tgi._PIECE_CHARS
-        elif isinstance(payload, (dict, list)):
-            assert len(payload) <= tgi._PIECE_VALUES
-            items = payload.values() if isinstance(payload, dict) else payload
-            assert not any(isinstance(item, (dict, list)) for item in items)
-            assert sum(len(s) for s in [*payload, *items] if isinstance(s, str)) <= tgi._PIECE_CHARS
+        values, chars, depth = _values_and_chars(payload)
+        assert values <= tgi._PIECE_VALUES + 1
+        assert chars <= tgi._PIECE_CHARS
+        assert depth <= 2  # a run of values, some of them lists or objects of scalars
 
 
 def _big_chat(**fields: object) -> bytes:
