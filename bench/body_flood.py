@@ -9,7 +9,9 @@ keep-alive connection. The shapes:
 * ``empty-objects``: chat ``messages`` of ``{}`` items;
 * ``token-ids``: a completions ``prompt`` of 5-digit token ids;
 * ``accepted``: the largest chat body the limits accept: ``server.max_json_items`` values as
-  ``{"role": "user", "content": "hi"}`` messages, the rest a string (``user``), ``max_tokens`` 1.
+  ``{"role": "user", "content": "hi"}`` messages, the rest a string (``user``), ``max_tokens`` 1;
+* ``accepted-stream``: the same asking for a stream, so that Sluice writes ``stream_options``
+  into the body it forwards.
 
 Prints, per shape, the statuses answered, the gateway's peak RSS during the round (``VmHWM``,
 reset before each round through ``/proc/<pid>/clear_refs``) and ``/healthz``'s latency p50 and
@@ -17,7 +19,9 @@ max during the round; then the whole run's peak. Asserts nothing (``tests/integr
 test_body_flood.py`` runs it small with bounds; results in docs/benchmarks.md).
 
 Run: ``.venv/bin/python -m bench.body_flood`` (about 10 s; ``--body-mib 8 --concurrency 8`` by
-default).
+default). ``--steps`` starts no server: it times, in this process, what one ``accepted-stream``
+body costs at each step and says where the gateway runs it (the event loop or the body-parsing
+thread), in CPU milliseconds (``time.thread_time``, best of 3).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import contextlib
 import http.client
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -38,7 +43,11 @@ from pathlib import Path
 import yaml
 
 from bench.soak import MODEL, PROFILE, emulator_args, free_port, gateway_args, process, wait_http
+from gateway.api.json_body import DEFAULT_LIMITS, check_shape
+from gateway.api.openai import parse_request, upstream_body
+from gateway.api.tgi import json_bytes, json_bytes_in_pieces
 from gateway.config.settings import ServerSettings
+from gateway.tokens.counter import prompt_texts
 
 #: Seconds between two ``/healthz`` probes.
 PROBE_EVERY_S = 0.01
@@ -64,11 +73,15 @@ def shapes(size: int, max_items: int) -> dict[str, tuple[str, bytes]]:
     count = max_items // 3 - 16  # three values each: the message, its second member, the comma
     head = chat + b",".join([message] * count) + b'], "user": "'
     accepted = head + b"x" * (size - len(head) - 2) + b'"}'
+    streamed = chat.replace(b'"max_tokens": 1,', b'"max_tokens": 1, "stream": true,')
+    head = streamed + b",".join([message] * count) + b'], "user": "'
+    accepted_stream = head + b"x" * (size - len(head) - 2) + b'"}'
     return {
         "nested": ("/v1/chat/completions", nested),
         "empty-objects": ("/v1/chat/completions", empty),
         "token-ids": ("/v1/completions", tokens),
         "accepted": ("/v1/chat/completions", accepted),
+        "accepted-stream": ("/v1/chat/completions", accepted_stream),
     }
 
 
@@ -192,13 +205,52 @@ def flood(
     return before, rounds
 
 
+def _cpu_ms(call: Callable[[], object]) -> float:
+    """``call``'s CPU time in this thread, best of 3, in milliseconds."""
+    best = math.inf
+    for _ in range(3):
+        start = time.thread_time()
+        call()
+        best = min(best, time.thread_time() - start)
+    return best * 1e3
+
+
+def steps(body_mib: float, report: Callable[[str], None] = print) -> dict[str, float]:
+    """One ``accepted-stream`` body of ``body_mib`` MiB, step by step: CPU ms by step name."""
+    size = int(body_mib * 1024 * 1024)
+    raw = shapes(size, ServerSettings().max_json_items)["accepted-stream"][1]
+    parsed = parse_request("chat", raw)
+    body, text = parsed.body, raw.decode()
+    timed = {
+        "check_shape": ("body thread", lambda: check_shape(raw, DEFAULT_LIMITS)),
+        "json.loads (one C call)": ("body thread", lambda: json.loads(text)),
+        "parse_request (check, decode, validate)": ("body thread", lambda: parse_request("chat", raw)),
+        "upstream_body (stream_options written in)": ("event loop", lambda: upstream_body(parsed)),
+        "json_bytes_in_pieces (a member replaced)": ("body thread", lambda: json_bytes_in_pieces(body)),
+        "json_bytes (the whole body, one C call)": ("not used", lambda: json_bytes(body)),
+        "PromptTexts of its messages": ("counting thread", lambda: prompt_texts(parsed)),
+    }
+    report(f"one accepted-stream body of {size} bytes ({len(parsed.body['messages'])} messages), CPU ms:")
+    result = {}
+    for name, (where, call) in timed.items():
+        result[name] = _cpu_ms(call)
+        report(f"  {name:44s} {result[name]:7.2f}  ({where})")
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Maximum-size JSON bodies against sluice serve.")
     parser.add_argument(
         "--body-mib", type=float, default=8.0, help="server.max_body_bytes in MiB (default 8)"
     )
     parser.add_argument("--concurrency", type=int, default=8, help="bodies sent at once (default 8)")
+    parser.add_argument(
+        "--steps", action="store_true", help="no servers: time each step of one body in this process"
+    )
     args = parser.parse_args(argv)
+    if args.steps:
+        steps(args.body_mib)
+        return 0
     _, rounds = flood(args.body_mib, args.concurrency)
     peak = max(r.peak_mib for r in rounds)
     worst = max(r.healthz_max_s for r in rounds)

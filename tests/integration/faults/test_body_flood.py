@@ -32,15 +32,16 @@ def test_maximum_size_bodies_keep_memory_and_the_loop_bounded() -> None:
     report = "\n".join(lines)
 
     by_shape = {r.shape: r for r in rounds}
-    assert set(by_shape) == {"nested", "empty-objects", "token-ids", "accepted"}, report
+    assert set(by_shape) == {"nested", "empty-objects", "token-ids", "accepted", "accepted-stream"}, report
     for shape in ("nested", "empty-objects", "token-ids"):
         assert by_shape[shape].statuses == [400] * CONCURRENCY, report
     # Parsed and forwarded: the emulated replica answers 413 over its own 1 MiB body limit.
-    assert by_shape["accepted"].statuses == [413] * CONCURRENCY, report
+    for shape in ("accepted", "accepted-stream"):
+        assert by_shape[shape].statuses == [413] * CONCURRENCY, report
 
     bound_mib = before + GROWTH_PER_BODY_BYTE * BODY_MIB * CONCURRENCY
     for r in rounds:
         assert r.peak_mib <= bound_mib, report
         assert r.healthz_s, report
-        bound_s = HEALTHZ_PARSED_MAX_S if r.shape == "accepted" else HEALTHZ_REFUSED_MAX_S
+        bound_s = HEALTHZ_PARSED_MAX_S if r.shape.startswith("accepted") else HEALTHZ_REFUSED_MAX_S
         assert r.healthz_max_s <= speed.scaled(bound_s), report
