@@ -18,6 +18,8 @@ COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY predictor ./predictor
 COPY simulator ./simulator
+COPY replay ./replay
+COPY planner ./planner
 RUN python -m venv /opt/sluice \
     && /opt/sluice/bin/pip install --no-cache-dir . \
     && /opt/sluice/bin/pip uninstall --yes pip setuptools

@@ -1,6 +1,6 @@
 """The `sluice` command line: serve, config show|init, check-config, hash-key, keys
 issue|list|revoke (``gateway.tenants.keys_cli``), sim (``--engine vllm|tgi|sglang``), plan
-(capacity planning: ``python -m planner`` from a checkout) and ``--version``.
+(capacity planning: ``python -m planner``) and ``--version``.
 
 What ``serve`` and ``config`` run is one of: a file (``--config``), replicas named by URL
 (``--replica``, each asked what it runs: ``gateway.replicas.discover``) or the embedded default.
@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser(
         "plan",
-        help="capacity planning: replicas for the targets, KV check, cost (from a checkout)",
+        help="capacity planning: replicas for the targets, KV check, cost",
         description="Replay a workload in virtual time through the admission engine and the emulator "
         "to find the replicas its classes' targets need, with closed-form checks (planner/).",
         add_help=False,
@@ -311,26 +311,13 @@ def _sim(args: list[str]) -> int:
     return 128 - status if status < 0 else status
 
 
-#: The checkout ``sluice plan`` runs the planner from: planner/ and replay/ are not installed.
-CHECKOUT = Path(__file__).resolve().parents[1]
-
-
 def _plan(args: list[str]) -> int:
-    """``sluice plan ARGS``: ``python -m planner ARGS`` with the checkout on the path (the planner
-    drives ``replay``, which the gateway never imports); exit 2 when there is no checkout."""
+    """``sluice plan ARGS``: ``python -m planner ARGS`` as a child process (the planner drives
+    ``replay``, which the gateway never imports); returns its exit status."""
     import subprocess
 
-    if not (CHECKOUT / "planner" / "__main__.py").is_file() or not (CHECKOUT / "replay").is_dir():
-        print(
-            "sluice plan: needs a checkout of Sluice (planner/ and replay/ are not installed with "
-            "the package); run it from the repository: .venv/bin/sluice plan ...",
-            file=sys.stderr,
-        )
-        return EXIT_CONFIG
-    path = os.pathsep.join(p for p in (str(CHECKOUT), os.environ.get("PYTHONPATH", "")) if p)
     try:
-        env = {**os.environ, "PYTHONPATH": path}
-        done = subprocess.run([sys.executable, "-m", "planner", *args], env=env, check=False)
+        done = subprocess.run([sys.executable, "-m", "planner", *args], check=False)
     except KeyboardInterrupt:
         return 130
     return 128 - done.returncode if done.returncode < 0 else done.returncode

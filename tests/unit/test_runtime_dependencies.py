@@ -24,9 +24,12 @@ from packaging.utils import NormalizedName, canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The packages the wheel installs (``tool.setuptools.packages.find``).
-RUNTIME_PACKAGES = ("gateway", "predictor", "simulator")
+RUNTIME_PACKAGES = ("gateway", "predictor", "simulator", "replay", "planner")
 #: Sluice's own top-level packages, installed or not.
-OWN = frozenset({*RUNTIME_PACKAGES, "replay", "bench", "tests"})
+OWN = frozenset({*RUNTIME_PACKAGES, "bench", "tests"})
+#: Third-party modules an installed package may import only inside ``try: ... except
+#: ImportError``, doing without them when absent: module -> the extra that installs it.
+OPTIONAL = {"matplotlib": "bench"}
 
 
 @cache
@@ -68,26 +71,71 @@ def _closure(roots: Iterable[Requirement]) -> set[NormalizedName]:
     return names
 
 
-def _imported_top_levels(package: str) -> Iterator[tuple[str, Path]]:
-    """(top-level module, file) for every absolute import in ``package``'s sources."""
+def _guarded(tree: ast.AST) -> set[int]:
+    """The ids of the import statements inside a ``try`` whose handlers catch ``ImportError``
+    (or ``ModuleNotFoundError``): imports the code does without when they fail."""
+    found: set[int] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Try):
+            continue
+        caught = {
+            name.id
+            for handler in node.handlers
+            if handler.type is not None
+            for name in ast.walk(handler.type)
+            if isinstance(name, ast.Name)
+        }
+        if caught & {"ImportError", "ModuleNotFoundError"}:
+            found |= {id(inner) for stmt in node.body for inner in ast.walk(stmt)}
+    return found
+
+
+def _imported_top_levels(package: str, *, guarded: bool = False) -> Iterator[tuple[str, Path]]:
+    """(top-level module, file) for every absolute import in ``package``'s sources; with
+    ``guarded``, only those inside a ``try`` that catches ``ImportError``."""
     for path in sorted((ROOT / package).rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        inside = _guarded(tree)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Import | ast.ImportFrom) or (id(node) in inside) != guarded:
+                continue
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     yield alias.name.partition(".")[0], path
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            elif node.level == 0 and node.module:
                 yield node.module.partition(".")[0], path
 
 
 def _third_party_imports() -> dict[str, set[str]]:
-    """Third-party top-level module -> the files (relative to the root) that import it."""
+    """Third-party top-level module -> the files (relative to the root) that import it, but for
+    the ``OPTIONAL`` modules imported under an ``ImportError`` guard."""
     found: dict[str, set[str]] = {}
     for package in RUNTIME_PACKAGES:
-        for module, path in _imported_top_levels(package):
+        imports = [
+            *_imported_top_levels(package),
+            *((m, p) for m, p in _imported_top_levels(package, guarded=True) if m not in OPTIONAL),
+        ]
+        for module, path in imports:
             if module in sys.stdlib_module_names or module in OWN:
                 continue
             found.setdefault(module, set()).add(str(path.relative_to(ROOT)))
     return found
+
+
+def test_optional_modules_are_guarded_and_come_with_their_extra() -> None:
+    """An ``OPTIONAL`` module is imported only under an ``ImportError`` guard, and its extra
+    installs it; at least one installed package uses one (so the exemption is not dead)."""
+    unguarded = sorted(
+        f"{path.relative_to(ROOT)} imports {module} unguarded"
+        for package in RUNTIME_PACKAGES
+        for module, path in _imported_top_levels(package)
+        if module in OPTIONAL
+    )
+    assert unguarded == []
+    used = {m for p in RUNTIME_PACKAGES for m, _ in _imported_top_levels(p, guarded=True)} & set(OPTIONAL)
+    assert used, "no installed package imports an optional module: drop OPTIONAL"
+    for module, extra in OPTIONAL.items():
+        assert _distributions_of(module) & {canonicalize_name(r.name) for r in _requirements(extra)}
 
 
 def _distributions_of(module: str) -> set[NormalizedName]:
