@@ -56,6 +56,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--jitter", type=float, default=0.0, help="relative step-time noise, e.g. 0.05 (default 0)"
     )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's automatic prefix caching (docs/emulator.md, 'Prefix caching'); replaces the "
+        "profile's engine.enable_prefix_caching (true in the shipped profiles, as vLLM V1)",
+    )
+    parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="as vLLM: usage carries prompt_tokens_details.cached_tokens (default off)",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     parser.add_argument(
         "--parent-pid",
@@ -127,6 +139,7 @@ async def serve(
     engine: EngineKind = "vllm",
     max_concurrent_requests: int | None = None,
     parent_pid: int | None = None,
+    enable_prompt_tokens_details: bool = False,
 ) -> None:
     """Serve ``profile`` on ``host:port`` until SIGINT/SIGTERM (or cancellation), then shut down;
     with ``parent_pid``, also once that process is no longer this one's parent (it died, however).
@@ -135,7 +148,12 @@ async def serve(
     ``port`` is 0).
     """
     app = build_app(
-        profile, seed=seed, jitter=jitter, engine=engine, max_concurrent_requests=max_concurrent_requests
+        profile,
+        seed=seed,
+        jitter=jitter,
+        engine=engine,
+        max_concurrent_requests=max_concurrent_requests,
+        enable_prompt_tokens_details=enable_prompt_tokens_details,
     )
     # handler_cancellation: a vanished client cancels its handler at once (the watcher is the
     # fallback); shutdown_timeout: streams are aborted at shutdown, so this is only a backstop.
@@ -213,6 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sluice sim: bad --api-* value: {exc}", file=sys.stderr)
         return 2
 
+    if args.enable_prefix_caching is not None:
+        profile = profile.with_engine(enable_prefix_caching=args.enable_prefix_caching)
     if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
         print("sluice sim: --max-concurrent-requests must be >= 1", file=sys.stderr)
         return 2
@@ -256,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     engine=engine,
                     max_concurrent_requests=args.max_concurrent_requests,
                     parent_pid=args.parent_pid,
+                    enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                 )
             )
     except OSError as exc:

@@ -6,9 +6,12 @@ monotonic origin). The driver loop is ``plan = schedule(now)`` (``None``: nothin
 ``add_request`` raises ``ValueError`` for a request that can never run (``validate_request``).
 Scheduling follows ``vllm/v1/core/sched/scheduler.py``: decodes first, then FCFS prefill chunks
 within ``max_num_batched_tokens`` and ``max_num_seqs``; when KV blocks run out the last running
-request is preempted by recompute. The profile's ``api_server`` costs (``simulator.apiserver``;
-none by default) put the API server's tokenisation and streaming work in front of the engine: a
-request then reaches WAITING only once tokenised, and on a shared CPU that work lengthens steps.
+request is preempted by recompute. With the profile's ``enable_prefix_caching`` (vLLM's default),
+full blocks are cached by chained hash (``simulator.prefix_cache``) for requests added with their
+token ids, and a new request's prefill starts after its longest cached prefix. The profile's
+``api_server`` costs (``simulator.apiserver``; none by default) put the API server's tokenisation
+and streaming work in front of the engine: a request then reaches WAITING only once tokenised,
+and on a shared CPU that work lengthens steps.
 The rules in full are in docs/emulator.md.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -23,6 +27,7 @@ import numpy as np
 
 from simulator.apiserver import ApiServerQueue
 from simulator.costmodel import CostModel, StepShape, jitter_factor
+from simulator.prefix_cache import ROOT_HASH, BlockHash, BlockPool, BlockTable, block_hashes
 from simulator.profile import Profile
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -39,6 +44,8 @@ class TokenEvent:
     num_output_tokens: int
     finished: bool
     finish_reason: FinishReason | None
+    #: Prompt tokens the request found in the prefix cache (0 without prefix caching).
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +71,12 @@ class FinishedRequestStats:
     decode_s: float
     #: mean time per output token after the first; None with fewer than 2 tokens.
     tpot_s: float | None
+    #: Prompt tokens found in the prefix cache when first scheduled (vLLM's ``num_cached_tokens``:
+    #: usage's ``prompt_tokens_details.cached_tokens``); 0 without prefix caching.
+    cached_tokens: int = 0
+    #: Prompt tokens this request's prefill wrote into the prefix cache (vLLM's
+    #: ``num_cache_creation_tokens``: usage's ``created_cache_tokens``); 0 without prefix caching.
+    created_cache_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +124,9 @@ class EngineCounters:
     prompt_tokens: int = 0  # vllm:prompt_tokens_total (full prompt, when prefill completes)
     generation_tokens: int = 0  # vllm:generation_tokens_total
     preemptions: int = 0  # vllm:num_preemptions_total
-    prefix_cache_queries: int = 0  # vllm:prefix_cache_queries_total (tokens)
-    prefix_cache_hits: int = 0  # vllm:prefix_cache_hits_total (no prefix caching modelled: 0)
+    # Counted when a request is admitted (first time only; never with prefix caching off).
+    prefix_cache_queries: int = 0  # vllm:prefix_cache_queries_total (prompt tokens looked up)
+    prefix_cache_hits: int = 0  # vllm:prefix_cache_hits_total (of those, tokens found cached)
     finished_by_reason: dict[str, int] = field(
         default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0, "repetition": 0}
     )
@@ -132,7 +146,18 @@ class _Request:
     arrival_s: float
     num_computed_tokens: int = 0
     num_output_tokens: int = 0
-    num_blocks: int = 0
+    #: The KV blocks it holds (cached ones by hash).
+    table: BlockTable = field(default_factory=BlockTable)
+    #: Prompt + output token ids so far; None: added without ids (never hits, never cached).
+    token_ids: list[int] | None = None
+    #: The id of output token ``i`` (0-based); None: output blocks are not hashed.
+    output_token_id: Callable[[int], int] | None = None
+    #: Chained hashes of the full blocks of ``token_ids``.
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    #: Prompt tokens hit in the prefix cache at the first scheduling; -1 until then.
+    num_cached_tokens: int = -1
+    #: Prompt tokens its prefill added to the prefix cache (set at the first token).
+    num_cache_created: int = 0
     num_preemptions: int = 0
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
@@ -157,40 +182,6 @@ class _Emitted:
     prompt_tokens: int = 0
 
 
-class _BlockPool:
-    """A fixed number of KV blocks handed out by count (which blocks is irrelevant to timing)."""
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.num_free = num_blocks
-
-    def blocks_for(self, num_tokens: int) -> int:
-        """Blocks needed to hold ``num_tokens`` tokens of KV."""
-        return math.ceil(num_tokens / self.block_size)
-
-    def allocate(self, req: _Request, num_tokens: int) -> bool:
-        """Grow ``req`` to hold ``num_tokens`` tokens; False (and nothing taken) if blocks run out."""
-        need = self.blocks_for(num_tokens) - req.num_blocks
-        if need <= 0:
-            return True
-        if need > self.num_free:
-            return False
-        self.num_free -= need
-        req.num_blocks += need
-        return True
-
-    def free(self, req: _Request) -> None:
-        """Return every block of ``req``."""
-        self.num_free += req.num_blocks
-        req.num_blocks = 0
-
-    @property
-    def usage(self) -> float:
-        """Share of blocks in use, 0-1 (vLLM's kv_cache_usage_perc)."""
-        return 1.0 - self.num_free / self.num_blocks
-
-
 class Engine:
     """Continuous batching with chunked prefill, paged KV blocks and preemption by recompute.
 
@@ -209,7 +200,11 @@ class Engine:
         self._jitter_rng = np.random.default_rng(jitter_seed)
         self._sample_rng = np.random.default_rng(sample_seed)
         self._limits = profile.engine
-        self._blocks = _BlockPool(profile.engine.num_gpu_blocks, profile.engine.block_size)
+        self._blocks = BlockPool(
+            profile.engine.num_gpu_blocks,
+            profile.engine.block_size,
+            enable_caching=profile.engine.enable_prefix_caching,
+        )
         self._requests: dict[str, _Request] = {}
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
@@ -261,6 +256,11 @@ class Engine:
         return self._blocks.num_free
 
     @property
+    def prefix_cache(self) -> BlockPool:
+        """The KV block pool and its prefix cache (read it; do not allocate from it)."""
+        return self._blocks
+
+    @property
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
         return bool(self._requests)
@@ -295,14 +295,33 @@ class Engine:
             )
 
     def add_request(
-        self, request_id: str, prompt_tokens: int, max_tokens: int, output_tokens: int, now: float
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        output_tokens: int,
+        now: float,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        output_token_id: Callable[[int], int] | None = None,
     ) -> None:
         """Enqueue a request in WAITING (or, with API-server costs, in the API server's
-        tokenisation first). ``ValueError`` if it can never fit or its id is live."""
+        tokenisation first). ``ValueError`` if it can never fit, its id is live, or
+        ``prompt_token_ids`` (what the prefix cache hashes; None: it neither hits nor is cached)
+        are not ``prompt_tokens`` ids. ``output_token_id(i)``, the id of output token ``i``,
+        lets full blocks of output be cached too."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already in the engine")
         self.validate_request(prompt_tokens, max_tokens, output_tokens)
         req = _Request(request_id, prompt_tokens, max_tokens, output_tokens, arrival_s=now)
+        if prompt_token_ids is not None:
+            if len(prompt_token_ids) != prompt_tokens:
+                raise ValueError(
+                    f"prompt_token_ids has {len(prompt_token_ids)} ids for {prompt_tokens} prompt tokens"
+                )
+            req.token_ids = list(prompt_token_ids)
+            req.output_token_id = output_token_id
+            req.block_hashes = block_hashes(req.token_ids, self._blocks.block_size)
         self._requests[request_id] = req
         if self._api is None:
             self._waiting.append(req)
@@ -422,36 +441,56 @@ class Engine:
 
         False when ``req`` itself had to be preempted (vLLM's FCFS victim is the last running one).
         """
-        while not self._blocks.allocate(req, req.num_computed_tokens + num_new):
+        while not self._blocks.allocate(req.table, req.num_computed_tokens + num_new):
             victim = self._running.pop()
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is req:
                 return False
+        self._blocks.cache_blocks(req.table, req.block_hashes, req.num_computed_tokens + num_new)
         return True
 
     def _preempt(self, req: _Request) -> None:
         """Preemption by recompute: drop its KV, send it to the front of WAITING."""
-        self._blocks.free(req)
+        self._blocks.free(req.table)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.stats.preemptions += 1
         self._waiting.appendleft(req)
 
     def _schedule_waiting(self, budget: int, scheduled: dict[str, int], now: float) -> int:
-        """Admit WAITING requests FCFS while budget, max_num_seqs and blocks allow; returns budget left."""
+        """Admit WAITING requests FCFS while budget, max_num_seqs and blocks allow; returns budget left.
+
+        A request's prefill starts after its longest cached prefix (never its last token); the
+        lookup is counted in the prefix-cache counters when the request is admitted, the first
+        time only, as vLLM records it.
+        """
         while self._waiting and budget > 0 and len(self._running) < self._limits.max_num_seqs:
             req = self._waiting[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._blocks.allocate(req, req.num_computed_tokens + num_new):
+            hit = self._blocks.find_hit(req.block_hashes, req.num_tokens - 1)
+            start = req.num_computed_tokens + len(hit) * self._blocks.block_size
+            num_new = min(req.num_tokens - start, budget)
+            if not self._blocks.allocate(req.table, start + num_new, hit):
                 break
             self._waiting.popleft()
             self._running.append(req)
+            req.num_computed_tokens = start
+            self._blocks.cache_blocks(req.table, req.block_hashes, start + num_new)
+            self._record_lookup(req, start)
             if req.first_scheduled_s is None:
                 req.first_scheduled_s = now
             scheduled[req.request_id] = num_new
             budget -= num_new
         return budget
+
+    def _record_lookup(self, req: _Request, num_hit_tokens: int) -> None:
+        """Count an admitted request's prefix-cache lookup (vLLM's ``PrefixCacheStats``): a
+        request admitted again after a preemption is not counted, nor any with caching off."""
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = num_hit_tokens
+            if self._blocks.enable_caching:
+                self.stats.prefix_cache_queries += req.num_tokens
+                self.stats.prefix_cache_hits += num_hit_tokens
 
     def _make_plan(
         self, scheduled: dict[str, int], preempted: tuple[str, ...], now: float, *, api_server_s: float
@@ -489,21 +528,39 @@ class Engine:
     def _emit_token(self, req: _Request, now: float, out: _Emitted) -> None:
         """One new output token for ``req`` at ``now``; finishes it on max_tokens or its EOS."""
         req.num_output_tokens += 1
+        self._append_output_id(req)
         if req.first_token_s is None:
             req.first_token_s = now
             out.ttfts.append(now - req.arrival_s)
+            created = min(req.table.cached_tokens_end(self._blocks.block_size), req.prompt_tokens)
+            req.num_cache_created = max(0, created - max(req.num_cached_tokens, 0))
         else:
             assert req.last_token_s is not None
             out.itls.append(now - req.last_token_s)
         req.last_token_s = now
         reason = _finish_reason(req)
-        out.events.append(TokenEvent(req.request_id, 1, req.num_output_tokens, reason is not None, reason))
+        cached = max(req.num_cached_tokens, 0)
+        out.events.append(
+            TokenEvent(req.request_id, 1, req.num_output_tokens, reason is not None, reason, cached)
+        )
         if reason is not None:
             out.finished.append(self._finish(req, reason, now))
 
+    def _append_output_id(self, req: _Request) -> None:
+        """Extend ``req``'s token ids by its newest output token, hashing a block it fills."""
+        if req.token_ids is None or req.output_token_id is None:
+            return
+        req.token_ids.append(req.output_token_id(req.num_output_tokens - 1))
+        size = self._blocks.block_size
+        if len(req.token_ids) % size == 0:
+            parent = req.block_hashes[-1] if req.block_hashes else ROOT_HASH
+            req.block_hashes.extend(
+                block_hashes(req.token_ids, size, start=len(req.token_ids) - size, parent=parent)
+            )
+
     def _finish(self, req: _Request, reason: FinishReason, now: float) -> FinishedRequestStats:
         """Free ``req``'s blocks, forget it, count it; the caller removes it from its queue."""
-        self._blocks.free(req)
+        self._blocks.free(req.table)
         req.finished = True
         del self._requests[req.request_id]
         self.stats.finished_by_reason[reason] += 1
@@ -539,4 +596,6 @@ def _finished_stats(req: _Request, reason: FinishReason, now: float) -> Finished
         prefill_s=0.0 if scheduled is None else (now if first is None else first) - scheduled,
         decode_s=decode_s,
         tpot_s=decode_s / (tokens - 1) if tokens >= 2 else None,
+        cached_tokens=max(req.num_cached_tokens, 0),
+        created_cache_tokens=req.num_cache_created,
     )

@@ -85,8 +85,8 @@ async def handle_ping(request: web.Request) -> web.Response:
 async def handle_tokenize(request: web.Request) -> web.Response:
     """``POST /tokenize``: the emulator's own token count for a prompt or a chat.
 
-    Token ids are stable fakes (one per counted token), so ``count`` always equals what a
-    completion request with the same input reports as ``usage.prompt_tokens``.
+    Token ids are stable fakes (one per counted token), the ids the prefix cache hashes, so
+    ``count`` always equals what a request with the same input reports as ``usage.prompt_tokens``.
     """
     replica = request.app[REPLICA]
     check_content_type(request.headers.get("Content-Type"))
@@ -96,15 +96,13 @@ async def handle_tokenize(request: web.Request) -> web.Response:
         messages = body["messages"]
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ApiError("messages: Input should be a valid list of messages", param="messages")
-        count = tokens.count_chat_prompt(messages)
-        seed_text = "\n".join(tokens.message_text(m.get("content")) for m in messages)
-        ids = [tokens.text_seed(f"{seed_text}#{i}") % tokens.VOCAB_SIZE for i in range(count)]
+        ids = tokens.chat_prompt_ids(messages)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise ApiError("prompt: Input should be a valid string", param="prompt")
-        ids = [1] * tokens.BOS_TOKENS + tokens.fake_token_ids(prompt)
-        count = len(ids)
+        ids = tokens.completion_prompt_ids(prompt)
+    count = len(ids)
     return json_response(
         {"count": count, "max_model_len": replica.max_model_len, "tokens": ids, "token_strs": None},
     )

@@ -409,8 +409,8 @@ class VllmMetrics:
         self.request_params_n.observe(1)
         self.request_params_max_tokens.observe(stats.max_tokens)
         self.request_num_preemptions.observe(stats.num_preemptions)
-        # No prefix caching is modelled, so prefill computes the KV of the whole prompt.
-        self.request_prefill_kv_computed_tokens.observe(stats.prompt_tokens)
+        # Prefill computes the KV of the prompt less what the prefix cache had.
+        self.request_prefill_kv_computed_tokens.observe(stats.prompt_tokens - stats.cached_tokens)
         self.e2e_request_latency.observe(stats.e2e_s)
         self.request_queue_time.observe(stats.queue_s)
         self.request_inference_time.observe(stats.inference_s)

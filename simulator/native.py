@@ -122,6 +122,7 @@ def _submit(replica: Replica, req: tgi.GenerateRequest, request: web.Request) ->
         include_usage=False,
         continuous_usage_stats=False,
         text_seed=seed,
+        prompt_token_ids=tuple(tokens.completion_prompt_ids(req.inputs)),
     )
     return request_id, replica.submit(request_id, generation, request), seed
 
@@ -361,7 +362,9 @@ def _sglang_finish(reason: str | None, completion_tokens: int) -> dict[str, Any]
     return {"type": "stop", "matched": 2}  # the EOS token id of Llama-style tokenizers
 
 
-def _sglang_out(text: str, rid: str, reason: str | None, prompt_tokens: int, n: int) -> dict[str, Any]:
+def _sglang_out(
+    text: str, rid: str, reason: str | None, prompt_tokens: int, n: int, cached: int
+) -> dict[str, Any]:
     return {
         "text": text,
         "meta_info": {
@@ -369,7 +372,7 @@ def _sglang_out(text: str, rid: str, reason: str | None, prompt_tokens: int, n: 
             "finish_reason": _sglang_finish(reason, n),
             "prompt_tokens": prompt_tokens,
             "completion_tokens": n,
-            "cached_tokens": 0,
+            "cached_tokens": cached,
         },
     }
 
@@ -389,7 +392,8 @@ async def handle_sglang_generate(request: web.Request) -> web.StreamResponse:
         return web.json_response(
             {"error": {"message": "Either text or input_ids should be provided."}}, status=400
         )
-    prompt_tokens = tokens.count_completion_prompt(text)
+    prompt_ids = tokens.completion_prompt_ids(text)
+    prompt_tokens = len(prompt_ids)
     max_new = params.get("max_new_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS)
     room = replica.max_model_len - prompt_tokens
     if not isinstance(max_new, int) or max_new < 1 or room < 1:
@@ -408,6 +412,7 @@ async def handle_sglang_generate(request: web.Request) -> web.StreamResponse:
         include_usage=False,
         continuous_usage_stats=False,
         text_seed=seed,
+        prompt_token_ids=tuple(prompt_ids),
     )
     entry = replica.submit(rid, generation, request)
     try:
@@ -418,9 +423,10 @@ async def handle_sglang_generate(request: web.Request) -> web.StreamResponse:
                 return web.Response(status=499 if replica.dead is None else 500)
             n = last.num_output_tokens
             # SGLang answers with ORJSONResponse: compact JSON.
-            return _tgi_json(
-                _sglang_out(tokens.fake_text(seed, 0, n), rid, last.finish_reason, prompt_tokens, n)
+            out = _sglang_out(
+                tokens.fake_text(seed, 0, n), rid, last.finish_reason, prompt_tokens, n, last.cached_tokens
             )
+            return _tgi_json(out)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await response.prepare(request)
         try:
@@ -430,7 +436,8 @@ async def handle_sglang_generate(request: web.Request) -> web.StreamResponse:
                     return response
                 n = last.num_output_tokens
                 reason = last.finish_reason if last.finished else None
-                out = _sglang_out(tokens.fake_text(seed, 0, n), rid, reason, prompt_tokens, n)
+                text_so_far = tokens.fake_text(seed, 0, n)
+                out = _sglang_out(text_so_far, rid, reason, prompt_tokens, n, last.cached_tokens)
                 await response.write(b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n")
                 if last.finished:
                     break

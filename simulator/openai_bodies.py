@@ -41,24 +41,50 @@ def sse_error_event(err: ApiError) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """vLLM's ``UsageInfo`` in a whole body (the token details come only with server flags: null)."""
+def usage(
+    prompt_tokens: int, completion_tokens: int, details: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """vLLM's ``UsageInfo`` in a whole body; ``details`` (:func:`prompt_tokens_details`) come
+    only with ``--enable-prompt-tokens-details``, else null."""
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": None if details is None else dict(details),
         "completion_tokens_details": None,
     }
 
 
-def stream_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """``UsageInfo`` in a chunk: the three counts (vLLM leaves the unset or null details out)."""
-    return {
+def stream_usage(
+    prompt_tokens: int, completion_tokens: int, details: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """``UsageInfo`` in a chunk: the three counts (vLLM leaves the unset or null details out),
+    then ``prompt_tokens_details`` when given (the final usage chunk, with the flag)."""
+    use: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
     }
+    if details is not None:
+        use["prompt_tokens_details"] = dict(details)
+    return use
+
+
+def prompt_tokens_details(
+    kind: Literal["completion", "chat"], cached_tokens: int, created_cache_tokens: int, *, stream: bool
+) -> dict[str, Any]:
+    """vLLM 0.32's ``PromptTokenUsageInfo`` for ``--enable-prompt-tokens-details``, as each route
+    writes it: chat sets all three fields (a stream's usage chunk drops the nulls), completions
+    set only ``cached_tokens`` (a stream's usage chunk drops the unset ones)."""
+    if kind == "chat":
+        details: dict[str, Any] = {
+            "cached_tokens": cached_tokens,
+            "created_cache_tokens": created_cache_tokens,
+        }
+        return details if stream else {**details, "multimodal_tokens": None}
+    if stream:
+        return {"cached_tokens": cached_tokens}
+    return {"cached_tokens": cached_tokens, "created_cache_tokens": None, "multimodal_tokens": None}
 
 
 @dataclass(frozen=True, slots=True)

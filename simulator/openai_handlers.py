@@ -25,6 +25,7 @@ from simulator.openai_bodies import (
     completion_body,
     completion_chunk,
     json_response,
+    prompt_tokens_details,
     sse_error_event,
     sse_event,
     stream_usage,
@@ -113,8 +114,22 @@ async def _collect(
     n = last.num_output_tokens
     text = tokens.fake_text(req.text_seed, 0, n)
     build = completion_body if req.kind == "completion" else chat_body
-    payload = build(ids, text, last.finish_reason, usage(req.prompt_tokens, n))
+    details = _details(replica, req, entry, stream=False)
+    payload = build(ids, text, last.finish_reason, usage(req.prompt_tokens, n, details))
     return json_response(payload)
+
+
+def _details(
+    replica: Replica, req: GenerationRequest, entry: Inflight, *, stream: bool
+) -> dict[str, Any] | None:
+    """``usage.prompt_tokens_details`` of a finished request: None unless the replica runs with
+    ``--enable-prompt-tokens-details``."""
+    if not replica.enable_prompt_tokens_details:
+        return None
+    stats = entry.stats
+    cached = 0 if stats is None else stats.cached_tokens
+    created = 0 if stats is None else stats.created_cache_tokens
+    return prompt_tokens_details(req.kind, cached, created, stream=stream)
 
 
 async def _stream(
@@ -145,7 +160,8 @@ async def _stream(
             if last.finished:
                 break
         if req.include_usage:
-            await response.write(sse_event(usage_chunk(req.kind, ids, stream_usage(req.prompt_tokens, sent))))
+            use = stream_usage(req.prompt_tokens, sent, _details(replica, req, entry, stream=True))
+            await response.write(sse_event(usage_chunk(req.kind, ids, use)))
         await response.write(SSE_DONE)
         await response.write_eof()
     except ConnectionError:

@@ -243,7 +243,8 @@ def parse_completion_request(
     requested = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     _check_output_limit(requested, param="max_tokens", max_model_len=max_model_len)
     prompt = _completion_prompt(req.prompt)
-    prompt_tokens = tokens.count_completion_prompt(prompt)
+    prompt_ids = tokens.completion_prompt_ids(prompt)
+    prompt_tokens = len(prompt_ids)
     max_tokens = _resolve_max_tokens(
         requested=requested,
         prompt_tokens=prompt_tokens,
@@ -252,7 +253,7 @@ def parse_completion_request(
     )
     _check_sampling(req, max_tokens)
     seed_text = prompt if isinstance(prompt, str) else ",".join(map(str, prompt))
-    return _generation_request("completion", req, served_model, prompt_tokens, max_tokens, seed_text)
+    return _generation_request("completion", req, served_model, prompt_ids, max_tokens, seed_text)
 
 
 def parse_chat_request(
@@ -275,20 +276,21 @@ def parse_chat_request(
         requested, param = req.max_completion_tokens, "max_completion_tokens"
     _check_output_limit(requested, param=param, max_model_len=max_model_len)
     messages = [m.model_dump() for m in req.messages]
-    prompt_tokens = tokens.count_chat_prompt(messages)
+    prompt_ids = tokens.chat_prompt_ids(messages)
+    prompt_tokens = len(prompt_ids)
     max_tokens = _resolve_max_tokens(
         requested=requested, prompt_tokens=prompt_tokens, max_model_len=max_model_len, text_prompt=True
     )
     _check_sampling(req, max_tokens)
     seed_text = "\n".join(tokens.message_text(m.get("content")) for m in messages)
-    return _generation_request("chat", req, served_model, prompt_tokens, max_tokens, seed_text)
+    return _generation_request("chat", req, served_model, prompt_ids, max_tokens, seed_text)
 
 
 def _generation_request(
     kind: Literal["completion", "chat"],
     req: _SamplingFields,
     served_model: str,
-    prompt_tokens: int,
+    prompt_ids: list[int],
     max_tokens: int,
     seed_text: str,
 ) -> GenerationRequest:
@@ -297,7 +299,7 @@ def _generation_request(
     return GenerationRequest(
         kind=kind,
         model=served_model,
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=len(prompt_ids),
         max_tokens=max_tokens,
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
@@ -305,4 +307,5 @@ def _generation_request(
         include_usage=stream and options is not None and bool(options.include_usage),
         continuous_usage_stats=stream and options is not None and bool(options.continuous_usage_stats),
         text_seed=tokens.text_seed(seed_text),
+        prompt_token_ids=tuple(prompt_ids),
     )

@@ -76,8 +76,10 @@ class EngineLimits(_Frozen):
         "activations of the profiling run, CUDA-graph pool, non-torch allocations, in bytes."
     )
     cache_dtype: str = Field(default="auto", description="vLLM's --kv-cache-dtype ('auto' = model dtype).")
-    enable_prefix_caching: Literal[False] = Field(
-        default=False, description="Prefix caching is not modelled; always False."
+    enable_prefix_caching: bool = Field(
+        default=True,
+        description="vLLM's --enable-prefix-caching (on by default in vLLM V1): full KV blocks are "
+        "cached by the hash of their prefix and a request's prefill skips its cached prefix.",
     )
 
 

@@ -19,7 +19,7 @@ from typing import Final, Literal, Protocol
 
 from aiohttp import web
 
-from simulator import sglang, tgi
+from simulator import sglang, tgi, tokens
 from simulator.engine import Engine, FinishedRequestStats, StepPlan, StepResult, TokenEvent
 from simulator.metrics import VllmMetrics, cache_config_labels
 from simulator.profile import Profile
@@ -69,6 +69,9 @@ class GenerationRequest:
     continuous_usage_stats: bool
     #: Seeds the fake output words, so the same prompt always gets the same text.
     text_seed: int
+    #: The prompt's fake token ids (``simulator.tokens``), which the prefix cache hashes; None:
+    #: the request neither hits nor fills the cache.
+    prompt_token_ids: tuple[int, ...] | None = None
 
 
 def random_id() -> str:
@@ -138,6 +141,7 @@ class Replica:
     ``engine_kind`` picks whose ``/metrics`` it exposes (vLLM, TGI, SGLang).
     ``max_concurrent_requests``: TGI's router limit (requests queued + running, ``None`` for the
     engines that have none); past it a request is refused at once (:meth:`try_acquire`).
+    ``enable_prompt_tokens_details``: vLLM's flag of that name (cached tokens in usage).
     All methods run on the event loop; the engine is only touched from it, so no locking.
     """
 
@@ -149,9 +153,12 @@ class Replica:
         jitter: float = 0.0,
         engine_kind: EngineKind = "vllm",
         max_concurrent_requests: int | None = None,
+        enable_prompt_tokens_details: bool = False,
     ) -> None:
         self.profile = profile
         self.engine_kind: EngineKind = engine_kind
+        #: vLLM's ``--enable-prompt-tokens-details``: usage carries ``prompt_tokens_details``.
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.engine = Engine(profile, seed=seed, jitter=jitter)
         self.model_name: str = profile.served_model_name
         self.max_model_len: int = profile.engine.max_model_len
@@ -227,8 +234,17 @@ class Replica:
             output_tokens = req.max_tokens
         else:
             output_tokens = max(req.min_tokens, self.engine.sample_output_tokens(req.max_tokens))
+        seed = req.text_seed
         try:
-            self.engine.add_request(request_id, req.prompt_tokens, req.max_tokens, output_tokens, self._now())
+            self.engine.add_request(
+                request_id,
+                req.prompt_tokens,
+                req.max_tokens,
+                output_tokens,
+                self._now(),
+                prompt_token_ids=req.prompt_token_ids,
+                output_token_id=lambda index: tokens.fake_word_id(seed, index),
+            )
         except ValueError as exc:
             # A request that fits max_model_len but can never fit the KV cache (tiny profiles).
             raise ApiError(str(exc)) from None

@@ -69,6 +69,7 @@ def build_app(
     jitter: float = 0.0,
     engine: EngineKind = "vllm",
     max_concurrent_requests: int | None = None,
+    enable_prompt_tokens_details: bool = False,
 ) -> web.Application:
     """An aiohttp application serving one emulated replica of ``profile``.
 
@@ -77,14 +78,20 @@ def build_app(
     reproducible; ``jitter`` is the relative step-time noise passed to the engine. ``engine``
     picks whose ``/metrics``, info endpoint, native API and overload behaviour it shows (the
     OpenAI routes are vLLM's for all); ``max_concurrent_requests`` is TGI's permit limit
-    (default 128, TGI's; ignored by the other engines).
+    (default 128, TGI's; ignored by the other engines); ``enable_prompt_tokens_details`` is
+    vLLM's flag (``usage.prompt_tokens_details.cached_tokens``).
     """
     app = web.Application(middlewares=[_errors_as_vllm])
     limit = (max_concurrent_requests or tgi.DEFAULT_MAX_CONCURRENT_REQUESTS) if engine == "tgi" else None
 
     async def replica_ctx(app: web.Application) -> AsyncIterator[None]:
         replica = Replica(
-            profile, seed=seed, jitter=jitter, engine_kind=engine, max_concurrent_requests=limit
+            profile,
+            seed=seed,
+            jitter=jitter,
+            engine_kind=engine,
+            max_concurrent_requests=limit,
+            enable_prompt_tokens_details=enable_prompt_tokens_details,
         )
         app[REPLICA] = replica
         await replica.start()

@@ -14,7 +14,7 @@ from typing import Any, Final, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from simulator.engine import FinishedRequestStats, StepPlan, StepResult
+from simulator.engine import EngineCounters, FinishedRequestStats, StepPlan, StepResult
 
 #: The SGLang release whose info endpoints this emulator imitates (``/get_server_info.version``).
 SGLANG_VERSION: Final = "0.4.0"
@@ -46,6 +46,9 @@ class SglangEngineView(Protocol):
 
     @property
     def kv_tokens_in_use(self) -> int: ...
+
+    @property
+    def stats(self) -> EngineCounters: ...
 
 
 class SglangMetrics:
@@ -180,6 +183,10 @@ class SglangMetrics:
             self.tpot.observe(elapsed / after)
 
     def _log_stats(self) -> None:
+        stats = self._engine.stats
+        if stats.prefix_cache_queries:
+            # ~v0.4 tree_cache_metrics: hit tokens over prompt tokens, cumulative, at prefill logs.
+            self.cache_hit_rate.set(stats.prefix_cache_hits / stats.prefix_cache_queries)
         used = self._engine.kv_tokens_in_use
         self.num_running.set(self._engine.num_running)
         self.num_queue.set(self._engine.num_waiting)

@@ -5,6 +5,11 @@ mark (regex ``\w+|[^\w\s]``) is one token; a completion prompt adds ``BOS_TOKENS
 adds ``BOS_TOKENS``, ``CHAT_TOKENS_PER_MESSAGE`` per message and
 ``CHAT_GENERATION_PROMPT_TOKENS``; token-id prompts count their ids exactly. Every generated token
 is one fake word.
+
+The same prompts also have fake token ids (``completion_prompt_ids``, ``chat_prompt_ids``), one
+per counted token, for the prefix cache: the same text gives the same ids, and a chat's next turn
+(its history plus the answer just generated) starts with exactly the ids of the turn before it
+and of that answer (``fake_word_id``), as a real chat template and tokenizer mostly do.
 """
 
 from __future__ import annotations
@@ -21,6 +26,12 @@ CHAT_TOKENS_PER_MESSAGE = 4
 CHAT_GENERATION_PROMPT_TOKENS = 3
 #: Size of the notional vocabulary fake token ids are drawn from.
 VOCAB_SIZE = 32_000
+#: Fake id of BOS (Llama's).
+BOS_ID = 1
+#: Fake ids of the chat template's tokens (above the vocabulary, so no text piece has them).
+TURN_START_ID = VOCAB_SIZE + 1
+NEWLINE_ID = VOCAB_SIZE + 2
+TURN_END_ID = VOCAB_SIZE + 3
 
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
 
@@ -35,6 +46,8 @@ _WORDS: tuple[str, ...] = (
 )  # fmt: skip
 #: Step through ``_WORDS`` per token; coprime with ``len(_WORDS)`` (checked in the unit tests).
 _STRIDE = 37
+#: ``_WORDS``' token ids.
+_WORD_IDS: tuple[int, ...] = tuple(zlib.crc32(word.encode("utf-8")) % VOCAB_SIZE for word in _WORDS)
 
 
 def split_text(text: str) -> list[str]:
@@ -86,7 +99,37 @@ def text_seed(text: str) -> int:
 
 def fake_token_ids(text: str) -> list[int]:
     """Stable fake token ids for ``text``, one per piece of :func:`split_text`."""
-    return [zlib.crc32(piece.encode("utf-8")) % VOCAB_SIZE for piece in split_text(text)]
+    return [_piece_id(piece) for piece in split_text(text)]
+
+
+def _piece_id(piece: str) -> int:
+    return zlib.crc32(piece.encode("utf-8")) % VOCAB_SIZE
+
+
+def completion_prompt_ids(prompt: str | Sequence[int]) -> list[int]:
+    """Fake token ids of a completion prompt: BOS and the text's ids, or the given ids;
+    ``len`` equals :func:`count_completion_prompt`."""
+    if isinstance(prompt, str):
+        return [BOS_ID, *fake_token_ids(prompt)]
+    return list(prompt)
+
+
+def chat_prompt_ids(messages: Sequence[Mapping[str, object]]) -> list[int]:
+    """Fake token ids of a chat prompt after the notional template: BOS, then per message
+    ``TURN_START role NEWLINE text TURN_END``, then ``TURN_START assistant NEWLINE``; ``len``
+    equals :func:`count_chat_prompt`."""
+    ids = [BOS_ID]
+    for message in messages:
+        ids += [TURN_START_ID, _piece_id(str(message.get("role", ""))), NEWLINE_ID]
+        ids += fake_token_ids(message_text(message.get("content")))
+        ids.append(TURN_END_ID)
+    ids += [TURN_START_ID, _piece_id("assistant"), NEWLINE_ID]
+    return ids
+
+
+def fake_word_id(seed: int, index: int) -> int:
+    """The token id of :func:`fake_word` ``(seed, index)``, as :func:`fake_token_ids` reads it."""
+    return _WORD_IDS[(seed + index * _STRIDE) % len(_WORDS)]
 
 
 def fake_word(seed: int, index: int) -> str:

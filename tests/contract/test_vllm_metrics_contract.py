@@ -184,4 +184,4 @@ def test_cache_config_info_values(emulated: dict[str, Metric]) -> None:
     labels = sample.labels
     assert int(labels["kv_cache_size_tokens"]) == int(labels["num_gpu_blocks"]) * int(labels["block_size"])
     assert labels["block_size"] == "16"
-    assert labels["enable_prefix_caching"] == "False"
+    assert labels["enable_prefix_caching"] == "True"  # vLLM V1's default, as in the real scrape

@@ -57,7 +57,7 @@ def _write_variant(tmp_path: Path, mutate: dict[str, dict[str, object]]) -> str:
             {"engine": {"num_gpu_blocks": 10**7}}, "exceeds the 28019 blocks", id="blocks-beyond-memory"
         ),
         pytest.param(
-            {"engine": {"enable_prefix_caching": True}}, "enable_prefix_caching", id="prefix-caching"
+            {"engine": {"enable_prefix_caching": "sometimes"}}, "enable_prefix_caching", id="prefix-caching"
         ),
         pytest.param(
             {"cost": {"linear_ms_per_layer": {1: 0.1}}}, "at least two points", id="one-point-table"
@@ -118,7 +118,7 @@ def test_cache_config_info() -> None:
         "kv_cache_memory_bytes": 28019 * 16 * 131072,
         "cache_dtype": "auto",
         "gpu_memory_utilization": 0.9,
-        "enable_prefix_caching": False,
+        "enable_prefix_caching": True,
     }
 
 
