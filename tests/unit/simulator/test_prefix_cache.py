@@ -4,11 +4,13 @@ computed, LRU eviction of free blocks, counters in tokens. Hand-built prompts, f
 from __future__ import annotations
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from simulator import tokens
+from simulator import cli, tokens
 from simulator.engine import Engine, FinishedRequestStats
 from simulator.prefix_cache import BlockPool, BlockTable, block_hashes
 from simulator.profile import load_profile
+from simulator.sglang import SglangMetrics
 
 BLOCK = 4
 BASE = load_profile("llama3-8b-h100")
@@ -232,3 +234,33 @@ def test_chat_ids_of_the_next_turn_start_with_the_last_turn_and_its_answer() -> 
 @pytest.mark.parametrize("prompt_value", ["Hello, world!", [5, 6, 7]])
 def test_completion_ids_are_one_per_counted_token(prompt_value: str | list[int]) -> None:
     assert len(tokens.completion_prompt_ids(prompt_value)) == tokens.count_completion_prompt(prompt_value)
+
+
+def test_sglang_cache_hit_rate_is_hit_tokens_over_prompt_tokens() -> None:
+    engine = make_engine()
+    metrics = SglangMetrics(engine=engine, model_name="m", kv_capacity_tokens=4000)
+    clock = Clock()
+    for name in ("a", "b"):
+        engine.add_request(name, 13, 2, 2, clock.now, prompt_token_ids=prompt(1, 13))
+        while engine.has_unfinished_requests:
+            plan = engine.schedule(clock.now)
+            assert plan is not None
+            clock.now += 0.01
+            metrics.record_step(engine.complete(plan, clock.now), plan)
+    rate = next(
+        s.value
+        for f in text_string_to_metric_families(metrics.exposition().decode())
+        for s in f.samples
+        if s.name == "sglang:cache_hit_rate"
+    )
+    assert rate == pytest.approx(3 * BLOCK / 26)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [([], None), (["--enable-prefix-caching"], True), (["--no-enable-prefix-caching"], False)],
+)
+def test_cli_prefix_caching_flag_overrides_the_profile(argv: list[str], expected: bool | None) -> None:
+    args = cli._parser().parse_args(["--profile", "llama3-8b-h100", *argv])
+    assert args.enable_prefix_caching is expected
+    assert args.enable_prompt_tokens_details is False
