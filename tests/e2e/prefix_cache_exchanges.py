@@ -23,8 +23,9 @@ RECORDING_PATH = Path(__file__).resolve().parent / "data" / "vllm-0.32.0-prefix-
 
 #: 300 token ids, inside any Llama vocabulary: 2 full blocks of 128 (vLLM's CPU block size) + 44.
 SHARED_IDS: list[int] = [1000 + i for i in range(300)]
-#: Long enough for several blocks of a real tokenizer's tokens, and of the emulator's.
-SYSTEM_TEXT = " ".join(f"rule {i}: answer briefly and cite the source of every fact." for i in range(40))
+#: About 700 characters: more than one block of 128 tokens for the emulator (156 tokens) and for
+#: the tiny model's byte-level BPE, and within its 1024-token context even at a token per byte.
+SYSTEM_TEXT = " ".join(f"rule {i}: answer briefly and cite the source of every fact." for i in range(12))
 
 
 @dataclass(frozen=True)
