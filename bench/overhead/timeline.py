@@ -137,7 +137,7 @@ def _install() -> None:
     _wrap_async(aiohttp.BaseConnector, "connect", "connector.connect")
     _wrap_async(aiohttp.ClientRequest, "send", "ClientRequest.send")
     _wrap_sync(proxy, "forwarded", "forwarded (headers)")
-    _wrap_sync(proxy, "upstream_body", "upstream_body")
+    _wrap_async(proxy, "encode_upstream_body", "encode_upstream_body")
     _wrap_async(proxy.Proxy, "handle", "Proxy.handle")
     _wrap_async(proxy.Proxy, "_forward", "Proxy._forward")
     _wrap_async(proxy.Proxy, "_exchange", "Proxy._exchange (task)")
