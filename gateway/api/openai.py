@@ -32,6 +32,7 @@ from gateway.api.tgi import (
 )
 from gateway.http.echo import clip
 from gateway.http.errors import BodyTooLarge, ClientClosedRequest, InvalidRequest, ModelNotFound
+from gateway.http.request_body import read_body
 
 Endpoint = Literal["chat", "completions", "generate", "generate_stream"]
 
@@ -241,7 +242,7 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
     if announced is not None and announced > limit:
         raise BodyTooLarge(f"request body is {announced} bytes; the limit is {limit}")
     try:
-        body = await request.read()
+        body = await read_body(request)
     except ConnectionResetError:
         raise ClientClosedRequest("the client closed the connection while sending the body") from None
     if len(body) > limit:

@@ -5,10 +5,10 @@ completed them 75 s after it opened; header lines are capped at 8,190 bytes) and
 (``client_max_size``), but not the time a body takes: once the headers are in, the keep-alive
 timer is off while the handler runs and ``request.read()`` waits for as long as the client
 dribbles. ``body_read_timeout_middleware`` reads the body under ``asyncio.timeout`` before the
-tenancy middleware and the handlers (``request.read()`` caches it, so their own reads in
-``gateway.api.openai.read_request`` return at once). Past the timeout the client gets a 408
-(``RequestBodyTimeout``, ``request_timeout``) with ``Connection: close``: no tenant budget was
-touched, no admission decision made, no replica contacted.
+tenancy middleware and the handlers (``read_body`` caches it where ``request.read()`` looks,
+so their own reads in ``gateway.api.openai.read_request`` return at once). Past the timeout
+the client gets a 408 (``RequestBodyTimeout``, ``request_timeout``) with ``Connection:
+close``: no tenant budget was touched, no admission decision made, no replica contacted.
 
 Cost: a body that arrived with its headers (the usual case: aiohttp's parser fed it whole before
 the handler started) is not waited for and pays one ``is_eof()`` check; only a body still in
@@ -70,12 +70,47 @@ async def read_body_in_time(request: web.Request, store: SettingsStore) -> web.S
         timeout_s = server.client_read_timeout_s
         try:
             async with asyncio.timeout(timeout_s):
-                await request.read()
+                await read_body(request)
         except TimeoutError:
             return _timed_out(request, timeout_s)
         except ConnectionResetError:
             raise ClientClosedRequest("the client closed the connection while sending the body") from None
     return None
+
+
+async def read_body(request: web.Request) -> bytes:
+    """``request.read()``'s bytes, copied once: the chunks as they arrived, joined at the end.
+
+    aiohttp's own ``read`` grows a ``bytearray`` chunk by chunk (a growth may copy all of it)
+    and copies the result once more: for a body of megabytes, several copies made on the event
+    loop and a fragmented heap, which a flood of maximum-size bodies pays in ``/healthz``'s
+    latency and in peak memory (docs/operations.md, "Floods and slow clients"). The bytes are
+    cached where ``request.read()`` looks (``_read_bytes``: aiohttp has no public setter), so it
+    and every later reader return them. Past ``client_max_size`` raises aiohttp's 413, as its
+    ``read`` does; a client gone mid-body raises ``ConnectionResetError``.
+    """
+    cached = request._read_bytes
+    if cached is not None:
+        return cached
+    limit = request.client_max_size
+    content = request.content
+    if limit:
+        content.set_read_chunk_size(limit)  # as aiohttp's read: no pause before the limit
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk, end_of_http_chunk = await content.readchunk()
+        if not chunk:
+            if end_of_http_chunk and not content.at_eof():  # a chunk's end, not the body's
+                continue
+            break
+        size += len(chunk)
+        if limit and size > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+        chunks.append(chunk)
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    request._read_bytes = body
+    return body
 
 
 def _timed_out(request: web.Request, timeout_s: float) -> web.StreamResponse:
