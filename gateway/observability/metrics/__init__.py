@@ -10,7 +10,7 @@ SLO, queue), ``prediction`` (per replica, and the step-model fits), ``replicas``
 ``endpoints.install(app)`` serves ``/metrics`` and ``/metrics/replicas``. Names start with
 ``sluice_``; counters end in ``_total``, durations in ``_seconds``, fractions in ``_ratio``.
 Until a producer is wired its metrics have no samples, never a made-up zero.
-What each metric means: docs/dashboards.md.
+Every metric with its labels: docs/metrics.md (``reference``); how the panels use them: docs/dashboards.md.
 """
 
 from __future__ import annotations
