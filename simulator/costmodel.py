@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from simulator.profile import Profile
+from simulator.profile import Profile, StepModelParams
 
 #: Two all-reduces per transformer layer under tensor parallelism (after attention and after MLP),
 #: as Megatron-style sharding (and vLLM's RowParallelLinear) does.
@@ -161,9 +161,48 @@ class CostModel:
         return self.profile.gpu.peak_bf16_flops * self.profile.cost.attention_flops_efficiency
 
 
+class StepModelCost:
+    """Step-time model of a profile that carries a fitted step model (``Profile.step_model``).
+
+    Prices a step with the step model's linear formula on the step's composition: tokens through
+    the weights (prefill chunks plus one per decode), decoding sequences, KV tokens the decodes
+    read, and prefill attention pairs (``chunk x (chunk / 2 + context)`` per chunk). Same
+    interface as :class:`CostModel`; immutable, pure.
+    """
+
+    def __init__(self, profile: Profile, params: StepModelParams) -> None:
+        self.profile = profile
+        self.params = params
+
+    def step_time_s(self, shape: StepShape) -> float:
+        """Seconds of one engine step of this composition, without jitter (0 for an empty step)."""
+        if shape.num_seqs == 0:
+            return 0.0
+        p = self.params
+        tokens = shape.num_tokens
+        pairs = sum(chunk * (chunk / 2 + context) for chunk, context in shape.prefill_chunks)
+        return (
+            p.base_s
+            + p.per_token_s * min(tokens, p.knee_tokens)
+            + p.per_compute_token_s * max(0.0, tokens - p.knee_tokens)
+            + p.per_decode_seq_s * shape.num_decode_seqs
+            + p.per_kv_token_s * sum(shape.decode_contexts)
+            + p.per_attn_pair_s * pairs
+        )
+
+
+def cost_model_for(profile: Profile) -> CostModel | StepModelCost:
+    """The step-time model an engine of ``profile`` runs: its fitted step model when it carries
+    one, else the per-layer table and roofline terms."""
+    if profile.step_model is not None:
+        return StepModelCost(profile, profile.step_model)
+    return CostModel(profile)
+
+
 def step_time_s(profile: Profile, shape: StepShape) -> float:
-    """Convenience: :meth:`CostModel.step_time_s` for a one-off call (builds the model each time)."""
-    return CostModel(profile).step_time_s(shape)
+    """Convenience: ``cost_model_for(profile).step_time_s`` for a one-off call (builds the model
+    each time)."""
+    return cost_model_for(profile).step_time_s(shape)
 
 
 def jitter_factor(rng: np.random.Generator, relative_sd: float) -> float:

@@ -26,7 +26,7 @@ from typing import Literal
 import numpy as np
 
 from simulator.apiserver import ApiServerQueue
-from simulator.costmodel import CostModel, StepShape, jitter_factor
+from simulator.costmodel import StepShape, cost_model_for, jitter_factor
 from simulator.prefix_cache import ROOT_HASH, BlockHash, BlockPool, BlockTable, block_hashes
 from simulator.profile import Profile
 
@@ -194,7 +194,7 @@ class Engine:
             raise ValueError(f"jitter must be >= 0 (relative standard deviation), got {jitter}")
         self.profile = profile
         self.jitter = jitter
-        self.cost_model = CostModel(profile)
+        self.cost_model = cost_model_for(profile)
         # Separate streams, so how many output lengths the server draws never shifts the jitter.
         jitter_seed, sample_seed = np.random.SeedSequence(seed).spawn(2)
         self._jitter_rng = np.random.default_rng(jitter_seed)

@@ -113,6 +113,23 @@ class CostParams(_Frozen):
         return self
 
 
+class StepModelParams(_Frozen):
+    """A step-time model fitted elsewhere (a running gateway's predictor), priced in place of the
+    per-layer table: ``base + per_token x min(N, knee) + per_compute_token x max(0, N - knee) +
+    per_decode_seq x decodes + per_kv_token x KV tokens read + per_attn_pair x prefill pairs``,
+    ``N`` the step's tokens (the formula of ``predictor.StepModel``, docs/predictor.md). Seconds
+    per unit; ``source`` says where the coefficients came from, for reports."""
+
+    base_s: Annotated[float, Field(ge=0)]
+    per_token_s: Annotated[float, Field(ge=0)]
+    per_decode_seq_s: Annotated[float, Field(ge=0)]
+    per_compute_token_s: Annotated[float, Field(ge=0)]
+    per_kv_token_s: Annotated[float, Field(ge=0)]
+    per_attn_pair_s: Annotated[float, Field(ge=0)] = 0.0
+    knee_tokens: Annotated[float, Field(ge=0)]
+    source: str = ""
+
+
 class OutputLengths(_Frozen):
     """Output lengths drawn when the client lets the model stop on its own (no ignore_eos)."""
 
@@ -133,6 +150,11 @@ class Profile(_Frozen):
     engine: EngineLimits
     cost: CostParams
     output_lengths: OutputLengths
+    step_model: StepModelParams | None = Field(
+        default=None,
+        description="A fitted step model that prices every step instead of ``cost`` (whose table "
+        "and efficiencies are then unused); none by default.",
+    )
     api_server: ApiServerCosts = Field(
         default_factory=ApiServerCosts,
         description="The API server's tokenisation and streaming work and whose CPU it shares "

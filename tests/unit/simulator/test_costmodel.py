@@ -192,3 +192,31 @@ def test_jitter_has_mean_one_and_the_requested_spread() -> None:
     assert draws.mean() == pytest.approx(1.0, abs=0.005)
     assert draws.std() == pytest.approx(0.1, rel=0.05)
     assert draws.min() > 0
+
+
+# ----------------------------------------------------------------- a fitted step model
+
+
+def test_a_profile_with_a_step_model_prices_steps_with_it() -> None:
+    """``step_model`` replaces the table: hand-worked, a 200-token chunk and 10 decodes at 1000
+    tokens of context is 210 tokens: 1 ms + 100 x 10 us + 110 x 20 us + 10 x 1 us
+    + 10,000 x 0.01 us + (200 x 100 pairs) x 1 ns = 4.33 ms."""
+    base = load_profile("llama3-8b-h100")
+    fitted = base.model_validate(
+        {
+            **base.model_dump(),
+            "step_model": {
+                "base_s": 1e-3,
+                "per_token_s": 1e-5,
+                "per_decode_seq_s": 1e-6,
+                "per_compute_token_s": 2e-5,
+                "per_kv_token_s": 1e-8,
+                "per_attn_pair_s": 1e-9,
+                "knee_tokens": 100,
+            },
+        }
+    )
+    shape = StepShape(prefill_chunks=((200, 0),), decode_contexts=(1000,) * 10)
+    assert step_time_s(fitted, shape) == pytest.approx(4.33e-3)
+    assert step_time_s(fitted, StepShape()) == 0.0
+    assert step_time_s(base, shape) != pytest.approx(4.33e-3)
