@@ -370,6 +370,9 @@ async def test_admin_view_lists_replicas_snapshots_and_fits(
     assert by_name["good"]["metrics"]["age_s"] >= 0
     assert by_name["bad"]["metrics"]["stale"] is True
     assert "404" in by_name["bad"]["metrics"]["stale_reason"]
+    # The KV cache as scraped (``sluice plan --from-gateway`` reads it).
+    assert by_name["good"]["metrics"]["kv_capacity_tokens"] > 0
+    assert by_name["good"]["metrics"]["block_size"] > 0
     fits = body["prediction"]["replicas"]
     assert set(fits) == {"good", "bad"}
     assert fits["good"]["fit"]["params"]
