@@ -14,15 +14,18 @@ import math
 from dataclasses import dataclass
 
 from planner import closed_forms as cf
+from planner.replicas import ClassResult
 from planner.workload import Workload
 from simulator.costmodel import StepShape, step_time_s
 from simulator.profile import Profile
 
 __all__ = [
+    "ClassCost",
     "CostCheck",
     "KvCheck",
     "SpeculativeCheck",
     "SwapCheck",
+    "class_cost",
     "cost_check",
     "kv_check",
     "recompute_s",
@@ -132,6 +135,45 @@ class CostCheck:
     per_million_output_tokens: float
     tokens_per_day: float
     gpu_hours_per_day: float
+    classes: tuple[ClassCost, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ClassCost:
+    """One class's share of the cost in a replay that ran ``run_s`` seconds: the engine time its
+    requests took (``busy_s``, every replica, each step split by the tokens each request had in
+    it), as ``gpu_hours`` (``busy_s x gpus_per_replica / 3600``) and as GPU-hours a day at the
+    replayed rate (``gpu_hours x 86400 / run_s``), and the price of a million of its tokens
+    (finished requests, prompt + output; and output only) at ``price_per_gpu_hour``. Idle
+    engine time belongs to no class."""
+
+    name: str
+    busy_s: float
+    gpu_hours: float
+    gpu_hours_per_day: float
+    tokens: int
+    output_tokens: int
+    per_million_tokens: float
+    per_million_output_tokens: float
+
+
+def class_cost(
+    result: ClassResult, gpus_per_replica: int, price_per_gpu_hour: float, run_s: float
+) -> ClassCost:
+    """``result``'s class's GPU-hours and price per million tokens (``inf`` with no token)."""
+    gpu_hours = result.busy_s * gpus_per_replica / cf.SECONDS_PER_HOUR
+    dollars = gpu_hours * price_per_gpu_hour
+    per_day = gpu_hours * 86400.0 / run_s if run_s > 0 else math.nan
+    return ClassCost(
+        result.name,
+        result.busy_s,
+        gpu_hours,
+        per_day,
+        result.tokens,
+        result.output_tokens,
+        dollars / result.tokens * 1e6 if result.tokens else math.inf,
+        dollars / result.output_tokens * 1e6 if result.output_tokens else math.inf,
+    )
 
 
 def cost_check(
@@ -141,8 +183,11 @@ def cost_check(
     good_output_tps: float,
     price_per_gpu_hour: float,
     tokens_per_day: float | None = None,
+    classes: tuple[ClassResult, ...] = (),
+    run_s: float = 0.0,
 ) -> CostCheck:
-    """Cost per hour and per million (good) tokens; GPU-hours a day for ``tokens_per_day``."""
+    """Cost per hour and per million (good) tokens; GPU-hours a day for ``tokens_per_day``; and
+    each of ``classes`` (a replay's, that ran ``run_s`` seconds) on its own (``class_cost``)."""
     g = profile.tensor_parallel
     per_replica = good_tps / max(1, replicas)
     per_replica_out = good_output_tps / max(1, replicas)
@@ -158,6 +203,7 @@ def cost_check(
         cf.cost_per_million_tokens(price_per_gpu_hour, g, per_replica_out),
         volume,
         cf.gpu_hours(volume, per_replica, g),
+        tuple(class_cost(c, g, price_per_gpu_hour, run_s) for c in classes),
     )
 
 

@@ -172,6 +172,8 @@ def make_plan(
             at.goodput_output_tps,
             options.price_per_gpu_hour,
             options.tokens_per_day,
+            at.classes,
+            at.run_s,
         )
     speculative = None
     if options.acceptance is not None:

@@ -56,7 +56,10 @@ class ClassTarget:
 @dataclass(frozen=True, slots=True)
 class ClassResult:
     """One class in one replay: requests offered, met (both targets), refused, and latencies of
-    the requests that finished (seconds; ``nan`` when none did)."""
+    the requests that finished (seconds; ``nan`` when none did). ``busy_s``: engine seconds the
+    replay attributed to the class's requests (each step's time split by the tokens each request
+    had in it; all replicas); ``tokens`` / ``output_tokens``: prompt + output and output tokens of
+    its finished requests."""
 
     name: str
     offered: int
@@ -67,6 +70,9 @@ class ClassResult:
     ttft_p99_s: float
     tpot_p50_s: float
     tpot_p99_s: float
+    busy_s: float = 0.0
+    tokens: int = 0
+    output_tokens: int = 0
 
     @property
     def attainment(self) -> float:
@@ -83,7 +89,10 @@ class ReplayScore:
     """A replay at ``replicas``: per class results, goodput (requests and output tokens per second
     that met their class's targets, over the scored span), the engines' busy share (0-1: time
     with a step running over replicas x the replay's length; continuous batching keeps it near 1
-    under any steady load, so it is no utilisation), and the preemptions the engines made."""
+    under any steady load, so it is no utilisation), and the preemptions the engines made.
+    ``run_s``: seconds from the first scored arrival to the replay's end, the span the classes'
+    engine time accrued over (the scored span plus the drain after the last arrival; the scored
+    span when not given)."""
 
     replicas: int
     classes: tuple[ClassResult, ...]
@@ -93,6 +102,7 @@ class ReplayScore:
     goodput_tps: float
     busy_share: float
     preemptions: int
+    run_s: float = 0.0
 
     @property
     def meets(self) -> bool:
@@ -161,6 +171,7 @@ def score_outcomes(
     replicas: int,
     scored_s: float,
     busy_share: float,
+    run_s: float = 0.0,
 ) -> ReplayScore:
     """Score ``outcomes`` (the scored ones) per class; see ``ReplayScore``."""
     by_name = {c.name: c for c in classes}
@@ -170,6 +181,7 @@ def score_outcomes(
         mine = [o for o in outcomes if class_of(o.index) == c.name]
         met = [o for o in mine if o.met(c.targets)]
         done = [o for o in mine if o.finished_s is not None and o.ttft_s is not None]
+        finished = [o for o in mine if o.finished_s is not None and not o.rejected]
         ttfts = [o.ttft_s for o in done if o.ttft_s is not None]
         tpots = [o.tpot_s for o in done if o.tpot_s is not None]
         results.append(
@@ -183,6 +195,9 @@ def score_outcomes(
                 _quantile(ttfts, 0.99),
                 _quantile(tpots, 0.5),
                 _quantile(tpots, 0.99),
+                sum(o.busy_s for o in mine),
+                sum(o.prompt_tokens + o.output_tokens for o in finished),
+                sum(o.output_tokens for o in finished),
             )
         )
         good += len(met)
@@ -198,6 +213,7 @@ def score_outcomes(
         good_all / span,
         busy_share,
         sum(o.preemptions for o in outcomes),
+        max(run_s, scored_s),
     )
 
 
@@ -232,7 +248,8 @@ def replay_at(
     result = run_gateway_replay(workload.requests, config, policy, targets=loosest, scored=span)
     scored = [o for o in result.outcomes if o.arrival_s >= warmup_s]
     busy = result.busy_s / (replicas * result.end_s) if result.end_s > 0 else 0.0
-    return score_outcomes(scored, classes, class_of, replicas, workload.duration_s - warmup_s, busy)
+    scored_s = workload.duration_s - warmup_s
+    return score_outcomes(scored, classes, class_of, replicas, scored_s, busy, result.end_s - warmup_s)
 
 
 @dataclass(frozen=True, slots=True)

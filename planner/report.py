@@ -114,6 +114,17 @@ def render_text(plan: Plan) -> str:
             f"${c.per_million_output_tokens:.3f} per million output tokens",
             f"  {c.tokens_per_day:,.0f} tokens a day take {c.gpu_hours_per_day:.1f} GPU-hours",
         ]
+        for k in c.classes:
+            out.append(
+                f"  class {k.name}: {k.gpu_hours:.3g} GPU-hours of engine time in the replay "
+                f"({k.gpu_hours_per_day:.1f} a day at this rate); ${k.per_million_tokens:.3f} per million "
+                f"of its tokens (prompt + output, {k.tokens:,} finished), "
+                f"${k.per_million_output_tokens:.3f} per million output tokens"
+            )
+        if c.classes:
+            out.append(
+                "  (a class's engine time is its requests' share of each step; idle time is in no class)"
+            )
     if plan.speculative is not None:
         sp = plan.speculative
         out += ["", f"Speculative decoding what-if (k={sp.draft_tokens}, acceptance {sp.acceptance:g})"]
