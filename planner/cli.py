@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,7 +56,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile",
         default=DEFAULT_PROFILE,
         help=f"a built-in profile ({', '.join(list_profiles())}) or a profile .yaml "
-        f"(default {DEFAULT_PROFILE})",
+        f"(default {DEFAULT_PROFILE}); with --from-gateway, what the gateway does not tell",
+    )
+    r.add_argument(
+        "--from-gateway",
+        metavar="URL",
+        help="plan with the step model a running gateway fitted, read from its admin API "
+        "(GET URL/sluice/v1/replicas; the admin listener's URL when it has one)",
+    )
+    r.add_argument(
+        "--admin-token-env",
+        metavar="NAME",
+        help="with --from-gateway: the environment variable holding the admin token",
+    )
+    r.add_argument("--replica", metavar="NAME", help="with --from-gateway: whose fit (default: the only one)")
+    r.add_argument(
+        "--kv-capacity-tokens",
+        type=int,
+        metavar="N",
+        help="with --from-gateway: KV cache tokens per replica (default: the replica's last scrape)",
+    )
+    r.add_argument(
+        "--block-size", type=int, metavar="N", help="with --from-gateway: KV block size (default: scraped)"
+    )
+    r.add_argument(
+        "--max-model-len",
+        type=int,
+        metavar="N",
+        help="with --from-gateway: prompt + output cap (default: the replica's facts)",
     )
     r.add_argument(
         "--config", type=Path, metavar="FILE", help="a Sluice YAML: its admission section (classes)"
@@ -167,6 +195,49 @@ def _workload(args: argparse.Namespace, profile: Profile) -> Workload:
     return load_workload(requests, source, limit, duration_s=duration)
 
 
+def _profile(args: argparse.Namespace) -> tuple[Profile, tuple[str, ...]]:
+    """The replica profile, and lines saying where its step times come from (empty for a
+    built-in or file profile)."""
+    template = load_profile(args.profile)
+    gateway_only = {
+        "--admin-token-env": args.admin_token_env,
+        "--replica": args.replica,
+        "--kv-capacity-tokens": args.kv_capacity_tokens,
+        "--block-size": args.block_size,
+        "--max-model-len": args.max_model_len,
+    }
+    if args.from_gateway is None:
+        given = [flag for flag, value in gateway_only.items() if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: only with --from-gateway URL")
+        return template, ()
+    for flag in ("--kv-capacity-tokens", "--block-size", "--max-model-len"):
+        value = gateway_only[flag]
+        if value is not None and not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"{flag} must be >= 1")
+    from planner.gateway_profile import fetch_replicas, profile_from_gateway
+
+    token = None
+    if args.admin_token_env is not None:
+        token = os.environ.get(args.admin_token_env)
+        if not token:
+            raise ValueError(
+                f"--admin-token-env {args.admin_token_env}: that environment variable is not set"
+            )
+    body = fetch_replicas(args.from_gateway, token)
+    built = profile_from_gateway(
+        body,
+        args.from_gateway,
+        template,
+        replica=args.replica,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+    )
+    notes = (built.source, *(f"assumed: {line}" for line in built.assumed))
+    return built.profile, notes
+
+
 def _progress(line: str) -> None:
     print(f"sluice plan: {line}", file=sys.stderr, flush=True)
 
@@ -200,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gateway.config.load import ConfigError
 
     try:
-        profile = load_profile(args.profile)
+        profile, profile_notes = _profile(args)
         settings = _settings(args.config)
         if args.policy is not None:
             settings = settings.model_copy(update={"policy": args.policy})
@@ -252,7 +323,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sweep_budgets=budgets,
         sweep_seconds=args.sweep_seconds,
     )
-    plan = make_plan(workload, profile, settings, classes, options, progress=_progress)
+    plan = make_plan(
+        workload, profile, settings, classes, options, progress=_progress, profile_notes=profile_notes
+    )
     sys.stdout.write(render_text(plan))
     if args.plot_dir is not None:
         _plot(plan, args.plot_dir)

@@ -75,6 +75,9 @@ class Plan:
     speculative: checks.SpeculativeCheck | None
     curve: tuple[CurvePoint, ...] = ()
     sweep: Sweep | None = None
+    #: Where the profile's step times come from and what was assumed (a gateway's fit); empty
+    #: for a built-in or file profile.
+    profile_notes: tuple[str, ...] = ()
 
 
 def with_targets(
@@ -129,9 +132,11 @@ def make_plan(
     classes: Sequence[ClassTarget],
     options: PlanOptions,
     progress: Callable[[str], None] | None = None,
+    profile_notes: Sequence[str] = (),
 ) -> Plan:
     """Search the replicas ``workload`` needs on ``profile`` under ``settings`` and run the checks.
-    ``progress``: told one line per replay (for a long plan's terminal), or ``None``."""
+    ``progress``: told one line per replay (for a long plan's terminal), or ``None``.
+    ``profile_notes``: lines the report prints under the profile (where its step times come from)."""
     say = progress or (lambda _: None)
     say(f"measuring one replica's saturated throughput ({len(workload.requests)} requests)")
     capacity = measure_capacity(
@@ -232,4 +237,5 @@ def make_plan(
         speculative,
         curve,
         sweep,
+        tuple(profile_notes),
     )

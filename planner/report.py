@@ -50,6 +50,7 @@ def render_text(plan: Plan) -> str:
     w = plan.workload
     out = [
         f"sluice plan: profile {plan.profile}, admission policy {plan.policy}",
+        *(f"  {line}" for line in plan.profile_notes),
         f"workload: {w.source}: {len(w.requests)} requests over {w.duration_s:.1f} s "
         f"({w.rate_per_s:.2f} req/s), mean prompt {w.mean_prompt_tokens:.0f} / output "
         f"{w.mean_output_tokens:.0f} tokens"
@@ -214,6 +215,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
     s = plan.search
     data: dict[str, Any] = {
         "profile": plan.profile,
+        "profile_notes": list(plan.profile_notes),
         "policy": plan.policy,
         "gpus_per_replica": plan.gpus_per_replica,
         "workload": {
