@@ -7,11 +7,11 @@ budget, the default for every class but ``interactive``). A burst of long prompt
 replica; then light traffic (short prompts, a few output tokens, two a second, and one-token
 ``"hi"`` requests) that an idle replica serves far inside the targets.
 
-Before the fix the burst's prefill share (0.8-0.9, measured from the windows' inter-token
-latencies) stayed in the forecast's load after the replica went idle: idle windows have no
-inter-token latency to correct it, and only admitted traffic could. Every light request was then
-refused on its predicted TPOT (the share stretches an idle decode step past the target), each with
-a Retry-After near a minute, for as long as the replay ran.
+The failure this guards against: the burst's prefill share, measured from the windows'
+inter-token latencies, staying in the forecast's load after the replica went idle (idle windows
+have no inter-token latency to correct it, and only admitted traffic could), so that every light
+request is refused on its predicted TPOT, each with a long Retry-After, for as long as the replay
+runs.
 """
 
 from __future__ import annotations
