@@ -224,10 +224,9 @@ def _ready(port: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize(
-    "sig", [pytest.param(signal.SIGTERM, id="sigterm"), pytest.param(signal.SIGINT, id="ctrl-c")]
-)
-def test_stopping_run_gateway_stops_the_emulators_it_started(sig: signal.Signals) -> None:
+def _run_gateway_with_an_emulator() -> tuple[subprocess.Popen[str], int]:
+    """``RUN_GATEWAY`` started and ready (60 s at most), its emulator listening; the process and
+    the emulator's port."""
     gateway_port, emulator_port = free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-c", RUN_GATEWAY, str(gateway_port), str(emulator_port)],
@@ -243,7 +242,19 @@ def test_stopping_run_gateway_stops_the_emulators_it_started(sig: signal.Signals
             assert time.monotonic() < deadline, "gateway not ready in 60 s"
             time.sleep(0.2)
         assert port_is_open(emulator_port)
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    return proc, emulator_port
 
+
+@pytest.mark.parametrize(
+    "sig", [pytest.param(signal.SIGTERM, id="sigterm"), pytest.param(signal.SIGINT, id="ctrl-c")]
+)
+def test_stopping_run_gateway_stops_the_emulators_it_started(sig: signal.Signals) -> None:
+    proc, emulator_port = _run_gateway_with_an_emulator()
+    try:
         proc.send_signal(sig)
         output, _ = proc.communicate(timeout=30)
     finally:
@@ -259,24 +270,9 @@ def test_stopping_run_gateway_stops_the_emulators_it_started(sig: signal.Signals
 def test_a_killed_gateway_leaves_no_emulator_running() -> None:
     """SIGKILL gives the gateway no chance to stop its emulators: each stops by itself once its
     parent is gone (``--parent-pid``), so the next start finds its ports free."""
-    gateway_port, emulator_port = free_port(), free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", RUN_GATEWAY, str(gateway_port), str(emulator_port)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not _ready(gateway_port):
-            assert proc.poll() is None, proc.communicate()[0]
-            assert time.monotonic() < deadline, "gateway not ready in 60 s"
-            time.sleep(0.2)
-        assert port_is_open(emulator_port)
-    finally:
-        proc.kill()
-        output, _ = proc.communicate()
+    proc, emulator_port = _run_gateway_with_an_emulator()
+    proc.kill()
+    output, _ = proc.communicate()
 
     # Generous: the emulator polls its parent every half second, then drains and exits.
     deadline = time.monotonic() + 30

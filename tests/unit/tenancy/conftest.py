@@ -25,6 +25,7 @@ from gateway.limits.memory import MemoryLimiter
 from gateway.observability.outcome import RequestOutcome
 from gateway.tenants import AuthSettings, TenantSettings, TenantsSettings, hash_api_key
 from gateway.tenants.live import TENANCY, Tenancy
+from predictor import StepModel, StepParams
 from tests.unit.gateway.fakes import MODEL, FakeReplica, gateway_settings, make_app, url_of
 from tests.unit.limits.fakes import FakeClock
 
@@ -37,6 +38,22 @@ MAX_TOKENS = 10
 RESERVED = PROMPT_TOKENS + 2 * MAX_TOKENS
 COMPLETION: dict[str, Any] = {"model": MODEL, "prompt": [7] * PROMPT_TOKENS, "max_tokens": MAX_TOKENS}
 GENEROUS = TenantLimitSettings(tokens_per_minute=600.0, token_burst=1000.0)
+
+
+def fitted_step_model(per_decode_seq_s: float) -> StepModel:
+    """A fitted-looking step model for pricing tests: 10 ms a step, 20 us per prompt token,
+    ``per_decode_seq_s`` per decoding sequence (its output token's GPU time over a prompt token's
+    grows with it)."""
+    return StepModel(
+        StepParams(
+            base_s=0.010,
+            per_token_s=0.0,
+            per_decode_seq_s=per_decode_seq_s,
+            per_compute_token_s=20e-6,
+            per_kv_token_s=0.0,
+            knee_tokens=200.0,
+        )
+    )
 
 
 def bearer(key: str) -> dict[str, str]:

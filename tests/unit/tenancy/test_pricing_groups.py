@@ -26,10 +26,10 @@ from gateway.prediction.service import PredictionService
 from gateway.replicas.config import HardwareSettings, ReplicaSettings
 from gateway.tenants.live import Tenancy
 from gateway.tenants.pricing import DEFAULT_WEIGHTS, reference_prices
-from predictor import StepModel, StepParams
+from predictor import StepModel
 from tests.unit.gateway.fakes import MODEL
 from tests.unit.limits.fakes import FakeClock
-from tests.unit.tenancy.conftest import Scripted, StartTenantGateway, tenancy_settings
+from tests.unit.tenancy.conftest import Scripted, StartTenantGateway, fitted_step_model, tenancy_settings
 
 SETTINGS = GpuTimeWeightSettings(mode="gpu_time")
 H100 = ReplicaSettings(
@@ -41,21 +41,6 @@ A100 = ReplicaSettings(
 SPARE = ReplicaSettings(name="spare", url="http://127.0.0.1:3")
 #: Model A on the H100 replica, model B on the A100 one, model C on one without a step model.
 GROUPS: dict[str, Sequence[ReplicaSettings]] = {"model-a": [H100], "model-b": [A100], "model-c": [SPARE]}
-
-
-def _step_model(per_decode_seq_s: float) -> StepModel:
-    """A fitted-looking model: 10 ms a step, 20 us per prompt token, ``per_decode_seq_s`` per
-    decoding sequence."""
-    return StepModel(
-        StepParams(
-            base_s=0.010,
-            per_token_s=0.0,
-            per_decode_seq_s=per_decode_seq_s,
-            per_compute_token_s=20e-6,
-            per_kv_token_s=0.0,
-            knee_tokens=200.0,
-        )
-    )
 
 
 class PerReplicaPredictions(PredictionService):
@@ -87,7 +72,7 @@ def _ratio(replica: ReplicaSettings, model: StepModel) -> float:
 def test_two_models_on_two_replica_groups_get_their_own_output_weights() -> None:
     """Each model is priced from its own group's step model at the reference point, not from a
     blend of the fleet's: here the two groups' output weights differ by about 3x."""
-    cheap, dear = _step_model(50e-6), _step_model(500e-6)
+    cheap, dear = fitted_step_model(50e-6), fitted_step_model(500e-6)
     tenancy = _tenancy(PerReplicaPredictions({"h100": cheap, "a100": dear}), FakeClock())
 
     a, b = tenancy.weights("model-a"), tenancy.weights("model-b")
@@ -102,7 +87,7 @@ def test_two_models_on_two_replica_groups_get_their_own_output_weights() -> None
 
 
 def test_a_replica_serving_two_models_prices_both_groups() -> None:
-    model = _step_model(200e-6)
+    model = fitted_step_model(200e-6)
     groups = {"model-a": [H100], "model-b": [H100, A100]}
     tenancy = _tenancy(PerReplicaPredictions({"h100": model}), FakeClock(), groups)
 
@@ -111,7 +96,7 @@ def test_a_replica_serving_two_models_prices_both_groups() -> None:
 
 
 def test_a_model_with_no_valid_step_model_gets_the_default_weights() -> None:
-    tenancy = _tenancy(PerReplicaPredictions({"h100": _step_model(50e-6)}), FakeClock())
+    tenancy = _tenancy(PerReplicaPredictions({"h100": fitted_step_model(50e-6)}), FakeClock())
 
     assert tenancy.weights("model-c") == DEFAULT_WEIGHTS  # its replica has no step model
     assert tenancy.weights("no-such-model") == DEFAULT_WEIGHTS  # no replica serves it
@@ -122,7 +107,7 @@ def test_each_group_moves_at_most_the_stated_pace_and_alone() -> None:
     """Model A's step model jumps 100x up and down every 7 s for 10 minutes; model B's stays.
     Model A's output weight never moves more than a factor 1.1 within any 60 s (give or take
     the 0.01 rounding); model B's never moves at all."""
-    cheap, dear = _step_model(50e-6), _step_model(5e-3)
+    cheap, dear = fitted_step_model(50e-6), fitted_step_model(5e-3)
     predictions = PerReplicaPredictions({"h100": cheap, "a100": cheap})
     clock = FakeClock()
     tenancy = _tenancy(predictions, clock)
@@ -184,7 +169,7 @@ def test_a_reservation_is_settled_with_the_weights_of_its_model_it_was_priced_wi
     """Priced (``cost``) at model A's weights, then the weights move (a refresh 61 s later)
     before the engine takes the reservation: the hold keeps the weights its cost was priced
     with, and the settle charges at those, not at the ones in force, nor at model B's."""
-    cheap, dear = _step_model(50e-6), _step_model(5e-3)
+    cheap, dear = fitted_step_model(50e-6), fitted_step_model(5e-3)
     predictions = PerReplicaPredictions({"h100": cheap, "a100": dear})
     clock = FakeClock()
     budget = TenancyBudget(_tenancy(predictions, clock))

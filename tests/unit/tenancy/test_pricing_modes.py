@@ -33,29 +33,14 @@ from gateway.tenants.pricing import (
     configured_weights,
     reference_prices,
 )
-from predictor import StepModel, StepParams
+from predictor import StepModel
 from tests.unit.limits.fakes import FakeClock
-from tests.unit.tenancy.conftest import Scripted, StartTenantGateway, tenancy_settings
+from tests.unit.tenancy.conftest import Scripted, StartTenantGateway, fitted_step_model, tenancy_settings
 
 H100 = ReplicaFacts(gpu="H100-SXM", model="Llama-3-8B", max_num_seqs=256, max_num_batched_tokens=8192)
 REPLICA = ReplicaSettings(
     name="r1", url="http://127.0.0.1:1", hardware=HardwareSettings(gpu="H100-SXM", model="Llama-3-8B")
 )
-
-
-def _step_model(per_decode_seq_s: float) -> StepModel:
-    """A fitted-looking model: 10 ms a step, 20 us per prompt token, ``per_decode_seq_s`` per
-    decoding sequence."""
-    return StepModel(
-        StepParams(
-            base_s=0.010,
-            per_token_s=0.0,
-            per_decode_seq_s=per_decode_seq_s,
-            per_compute_token_s=20e-6,
-            per_kv_token_s=0.0,
-            knee_tokens=200.0,
-        )
-    )
 
 
 class JumpingPredictions(PredictionService):
@@ -117,7 +102,7 @@ def test_bad_weights_are_refused(value: dict[str, Any]) -> None:
 
 
 def test_tenancy_prices_plain_tokens_by_default() -> None:
-    tenancy = _tenancy({}, JumpingPredictions(_step_model(50e-6)), FakeClock())
+    tenancy = _tenancy({}, JumpingPredictions(fitted_step_model(50e-6)), FakeClock())
 
     assert tenancy.weights() == PLAIN_WEIGHTS
     assert not tenancy.weighted
@@ -150,7 +135,7 @@ def test_identical_requests_in_a_minute_differ_by_at_most_the_stated_factor() ->
     """Virtual time: the step model's decode cost jumps 100x up, then down, every 7 s for 10
     minutes; two identical requests (1,000 prompt + 200 output tokens) priced within any 60 s
     never differ by more than ``1 + max_change_per_minute`` (give or take the 0.01 rounding)."""
-    cheap, dear = _step_model(50e-6), _step_model(5e-3)
+    cheap, dear = fitted_step_model(50e-6), fitted_step_model(5e-3)
     predictions = JumpingPredictions(cheap)
     clock = FakeClock()
     tenancy = _tenancy({"token_weights": {"mode": "gpu_time"}}, predictions, clock)
