@@ -85,12 +85,15 @@ async def test_an_idle_replica_admits_within_seconds_of_a_burst(
         await resp.read()
         return resp.status
 
-    async def burst_one() -> None:
-        statuses.append(await send({"prompt": "word " * 3000, "max_tokens": 30, "ignore_eos": True}))
+    async def burst_one(i: int) -> None:
+        # Each prompt its own from the first token: the replica caches prefixes (as vLLM does),
+        # and a shared one would be prefilled once instead of saturating it.
+        prompt = f"burst {i} " + "word " * 3000
+        statuses.append(await send({"prompt": prompt, "max_tokens": 30, "ignore_eos": True}))
 
     tasks = []
-    for _ in range(BURST):
-        tasks.append(asyncio.create_task(burst_one()))
+    for i in range(BURST):
+        tasks.append(asyncio.create_task(burst_one(i)))
         await asyncio.sleep(BURST_EVERY_S)
     await asyncio.gather(*tasks)
     assert statuses.count(429) > BURST // 2, "the burst must saturate the replica"

@@ -55,7 +55,7 @@ import simulator.replica
 import simulator.server
 from gateway.admission import TokenWeights
 from gateway.tenants import hash_api_key
-from simulator.costmodel import StepShape
+from simulator.costmodel import CostModel, StepShape
 from simulator.engine import Engine, StepPlan
 from simulator.profile import Profile, load_profile
 from tests.support.procs import ROOT, Proc, free_port, python_module
@@ -491,6 +491,7 @@ class GpuTimeEngine(Engine):
         """(prompt tokens, seconds, kind, tokens computed) of every sequence in ``plan`` (kind
         ``"decode"`` or ``"prefill"``); the seconds add up to its duration."""
         model = self.cost_model
+        assert isinstance(model, CostModel), "the per-layer cost model: a profile without step_model"
         work: list[tuple[int, int, float, str]] = []  # (prompt, tokens computed, own attention s, kind)
         chunks: list[tuple[int, int]] = []
         decodes: list[int] = []
