@@ -9,7 +9,7 @@ fails, with the tail of its log.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 
@@ -44,8 +44,15 @@ def vllm_server(vllm_installed: None) -> Iterator[VllmServer]:
     Use ``vllm_server.base_url`` (``http://127.0.0.1:<port>``, no ``/v1``). SIGTERM at the end of the
     session, SIGKILL after 15 s. Its log is ``.cache/vllm-cpu/server.log``.
     """
+    yield from serving()
+
+
+def serving(**start: Any) -> Iterator[VllmServer]:
+    """A vLLM server started with ``VllmServer.start(**start)`` for a fixture to yield: skipped
+    (or failed where e2e is required) when vLLM is unavailable, failed when it does not come up,
+    stopped after."""
     try:
-        server = VllmServer.start()
+        server = VllmServer.start(**start)
     except Unavailable as exc:
         unavailable(str(exc))
     except TimeoutError as exc:

@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import unavailable
+from tests.e2e.conftest import serving
 from tests.e2e.prefix_cache_exchanges import (
     RECORDING_PATH,
     SHARED_IDS,
     load_recording,
     observe,
 )
-from tests.e2e.vllm_cpu import CACHE, SERVED_MODEL, VLLM_VERSION, Unavailable, VllmServer
+from tests.e2e.vllm_cpu import CACHE, SERVED_MODEL, VLLM_VERSION, VllmServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300, func_only=True)]
 
@@ -36,16 +36,7 @@ FLAGS = ("--enable-prompt-tokens-details",)
 @pytest.fixture(scope="module")
 def server(vllm_installed: None) -> Iterator[VllmServer]:
     """A real vLLM with ``--enable-prompt-tokens-details`` (prefix caching on: vLLM's default)."""
-    try:
-        server = VllmServer.start(log_path=CACHE / "server-prefix-cache.log", extra_args=FLAGS)
-    except Unavailable as exc:
-        unavailable(str(exc))
-    except TimeoutError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from serving(log_path=CACHE / "server-prefix-cache.log", extra_args=FLAGS)
 
 
 @pytest.fixture(scope="module")
