@@ -41,6 +41,7 @@ RESTART_ONLY: tuple[str, ...] = (
     "limits.probe_interval_s",
     "limits.lease_ttl_s",
     "limits.over_limit_cache",
+    "ledger",
 )
 
 #: Restart-only values a log line names without showing them.
@@ -89,6 +90,7 @@ def keep_restart_only(old: Settings, new: Settings) -> Settings:
             "emulators": old.emulators,
             "scrape": old.scrape,
             "limits": limits,
+            "ledger": old.ledger,
         }
     )
 

@@ -32,6 +32,7 @@ from gateway.config.section import (
     SettingsViolations,
     Violation,
 )
+from gateway.ledger.config import LedgerSettings
 from gateway.limits.config import LimitsSettings
 from gateway.prediction.config import PredictionSettings
 from gateway.replicas.config import (
@@ -329,6 +330,13 @@ class Settings(Section):
     prediction: Annotated[
         PredictionSettings, Field(description="Latency prediction: the measured forecast correction.")
     ] = PredictionSettings()
+    ledger: Annotated[
+        LedgerSettings,
+        Field(
+            description="The replica ledger: every gateway's in-flight requests per replica, shared through "
+            "limits.redis. Restart required."
+        ),
+    ] = LedgerSettings()
 
     @model_validator(mode="after")
     def _replicas_are_consistent(self) -> Settings:
@@ -339,10 +347,18 @@ class Settings(Section):
             *class_violations(self.tenants, self.admission.classes, prefix=("tenants",)),
             *self._admin_violations(),
             *self._open_beyond_loopback(),
+            *self._ledger_violations(),
         ]
         if violations:
             raise SettingsViolations(violations)
         return self
+
+    def _ledger_violations(self) -> list[Violation]:
+        """``ledger.enabled`` without ``limits.redis``: the ledger lives on the limiter's Redis."""
+        if not self.ledger.enabled or self.limits.redis is not None:
+            return []
+        message = "needs limits.redis (the ledger uses the limiter's Redis)"
+        return [Violation(("ledger", "enabled"), message, True)]
 
     def _missing_replicas(self) -> list[Violation]:
         if self.replicas or self.emulators:
