@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
@@ -44,6 +45,7 @@ from gateway.keys import (
     SHUTDOWN_GRACE,
     STORE,
 )
+from gateway.ledger.live import LEDGER, install_ledger
 from gateway.observability.logs import (
     add_request_id_header,
     configure_logging,
@@ -65,6 +67,7 @@ from gateway.tenants.admin_api import install_tenants_admin
 from gateway.tenants.keys_api import install_keys_api
 from gateway.tenants.live import TENANCY, install_tenancy
 from gateway.tokens.live import PROMPT_TOKENIZERS, PromptTokenizers
+from gateway.workers import supervisor_pid, worker_index
 
 log = logging.getLogger("sluice.app")
 
@@ -129,6 +132,7 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
     tenancy = install_tenancy(app)
     install_keys_api(app, admin_app, install_tenants_admin(app, admin_app, tenancy), tenancy)
     app.cleanup_ctx.append(_admission)
+    install_ledger(app)  # with ledger.enabled: after admission, whose views it feeds
     app.cleanup_ctx.append(_proxy)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
@@ -392,6 +396,30 @@ async def _quiet_gc(app: web.Application) -> None:
     gc.set_threshold(*GC_THRESHOLD)
 
 
+#: Seconds between two checks, in a worker, that its supervisor is still there.
+SUPERVISOR_POLL_S = 1.0
+
+
+async def _supervisor_watch(app: web.Application) -> AsyncIterator[None]:
+    """In a worker: once the supervisor is gone (killed outright, so it passed no signal on),
+    stop as on SIGTERM, draining, so that no worker outlives it."""
+    parent = supervisor_pid()
+
+    async def watch() -> None:
+        while os.getppid() == parent:  # noqa: ASYNC110 (no event tells a process its parent died)
+            await asyncio.sleep(SUPERVISOR_POLL_S)
+        log.warning("supervisor %s is gone: stopping", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    task = asyncio.create_task(watch(), name="sluice-supervisor-watch")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 async def _signals_ctx(app: web.Application) -> AsyncIterator[None]:
     _install_signal_handlers(app)
     yield
@@ -412,6 +440,9 @@ def _replicas_view(app: web.Application) -> Callable[[web.Request], Awaitable[we
                 "attainment": [s.as_json() for s in admission.attainment()],
                 "size_shares": admission.size_shares(),
             }
+        ledger = app.get(LEDGER)
+        if ledger is not None:
+            body["ledger"] = ledger.describe()
         return web.json_response(body)
 
     return handler
@@ -468,9 +499,16 @@ def run_gateway(store: SettingsStore, *, reloader_factory: ReloaderFactory | Non
     Raises ``EmulatorStartError`` when an emulator does not come up.
     """
     settings = store.current
-    app = build_app(store)
+    worker = worker_index()
+    # A worker of several (gateway.workers): the supervisor runs the emulators once for all.
+    app = build_app(store, spawn_emulators=worker is None)
     app[SHUTDOWN_GRACE] = settings.server.shutdown_grace_s
     app.cleanup_ctx.append(_signals_ctx)
+    if worker is not None:
+        listener = app.get(ADMIN_LISTENER)
+        if listener is not None:
+            listener.reuse_port = True
+        app.cleanup_ctx.append(_supervisor_watch)
     if reloader_factory is not None:
         app.cleanup_ctx.append(_reloader_ctx(reloader_factory, store))
     app.on_startup.append(_quiet_gc)  # after every cleanup context above has started
@@ -486,5 +524,6 @@ def run_gateway(store: SettingsStore, *, reloader_factory: ReloaderFactory | Non
         print=_log_banner,
         loop=_new_event_loop(settings.server.uvloop),
         handle_signals=False,  # ours: a drain first (server.drain_s), see _install_signal_handlers
+        reuse_port=True if worker is not None else None,  # the workers share the port
     )
     flush_logs()  # the last access lines, whatever stopped the loop

@@ -20,7 +20,15 @@ from pathlib import Path
 
 from gateway.config.load import ConfigError, load_settings
 from gateway.config.settings import Settings
-from gateway.config.starter import ENV, Source, UsageError, load_source, resolve_source
+from gateway.config.starter import (
+    COMMAND_LINE,
+    ENV,
+    Source,
+    UsageError,
+    load_source,
+    resolve_source,
+    with_workers,
+)
 from gateway.config.store import SettingsStore
 from gateway.tenants.keys_cli import add_keys_parser, run_keys
 from gateway.version import package_version
@@ -97,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         "starts itself.",
     )
     _add_source_options(serve, serve=True)
+    serve.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="gateway processes on the one port (SO_REUSEPORT) under a supervisor; replaces "
+        f"server.workers (docs/deployment.md, Workers) [{ENV['workers']}]",
+    )
 
     config = sub.add_parser(
         "config",
@@ -192,16 +207,24 @@ def _hash_key() -> int:
     return EXIT_OK
 
 
-def _serve(source: Source) -> int:
+def _serve(source: Source, argv: list[str]) -> int:
+    """``sluice serve``: one gateway, or (``server.workers`` > 1) the supervisor of that many,
+    each started with ``argv`` (``gateway.workers``)."""
     from gateway.app import run_gateway
     from gateway.config.reload import ConfigReloader
     from gateway.replicas.emulators import EmulatorStartError
+    from gateway.workers import worker_index
 
+    worker = worker_index()
     try:
         settings, discovered = load_source(source)
+        if worker is None:  # a worker runs as one gateway, whatever its file says
+            settings = with_workers(settings, source.workers, str(source.config or COMMAND_LINE))
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return EXIT_CONFIG
+    if worker is None and settings.server.workers > 1:
+        return _supervise(settings, source, argv)
     _configure_logging(settings)
     store = SettingsStore(settings)
     for name, found in discovered:
@@ -213,7 +236,7 @@ def _serve(source: Source) -> int:
             settings.server.host,
             settings.server.port,
         )
-    if source.config is None and not source.replicas:
+    if source.config is None and not source.replicas and worker is None:
         _print_banner(settings)
     config = source.config
     try:
@@ -231,6 +254,25 @@ def _serve(source: Source) -> int:
         print(f"sluice: cannot serve on {where}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     return EXIT_OK
+
+
+def _supervise(settings: Settings, source: Source, argv: list[str]) -> int:
+    """``sluice serve`` with ``server.workers`` > 1: the supervisor (``gateway.workers.supervisor``)."""
+    from gateway.replicas.emulators import EmulatorStartError
+    from gateway.workers.supervisor import supervise
+
+    _configure_logging(settings)
+    if source.config is None and not source.replicas:
+        _print_banner(settings)
+    try:
+        return supervise(settings, argv, settings.server.workers)
+    except EmulatorStartError as exc:
+        print(f"sluice: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except OSError as exc:
+        where = f"{settings.server.host}:{settings.server.port}"
+        print(f"sluice: cannot serve on {where}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
 
 
 def _config(action: str, source: Source, write: Path | None, force: bool) -> int:
@@ -373,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sluice {args.command}: {exc}", file=sys.stderr)
             return EXIT_CONFIG
         if args.command == "serve":
-            return _serve(source)
+            return _serve(source, raw)
         return _config(
             args.config_command, source, getattr(args, "write", None), getattr(args, "force", False)
         )

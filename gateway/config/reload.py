@@ -29,6 +29,7 @@ RESTART_ONLY: tuple[str, ...] = (
     "server.host",
     "server.port",
     "server.uvloop",
+    "server.workers",
     "admin.host",
     "admin.port",
     "emulators",
@@ -79,7 +80,12 @@ def restart_only_changes(old: Settings, new: Settings) -> list[str]:
 def keep_restart_only(old: Settings, new: Settings) -> Settings:
     """``new`` with every ``RESTART_ONLY`` value taken from ``old`` (not re-validated)."""
     server = new.server.model_copy(
-        update={"host": old.server.host, "port": old.server.port, "uvloop": old.server.uvloop}
+        update={
+            "host": old.server.host,
+            "port": old.server.port,
+            "uvloop": old.server.uvloop,
+            "workers": old.server.workers,
+        }
     )
     limits = old.limits.model_copy(update={"token_weights": new.limits.token_weights})
     admin = new.admin.model_copy(update={"host": old.admin.host, "port": old.admin.port})

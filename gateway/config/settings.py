@@ -33,7 +33,7 @@ from gateway.config.section import (
     Violation,
 )
 from gateway.ledger.config import LedgerSettings
-from gateway.limits.config import LimitsSettings
+from gateway.limits.config import LimitsSettings, TenantLimitSettings
 from gateway.prediction.config import PredictionSettings
 from gateway.replicas.config import (
     EmulatorSettings,
@@ -139,6 +139,18 @@ class ServerSettings(Section):
     uvloop: Annotated[
         bool, Field(description="Use uvloop's event loop when it is installed. Restart required.")
     ] = True
+    workers: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=256,
+            description="Gateway processes serving the one port (SO_REUSEPORT), under a supervisor that "
+            "starts them, restarts one that dies (with back-off), passes SIGTERM, SIGINT and SIGHUP on and "
+            "sums their /metrics. More than 1 needs a fixed server.port (and admin.port, when set) and, "
+            "when a tenant has limits, limits.backend: redis. `sluice serve --workers N` sets it. "
+            "Restart required.",
+        ),
+    ] = 1
     server_header: Annotated[
         str,
         Field(
@@ -348,6 +360,7 @@ class Settings(Section):
             *self._admin_violations(),
             *self._open_beyond_loopback(),
             *self._ledger_violations(),
+            *self._worker_violations(),
         ]
         if violations:
             raise SettingsViolations(violations)
@@ -411,6 +424,28 @@ class Settings(Section):
             "(sluice serve --allow-unauthenticated)"
         )
         return [Violation(("server", "host"), message, server.host)]
+
+    def _worker_violations(self) -> list[Violation]:
+        """``server.workers`` > 1 with what several processes cannot share: a port picked at
+        random (0) by each, or tenant budgets each process would keep whole in its own memory."""
+        workers = self.server.workers
+        if workers == 1:
+            return []
+        found: list[Violation] = []
+        for path, port in (("server", self.server.port), ("admin", self.admin.port)):
+            if port == 0:
+                message = f"0 picks a different free port in each of the {workers} workers: give a fixed port"
+                found.append(Violation((path, "port"), message, port))
+        unlimited = TenantLimitSettings()
+        limited = sorted(name for name, t in self.tenants.tenants.items() if t.limits != unlimited)
+        if self.limits.backend == "memory" and limited:
+            message = (
+                f"memory keeps each of the {workers} workers' own budgets, so tenant {limited[0]!r} would "
+                f"get {workers} times its limits: set limits.backend: redis (shared by every worker), or "
+                "server.workers: 1"
+            )
+            found.append(Violation(("limits", "backend"), message, self.limits.backend))
+        return found
 
     def _admin_violations(self) -> list[Violation]:
         """An admin port another listener of this file needs, and an admin token that disagrees

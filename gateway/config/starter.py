@@ -46,6 +46,7 @@ __all__ = [
     "parse_listen",
     "resolve_source",
     "starter_yaml",
+    "with_workers",
 ]
 
 #: How errors name a configuration built from the command line.
@@ -63,6 +64,7 @@ ENV: Final = {
     "demo_tenant": "SLUICE_DEMO_TENANT",
     "allow_unauthenticated": "SLUICE_ALLOW_UNAUTHENTICATED",
     "replica_api_key_env": "SLUICE_REPLICA_API_KEY_ENV",
+    "workers": "SLUICE_WORKERS",
 }
 _TRUE: Final = frozenset({"1", "true", "yes", "on"})
 _FALSE: Final = frozenset({"", "0", "false", "no", "off"})
@@ -84,6 +86,8 @@ class Source:
     allow_unauthenticated: bool = False
     #: The environment variable holding the key the replicas were started with (``--api-key``).
     replica_api_key_env: str | None = None
+    #: ``serve --workers N``: replaces ``server.workers``; ``None`` keeps the configuration's.
+    workers: int | None = None
 
 
 def _switch(flag: bool | None, env: Mapping[str, str], name: str) -> bool:
@@ -95,6 +99,27 @@ def _switch(flag: bool | None, env: Mapping[str, str], name: str) -> bool:
     if raw in _FALSE:
         return False
     raise UsageError(f"{name}={raw!r}: expected 1, true, yes, on or 0, false, no, off")
+
+
+def _workers(flag: int | None, env: Mapping[str, str]) -> int | None:
+    if flag is not None:
+        return flag
+    raw = env.get(ENV["workers"], "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise UsageError(f"{ENV['workers']}={raw!r}: expected a whole number of worker processes")
+    return int(raw)
+
+
+def with_workers(settings: Settings, workers: int | None, source: str) -> Settings:
+    """``settings`` with ``server.workers`` set to ``workers`` (``sluice serve --workers N``),
+    validated again (``ConfigError`` naming ``source``); ``settings`` itself when ``workers`` is None."""
+    if workers is None or workers == settings.server.workers:
+        return settings
+    data = settings.model_dump()
+    data["server"] = {**data["server"], "workers": workers}
+    return parse_settings(data, f"{source} with --workers {workers}")
 
 
 def resolve_source(args: argparse.Namespace, env: Mapping[str, str]) -> Source:
@@ -111,6 +136,7 @@ def resolve_source(args: argparse.Namespace, env: Mapping[str, str]) -> Source:
         replica_api_key_env=args.replica_api_key_env
         or env.get(ENV["replica_api_key_env"], "").strip()
         or None,
+        workers=_workers(getattr(args, "workers", None), env),
     )
     if source.config is not None and source.replicas:
         raise UsageError(

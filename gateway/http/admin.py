@@ -153,6 +153,8 @@ class AdminListener:
         self.app.on_response_prepare.append(add_request_id_header)
         self._guard = AdminGuard(store)
         self._runner: web.AppRunner | None = None
+        #: Bind with SO_REUSEPORT, beside the other workers of ``server.workers`` > 1.
+        self.reuse_port = False
 
     def __repr__(self) -> str:
         return f"AdminListener({self.host}:{self.port if self.port is not None else self._requested_port})"
@@ -171,7 +173,7 @@ class AdminListener:
             self.app, access_log=None, handle_signals=False, shutdown_timeout=ADMIN_SHUTDOWN_S
         )
         await runner.setup()
-        site = web.TCPSite(runner, self.host, self._requested_port)
+        site = web.TCPSite(runner, self.host, self._requested_port, reuse_port=self.reuse_port or None)
         try:
             await site.start()
         except OSError as exc:

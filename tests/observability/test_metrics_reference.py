@@ -52,6 +52,8 @@ def test_what_the_reference_calls_scraped_is_what_a_scrape_shows() -> None:
         )
         if hasattr(child, "observe"):
             child.observe(0.5)
+        elif hasattr(child, "set"):  # a gauge (some, multiprocess_mode mostrecent, refuse inc)
+            child.set(1)
         elif hasattr(child, "inc"):
             child.inc()
     body, _ = metrics.exposition()

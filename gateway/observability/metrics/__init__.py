@@ -22,9 +22,16 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
 
 from gateway.observability.metrics.children import Children
 from gateway.observability.metrics.labels import LabelLimits, configured_classes, configured_tenants
+from gateway.observability.metrics.ledger import LedgerCollector, LedgerStatsView
+from gateway.observability.metrics.multiprocess import (
+    LiveSnapshots,
+    exposition_registry,
+    multiprocess_directory,
+)
 from gateway.observability.metrics.outcomes import text_field
 from gateway.observability.metrics.prediction import (
     CorrectionCollector,
@@ -33,7 +40,12 @@ from gateway.observability.metrics.prediction import (
     PredictionMetrics,
     StepModelCollector,
 )
-from gateway.observability.metrics.process import ReloadMetrics, register_build_info, register_runtime
+from gateway.observability.metrics.process import (
+    ReloadMetrics,
+    register_build_info,
+    register_runtime,
+    register_worker_requests,
+)
 from gateway.observability.metrics.replicas import ReplicaCollector, ReplicaMetrics, ReplicaSource
 from gateway.observability.metrics.requests import (
     AttainmentCollector,
@@ -54,6 +66,7 @@ from gateway.observability.metrics.tenants import (
     WeightsView,
 )
 from gateway.observability.outcome import RequestOutcome
+from gateway.workers import worker_index
 
 if TYPE_CHECKING:
     from gateway.config.settings import Settings
@@ -67,11 +80,13 @@ class SluiceMetrics:
 
     Label limits start empty (every class and tenant is ``other`` or ``none``) until
     ``set_known_labels`` or ``install`` sets them from the configuration. ``clock`` (monotonic
-    seconds) dates replica snapshots. Not thread-safe beyond prometheus_client's own locking;
-    call from the event loop.
+    seconds) dates replica snapshots. ``worker``: this process's worker index (default: from the
+    environment, ``gateway.workers``); with ``PROMETHEUS_MULTIPROC_DIR`` set as well, the exposition
+    is the host's, every worker's summed (``multiprocess``). Not thread-safe beyond
+    prometheus_client's own locking; call from the event loop.
     """
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic, worker: int | None = None) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.labels = LabelLimits()
         self.children = Children()
@@ -83,6 +98,13 @@ class SluiceMetrics:
         self.replicas = ReplicaMetrics(r, self.children, self._replica_state)
         self.tenants = TenantMetrics(r, self.children, self.labels)
         self.reloads = ReloadMetrics(r)
+        self._ledger = LedgerCollector()
+        r.register(self._ledger)
+        self.worker = worker if worker is not None else worker_index()
+        self._worker_requests: Callable[[], None] | None = None
+        worker_requests = register_worker_requests(r)
+        if self.worker is not None:
+            self._worker_requests = worker_requests.labels(str(self.worker)).inc
         # Read at scrape time from live objects, once their producers are wired (``track_*``).
         self._step_models = StepModelCollector(self._replica_state.live_names)
         self._corrections = CorrectionCollector(self._replica_state.live_names, clock)
@@ -91,7 +113,7 @@ class SluiceMetrics:
         self._size_shares = SizeShareCollector(self.labels)
         self._limiter = LimiterCollector()
         self._token_weights = TokenWeightCollector()
-        for collector in (
+        scrape_time: list[Collector] = [
             self._replica_state,
             self._step_models,
             self._corrections,
@@ -100,9 +122,19 @@ class SluiceMetrics:
             self._size_shares,
             self._limiter,
             self._token_weights,
-        ):
+        ]
+        for collector in scrape_time:
             r.register(collector)
-        register_runtime(r)
+        scrape_time += register_runtime(r)
+        #: With ``server.workers`` > 1 (``PROMETHEUS_MULTIPROC_DIR`` set and a worker index): this
+        #: worker's scrape-time collectors, snapshot for the others (``multiprocess``); else None.
+        self.live: LiveSnapshots | None = None
+        self._exposed = r
+        directory = multiprocess_directory()
+        if directory is not None and self.worker is not None:
+            # The tenant levels collector first: it writes the level gauges a snapshot then reads.
+            self.live = LiveSnapshots(directory, self.worker, [self.tenants.levels, *scrape_time])
+            self._exposed = exposition_registry(self.live)
 
     # -- label limits ------------------------------------------------------------------------------
     def set_known_labels(self, *, classes: Iterable[str] = (), tenants: Iterable[str] = ()) -> None:
@@ -121,6 +153,8 @@ class SluiceMetrics:
         tenant = self.labels.tenant_label(text_field(outcome, "tenant"))
         self.requests.observe(outcome, cls, tenant)
         self.prediction.observe(outcome)
+        if self._worker_requests is not None:
+            self._worker_requests()
 
     def observe_snapshot(self, snapshot: ReplicaSnapshot) -> None:
         """Keep the newest snapshot of its replica for the collector and count the scrape."""
@@ -182,6 +216,12 @@ class SluiceMetrics:
         on, so those series keep no samples ("no data", not a made-up "Redis up")."""
         self._limiter.stats = stats if redis else None
 
+    def track_ledger(self, stats: LedgerStatsView, remote: Callable[[], Mapping[str, int]]) -> None:
+        """Export the replica ledger's ``stats`` and the other gateways' entries per replica
+        (``remote()``) at every scrape."""
+        self._ledger.stats = stats
+        self._ledger.remote = remote
+
     def observe_reload(self, ok: bool) -> None:
         """One reload attempt: ``ok`` True when the file was valid (applied or unchanged)."""
         self.reloads.observe_reload(ok)
@@ -190,7 +230,7 @@ class SluiceMetrics:
     def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
         """The registry's samples and their content type, negotiated from an ``Accept`` header."""
         encoder, content_type = choose_encoder(accept or "")
-        return encoder(self.registry), content_type
+        return encoder(self._exposed), content_type
 
 
 #: The application's ``SluiceMetrics`` (set by ``endpoints.install``).

@@ -5,7 +5,10 @@ service discovery of the replicas, built by ``replica_targets``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -13,11 +16,14 @@ from aiohttp import web
 
 from gateway.keys import OUTCOME_LISTENERS, PREDICTION_SERVICE, REGISTRY, SCRAPER, STORE
 from gateway.observability.metrics import METRICS, SluiceMetrics
+from gateway.observability.metrics.multiprocess import SNAPSHOT_INTERVAL_S, LiveSnapshots
 
 if TYPE_CHECKING:
     from gateway.replicas.registry import Replica
 
 __all__ = ["install", "replica_targets"]
+
+log = logging.getLogger("sluice.metrics")
 
 
 def replica_targets(replicas: Iterable[Replica]) -> list[dict[str, object]]:
@@ -40,6 +46,30 @@ def replica_targets(replicas: Iterable[Replica]) -> list[dict[str, object]]:
         }
         groups.append({"targets": [address], "labels": labels})
     return groups
+
+
+def _snapshots(live: LiveSnapshots) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A ``cleanup_ctx`` writing this worker's scrape-time snapshot every ``SNAPSHOT_INTERVAL_S``
+    while the app runs, so that any worker's ``/metrics`` shows it."""
+
+    async def loop() -> None:
+        while True:
+            await asyncio.sleep(SNAPSHOT_INTERVAL_S)
+            try:
+                live.write()
+            except OSError:
+                log.exception("could not write this worker's metrics snapshot")
+
+    async def ctx(_app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(loop(), name="sluice-metrics-snapshot")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    return ctx
 
 
 def install(
@@ -88,6 +118,8 @@ def install(
         return web.json_response(replica_targets(replicas))
 
     app.on_startup.append(bind)
+    if chosen.live is not None:
+        app.cleanup_ctx.append(_snapshots(chosen.live))
     routes = (app if serve_on is None else serve_on).router
     routes.add_get("/metrics", metrics_handler)
     routes.add_get("/metrics/replicas", targets_handler)

@@ -18,22 +18,43 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
 )
+from prometheus_client.registry import Collector
 
 
 def register_build_info(registry: CollectorRegistry) -> Gauge:
     """``sluice_build_info{version}``, always 1, registered in ``registry``."""
-    build_info = Gauge("sluice_build_info", "Always 1; the running version.", ["version"], registry=registry)
+    build_info = Gauge(
+        "sluice_build_info",
+        "Always 1; the running version.",
+        ["version"],
+        registry=registry,
+        multiprocess_mode="max",
+    )
     build_info.labels(_version()).set(1)
     return build_info
 
 
-def register_runtime(registry: CollectorRegistry) -> None:
-    """prometheus_client's process, platform and GC collectors, registered in ``registry``."""
-    ProcessCollector(registry=registry)
-    PlatformCollector(registry=registry)
-    # python_gc_collections_total and python_gc_objects_collected_total, by generation: the
-    # cycle collector's work (its pauses stop the event loop; see gateway.app._quiet_gc).
-    GCCollector(registry=registry)
+def register_runtime(registry: CollectorRegistry) -> list[Collector]:
+    """prometheus_client's process, platform and GC collectors, registered in ``registry``; returns them."""
+    return [
+        ProcessCollector(registry=registry),
+        PlatformCollector(registry=registry),
+        # python_gc_collections_total and python_gc_objects_collected_total, by generation: the
+        # cycle collector's work (its pauses stop the event loop; see gateway.app._quiet_gc).
+        GCCollector(registry=registry),
+    ]
+
+
+def register_worker_requests(registry: CollectorRegistry) -> Counter:
+    """``sluice_worker_requests_total{worker}``, registered in ``registry``; counted only by the
+    workers of ``server.workers`` > 1."""
+    return Counter(
+        "sluice_worker_requests_total",
+        "Requests each worker process (server.workers > 1) finished, by worker index: how the "
+        "kernel spread the port's connections. No samples with one process.",
+        ["worker"],
+        registry=registry,
+    )
 
 
 def _version() -> str:
@@ -53,14 +74,18 @@ class ReloadMetrics:
         )
         self.reload_ok = Gauge(
             "sluice_config_last_reload_successful",
-            "1 when the last configuration reload succeeded (or none failed since start), else 0.",
+            "1 when the last configuration reload succeeded (or none failed since start), else 0; "
+            "with several workers, the lowest of theirs.",
             registry=r,
+            multiprocess_mode="livemin",
         )
         self.reload_ok.set(1)
         self.reload_success_time = Gauge(
             "sluice_config_last_reload_success_timestamp_seconds",
-            "Unix time of the last successful configuration load (start-up counts).",
+            "Unix time of the last successful configuration load (start-up counts); with several "
+            "workers, the oldest of theirs.",
             registry=r,
+            multiprocess_mode="livemin",
         )
         self.reload_success_time.set_to_current_time()
 

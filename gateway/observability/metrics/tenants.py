@@ -119,34 +119,42 @@ class TenantMetrics:
         # (``observe_reservation`` only remembers it): seven ``set`` calls per request are too
         # many for the hot path. Registered before them, so a scrape brings them up to date
         # before it reads them (the registry collects in order).
-        self._levels = _LatestReservations(self)
-        r.register(self._levels)
+        self.levels = _LatestReservations(self)
+        r.register(self.levels)
         self.tenant_bucket_remaining = Gauge(
             "sluice_tenant_bucket_remaining",
             "Tokens or requests left in a tenant's bucket after its last reservation here.",
             ["tenant", "bucket"],
             registry=r,
+            multiprocess_mode="livemostrecent",
         )
         self.tenant_bucket_capacity = Gauge(
             "sluice_tenant_bucket_capacity",
             "Size of a tenant's bucket (burst), in tokens or requests.",
             ["tenant", "bucket"],
             registry=r,
+            multiprocess_mode="livemostrecent",
         )
         self.tenant_limit_per_minute = Gauge(
             "sluice_tenant_limit_per_minute",
             "A tenant's refill rate, tokens or requests per minute.",
             ["tenant", "bucket"],
             registry=r,
+            multiprocess_mode="livemostrecent",
         )
         self.tenant_in_flight = Gauge(
             "sluice_tenant_in_flight_requests",
             "A tenant's unsettled requests across gateways, at its last reservation here.",
             ["tenant"],
             registry=r,
+            multiprocess_mode="livemostrecent",
         )
         self.tenant_concurrency_limit = Gauge(
-            "sluice_tenant_concurrency_limit", "A tenant's max_concurrent.", ["tenant"], registry=r
+            "sluice_tenant_concurrency_limit",
+            "A tenant's max_concurrent.",
+            ["tenant"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
         )
 
     def observe_reservation(self, reservation: ReservationView) -> None:
@@ -155,7 +163,7 @@ class TenantMetrics:
         tenant = self._labels.tenant_label(reservation.tenant)
         if reservation.allowed:
             self._children.child(self.tenant_tokens_reserved, tenant).inc(max(0.0, reservation.cost_tokens))
-        self._levels.latest[tenant] = reservation
+        self.levels.latest[tenant] = reservation
 
     def set_levels(self, tenant: str, reservation: ReservationView) -> None:
         """The tenant gauges as ``reservation`` (its latest) left them."""
@@ -174,7 +182,7 @@ class TenantMetrics:
         them follow settles and refill while the tenant is idle); replaces any reservation not
         yet written, which is older than this read."""
         tenant = self._labels.tenant_label(tenant_name)
-        self._levels.latest.pop(tenant, None)
+        self.levels.latest.pop(tenant, None)
         child = self._children.child
         for kind, bucket in (("tokens", levels.tokens), ("requests", levels.requests)):
             if bucket is not None:
