@@ -26,7 +26,6 @@ from prometheus_client.registry import Collector
 
 from gateway.observability.metrics.children import Children
 from gateway.observability.metrics.labels import LabelLimits, configured_classes, configured_tenants
-from gateway.observability.metrics.ledger import LedgerCollector, LedgerStatsView
 from gateway.observability.metrics.multiprocess import (
     LiveSnapshots,
     exposition_registry,
@@ -98,8 +97,6 @@ class SluiceMetrics:
         self.replicas = ReplicaMetrics(r, self.children, self._replica_state)
         self.tenants = TenantMetrics(r, self.children, self.labels)
         self.reloads = ReloadMetrics(r)
-        self._ledger = LedgerCollector()
-        r.register(self._ledger)
         self.worker = worker if worker is not None else worker_index()
         self._worker_requests: Callable[[], None] | None = None
         worker_requests = register_worker_requests(r)
@@ -215,12 +212,6 @@ class SluiceMetrics:
         every scrape. ``redis`` False (``limits.backend: memory``): there is no storage to report
         on, so those series keep no samples ("no data", not a made-up "Redis up")."""
         self._limiter.stats = stats if redis else None
-
-    def track_ledger(self, stats: LedgerStatsView, remote: Callable[[], Mapping[str, int]]) -> None:
-        """Export the replica ledger's ``stats`` and the other gateways' entries per replica
-        (``remote()``) at every scrape."""
-        self._ledger.stats = stats
-        self._ledger.remote = remote
 
     def observe_reload(self, ok: bool) -> None:
         """One reload attempt: ``ok`` True when the file was valid (applied or unchanged)."""
