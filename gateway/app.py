@@ -45,6 +45,7 @@ from gateway.keys import (
     SHUTDOWN_GRACE,
     STORE,
 )
+from gateway.ledger.live import LEDGER, install_ledger
 from gateway.observability.logs import (
     add_request_id_header,
     configure_logging,
@@ -131,6 +132,7 @@ def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Appl
     tenancy = install_tenancy(app)
     install_keys_api(app, admin_app, install_tenants_admin(app, admin_app, tenancy), tenancy)
     app.cleanup_ctx.append(_admission)
+    install_ledger(app)  # with ledger.enabled: after admission, whose views it feeds
     app.cleanup_ctx.append(_proxy)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
@@ -438,6 +440,9 @@ def _replicas_view(app: web.Application) -> Callable[[web.Request], Awaitable[we
                 "attainment": [s.as_json() for s in admission.attainment()],
                 "size_shares": admission.size_shares(),
             }
+        ledger = app.get(LEDGER)
+        if ledger is not None:
+            body["ledger"] = ledger.describe()
         return web.json_response(body)
 
     return handler

@@ -138,6 +138,8 @@ class _Registry:
 
     def __init__(self, registry: ReplicaRegistry) -> None:
         self._registry = registry
+        #: Told of each overload refusal, (replica, back-off seconds) (``gateway.ledger``).
+        self.on_saturate: Callable[[str, float], None] | None = None
 
     def replicas(self) -> Sequence[AdmissionReplica]:
         return self._registry.replicas()
@@ -149,6 +151,8 @@ class _Registry:
         replica = self._registry.get(name)
         if replica is not None:
             self._registry.saturate(replica, now, back_off_s, why)
+            if self.on_saturate is not None:
+                self.on_saturate(name, back_off_s)
 
 
 _LAX_BOOL: Final = TypeAdapter(bool)
@@ -208,9 +212,11 @@ class LiveAdmission:
         self._budget = budget
         self._clock = clock
         self._rng: UniformSource = rng if rng is not None else random.Random()
+        #: The engine's view of the registry (``on_saturate``: told of overload refusals).
+        self.replica_source = _Registry(registry)
         self.engine = AdmissionEngine(
             settings.admission,
-            _Registry(registry),
+            self.replica_source,
             predictions.service,
             rng=self._rng,
             new_entry=_new_entry,
@@ -293,6 +299,12 @@ class LiveAdmission:
         """Scraper subscriber: a new snapshot changes that replica's view (only that one's)."""
         if not self._queue.closed:
             self._queue.apply(self.engine.on_snapshot(snapshot.name, self._clock()))
+
+    def on_load(self, replica: str) -> None:
+        """``replica``'s load changed outside this gateway (``gateway.ledger``): its views are
+        rebuilt, the queue re-evaluated."""
+        if not self._queue.closed:
+            self._queue.apply(self.engine.on_snapshot(replica, self._clock()))
 
     def reevaluate(self) -> None:
         """Offer every route's queued requests to its replicas again; resolve decided handlers."""

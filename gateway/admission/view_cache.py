@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from gateway.admission.ports import (
     AdmissionReplica,
@@ -55,6 +55,14 @@ class _Cached:
     seen: dict[LiveEntry[Any], tuple[int, bool]]
 
 
+class TrackListener(Protocol):
+    """Told of each request admission starts tracking on a replica, and of its end."""
+
+    def tracked(self, replica: str, entry: Any, stream: TrackedStream[Any]) -> None: ...
+
+    def forgotten(self, replica: str, entry: Any) -> None: ...
+
+
 class ViewCache:
     """Views of the replicas for the engine (see the module).
 
@@ -74,6 +82,10 @@ class ViewCache:
         self._max_age_s = max_age_s
         self.stale_margin = stale_margin
         self.margins: Callable[[str, float], Mapping[str, float]] | None = None
+        #: Other gateways' in-flight requests on a replica (``gateway.ledger``); ``None``: none.
+        self.remote: Callable[[str], Sequence[Any]] | None = None
+        #: Told of every ``track`` and ``forget`` (``gateway.ledger.LiveLedger``); ``None``: nobody.
+        self.listener: TrackListener | None = None
         #: What admission remembers of the requests it sent, per replica.
         self._streams: dict[str, dict[LiveEntry[Any], TrackedStream[Any]]] = {}
         self._views: dict[str, dict[str, _Cached]] = {}
@@ -88,12 +100,16 @@ class ViewCache:
         """A request sent to ``replica`` (``entry``) runs there now, as ``stream`` describes it."""
         self._streams.setdefault(replica, {})[entry] = stream
         self.touch(replica)
+        if self.listener is not None:
+            self.listener.tracked(replica, entry, stream)
 
     def forget(self, replica: str, entry: LiveEntry[Any]) -> None:
         """``entry`` no longer runs on ``replica`` (finished, dropped)."""
         streams = self._streams.get(replica)
         if streams is not None and streams.pop(entry, None) is not None:
             self.touch(replica)
+            if self.listener is not None:
+                self.listener.forgotten(replica, entry)
 
     def touch(self, replica: str) -> None:
         """``replica``'s load changed (a dispatch, a finish, a scrape): its views are rebuilt."""
@@ -181,6 +197,8 @@ class ViewCache:
         model, _ = split_route(route)
         streams = self._streams.get(replica, {})
         in_flight = [s.in_flight(now) for s in streams.values()]
+        if self.remote is not None:
+            in_flight.extend(self.remote(replica))
         try:
             step_model, state = self._predictions.replica_inputs(
                 replica, model=model, tenant=None, in_flight=in_flight, now=now

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,7 @@ from gateway.prediction.facts import ReplicaFacts
 from gateway.prediction.service import PredictionService
 from gateway.replicas.registry import LiveRequest, Replica, ReplicaRegistry
 from gateway.replicas.scraper import MetricsScraper
-from gateway.replicas.snapshot import ReplicaSnapshot
+from gateway.replicas.snapshot import InFlight, ReplicaSnapshot
 from predictor import Forecast
 
 __all__ = [
@@ -160,6 +160,9 @@ class LivePredictions:
         #: The replica object each scraper target reads its in-flight requests from.
         self._scraped: dict[str, Replica] = {}
         self._closed = False
+        #: Other gateways' in-flight requests on a replica (``gateway.ledger``), counted in each
+        #: scrape's ``in_flight`` like the gateway's own; ``None``: none.
+        self.remote_in_flight: Callable[[str], Sequence[InFlight]] | None = None
 
     # -- the fleet ----------------------------------------------------------------------------------
 
@@ -182,11 +185,21 @@ class LivePredictions:
                     name,
                     replica.base_url,
                     dialect=replica.settings.backend,
-                    in_flight=replica.in_flight,
+                    in_flight=self._in_flight_of(replica),
                     on_engine=_engine_setter(replica),
                 )
                 self._scraped[name] = replica
             self._set_facts(replica)
+
+    def _in_flight_of(self, replica: Replica) -> Callable[[], tuple[InFlight, ...]]:
+        """``replica``'s in-flight requests at a scrape: the gateway's, then the other gateways'."""
+
+        def in_flight() -> tuple[InFlight, ...]:
+            remote = self.remote_in_flight
+            own = replica.in_flight()
+            return own if remote is None else own + tuple(remote(replica.name))
+
+        return in_flight
 
     def on_models(self, replica: Replica) -> None:
         """A replica's model list changed: its ``max_model_len`` may have."""

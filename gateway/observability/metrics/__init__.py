@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
 
 from gateway.observability.metrics.children import Children
 from gateway.observability.metrics.labels import LabelLimits, configured_classes, configured_tenants
+from gateway.observability.metrics.ledger import LedgerCollector, LedgerStatsView
 from gateway.observability.metrics.multiprocess import (
     LiveSnapshots,
     exposition_registry,
@@ -96,6 +98,8 @@ class SluiceMetrics:
         self.replicas = ReplicaMetrics(r, self.children, self._replica_state)
         self.tenants = TenantMetrics(r, self.children, self.labels)
         self.reloads = ReloadMetrics(r)
+        self._ledger = LedgerCollector()
+        r.register(self._ledger)
         self.worker = worker if worker is not None else worker_index()
         self._worker_requests: Callable[[], None] | None = None
         worker_requests = register_worker_requests(r)
@@ -109,7 +113,7 @@ class SluiceMetrics:
         self._size_shares = SizeShareCollector(self.labels)
         self._limiter = LimiterCollector()
         self._token_weights = TokenWeightCollector()
-        for collector in (
+        scrape_time: list[Collector] = [
             self._replica_state,
             self._step_models,
             self._corrections,
@@ -118,16 +122,18 @@ class SluiceMetrics:
             self._size_shares,
             self._limiter,
             self._token_weights,
-        ):
+        ]
+        for collector in scrape_time:
             r.register(collector)
-        register_runtime(r)
+        scrape_time += register_runtime(r)
         #: With ``server.workers`` > 1 (``PROMETHEUS_MULTIPROC_DIR`` set and a worker index): this
         #: worker's scrape-time collectors, snapshot for the others (``multiprocess``); else None.
         self.live: LiveSnapshots | None = None
         self._exposed = r
         directory = multiprocess_directory()
         if directory is not None and self.worker is not None:
-            self.live = LiveSnapshots(directory, self.worker, r)
+            # The tenant levels collector first: it writes the level gauges a snapshot then reads.
+            self.live = LiveSnapshots(directory, self.worker, [self.tenants.levels, *scrape_time])
             self._exposed = exposition_registry(self.live)
 
     # -- label limits ------------------------------------------------------------------------------
@@ -209,6 +215,12 @@ class SluiceMetrics:
         every scrape. ``redis`` False (``limits.backend: memory``): there is no storage to report
         on, so those series keep no samples ("no data", not a made-up "Redis up")."""
         self._limiter.stats = stats if redis else None
+
+    def track_ledger(self, stats: LedgerStatsView, remote: Callable[[], Mapping[str, int]]) -> None:
+        """Export the replica ledger's ``stats`` and the other gateways' entries per replica
+        (``remote()``) at every scrape."""
+        self._ledger.stats = stats
+        self._ledger.remote = remote
 
     def observe_reload(self, ok: bool) -> None:
         """One reload attempt: ``ok`` True when the file was valid (applied or unchanged)."""

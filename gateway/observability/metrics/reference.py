@@ -27,6 +27,7 @@ DOMAINS: dict[str, str] = {
     "prediction": "Predictions: forecasts against observations, step models, corrections",
     "replicas": "Replicas as Sluice sees them",
     "tenants": "Tenants, token weights and the limiter",
+    "ledger": "The replica ledger shared by gateways",
 }
 
 HEADER = """# Metrics reference
