@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.registry import Collector
 
 from gateway.observability.metrics.children import Children
 from gateway.observability.metrics.labels import LabelLimits, configured_classes, configured_tenants
@@ -113,7 +112,7 @@ class SluiceMetrics:
         self._size_shares = SizeShareCollector(self.labels)
         self._limiter = LimiterCollector()
         self._token_weights = TokenWeightCollector()
-        scrape_time: list[Collector] = [
+        for collector in (
             self._replica_state,
             self._step_models,
             self._corrections,
@@ -122,18 +121,16 @@ class SluiceMetrics:
             self._size_shares,
             self._limiter,
             self._token_weights,
-        ]
-        for collector in scrape_time:
+        ):
             r.register(collector)
-        scrape_time += register_runtime(r)
+        register_runtime(r)
         #: With ``server.workers`` > 1 (``PROMETHEUS_MULTIPROC_DIR`` set and a worker index): this
         #: worker's scrape-time collectors, snapshot for the others (``multiprocess``); else None.
         self.live: LiveSnapshots | None = None
         self._exposed = r
         directory = multiprocess_directory()
         if directory is not None and self.worker is not None:
-            # The tenant levels collector first: it writes the level gauges a snapshot then reads.
-            self.live = LiveSnapshots(directory, self.worker, [self.tenants.levels, *scrape_time])
+            self.live = LiveSnapshots(directory, self.worker, r)
             self._exposed = exposition_registry(self.live)
 
     # -- label limits ------------------------------------------------------------------------------

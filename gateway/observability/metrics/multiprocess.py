@@ -20,12 +20,13 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Final
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
@@ -38,6 +39,7 @@ __all__ = [
     "clear_directory",
     "exposition_registry",
     "multiprocess_directory",
+    "scrape_time_collectors",
     "worker_gone",
 ]
 
@@ -85,19 +87,29 @@ def _family_json(metric: Metric) -> dict[str, object]:
     }
 
 
-class LiveSnapshots(Collector):
-    """Writes this worker's scrape-time ``collectors`` to its snapshot file (``write``) and yields
-    every worker's, merged, when collected (this worker's written fresh first)."""
+def scrape_time_collectors(registry: CollectorRegistry) -> list[Collector]:
+    """The collectors of ``registry`` that keep no values in the multiprocess files (everything
+    but its ``Counter``, ``Gauge``, ``Histogram``, ...), in registration order: those that read
+    live objects at scrape time, and those (the tenant levels) that set gauges when collected."""
+    # prometheus_client lists a registry's collectors nowhere public.
+    return [c for c in list(registry._collector_to_names) if not isinstance(c, MetricWrapperBase)]
 
-    def __init__(self, directory: Path, worker: int, collectors: Sequence[Collector]) -> None:
+
+class LiveSnapshots(Collector):
+    """Writes this worker's scrape-time collectors of ``registry`` (``scrape_time_collectors``) to
+    its snapshot file (``write``) and yields every worker's, merged, when collected (this worker's
+    written fresh first)."""
+
+    def __init__(self, directory: Path, worker: int, registry: CollectorRegistry) -> None:
         self.directory = directory
         self.worker = worker
-        self._collectors = collectors
+        self._registry = registry
         self._path = directory / f"{_SNAPSHOT_PREFIX}{worker}.json"
 
     def write(self) -> None:
         """Collect this worker's scrape-time collectors and replace its snapshot file atomically."""
-        families = [_family_json(m) for c in self._collectors for m in c.collect()]
+        collectors = scrape_time_collectors(self._registry)
+        families = [_family_json(m) for c in collectors for m in c.collect()]
         tmp = self._path.with_name(f".{self._path.name}.{os.getpid()}")
         tmp.write_text(json.dumps(families), encoding="utf-8")
         os.replace(tmp, self._path)
