@@ -67,6 +67,7 @@ class Forecast:
     before any margin or correction (NaN: not said, read ``ttft_s`` / ``tpot_s``);
     ``ttft_factor`` / ``tpot_factor``: the measured correction the caller applied to them
     (``predictor.correction``; 1: none). What the caller's correction learns against.
+    ``cached_prompt_tokens``: the prompt tokens it assumed hit the replica's prefix cache.
     """
 
     ttft_s: float
@@ -87,6 +88,7 @@ class Forecast:
     base_tpot_s: float = math.nan
     ttft_factor: float = 1.0
     tpot_factor: float = 1.0
+    cached_prompt_tokens: int = 0
 
     def with_overhead(self, ttft_s: float, overhead_s: float, made_at: float) -> Forecast:
         """This forecast with ``ttft_s``, ``overhead_s`` and ``made_at`` replaced: what
@@ -111,6 +113,7 @@ class Forecast:
             self.base_tpot_s,
             self.ttft_factor,
             self.tpot_factor,
+            self.cached_prompt_tokens,
         )
 
 
@@ -138,13 +141,18 @@ def _invalid(request: CandidateRequest, reason: str, output: float = math.nan) -
 
 
 def forecast_of(
-    values: ForecastValues, scale: float = 1.0, ttft_factor: float = 1.0, tpot_factor: float = 1.0
+    values: ForecastValues,
+    scale: float = 1.0,
+    ttft_factor: float = 1.0,
+    tpot_factor: float = 1.0,
+    cached_prompt_tokens: int = 0,
 ) -> Forecast:
     """The ``Forecast`` of ``forecast_values``' tuple, its times (TTFT, TPOT, inflicted TPOT and
     stall, admission wait) multiplied by ``scale`` (a caller's margin; 1: as forecast), its TTFT
     also by ``ttft_factor`` and its TPOT and inflicted TPOT by ``tpot_factor`` (a measured
     correction, ``predictor.correction``; 1: none). The tuple's own TTFT and TPOT are kept as
-    ``base_ttft_s`` / ``base_tpot_s``."""
+    ``base_ttft_s`` / ``base_tpot_s``. ``cached_prompt_tokens``: the prefix-cache hit the
+    forecast assumed (``CandidateRequest.cached_prompt_tokens``), echoed."""
     (ttft, tpot, inflicted, valid, reason, output, quantile, stall, wait, steps, step_wait, batch) = values
     base_ttft, base_tpot = ttft, tpot
     if scale != 1.0 or ttft_factor != 1.0 or tpot_factor != 1.0:
@@ -174,6 +182,7 @@ def forecast_of(
         base_tpot,
         ttft_factor,
         tpot_factor,
+        cached_prompt_tokens,
     )
 
 
@@ -304,7 +313,8 @@ def forecast_request(
     Pure and O(log n) in the running requests. Never raises on bad inputs: it returns
     ``valid=False`` with a ``ForecastReason``. ``forecast_of(forecast_values(...))``.
     """
-    return forecast_of(forecast_values(request, state, model, config))
+    cached = max(0, min(request.cached_prompt_tokens, request.prompt_tokens - 1))
+    return forecast_of(forecast_values(request, state, model, config), cached_prompt_tokens=cached)
 
 
 def forecast_values(

@@ -32,6 +32,7 @@ __all__ = [
     "ClassSettings",
     "ConcurrencyCapSettings",
     "HeaderSettings",
+    "PrefixCacheSettings",
     "QueueSettings",
     "RetryAfterSettings",
     "SaturationSettings",
@@ -299,6 +300,62 @@ class AttainmentSettings(Section):
         return self
 
 
+class PrefixCacheSettings(Section):
+    """Prefix-cache awareness (``gateway.admission.prefix``): per replica, which prompt prefixes
+    Sluice sent there recently, so forecasts price only the uncached part of a prompt and routing
+    weighs the hits a replica offers against its load."""
+
+    enabled: Annotated[
+        bool,
+        Field(
+            description="Index the prompt prefixes sent to each replica and forecast TTFT from the part "
+            "expected not to hit its prefix cache. Turn off for replicas started without prefix caching "
+            "(vLLM --no-enable-prefix-caching), or to route by load alone."
+        ),
+    ] = True
+    block_bytes: Annotated[
+        int,
+        Field(
+            ge=16,
+            le=65536,
+            description="Bytes of prompt text per indexed block (about 4 bytes a token in English): smaller "
+            "blocks find shorter shared prefixes and cost more hashing.",
+        ),
+    ] = 256
+    max_blocks: Annotated[
+        int,
+        Field(
+            ge=1, le=1_000_000, description="Most blocks indexed per prompt; a longer prompt's tail is not."
+        ),
+    ] = 4096
+    hit_weight: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=10,
+            description="How much an expected cache hit counts in routing: among replicas where a request "
+            "meets its targets, it goes to the one with the most slack plus hit_weight times the share "
+            "of its prompt expected to be cached there (slack is a fraction of the targets). 0: by slack "
+            "and load alone; larger values keep shared prefixes together at a larger load imbalance.",
+        ),
+    ] = 0.5
+    session_header: Annotated[
+        HeaderName | None,
+        Field(
+            description="Header naming a client session (e.g. x-session-id): a session's requests prefer "
+            "the replica that served it last, as if their whole prompt were cached there (hit_weight), "
+            "where they meet their targets. None: off."
+        ),
+    ] = None
+    session_from_user: Annotated[
+        bool,
+        Field(description="Use the body's OpenAI `user` field as the session when the header is absent."),
+    ] = False
+    max_sessions: Annotated[
+        int, Field(ge=1, description="Most sessions remembered (least recently used forgotten first).")
+    ] = 100_000
+
+
 class AdmissionSettings(Section):
     """SLO-aware admission: classes, routing by slack, the queue, Retry-After, shadow mode."""
 
@@ -368,6 +425,10 @@ class AdmissionSettings(Section):
             "its probe must be predicted within (1 - yield_margin) x each target.",
         ),
     ] = 0.2
+    prefix_cache: Annotated[
+        PrefixCacheSettings,
+        Field(description="Prefix-cache-aware forecasts and routing."),
+    ] = PrefixCacheSettings()
     unmodelled_max_in_flight: Annotated[
         int,
         Field(

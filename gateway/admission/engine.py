@@ -45,6 +45,7 @@ from gateway.admission.ports import (
     ReplicaSource,
     split_route,
 )
+from gateway.admission.prefix import PrefixCaches
 from gateway.admission.request import AdmissionRequest
 from gateway.admission.results import (
     Ending,
@@ -95,6 +96,8 @@ class _Sent:
     #: The replica refused it as overloaded; ``placed_again``: its budget waits for the next placement.
     refused: bool = False
     placed_again: bool = False
+    #: Prompt tokens the replica's prefix index held when it was sent (before the delivered share).
+    matched_tokens: int = 0
 
 
 class AdmissionEngine:
@@ -137,6 +140,9 @@ class AdmissionEngine:
         #: Each class's margin per replica, held by the attainment admitted requests reach.
         self.attainment = AttainmentController(settings)
         self.view_cache.margins = self.attainment.margins
+        #: Each replica's prefix cache as admission believes it.
+        self.prefix = PrefixCaches(settings.prefix_cache)
+        self.view_cache.prefix = self.prefix
         self.stats = AdmissionStats()
         self.fairness = VirtualTokenCounter(TokenWeights.from_queue_settings(settings.queue))
         #: The token weights tenants' budgets are charged with; with ``queue.fairness: tokens`` the
@@ -160,6 +166,7 @@ class AdmissionEngine:
         self._settings = settings
         self.view_cache.stale_margin = settings.stale_margin
         self.attainment.reconfigure(settings)
+        self.prefix.reconfigure(settings.prefix_cache)
         for controller in self._controllers.values():
             controller.reconfigure(settings)
 
@@ -241,6 +248,8 @@ class AdmissionEngine:
         ignore_eos: bool = False,
         fewest_prompt_tokens: int | None = None,
         token_capacity: float | None = None,
+        prompt_text: str | None = None,
+        session: str | None = None,
     ) -> AdmissionRequest:
         """The request sized for admission: its output predicted at the service's quantile,
         capped by ``max_tokens`` (the cap itself, at quantile 1, when the prediction fails), and
@@ -254,7 +263,9 @@ class AdmissionEngine:
         budget reserves its whole output cap, and without ``max_tokens`` that cap is the largest
         output the bucket can hold, at most the context left (``bucket_output_cap``; never below
         ``min_tokens``), set as its ``max_tokens`` (the adapter sends it to the replica).
-        ``None``: reserved at the prediction."""
+        ``None``: reserved at the prediction. ``prompt_text``: the prompt as text (a chat's
+        messages in order, any rendering that keeps a shared prefix shared), indexed for prefix-cache
+        hits (``None``: not indexed). ``session``: the client session, for session affinity."""
         model, _ = split_route(route)
         whole = token_capacity is not None and self._budget is not None
         if max_tokens is None and token_capacity is not None and self._budget is not None:
@@ -288,6 +299,9 @@ class AdmissionEngine:
             fewest_prompt_tokens=fewest_prompt_tokens,
             reserve_whole_output=whole,
             model=model,
+            prefix=self.prefix.key(prompt_text, prompt_tokens, model),
+            session=session,
+            affinity=self.prefix.affinity(session),
         )
 
     def submit(
@@ -402,6 +416,7 @@ class AdmissionEngine:
         # Learned after the re-evaluation, as the live gateway always has: the queue is judged on
         # what was known while the request ran.
         if ending.learn and not sent.refused:
+            self.prefix.reported(sent.replica, sent.matched_tokens, ending.cached_tokens)
             self._learn(sent, ending)
             self._judge(sent, ending, now)
         return resolutions
@@ -613,10 +628,15 @@ class AdmissionEngine:
         ttft = forecast.ttft_s if forecast is not None else math.nan
         output = request.expected_output_tokens if forecast is None else forecast.output_tokens_used
         stream = TrackedStream(entry, request.request_class, output, tpot, ttft)
+        hit = request.cached_prompt_tokens if forecast is None else forecast.cached_prompt_tokens
+        entry.cached_tokens = hit
+        matched = self.prefix.matched_tokens(replica, request)
+        view = self.view_cache.cached_view(route, replica)
+        self.prefix.sent(replica, request, None if view is None else view.state.kv_capacity_tokens)
         self.view_cache.track(replica, entry, stream)
         if self._budget is not None:
             self._budget.running(hold, stream)
-        self._sent[key] = _Sent(replica, entry, request, route, forecast, hold)
+        self._sent[key] = _Sent(replica, entry, request, route, forecast, hold, matched_tokens=matched)
 
     def _forget(self, sent: _Sent) -> None:
         self.view_cache.forget(sent.replica, sent.entry)

@@ -70,6 +70,7 @@ from gateway.admission.retry_after import RefusalReason
 from gateway.admission.size_share import QuartileRow
 from gateway.admission.sizing import prompt_size
 from gateway.api.openai import MAX_TOKENS_LIMIT, MAX_TOKENS_SET_HEADER, ParsedRequest
+from gateway.api.prefix_text import prefix_text, session_of
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.http.echo import clip
@@ -366,6 +367,7 @@ class LiveAdmission:
         # A response that cannot be stopped part-way reserves its whole output cap of a token
         # bucket (docs/tenants.md, "Hard caps"); a placement again keeps the cap the first set.
         limits = None if tenant is None or parsed.stream else tenant.limits
+        prefix = settings.prefix_cache
         areq = self.engine.request(
             outcome.request_id,
             route,
@@ -378,6 +380,16 @@ class LiveAdmission:
             deadline_s=deadline,
             tenant=tenant_name,
             choices=parsed.choices,
+            prompt_text=prefix_text(parsed) if prefix.enabled else None,
+            session=None
+            if not prefix.enabled
+            else session_of(
+                request.headers,
+                parsed,
+                header=prefix.session_header,
+                from_user=prefix.session_from_user,
+                tenant=tenant_name,
+            ),
             **output_floor(parsed),
         )
         if parsed.max_tokens is None and areq.max_tokens is not None:
@@ -435,6 +447,8 @@ class LiveAdmission:
             outcome.predicted_ttft_s = forecast.ttft_s
         if forecast is not None and math.isfinite(forecast.tpot_s):
             outcome.predicted_tpot_s = forecast.tpot_s
+        if forecast is not None and decision.admits:
+            outcome.expected_cached_tokens = forecast.cached_prompt_tokens
         if not decision.admits:
             assert isinstance(decision, Reject)
             outcome.retry_after_s = decision.retry_after_s
@@ -488,6 +502,7 @@ class LiveAdmission:
             forecast=forecast,
             prompt_chars=ticket.prompt_chars,
             api=ticket.api,
+            cached_tokens=outcome.cached_tokens,
             learn=not ticket.refused,
             answered=outcome.first_token_at is not None
             or (not outcome.stream and outcome.status == 200 and outcome.error is None),

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from gateway.admission.config import ClassSettings, QueueSettings
 from predictor import CandidateRequest
+from predictor.prefix_index import PrefixKey
 
 __all__ = ["AdmissionRequest"]
 
@@ -36,7 +37,11 @@ class AdmissionRequest:
     per choice), not the prediction: a response that cannot be stopped part-way
     (``gateway.admission.budget.reserved_output``). ``model``: the model it names, whose
     replica group's token weights its budget prices it with (``None``: not known; the
-    budget's weights for no model in particular).
+    budget's weights for no model in particular). ``prefix``: its prompt's leading blocks, to
+    look up in each replica's prefix index (``predictor.prefix_index``; ``None``: not indexed,
+    ``cached_prompt_tokens`` is then its expected hit everywhere). ``session``: the client session
+    it belongs to (``None``: none); ``affinity``: the replica that served that session last, which
+    routing prefers (``None``: none).
     """
 
     request_id: str
@@ -54,6 +59,9 @@ class AdmissionRequest:
     fewest_prompt_tokens: int | None = None
     reserve_whole_output: bool = False
     model: str | None = None
+    prefix: PrefixKey | None = field(default=None, repr=False, compare=False)
+    session: str | None = None
+    affinity: str | None = None
     _candidate: CandidateRequest | None = field(default=None, init=False, repr=False, compare=False)
     #: Smallest ``max_model_len`` and KV capacity (tokens) a replica needs to hold it at all, at
     #: its fewest plausible prompt tokens.
@@ -83,20 +91,23 @@ class AdmissionRequest:
         object.__setattr__(self, "min_model_len", prompt + (self.max_tokens or 1))
         object.__setattr__(self, "min_kv_tokens", prompt + max(1.0, output) * self.choices)
 
-    def _build(self, max_tokens: int) -> CandidateRequest:
+    def _build(self, max_tokens: int, cached: int | None = None) -> CandidateRequest:
         return CandidateRequest(
             self.prompt_tokens,
             max_tokens,
             self.expected_output_tokens,
             self.output_quantile,
-            self.cached_prompt_tokens,
+            self.cached_prompt_tokens if cached is None else cached,
             self.choices,
         )
 
-    def candidate(self, max_model_len: int) -> CandidateRequest:
+    def candidate(self, max_model_len: int, cached: int | None = None) -> CandidateRequest:
         """The predictor's view of it on a replica with ``max_model_len`` (which fills a missing cap).
         An estimated prompt too long for the replica, whose fewest plausible tokens fit, is
-        forecast at the longest prompt the replica would take (what it is if the engine takes it)."""
+        forecast at the longest prompt the replica would take (what it is if the engine takes it).
+        ``cached``: its prefix-cache hit there, in prompt tokens (``None``: ``cached_prompt_tokens``)."""
+        if cached is not None and cached != self.cached_prompt_tokens:
+            return self._candidate_with(max_model_len, cached)
         fewest = self.fewest_prompt_tokens
         if (
             fewest is not None
@@ -114,6 +125,18 @@ class AdmissionRequest:
         if self._candidate is not None:
             return self._candidate
         return self._build(max(1, max_model_len - self.prompt_tokens))
+
+    def _candidate_with(self, max_model_len: int, cached: int) -> CandidateRequest:
+        """``candidate`` with a hit of ``cached`` prompt tokens (a replica's own)."""
+        base = self.candidate(max_model_len)
+        return CandidateRequest(
+            base.prompt_tokens,
+            base.max_tokens,
+            base.expected_output_tokens,
+            base.output_quantile,
+            min(cached, base.prompt_tokens - 1) if cached > 0 else 0,
+            base.sequences,
+        )
 
     def max_tokens_on(self, max_model_len: int) -> int:
         """Its output cap on a replica with ``max_model_len``, in tokens."""

@@ -88,7 +88,8 @@ class Ending:
     characters-per-token and per-API learning (``None``: not known). ``learn``: teach the
     prediction service (``False``: only forget, charge and settle). ``answered``: output did
     come (a token, or a complete non-streamed answer) though neither a usage count nor the
-    tokens seen say how much: its budget is charged the output it reserved."""
+    tokens seen say how much: its budget is charged the output it reserved. ``cached_tokens``:
+    the prompt tokens the replica's usage says hit its prefix cache (``None``: it did not say)."""
 
     produced_tokens: int | None = None
     prompt_tokens: int | None = None
@@ -99,6 +100,7 @@ class Ending:
     api: str | None = None
     learn: bool = True
     answered: bool = False
+    cached_tokens: int | None = None
 
     def relayed(self, entry: LiveEntry[Any]) -> tuple[float | None, float | None]:
         """(TTFT, TPOT) of a finished request as its adapter relayed it, seconds: dispatch to first

@@ -75,6 +75,8 @@ class _Candidate:
     known: _Known | None = None
     ttft_factor: float = 1.0
     tpot_factor: float = 1.0
+    #: Prompt tokens the forecast took as hits in the replica's prefix cache.
+    cached_tokens: int = 0
 
     @property
     def forecast(self) -> Forecast | None:
@@ -85,7 +87,9 @@ class _Candidate:
             if known is not None and known.forecast is not None and known.scale == key:
                 self._forecast = known.forecast
             else:
-                self._forecast = forecast_of(self.raw, self.scale, self.ttft_factor, self.tpot_factor)
+                self._forecast = forecast_of(
+                    self.raw, self.scale, self.ttft_factor, self.tpot_factor, self.cached_tokens
+                )
                 if known is not None:
                     known.scale, known.forecast = key, self._forecast
         return self._forecast
@@ -220,7 +224,8 @@ class SlackRules:
     ) -> _Candidate | None:
         """Forecast on one replica and compute its slack vector; ``None`` if it cannot serve it."""
         state = view.state
-        memo = self._forecast(request.candidate(state.max_model_len), view)
+        candidate = request.candidate(state.max_model_len, view.cached_tokens(request))
+        memo = self._forecast(candidate, view)
         f = memo.values
         if not f[3] and f[4] != ForecastReason.STALE_STATE:
             if f[4] == ForecastReason.NO_STEP_MODEL:
@@ -319,7 +324,7 @@ class SlackRules:
         # The probes cost a forecast each: skip them where another enforced rule already fails.
         if plan and not (self._all_enforced and min(s_ttft, s_tpot, streams, stalls, kv, slot) < 0.0):
             probes = []
-            after = with_queued(state, request.prompt_tokens, request.cached_prompt_tokens)
+            after = with_queued(state, request.prompt_tokens, candidate.cached_prompt_tokens)
             keep = 1.0 - self._settings.yield_margin
             for protected, probe in plan:
                 pf = forecast_values(probe, after, view.model, self._fc)
@@ -362,6 +367,7 @@ class SlackRules:
             known,
             ct,
             cp,
+            candidate.cached_prompt_tokens,
         )
 
     def _forecast(self, candidate: CandidateRequest, view: ReplicaView) -> _Known:

@@ -169,14 +169,14 @@ class SloAdmitter:
                 "no healthy replica can serve this request right now",
                 Blocker.NO_REPLICA,
             )
-        best_all = self._pick(candidates, enforced=False)
+        best_all = self._pick(candidates, request, enforced=False)
         if best_all is not None and prompt_reject is None:
             return self._admit(best_all)
         if self._all_enforced and prompt_reject is None:
             return self._prober.probe(
                 candidates, now, self._blocked(request, cls, candidates, now, deadline, queued, self._all)
             )
-        best_enforced = self._pick(candidates, enforced=True)
+        best_enforced = self._pick(candidates, request, enforced=True)
         if best_enforced is not None:
             full: Queue | Reject
             if prompt_reject is not None:
@@ -205,14 +205,18 @@ class SloAdmitter:
             enforced=not self._shadow.prompt_size,
         )
 
-    def _pick(self, candidates: list[_Candidate], *, enforced: bool) -> _Candidate | None:
+    def _pick(
+        self, candidates: list[_Candidate], request: AdmissionRequest, *, enforced: bool
+    ) -> _Candidate | None:
         """The candidate to route to among those admissible under every rule (or, with
-        ``enforced``, under the enforced rules only): of those whose slack is within ``_SLACK_TIE``
-        of the most, the one with the fewest of the gateway's requests (then the most slack, then
-        the first listed); replicas without a step model only when no modelled one is admissible
-        (the one with the fewest of the gateway's requests).
+        ``enforced``, under the enforced rules only), ranked by their score: the slack, plus
+        ``prefix_cache.hit_weight`` times the share of the prompt expected to hit the replica's
+        prefix cache (and as much again on the replica its session was served by last). Of those
+        whose score is within ``_SLACK_TIE`` of the best, the one with the fewest of the gateway's
+        requests (then the best score, then the first listed); replicas without a step model only
+        when no modelled one is admissible (the one with the fewest of the gateway's requests).
 
-        Comparable slacks are balanced by the gateway's count, least-outstanding style, instead of
+        Comparable scores are balanced by the gateway's count, least-outstanding style, instead of
         ranked on differences below the forecasts' error: ranked on them, the replica whose fit is
         a little slower (its prior, or a fit from a few windows on a busy host) got nothing while
         others took every request, and without requests its fit never learned otherwise. The
@@ -220,7 +224,11 @@ class SloAdmitter:
         Ranked by the full slack even when some rules are shadowed: routing stays the same."""
         top = -_INF
         fallback: _Candidate | None = None
-        modelled: list[_Candidate] = []
+        modelled: list[tuple[float, _Candidate]] = []
+        prefix = self._settings.prefix_cache
+        weight = prefix.hit_weight if prefix.enabled else 0.0
+        per_token = weight / request.prompt_tokens
+        affinity = request.affinity
         for c in candidates:
             if (c.slack_enforced if enforced else c.slack) < 0.0:
                 continue
@@ -228,22 +236,28 @@ class SloAdmitter:
                 if fallback is None or c.view.gateway_streams < fallback.view.gateway_streams:
                     fallback = c
             else:
-                modelled.append(c)
-                if c.slack > top:
-                    top = c.slack
+                score = c.slack
+                if weight:
+                    score += c.cached_tokens * per_token
+                    if affinity is not None and c.view.name == affinity:
+                        score += weight
+                modelled.append((score, c))
+                if score > top:
+                    top = score
         if top == -_INF:
             return fallback
         floor = top - _SLACK_TIE
         best: _Candidate | None = None
-        for c in modelled:
-            if not c.slack >= floor:
+        best_score = -_INF
+        for score, c in modelled:
+            if not score >= floor:
                 continue
             if best is None:
-                best = c
+                best, best_score = c, score
                 continue
             streams, best_streams = c.view.gateway_streams, best.view.gateway_streams
-            if streams < best_streams or (streams == best_streams and c.slack > best.slack):
-                best = c
+            if streams < best_streams or (streams == best_streams and score > best_score):
+                best, best_score = c, score
         return best
 
     def _admit(self, c: _Candidate) -> Admit:

@@ -25,6 +25,7 @@ from gateway.admission.ports import (
     PredictionInputs,
     split_route,
 )
+from gateway.admission.prefix import PrefixCaches
 from gateway.admission.views import NO_MARGINS, LiveEntry, ReplicaView, TrackedStream
 from predictor import ReplicaState, unknown_step_model
 
@@ -71,7 +72,8 @@ class ViewCache:
     ``max_age_s``: the oldest a cached view may be used, seconds. ``stale_margin``: the margin
     the staleness warning quotes (the ``admission`` section's; the engine keeps it current).
     ``margins``: each class's margin on a replica at an instant (``ReplicaView.margins``; the
-    attainment controller's ``margins``), ``None``: none.
+    attainment controller's ``margins``), ``None``: none. ``prefix``: the replicas' prefix
+    caches (``ReplicaView.prefix``), ``None``: not modelled.
     """
 
     def __init__(
@@ -86,6 +88,8 @@ class ViewCache:
         self.remote: Callable[[str], Sequence[Any]] | None = None
         #: Told of every ``track`` and ``forget`` (``gateway.ledger.LiveLedger``); ``None``: nobody.
         self.listener: TrackListener | None = None
+        #: The replicas' prefix caches (``ReplicaView.prefix``); ``None``: not modelled.
+        self.prefix: PrefixCaches | None = None
         #: What admission remembers of the requests it sent, per replica.
         self._streams: dict[str, dict[LiveEntry[Any], TrackedStream[Any]]] = {}
         self._views: dict[str, dict[str, _Cached]] = {}
@@ -219,6 +223,8 @@ class ViewCache:
             dispatch_overhead_s=self._predictions.dispatch_overhead_s(replica),
             correction=self._predictions.correction(replica, now),
             margins=NO_MARGINS if self.margins is None else self.margins(replica, now),
+            prefix=None if self.prefix is None else self.prefix.index(replica),
+            prefix_realized=1.0 if self.prefix is None else self.prefix.realized(replica),
         )
 
     def _note_staleness(self, name: str, stale: bool) -> None:

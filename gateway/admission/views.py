@@ -17,6 +17,7 @@ from gateway.admission.request import AdmissionRequest
 from gateway.admission.shares import EMPTY_LOAD, ClassLoad, StreamingRequest, class_loads, decode_elapsed_s
 from predictor import Forecast, ReplicaState, StepBatch, StepModel
 from predictor.correction import NO_CORRECTION, Correction
+from predictor.prefix_index import PrefixIndex, expected_hit_tokens
 
 __all__ = ["LiveEntry", "ReplicaView", "TrackedStream", "current_step_s", "with_queued"]
 
@@ -31,7 +32,10 @@ class LiveEntry(Protocol[_Frozen_co]):
     """A dispatched request's mutable in-flight entry (``gateway.replicas.registry.LiveRequest``):
     prompt tokens (an estimate until usage arrives), tokens streamed so far, when the first and
     the latest were relayed (monotonic seconds, ``None`` before the first), and its immutable
-    snapshot."""
+    snapshot. ``cached_tokens``: prompt tokens expected to hit the replica's prefix cache, set by
+    admission when it sends the request."""
+
+    cached_tokens: int
 
     @property
     def prompt_tokens(self) -> int: ...
@@ -192,6 +196,10 @@ class ReplicaView:
     ``margins``: per class name, the margin (a fraction) admission applies to that class's
     forecasts here in place of ``admission.forecast_margin``, held by the attainment controller
     (``gateway.admission.attainment``); a class absent has ``forecast_margin``.
+    ``prefix``: what the replica's prefix cache probably holds (``predictor.prefix_index``; a live
+    index, shared with the engine, so a dispatch made after the view was built counts); ``None``:
+    prefix caching not modelled there. ``prefix_realized``: the share of expected hits the
+    replica has been delivering, in [0, 1].
     """
 
     name: str
@@ -206,6 +214,16 @@ class ReplicaView:
     dispatch_overhead_s: float = 0.0
     correction: Correction = NO_CORRECTION
     margins: Mapping[str, float] = dataclasses.field(default_factory=lambda: NO_MARGINS)
+    prefix: PrefixIndex | None = None
+    prefix_realized: float = 1.0
+
+    def cached_tokens(self, request: AdmissionRequest) -> int:
+        """Prompt tokens of ``request`` expected to hit this replica's prefix cache (0 <= it <
+        its prompt tokens): its indexed blocks found here, else its own ``cached_prompt_tokens``."""
+        if request.prefix is None or self.prefix is None:
+            return request.cached_prompt_tokens
+        hit = expected_hit_tokens(request.prefix, self.prefix, request.prompt_tokens, self.prefix_realized)
+        return max(hit, request.cached_prompt_tokens)
 
     @classmethod
     def build(
@@ -221,12 +239,15 @@ class ReplicaView:
         dispatch_overhead_s: float = 0.0,
         correction: Correction = NO_CORRECTION,
         margins: Mapping[str, float] = NO_MARGINS,
+        prefix: PrefixIndex | None = None,
+        prefix_realized: float = 1.0,
     ) -> ReplicaView:
         """Aggregate ``streams`` (the gateway's requests running there) once: O(k log k).
 
         ``stale`` or ``state.stale`` marks the view stale. Each stream's TPOT is floored at the
         replica's current decode step time (``current_step_s``). ``built_at``,
-        ``dispatch_overhead_s``, ``correction``, ``margins``: see the class.
+        ``dispatch_overhead_s``, ``correction``, ``margins``, ``prefix``, ``prefix_realized``: see
+        the class.
         """
         items = list(streams)
         loads = class_loads(items, current_step_s(model, state))
@@ -243,6 +264,8 @@ class ReplicaView:
             dispatch_overhead_s,
             correction,
             margins,
+            prefix,
+            prefix_realized,
         )
 
     @property
@@ -274,7 +297,9 @@ class ReplicaView:
         name = request.request_class if request_class is None else request_class
         inflicted = tpot = 0.0
         output = request.expected_output_tokens
+        cached = request.cached_prompt_tokens
         if forecast is not None:
+            cached = forecast.cached_prompt_tokens
             inflicted = forecast.inflicted_tpot_s if math.isfinite(forecast.inflicted_tpot_s) else 0.0
             tpot = forecast.tpot_s if math.isfinite(forecast.tpot_s) else 0.0
             output = forecast.output_tokens_used
@@ -284,7 +309,7 @@ class ReplicaView:
         loads[name] = current.with_stream(request.prompt_tokens + output, tpot - extra, output)
         return dataclasses.replace(
             self,
-            state=with_queued(self.state, request.prompt_tokens, request.cached_prompt_tokens),
+            state=with_queued(self.state, request.prompt_tokens, cached),
             loads=loads,
             gateway_streams=self.gateway_streams + 1,
             extra_tpot_s=extra,

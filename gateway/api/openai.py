@@ -474,10 +474,13 @@ def _upstream_members(request: ParsedRequest) -> dict[str, object] | None:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Token counts a replica reported; ``None`` where the field was missing or not an integer."""
+    """Token counts a replica reported; ``None`` where the field was missing or not an integer.
+    ``cached_tokens``: prompt tokens that hit its prefix cache (``prompt_tokens_details``; vLLM
+    reports it when started with ``--enable-prompt-tokens-details``)."""
 
     prompt_tokens: int | None
     completion_tokens: int | None
+    cached_tokens: int | None = None
 
 
 def usage_of(payload: object) -> Usage | None:
@@ -487,7 +490,11 @@ def usage_of(payload: object) -> Usage | None:
     usage = payload.get("usage")
     if not isinstance(usage, dict):
         return None
-    return Usage(_int_or_none(usage.get("prompt_tokens")), _int_or_none(usage.get("completion_tokens")))
+    details = usage.get("prompt_tokens_details")
+    cached = _int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return Usage(
+        _int_or_none(usage.get("prompt_tokens")), _int_or_none(usage.get("completion_tokens")), cached
+    )
 
 
 def _int_or_none(value: object) -> int | None:

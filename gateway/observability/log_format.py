@@ -89,6 +89,8 @@ def _access_pairs(o: RequestOutcome) -> str:
         f"ttft_ms={ms(o.ttft_s)} predicted_tpot_ms={ms(o.predicted_tpot_s)} tpot_ms={ms(o.tpot_s)} "
         f"prompt_tokens={'-' if o.prompt_tokens is None else tv(o.prompt_tokens)} "
         f"completion_tokens={'-' if o.completion_tokens is None else tv(o.completion_tokens)} "
+        f"expected_cached_tokens={'-' if o.expected_cached_tokens is None else tv(o.expected_cached_tokens)} "
+        f"cached_tokens={'-' if o.cached_tokens is None else tv(o.cached_tokens)} "
         f"tokens_streamed={tv(o.tokens_streamed)} "
         f"prompt_weight={'-' if o.prompt_weight is None else tv(o.prompt_weight)} "
         f"output_weight={'-' if o.output_weight is None else tv(o.output_weight)} "

@@ -67,6 +67,10 @@ class RequestOutcome:
     #: budget held); 1 and 1 with plain tokens, the default.
     prompt_weight: float | None = None
     output_weight: float | None = None
+    #: Prompt tokens admission expected to hit the replica's prefix cache, and those the
+    #: replica's usage says did (``None``: not sent, or the replica did not say).
+    expected_cached_tokens: int | None = None
+    cached_tokens: int | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -106,9 +110,9 @@ def access_fields(outcome: RequestOutcome) -> dict[str, Any]:
 
     Who (request id, tenant, class), where (replica, model), what was decided and why (decision,
     reason, queue wait, Retry-After), how it went (status, error, predicted against actual TTFT
-    and TPOT) and what it cost (tokens in and out, and the weights its tenant's budget charged
-    them at). Never prompt text or keys: only the tenant's name, which the tenants section of the
-    config defines.
+    and TPOT, expected against reported prefix-cache hits) and what it cost (tokens in and out,
+    and the weights its tenant's budget charged them at). Never prompt text or keys: only the
+    tenant's name, which the tenants section of the config defines.
     """
     return {
         "request_id": outcome.request_id,
@@ -131,6 +135,8 @@ def access_fields(outcome: RequestOutcome) -> dict[str, Any]:
         "tpot_ms": _ms(outcome.tpot_s),
         "prompt_tokens": outcome.prompt_tokens,
         "completion_tokens": outcome.completion_tokens,
+        "expected_cached_tokens": outcome.expected_cached_tokens,
+        "cached_tokens": outcome.cached_tokens,
         "tokens_streamed": outcome.tokens_streamed,
         "prompt_weight": outcome.prompt_weight,
         "output_weight": outcome.output_weight,

@@ -179,10 +179,17 @@ class Limits:
 
 @dataclass(slots=True)
 class _Prefill:
-    """A request the gateway has seen no token of yet: prompt tokens done and to do."""
+    """A request the gateway has seen no token of yet: prompt tokens done and to do. ``start``:
+    the tokens its prefix-cache hit spares it (done before its first chunk)."""
 
     request: InFlight
     done: int = 0
+    start: int = 0
+
+    @classmethod
+    def of(cls, request: InFlight) -> _Prefill:
+        hit = min(request.cached_tokens, request.prompt_tokens - 1) if request.cached_tokens > 0 else 0
+        return cls(request, hit, hit)
 
     @property
     def rest(self) -> int:
@@ -241,7 +248,7 @@ def step_in_progress(
     if last_boundary is None or not model.valid:
         decode_step = model.step_time(StepBatch(0.0, n, kv, 0.0)) if n and model.valid else 0.0
         return StepInProgress(0.5 * decode_step, (), (), tuple(pending))
-    queue = [_Prefill(r) for r in pending]
+    queue = [_Prefill.of(r) for r in pending]
     if queue and queue[0].request.started_at < last_boundary and queue[0].rest > budget - n:
         # A prompt that needs several steps may be part-way through them. (One that fits a
         # step and is still without a token was blocked, by a full engine: no progress.) It
@@ -330,8 +337,8 @@ def _progress(remaining_s: float, completed: list[InFlight], queue: list[_Prefil
     return StepInProgress(
         remaining_s,
         tuple(completed),
-        tuple((e.request, e.done) for e in queue if e.done > 0),
-        tuple(e.request for e in queue if e.done == 0),
+        tuple((e.request, e.done) for e in queue if e.done > e.start),
+        tuple(e.request for e in queue if e.done == e.start),
     )
 
 
@@ -382,7 +389,7 @@ def replica_state(
     running.extend(_foreign(snapshot, remaining))
     return ReplicaState.from_rows(
         running,
-        [r.prompt_tokens for r in cycle.later],
+        [r.prompt_tokens - min(r.cached_tokens, r.prompt_tokens - 1) for r in cycle.later],
         kv_capacity_tokens=limits.kv_capacity_tokens,
         max_num_seqs=limits.max_num_seqs,
         max_num_batched_tokens=limits.max_num_batched_tokens,

@@ -385,6 +385,8 @@ def record_usage(outcome: RequestOutcome, payload: object, live: LiveRequest) ->
         live.prompt_tokens = usage.prompt_tokens
     if usage.completion_tokens is not None:
         outcome.completion_tokens = usage.completion_tokens
+    if usage.cached_tokens is not None:
+        outcome.cached_tokens = usage.cached_tokens
 
 
 def record_native_usage(outcome: RequestOutcome, payload: object, live: LiveRequest) -> None:

@@ -51,9 +51,12 @@ class LiveRequest:
     token relayed, ``None`` before the first); ``max_tokens`` is the output cap in tokens
     (``None``: the client set none). Admission reads ``last_token_at - first_token_at`` as the
     time the stream's decode has taken so far (its stall budget, ``StreamingRequest``).
+    ``cached_tokens``: prompt tokens admission expected to hit the replica's prefix cache (set
+    when it is sent; 0: none).
     """
 
     __slots__ = (
+        "cached_tokens",
         "first_token_at",
         "last_token_at",
         "max_tokens",
@@ -84,6 +87,7 @@ class LiveRequest:
         self.streamed = streamed
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        self.cached_tokens = 0
 
     def freeze(self, tokens_streamed: int | None = None) -> InFlight:
         """The request as of now, as an immutable ``InFlight``; ``tokens_streamed``: the output
@@ -97,6 +101,7 @@ class LiveRequest:
             self.max_tokens,
             last_token_at=self.last_token_at,
             first_token_at=self.first_token_at,
+            cached_tokens=self.cached_tokens,
         )
 
 

@@ -25,6 +25,8 @@ class InFlight:
     ``first_token_at``: monotonic seconds when its first output token was relayed (``None``: not
     yet, or not tracked): the end of the step that finished its prefill, so a prompt queued
     behind it got at most that step's leftover budget before then.
+    ``cached_tokens``: prompt tokens the gateway expected to hit the replica's prefix cache
+    (0 <= it < ``prompt_tokens``, or 0): its prefill starts past them.
     """
 
     request_id: str
@@ -34,6 +36,7 @@ class InFlight:
     max_tokens: int | None = None
     last_token_at: float | None = None
     first_token_at: float | None = None
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

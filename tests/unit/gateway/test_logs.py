@@ -63,6 +63,8 @@ def test_access_fields() -> None:
         "tpot_ms": 99.7,
         "prompt_tokens": 7,
         "completion_tokens": 3,
+        "expected_cached_tokens": None,
+        "cached_tokens": None,
         "tokens_streamed": 0,
         "prompt_weight": None,
         "output_weight": None,

@@ -214,3 +214,24 @@ def test_other_clients_requests_come_from_the_scrape(
     assert (state.prefill_share, state.finish_rate_per_s) == (0.2, 3.0)
     assert state.background_prefill_tokens_per_step == 40.0
     assert state.step_remaining_s > 0.0
+
+
+def test_a_waiting_prompt_prefills_only_what_its_prefix_cache_hit_leaves() -> None:
+    """A request admission expected to hit the prefix cache waits with its uncached tokens only."""
+    ours = [
+        flight("a", 100, 3, 0.0, 1.0),
+        dataclasses.replace(flight("c", 5000, 0, 1.001), cached_tokens=4096),
+        dataclasses.replace(flight("d", 300, 0, 1.0015), cached_tokens=9999),  # more than its prompt
+    ]
+    state = replica_state(
+        ours,
+        dataclasses.replace(SNAPSHOT, num_running=1, num_waiting=0, in_flight=tuple(ours[:1])),
+        limits=LIMITS,
+        load=Load(),
+        remaining=rest,
+        stale=False,
+        model=MODEL,
+        now=1.002,
+        last_boundary=1.0,
+    )
+    assert (state.num_waiting, state.queued_prefill_tokens) == (2, 904 + 1)
