@@ -353,6 +353,35 @@ def targets_of(cells: Sequence[Cell]) -> list[Verdict]:
     return out
 
 
+#: What ``server.workers: 2`` should give over one process on a 2-core host (issue 29).
+TARGET_WORKERS_SPEEDUP = 1.7
+#: The configurations ``--workers N`` adds: ``sluice`` with ``server.workers: N``.
+WORKERS_PREFIX = "sluice+workers"
+
+
+def workers_lines(cells: Sequence[Cell]) -> list[str]:
+    """Each ``sluice+workersN`` configuration's requests/s over ``sluice``'s (one process), at the
+    c=32 scenarios measured: the host's throughput with N gateway processes on one port."""
+    get = {(c.config, c.scenario): c for c in cells}
+    out: list[str] = []
+    for config in dict.fromkeys(c.config for c in cells if c.config.startswith(WORKERS_PREFIX)):
+        workers = config.removeprefix(WORKERS_PREFIX)
+        for scenario in ("json c=32", "stream c=32"):
+            many, one = get.get((config, scenario)), get.get(("sluice", scenario))
+            if many is None or one is None or one.requests_per_s <= 0:
+                continue
+            ratio = many.requests_per_s / one.requests_per_s
+            goal = ""
+            if workers == "2":
+                met = ratio >= TARGET_WORKERS_SPEEDUP
+                goal = f" (target >= {TARGET_WORKERS_SPEEDUP:g}x) -> " + ("**met**" if met else "not met")
+            out.append(
+                f"- workers {workers} / 1 ({scenario}): {many.requests_per_s:.0f} / {one.requests_per_s:.0f} "
+                f"req/s = {ratio:.2f}x{goal}; proxy CPU {_f(many.cpu_share)} vs {_f(one.cpu_share)}"
+            )
+    return out
+
+
 def floor_lines(cells: Sequence[Cell]) -> list[str]:
     """The ``floor`` configuration's figures beside the bare-proxy and c=1 targets (empty when it was
     not measured): how far those targets are from what the work costs when done as cheaply as it
@@ -377,9 +406,19 @@ def floor_lines(cells: Sequence[Cell]) -> list[str]:
 
 
 # -- the run ------------------------------------------------------------------------------------------
-def cpu_layout(proxy_core: int | None) -> tuple[str | None, str | None, str]:
-    """(proxy CPUs, load CPUs, a sentence saying so) for ``taskset``."""
+def cpu_layout(proxy_core: int | None, *, pin: bool = True) -> tuple[str | None, str | None, str]:
+    """(proxy CPUs, load CPUs, a sentence saying so) for ``taskset``; ``pin`` False (``--workers``):
+    nothing pinned, every process on every CPU, so that several gateway processes can use them."""
     cpus = sorted(os.sched_getaffinity(0))
+    if not pin:
+        return (
+            None,
+            None,
+            (
+                f"nothing pinned (--workers): every process (each proxy, its workers, the fake backend, "
+                f"redis-server, the load generator) shares the {len(cpus)} CPU(s) {cpus}"
+            ),
+        )
     if len(cpus) < 2:
         return None, None, f"one CPU only ({cpus}): nothing pinned, proxy and load share it"
     core = cpus[0] if proxy_core is None else proxy_core
@@ -409,11 +448,18 @@ def machine() -> dict[str, str]:
 
 
 def run(
-    plan: Plan, names: Sequence[str], proxy_core: int | None, command: str, *, keep_logs: bool = False
+    plan: Plan,
+    names: Sequence[str],
+    proxy_core: int | None,
+    command: str,
+    *,
+    keep_logs: bool = False,
+    pin: bool = True,
 ) -> Report:
-    """One whole run (see the module doc); ``keep_logs``: copy the processes' logs to the cache."""
+    """One whole run (see the module doc); ``keep_logs``: copy the processes' logs to the cache;
+    ``pin``: see ``cpu_layout``."""
     started_utc = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    proxy_cpus, load_cpus, pinning = cpu_layout(proxy_core)
+    proxy_cpus, load_cpus, pinning = cpu_layout(proxy_core, pin=pin)
     info = machine()
     own_affinity = os.sched_getaffinity(0)
     with (
@@ -626,6 +672,10 @@ def markdown(report: Report) -> str:
     if floor:
         out += ["", "What the stack itself allows (`floor`: the bare proxy plus the least of that work):", ""]
         out += floor
+    workers = workers_lines(report.cells)
+    if workers:
+        out += ["", "Workers (`server.workers`: gateway processes on one port, one host):", ""]
+        out += workers
     for label, profile in report.profiles.items():
         out += ["", *profile_text(label, profile)]
     if report.profile_error:
@@ -667,6 +717,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--scenarios",
         help='only these scenarios, comma-separated labels (e.g. "json c=1"; default: all four)',
     )
+    parser.add_argument(
+        "--token-delay-ms",
+        type=float,
+        help="the fake backend's time per streamed token, in ms (default 5): smaller makes the streams "
+        "cost the proxy more than the backend",
+    )
     parser.add_argument("--no-profile", action="store_true", help="skip the py-spy profile of Sluice")
     parser.add_argument(
         "--profile-s", type=float, help="seconds py-spy samples each Sluice configuration (--quick: 0)"
@@ -696,6 +752,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         """merged into its configuration, e.g. 'redis-off={"limits": {"backend": "memory"}}' """
         "(repeatable; taken in turn with the others: one feature's cost, side by side)",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        action="append",
+        default=[],
+        metavar="N",
+        help=f"adds the configuration `{WORKERS_PREFIX}N`: Sluice with everything on and server.workers: N, "
+        "and pins nothing (N processes need the CPUs); its req/s over `sluice`'s are printed (repeatable)",
+    )
     parser.add_argument("--json", type=Path, help="also write the report as JSON here")
     parser.add_argument(
         "--doc", type=Path, help="markdown file to update (default docs/benchmarks.md; --quick: none)"
@@ -710,6 +775,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides["duration_s"] = args.duration
     if args.profile_s:
         overrides["profile_s"] = args.profile_s
+    if args.token_delay_ms is not None:
+        overrides["token_delay_ms"] = args.token_delay_ms
     if args.no_profile:
         overrides["profile_s"] = 0.0
     if args.scenarios:
@@ -746,6 +813,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         name = f"sluice+{label}"
         peers.STARTERS[name] = functools.partial(peers.start_sluice, name=name, patch=patch)
         variants.append(name)
+    for workers in args.workers:
+        if workers < 2:
+            parser.error(f"--workers {workers}: want 2 or more (1 is `sluice`)")
+        name = f"{WORKERS_PREFIX}{workers}"
+        patch = {"server": {"workers": workers}}
+        peers.STARTERS[name] = functools.partial(peers.start_sluice, name=name, patch=patch)
+        variants.append(name)
     names = [n for n in names if n not in variants] + variants
     unknown = [n for n in names if n not in peers.ALL and n != BASELINE and n not in variants]
     if unknown or "direct" not in names:
@@ -754,7 +828,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ".venv/bin/python -m bench.overhead"
         + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     )
-    report = run(plan, names, args.proxy_core, command, keep_logs=not args.quick)
+    report = run(plan, names, args.proxy_core, command, keep_logs=not args.quick, pin=not args.workers)
     text = markdown(report)
     print(text)
     if args.json:
