@@ -205,7 +205,11 @@ class LiveLedger:
             self._wake.clear()
             if not self.stats.up:
                 continue  # the heartbeat's probe brings it back and wakes this
-            await self.flush()
+            try:
+                await self.flush()
+            except Exception as exc:  # a bug must not end the task: counted as a failure
+                log.exception("ledger publish failed")
+                self._down(exc)
 
     async def flush(self) -> None:
         """Publish what is pending now (one pipeline); on failure it stays pending."""
@@ -241,6 +245,9 @@ class LiveLedger:
                     self.apply_message(data)
             except LedgerUnavailable as exc:
                 self._down(exc)
+            except Exception as exc:  # a bug must not end the task: counted as a failure
+                log.exception("ledger subscription failed")
+                self._down(exc)
             await asyncio.sleep(PROBE_S)
 
     def apply_message(self, data: str | bytes) -> None:
@@ -269,7 +276,11 @@ class LiveLedger:
             await asyncio.sleep(
                 self.settings.heartbeat_s if self.stats.up else min(PROBE_S, self.settings.heartbeat_s)
             )
-            await self._beat()
+            try:
+                await self._beat()
+            except Exception as exc:  # a bug must not end the task: counted as a failure
+                log.exception("ledger heartbeat failed")
+                self._down(exc)
 
     async def _beat(self) -> None:
         """One heartbeat: renew this gateway's key (write its entries again if it had expired),

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
+from typing import Any, Final
 
 import redis.asyncio
 import redis.exceptions
+from redis.asyncio.cluster import RedisCluster
 
 from gateway.ledger.state import Entry, Op, Saturation, decode_entry, encode_entry, encode_message
 from gateway.limits.redis import RedisClient
@@ -31,6 +32,15 @@ __all__ = ["LedgerRedis", "LedgerUnavailable"]
 
 class LedgerUnavailable(Exception):
     """Redis failed or was slower than the call's timeout."""
+
+
+#: What a Redis call may raise when Redis fails (a Cluster's own errors are no ``RedisError``).
+_FAILURES: Final = (
+    TimeoutError,
+    redis.exceptions.RedisError,
+    redis.exceptions.RedisClusterException,
+    OSError,
+)
 
 
 class LedgerRedis:
@@ -52,17 +62,22 @@ class LedgerRedis:
     def heartbeat_key(self, gateway: str) -> str:
         return f"{self._prefix}:ledger:gw:{{{gateway}}}"
 
-    async def _run(self, calls: Any) -> list[Any]:
+    async def _run(self, calls: Any, *more: Awaitable[Any]) -> list[Any]:
+        """Execute the pipeline ``calls`` (and await ``more`` beside it), within the timeout."""
         try:
             async with asyncio.timeout(self.timeout_s):
-                result: list[Any] = await calls.execute()
-                return result
-        except (TimeoutError, redis.exceptions.RedisError, OSError) as exc:
+                if not more:
+                    result: list[Any] = await calls.execute()
+                    return result
+                found = await asyncio.gather(calls.execute(), *more)
+                return list(found[0])
+        except _FAILURES as exc:
             raise LedgerUnavailable(f"{exc.__class__.__name__}: {exc}") from exc
 
     async def publish(self, gateway: str, ops: Sequence[Op], saturations: Sequence[Saturation] = ()) -> None:
         """Write ``ops`` to the replicas' hashes and publish them with ``saturations``: one round
-        trip (a pipeline; in a Cluster, one per node the replicas' slots are on)."""
+        trip (a pipeline; in a Cluster, one per node the replicas' slots are on, and the PUBLISH
+        beside them on the subscriber's node: a Cluster pipeline takes no PUBLISH)."""
         pipe = self._client.pipeline(transaction=False)
         for kind, entry in ops:
             key = self.entries_key(entry.replica)
@@ -70,8 +85,12 @@ class LedgerRedis:
                 pipe.hset(key, entry.key, encode_entry(entry))
             else:
                 pipe.hdel(key, entry.key)
-        pipe.publish(self.channel, encode_message(gateway, ops, saturations))
-        await self._run(pipe)
+        message = encode_message(gateway, ops, saturations)
+        if isinstance(self._client, RedisCluster):
+            await self._run(pipe, self._subscriber.publish(self.channel, message))
+        else:
+            pipe.publish(self.channel, message)
+            await self._run(pipe)
 
     async def rewrite(self, entries: Iterable[Entry]) -> None:
         """Write ``entries`` again whole (after this gateway's heartbeat had expired)."""
@@ -133,12 +152,12 @@ class LedgerRedis:
             try:
                 async with asyncio.timeout(self.timeout_s * 20 + 1.0):
                     await pubsub.subscribe(self.channel)
-            except (TimeoutError, redis.exceptions.RedisError, OSError) as exc:
+            except _FAILURES as exc:
                 raise LedgerUnavailable(f"subscribe: {exc.__class__.__name__}: {exc}") from exc
             while True:
                 try:
                     message = await pubsub.get_message(timeout=1.0)
-                except (redis.exceptions.RedisError, OSError) as exc:
+                except _FAILURES as exc:
                     raise LedgerUnavailable(f"{exc.__class__.__name__}: {exc}") from exc
                 if message is not None and message.get("type") == "message":
                     yield message["data"]

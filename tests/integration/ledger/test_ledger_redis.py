@@ -186,3 +186,42 @@ async def test_redis_down_then_up_is_one_transition_each_way(
     ups = [r for r in caplog.records if r.name == "sluice.ledger" and "reachable again" in r.getMessage()]
     assert len(downs) == 2
     assert len(ups) == 2
+
+
+async def test_on_a_redis_cluster_entries_and_expiry_cross_the_nodes() -> None:
+    """Replicas hash-tagged onto different nodes of a three-master Cluster: dispatches reach the
+    other gateway (classic pub/sub reaches every node's subscribers), a dead gateway's entries
+    are dropped and deleted on every node."""
+    from tests.support.redis import redis_cluster
+
+    replicas = [f"r{i}" for i in range(6)]
+    with redis_cluster() as cluster:
+        redis = RedisSettings(url=cluster.url, cluster=True, timeout_s=0.5)
+        changes: Changes = []
+        a = LiveLedger(SETTINGS, redis, replicas=lambda: replicas, gateway_id="gw-a")
+        b = LiveLedger(
+            SETTINGS,
+            redis,
+            replicas=lambda: replicas,
+            on_change=lambda r, f: changes.append((r, f)),
+            gateway_id="gw-b",
+        )
+        await a.start()
+        await b.start()
+        try:
+            lives = [Live() for _ in replicas]
+            for replica, live in zip(replicas, lives, strict=True):
+                a.tracked(replica, live, live)
+            await until(lambda: all(len(b.in_flight(r)) == 1 for r in replicas))
+            assert b.stats.up
+            assert a.stats.up
+            a.forgotten("r0", lives[0])
+            await until(lambda: b.in_flight("r0") == ())
+            for task in a._tasks:  # kill -9
+                task.cancel()
+            a._closed = True
+            await until(lambda: all(b.in_flight(r) == () for r in replicas), timeout_s=10.0)
+            assert b.stats.expired_gateways_total == 1
+        finally:
+            await b.stop()
+            await a.io.aclose()
