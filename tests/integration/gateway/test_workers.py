@@ -95,11 +95,12 @@ def _worker_pids(proc: Proc) -> dict[int, int]:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (an exited process nobody reaped yet, a zombie, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return False
-    return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.fixture
@@ -213,3 +214,24 @@ def _stream(base: str, out: dict[str, object], started: threading.Event) -> None
         out["error"] = repr(exc)
     finally:
         started.set()
+
+
+def test_a_supervisor_killed_outright_leaves_no_worker_or_emulator(tmp_path: Path) -> None:
+    """``kill -9`` of the supervisor passes no signal on: each worker notices its parent is gone
+    and stops (draining), the emulator stops by itself (``--parent-pid``)."""
+    port, emulator_port = free_port(), free_port()
+    config = tmp_path / "sluice.yaml"
+    config.write_text(yaml.safe_dump(_config(port, emulator_port, "sluice")), encoding="utf-8")
+    proc = Proc([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)], name="workers")
+    try:
+        proc.wait_http(f"http://127.0.0.1:{port}/readyz", timeout_s=120)
+        _until("both workers started", lambda: len(_worker_pids(proc)) == 2, proc)
+        workers = _worker_pids(proc)
+        proc.popen.send_signal(signal.SIGKILL)
+        proc.popen.wait(30)
+        _until("every worker gone", lambda: not any(_alive(pid) for pid in workers.values()), proc)
+        _until("the port closed", lambda: not port_is_open(port), proc, timeout_s=20)
+        _until("the emulator stopped", lambda: not port_is_open(emulator_port), proc, timeout_s=20)
+        assert proc.output().count("is gone: stopping") == 2
+    finally:
+        proc.stop(signal.SIGKILL)
