@@ -47,6 +47,8 @@ log = logging.getLogger("sluice.ledger")
 TICK_S: Final = 0.05
 #: While the ledger is down, Redis is probed this often at least, seconds.
 PROBE_S: Final = 0.25
+#: Longest ``start`` waits for the subscription to the other gateways' messages, seconds.
+SUBSCRIBE_WAIT_S: Final = 2.0
 
 
 @dataclass(slots=True)
@@ -127,6 +129,7 @@ class LiveLedger:
         self.io = io
         self._saturations: list[Saturation] = []
         self._wake = asyncio.Event()
+        self._subscribed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._need_rewrite = True
         self._closed = False
@@ -173,8 +176,9 @@ class LiveLedger:
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Announce this gateway (its heartbeat), read the others' entries, start the tasks.
-        Redis down at start is the down state, never an error."""
+        """Announce this gateway (its heartbeat), read the others' entries, start the tasks and
+        wait (at most ``SUBSCRIBE_WAIT_S``) until the others' messages are heard. Redis down at
+        start is the down state, never an error."""
         await self._beat()
         for name, run in (
             ("flusher", self._flusher),
@@ -183,6 +187,11 @@ class LiveLedger:
             ("heartbeat", self._heartbeats),
         ):
             self._tasks.append(asyncio.create_task(run(), name=f"sluice-ledger-{name}"))
+        if self.stats.up:
+            # Messages published before the subscription holds would be missed (refusals are
+            # not repaired by the heartbeat's re-read): wait for it, briefly.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._subscribed.wait(), timeout=SUBSCRIBE_WAIT_S)
 
     async def stop(self) -> None:
         """Stop the tasks, delete this gateway's entries and heartbeat (best effort), close."""
@@ -241,7 +250,7 @@ class LiveLedger:
     async def _subscriber(self) -> None:
         while True:
             try:
-                async for data in self.io.messages():
+                async for data in self.io.messages(self._subscribed.set):
                     self.apply_message(data)
             except LedgerUnavailable as exc:
                 self._down(exc)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, Final
 
 import redis.asyncio
@@ -144,9 +144,9 @@ class LedgerRedis:
         if count:
             await self._run(pipe)
 
-    async def messages(self) -> AsyncIterator[bytes]:
-        """The channel's messages as they come; raises ``LedgerUnavailable`` when the subscription
-        breaks (the caller subscribes again)."""
+    async def messages(self, on_subscribed: Callable[[], None] = lambda: None) -> AsyncIterator[bytes]:
+        """The channel's messages as they come (``on_subscribed()`` once the subscription holds);
+        raises ``LedgerUnavailable`` when the subscription breaks (the caller subscribes again)."""
         pubsub = self._subscriber.pubsub(ignore_subscribe_messages=True)
         try:
             try:
@@ -154,6 +154,7 @@ class LedgerRedis:
                     await pubsub.subscribe(self.channel)
             except _FAILURES as exc:
                 raise LedgerUnavailable(f"subscribe: {exc.__class__.__name__}: {exc}") from exc
+            on_subscribed()
             while True:
                 try:
                     message = await pubsub.get_message(timeout=1.0)

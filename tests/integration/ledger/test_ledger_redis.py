@@ -225,3 +225,12 @@ async def test_on_a_redis_cluster_entries_and_expiry_cross_the_nodes() -> None:
         finally:
             await b.stop()
             await a.io.aclose()
+
+
+async def test_a_replicas_refusal_makes_every_gateway_back_off(pair: Pair) -> None:
+    a, b, _ = pair
+    seen: list[tuple[str, float, str]] = []
+    b.on_saturated = lambda replica, back_off_s, gateway: seen.append((replica, back_off_s, gateway))
+    a.saturated("r1", 2.5)
+    await until(lambda: bool(seen))
+    assert seen == [("r1", 2.5, "gw-a")]
