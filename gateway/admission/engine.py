@@ -628,9 +628,12 @@ class AdmissionEngine:
         ttft = forecast.ttft_s if forecast is not None else math.nan
         output = request.expected_output_tokens if forecast is None else forecast.output_tokens_used
         stream = TrackedStream(entry, request.request_class, output, tpot, ttft)
-        hit = request.cached_prompt_tokens if forecast is None else forecast.cached_prompt_tokens
-        entry.cached_tokens = hit
         matched = self.prefix.matched_tokens(replica, request)
+        if forecast is not None:
+            entry.cached_tokens = forecast.cached_prompt_tokens
+        else:  # no step model there: the hit its index expects, for the state and the access log
+            share = self.prefix.realized(replica)
+            entry.cached_tokens = max(request.cached_prompt_tokens, int(matched * share))
         view = self.view_cache.cached_view(route, replica)
         self.prefix.sent(replica, request, None if view is None else view.state.kv_capacity_tokens)
         self.view_cache.track(replica, entry, stream)

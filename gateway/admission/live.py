@@ -447,8 +447,6 @@ class LiveAdmission:
             outcome.predicted_ttft_s = forecast.ttft_s
         if forecast is not None and math.isfinite(forecast.tpot_s):
             outcome.predicted_tpot_s = forecast.tpot_s
-        if forecast is not None and decision.admits:
-            outcome.expected_cached_tokens = forecast.cached_prompt_tokens
         if not decision.admits:
             assert isinstance(decision, Reject)
             outcome.retry_after_s = decision.retry_after_s
@@ -467,6 +465,7 @@ class LiveAdmission:
             headers = {**headers, MAX_TOKENS_SET_HEADER: str(max_tokens_set)}
         request[PREDICTION_HEADERS] = headers
         live = resolution.entry
+        outcome.expected_cached_tokens = live.cached_tokens
         hold = self.engine.held(resolution.key)
         if hold is not None:  # the weights its budget is charged with, for the access line
             outcome.prompt_weight, outcome.output_weight = hold.weights.input, hold.weights.output

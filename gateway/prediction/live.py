@@ -39,6 +39,7 @@ from gateway.replicas.snapshot import InFlight, ReplicaSnapshot
 from predictor import Forecast
 
 __all__ = [
+    "PREDICTED_CACHED_HEADER",
     "PREDICTED_TPOT_HEADER",
     "PREDICTED_TTFT_HEADER",
     "PREDICTION_HEADER",
@@ -59,6 +60,8 @@ REPLICA_HEADER = "x-sluice-replica"
 PREDICTED_TTFT_HEADER = "x-sluice-predicted-ttft-ms"
 #: Mean TPOT forecast in milliseconds, two decimals; absent when the forecast has no number.
 PREDICTED_TPOT_HEADER = "x-sluice-predicted-tpot-ms"
+#: Prompt tokens the forecast took as hits in the replica's prefix cache; absent when none.
+PREDICTED_CACHED_HEADER = "x-sluice-predicted-cached-tokens"
 #: ``ok``, or the ``predictor.ForecastReason`` value that qualifies (or voids) the numbers.
 PREDICTION_HEADER = "x-sluice-prediction"
 #: The value of ``PREDICTION_HEADER`` when the prediction service itself failed.
@@ -117,6 +120,8 @@ def forecast_headers(replica: str, forecast: Forecast | None) -> dict[str, str]:
         headers[PREDICTED_TTFT_HEADER] = ttft_header_value(forecast.ttft_s)
     if math.isfinite(forecast.tpot_s):
         headers[PREDICTED_TPOT_HEADER] = f"{forecast.tpot_s * 1000:.2f}"
+    if forecast.cached_prompt_tokens > 0:
+        headers[PREDICTED_CACHED_HEADER] = str(forecast.cached_prompt_tokens)
     return headers
 
 

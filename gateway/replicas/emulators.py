@@ -50,6 +50,10 @@ def emulator_command(emulator: EmulatorSettings) -> list[str]:
         argv += ["--seed", str(emulator.seed)]
     if emulator.engine != "vllm":
         argv += ["--engine", emulator.engine]
+    else:
+        # Its answers then say which prompt tokens hit its prefix cache, as vLLM's do with the
+        # flag: what admission's prefix index learns from (docs/admission.md, "Prefix caching").
+        argv += ["--enable-prompt-tokens-details"]
     # --parent-pid: the emulator stops by itself if this gateway dies without stopping it.
     return [*argv, "--jitter", repr(emulator.jitter), "--parent-pid", str(os.getpid())]
 

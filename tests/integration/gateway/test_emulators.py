@@ -95,9 +95,13 @@ def test_emulator_command() -> None:
     settings = EmulatorSettings(name="e", profile="p", port=8001, host="0.0.0.0", seed=4, jitter=0.1)
     assert emulator_command(settings) == [
         sys.executable, "-m", "simulator", "--profile", "p", "--port", "8001", "--host", "0.0.0.0",
-        "--seed", "4", "--jitter", "0.1", "--parent-pid", str(os.getpid()),
+        "--seed", "4", "--enable-prompt-tokens-details", "--jitter", "0.1", "--parent-pid",
+        str(os.getpid()),
     ]  # fmt: skip
     assert "--seed" not in emulator_command(EmulatorSettings(name="e", port=8001))
+    # TGI's and SGLang's faces have no such flag.
+    tgi = emulator_command(EmulatorSettings(name="e", port=8001, engine="tgi"))
+    assert "--enable-prompt-tokens-details" not in tgi
 
 
 async def test_start_waits_for_health_and_stop_terminates_the_group() -> None:
