@@ -236,6 +236,17 @@ def test_observe_outcome_records_latency_tokens_predictions_and_slo() -> None:
     assert value(metrics, signed, le="-0.25", **tpot) == 0
     assert value(metrics, signed, le="-0.15", **tpot) == 1  # -20 %: optimistic
     assert value(metrics, "sluice_proxy_overhead_seconds_sum") == pytest.approx(0.01)
+    # No prefix-cache hit expected or reported: no sample, never a made-up zero.
+    assert value(metrics, "sluice_prompt_cached_tokens_total", replica="emu-0", source="expected") is None
+
+
+def test_observe_outcome_counts_the_prefix_cache_hits_expected_and_reported() -> None:
+    metrics = SluiceMetrics()
+    metrics.observe_outcome(outcome(expected_cached_tokens=12, cached_tokens=16))
+    metrics.observe_outcome(outcome(expected_cached_tokens=0, cached_tokens=None))
+    metrics.observe_outcome(outcome(expected_cached_tokens=4, cached_tokens=0))
+    assert value(metrics, "sluice_prompt_cached_tokens_total", replica="emu-0", source="expected") == 16
+    assert value(metrics, "sluice_prompt_cached_tokens_total", replica="emu-0", source="reported") == 16
 
 
 def test_observe_outcome_of_a_rejection_counts_its_retry_after_and_no_latency() -> None:

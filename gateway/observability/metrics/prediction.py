@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -91,6 +91,14 @@ class PredictionMetrics:
             buckets=ABS_ERROR_BUCKETS,
             registry=r,
         )
+        self.cached_tokens = Counter(
+            "sluice_prompt_cached_tokens_total",
+            "Prompt tokens of requests sent to a replica that admission expected to hit its prefix "
+            "cache (source=expected) and that its answers reported as hits (source=reported), by "
+            "replica. Over sluice_prompt_tokens_total: the hit rate.",
+            ["replica", "source"],
+            registry=r,
+        )
         self.proxy_overhead = Histogram(
             "sluice_proxy_overhead_seconds",
             "Seconds in Sluice before dispatch, queue wait excluded (body, parse, admission, routing).",
@@ -107,6 +115,12 @@ class PredictionMetrics:
             tpot = (number_field(outcome, "predicted_tpot_s"), observed_tpot_s(outcome))
             self._observe_pair(replica, "ttft", *ttft, self.predicted_ttft, self.observed_ttft)
             self._observe_pair(replica, "tpot", *tpot, self.predicted_tpot, self.observed_tpot)
+            expected = number_field(outcome, "expected_cached_tokens")
+            if expected:
+                self._children.counter(self.cached_tokens, replica, "expected")(max(0.0, expected))
+            reported = number_field(outcome, "cached_tokens")
+            if reported:
+                self._children.counter(self.cached_tokens, replica, "reported")(max(0.0, reported))
         overhead = proxy_overhead_s(outcome)
         if overhead is not None:
             self.proxy_overhead.observe(overhead)
