@@ -94,6 +94,8 @@ class _Supervisor:
         worker.waiter = asyncio.create_task(worker.process.wait(), name=f"sluice-worker-{worker.index}")
         worker.waiter.add_done_callback(lambda _task: self._wake.set())
         log.info("worker %d started (pid %d)", worker.index, worker.process.pid)
+        if self._stopping:  # a signal came while it started: it was not there to be told
+            worker.process.send_signal(signal.SIGTERM)
 
     def _send(self, signum: signal.Signals) -> None:
         for worker in self._workers:
