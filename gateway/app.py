@@ -431,14 +431,16 @@ def _replicas_view(app: web.Application) -> Callable[[web.Request], Awaitable[we
     async def handler(request: web.Request) -> web.Response:
         """Every replica's state, in-flight requests, last snapshot summary, the prediction
         service's per-replica facts, fitted parameters and fit error, and the attainment
-        controller's margin and attainment per class and replica (``admission.attainment``), and
-        each class's admission by prompt-size quartile (``admission.size_shares``)."""
+        controller's margin and attainment per class and replica (``admission.attainment``),
+        each class's admission by prompt-size quartile (``admission.size_shares``), and each
+        replica's prefix index (``admission.prefix_cache``)."""
         body = app[PREDICTIONS].describe()
         admission = app.get(ADMISSION)
         if admission is not None:
             body["admission"] = {
                 "attainment": [s.as_json() for s in admission.attainment()],
                 "size_shares": admission.size_shares(),
+                "prefix_cache": admission.prefix_caches(),
             }
         ledger = app.get(LEDGER)
         if ledger is not None:

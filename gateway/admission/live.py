@@ -282,6 +282,10 @@ class LiveAdmission:
         """The attainment controller's state now: each class's margin and attainment per replica."""
         return list(self.engine.attainment.states(self._clock()))
 
+    def prefix_caches(self) -> dict[str, object]:
+        """What admission believes each replica's prefix cache holds (``PrefixCaches.describe``)."""
+        return self.engine.prefix.describe()
+
     def size_shares(self) -> dict[str, dict[str, dict[str, object]]]:
         """Each route's classes' admission by prompt-size quartile now (``AdmissionEngine.size_shares``)."""
         return self.engine.size_shares(self._clock())

@@ -122,6 +122,24 @@ class PrefixCaches:
         before = self._realized.get(replica, 1.0)
         self._realized[replica] = before + _REALIZED_ALPHA * (share - before)
 
+    def describe(self) -> dict[str, object]:
+        """JSON-ready state for the admin view: per replica the blocks indexed, the prompt
+        tokens they stand for, the capacity (tokens) and the share of expected hits delivered;
+        and the sessions remembered."""
+        return {
+            "enabled": self._settings.enabled,
+            "sessions": len(self._sessions),
+            "replicas": {
+                name: {
+                    "blocks": len(index),
+                    "tokens": round(index.tokens),
+                    "capacity_tokens": round(index.capacity_tokens),
+                    "delivered_share": round(self.realized(name), 4),
+                }
+                for name, index in sorted(self._indexes.items())
+            },
+        }
+
     def forget(self, replica: str) -> None:
         """``replica`` restarted or left: its cache is empty."""
         self._indexes.pop(replica, None)

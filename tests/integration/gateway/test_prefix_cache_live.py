@@ -107,3 +107,8 @@ async def test_shared_prefixes_are_routed_to_their_cache_and_forecast_with_the_h
     resp = await client.post("/v1/chat/completions", json=body)
     assert resp.status == 200
     assert "x-sluice-predicted-cached-tokens" not in resp.headers
+
+    view = await (await client.get("/sluice/v1/replicas")).json()
+    indexes = view["admission"]["prefix_cache"]["replicas"]
+    assert indexes[home]["blocks"] > 0, indexes
+    assert 0.5 < indexes[home]["delivered_share"] <= 1.0, indexes
