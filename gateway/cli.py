@@ -264,6 +264,15 @@ def _supervise(settings: Settings, source: Source, argv: list[str]) -> int:
     _configure_logging(settings)
     if source.config is None and not source.replicas:
         _print_banner(settings)
+    if not settings.ledger.enabled:
+        log.warning(
+            "server.workers: %d without ledger.enabled: each worker admits with its own requests "
+            "plus the replicas' scrapes, so in a burst the workers together may admit up to %d "
+            "times a replica's headroom within one scrape interval; ledger.enabled (on limits.redis) "
+            "shares their in-flight requests (docs/deployment.md, Workers)",
+            settings.server.workers,
+            settings.server.workers,
+        )
     try:
         return supervise(settings, argv, settings.server.workers)
     except EmulatorStartError as exc:

@@ -174,6 +174,7 @@ def test_two_workers_share_the_port_the_metrics_reloads_and_the_shutdown(
     _until("the emulator stopped", lambda: not port_is_open(emulator_port), proc, timeout_s=20)
     log = proc.output()
     assert "SIGTERM: stopping the 2 workers" in log
+    assert "server.workers: 2 without ledger.enabled" in log
     assert "draining for 1.0 s" in log
 
 
