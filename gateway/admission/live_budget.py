@@ -35,7 +35,8 @@ from gateway.admission.budget import BudgetAnswer, BudgetRefused
 from gateway.admission.fairness import TokenWeights
 from gateway.admission.request import AdmissionRequest
 from gateway.admission.retry_after import RefusalReason, RetryAfter, retry_after
-from gateway.http.errors import Refused, go_duration, ietf_rate_limit_headers, rate_limit_headers
+from gateway.http.errors import Refused
+from gateway.http.rate_limit_headers import go_duration, ietf_rate_limit_headers, rate_limit_headers
 from gateway.limits.base import (
     BucketState,
     Limiter,

@@ -22,7 +22,8 @@ from aiohttp.typedefs import Handler, Middleware
 
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
-from gateway.http.errors import RouteNotFound, admin_token_required, error_middleware
+from gateway.http.error_middleware import error_middleware
+from gateway.http.errors import RouteNotFound, admin_token_required
 from gateway.http.server_header import server_header_hook
 from gateway.observability.logs import add_request_id_header, request_context_middleware
 from gateway.tenants.auth import bearer_token

@@ -2,14 +2,15 @@
 
 Everything that can go wrong in front of a client is a typed ``GatewayError`` subclass carrying its
 HTTP status, OpenAI ``type`` and ``code``; ``error_response`` and ``sse_error_event`` are the only
-places that serialise them, and ``error_middleware`` the only place that catches them. aiohttp's
+places that serialise them, and ``gateway.http.error_middleware`` the only place that catches
+them. aiohttp's
 own ``HTTPException``s (404 unknown route, 405 wrong method, 413 body too large) are converted here
 too, so every error a client sees has the body::
 
     {"error": {"message": str, "type": str, "param": str | null, "code": str | null}}
 
 No traceback ever reaches a client: anything unexpected becomes a generic 500 and is logged with
-its traceback. Every error is logged exactly once, with the request id (``log_error``).
+its traceback. Every error is logged exactly once, with the request id (``log_error`` there).
 
 Refusals (a tenant's budget, admission, no replica, replicas that refused as overloaded, a
 shutdown) are ONE type, ``Refused``, carrying a ``RefusalReason`` and the ``RetryAfter`` that
@@ -23,27 +24,20 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
-import sys
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any, ClassVar, Final
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.typedefs import Handler, Middleware
 
 from gateway.admission.config import AdmissionSettings
 from gateway.admission.decision import ContextExcess, Reject
 from gateway.admission.headers import ADMISSION, CLASS, REASON
 from gateway.admission.retry_after import RefusalReason, RetryAfter
 from gateway.http.echo import MESSAGE_LIMIT, clip
-from gateway.limits.base import BucketState, Reservation
-from gateway.observability.logs import REQUEST_ID
-from gateway.observability.repeats import repeat_key
-
-log = logging.getLogger("sluice.errors")
+from gateway.http.rate_limit_headers import ietf_rate_limit_headers, rate_limit_headers
+from gateway.limits.base import Reservation
 
 #: Tells the ``openai`` SDKs whether to retry, whatever the status says.
 SHOULD_RETRY = "x-should-retry"
@@ -409,78 +403,6 @@ def refusal_reason_headers(
     return {CLASS: request_class, ADMISSION: "rejected", REASON: reason.value}
 
 
-def go_duration(seconds: float) -> str:
-    """``seconds`` as OpenAI's ``x-ratelimit-reset-*`` values (Go's duration syntax), rounded up
-    to the millisecond: ``0s``, ``20ms``, ``1s``, ``1.5s``, ``6m0s``, ``1h2m3.5s``."""
-    millis = max(0, math.ceil(seconds * 1000.0 - 1e-6)) if math.isfinite(seconds) else 0
-    if millis == 0:
-        return "0s"
-    if millis < 1000:
-        return f"{millis}ms"
-    hours, rest = divmod(millis, 3_600_000)
-    minutes, rest = divmod(rest, 60_000)
-    secs = f"{rest // 1000}.{rest % 1000:03d}".rstrip("0").rstrip(".")
-    head = (f"{hours}h" if hours else "") + (f"{minutes}m" if hours or minutes else "")
-    return f"{head}{secs}s"
-
-
-def _bucket_headers(kind: str, state: BucketState) -> dict[str, str]:
-    return {
-        f"x-ratelimit-limit-{kind}": str(round(state.limit_per_minute)),
-        f"x-ratelimit-remaining-{kind}": str(max(0, math.floor(state.remaining))),
-        f"x-ratelimit-reset-{kind}": go_duration(state.reset_after_s),
-    }
-
-
-def rate_limit_headers(reservation: Reservation) -> dict[str, str]:
-    """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` for ``reservation``
-    (a refusal's, and an admitted response's: ``gateway.admission.live_budget.rate_limit_headers_hook``).
-
-    Limit: the budget per minute; remaining: whole units left (never negative); reset: time until
-    the bucket is full again. A budget that is unlimited has no headers.
-    """
-    headers: dict[str, str] = {}
-    if reservation.requests is not None:
-        headers.update(_bucket_headers("requests", reservation.requests))
-    if reservation.tokens is not None:
-        headers.update(_bucket_headers("tokens", reservation.tokens))
-    return headers
-
-
-#: The IETF fields' names (draft-ietf-httpapi-ratelimit-headers-11).
-RATELIMIT_POLICY: Final = "RateLimit-Policy"
-RATELIMIT: Final = "RateLimit"
-
-
-def ietf_rate_limit_headers(reservation: Reservation) -> dict[str, str]:
-    """The IETF ``RateLimit-Policy`` and ``RateLimit`` fields for ``reservation``
-    (draft-ietf-httpapi-ratelimit-headers-11: structured-field lists, one item per budget the
-    tenant has; none when it has none).
-
-    ``"requests"`` and ``"tokens"``: quota ``q`` per window ``w`` of 60 s (the budget per minute, as
-    ``x-ratelimit-limit-*``), ``r`` whole units left (never negative), ``t`` whole seconds until the
-    bucket is full again (rounded up); tokens in the unit the budget counts (``qu="tokens"``, a
-    unit outside the draft's registry). ``"concurrency"``: ``q`` requests at once
-    (``qu="concurrent-requests"``), ``r`` slots free, no window."""
-    policies: list[str] = []
-    levels: list[str] = []
-    for name, state, unit in (
-        ("requests", reservation.requests, ""),
-        ("tokens", reservation.tokens, ';qu="tokens"'),
-    ):
-        if state is not None:
-            policies.append(f'"{name}";q={round(state.limit_per_minute)};w=60{unit}')
-            reset = max(0, math.ceil(state.reset_after_s - 1e-9)) if math.isfinite(state.reset_after_s) else 0
-            levels.append(f'"{name}";r={max(0, math.floor(state.remaining))};t={reset}')
-    slots = reservation.concurrency
-    if slots is not None:
-        policies.append(f'"concurrency";q={slots.limit};qu="concurrent-requests"')
-        levels.append(f'"concurrency";r={max(0, slots.limit - slots.in_flight)}')
-    if not policies:
-        return {}
-    return {RATELIMIT_POLICY: ", ".join(policies), RATELIMIT: ", ".join(levels)}
-
-
 def _json_string(value: str | None) -> str:
     return "null" if value is None else encode_basestring_ascii(value)
 
@@ -509,123 +431,6 @@ def error_response(err: GatewayError) -> web.Response:
 def sse_error_event(err: GatewayError) -> bytes:
     """The last event of a stream cut after its headers were sent: ``data: {"error": ...}``."""
     return b"data: " + err.body_bytes() + b"\n\n"
-
-
-def from_http_exception(exc: web.HTTPException) -> GatewayError:
-    """Map one of aiohttp's own HTTP errors (status >= 400) to our typed error."""
-    if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        return BodyTooLarge("request body over the limit (server.max_body_bytes)")
-    if isinstance(exc, web.HTTPMethodNotAllowed):
-        allowed = frozenset(exc.allowed_methods)
-        return MethodNotAllowed(
-            f"method {clip(exc.method, 32)} not allowed here; allowed: {', '.join(sorted(allowed))}",
-            allowed=allowed,
-        )
-    if isinstance(exc, web.HTTPNotFound):
-        return RouteNotFound("no such route")
-    if exc.status >= 500:
-        return InternalError("internal server error")
-    return _client_error_for(exc.status, exc.reason)
-
-
-def _client_error_for(status: int, reason: str) -> GatewayError:
-    """A 4xx we have no dedicated class for (e.g. 400 from a malformed header), status kept."""
-    return InvalidRequest(reason or "bad request", status=status)
-
-
-def log_error(err: GatewayError, request_id: str | None, *, exc_info: bool = False) -> None:
-    """Log ``err`` once: WARNING for 5xx (ERROR with traceback when ``exc_info``), INFO for 4xx,
-    or the error's own ``log_level`` (admission's 429s: DEBUG). Lines that differ only by their
-    request id count as repeats (``repeat_key``; with a traceback: the same exception type raised
-    at the same line)."""
-    level = logging.ERROR if exc_info else _log_level(err)
-    if not log.isEnabledFor(level):
-        return
-    code = err.code or err.error_type
-    args: tuple[object, ...] = (request_id or "-", err.status, code, err.message)
-    template = _FAILED
-    if err.detail is not None:  # the log's alone; not part of the repeat key
-        args, template = (*args, err.detail), _FAILED_DETAIL
-    if exc_info:
-        failure = sys.exc_info()[1]
-        where = failure.__traceback__ if failure is not None else None
-        while where is not None and where.tb_next is not None:
-            where = where.tb_next
-        place = (where.tb_frame.f_code.co_filename, where.tb_lineno) if where is not None else None
-        key = repeat_key(err.status, code, err.message[:_KEYED_CHARS], type(failure).__name__, place)
-        log.log(level, template, *args, exc_info=True, extra=key)
-        return
-    # The record made directly, as ``log_access`` does: ``Logger.log`` would also look up the
-    # calling file, line and function (a 4xx flood pays this per request), which no formatter
-    # here prints.
-    key = repeat_key(err.status, code, err.message[:_KEYED_CHARS])
-    log.handle(log.makeRecord(log.name, level, __file__, 0, template, args, None, None, key))
-
-
-_FAILED: Final = "request %s failed: %d %s: %s"
-_FAILED_DETAIL: Final = "request %s failed: %d %s: %s (%s)"
-#: Characters of an error's message that tell two lines apart as repeats (a key holds no more).
-_KEYED_CHARS: Final = 256
-
-
-def _log_level(err: GatewayError) -> int:
-    """The level ``log_error`` logs ``err`` at without a traceback."""
-    if err.log_level is not None:
-        return err.log_level
-    return logging.INFO if err.status < 500 else logging.WARNING
-
-
-def request_id_of(request: web.Request) -> str | None:
-    """The request id assigned by the request-id middleware, if it ran."""
-    return request.get(REQUEST_ID)
-
-
-def error_middleware() -> Middleware:
-    """Middleware factory: every exception leaving a handler becomes our JSON error response
-    (``response_for_exception``). Cancellation is not caught.
-    """
-
-    @web.middleware
-    async def impl(request: web.Request, handler: Handler) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except Exception as exc:
-            response = response_for_exception(request, exc)
-            if response is None:
-                raise
-            return response
-
-    return impl
-
-
-def response_for_exception(request: web.Request, exc: Exception) -> web.Response | None:
-    """The answer to ``exc`` raised while handling ``request``, logged once (``log_error``);
-    call it in the ``except`` block (a 500's traceback is the exception being handled).
-
-    ``GatewayError`` -> its response; aiohttp ``HTTPException`` with status >= 400 -> converted;
-    aiohttp's ``RequestPayloadError`` (a body it cannot decode) -> 400; anything else -> generic
-    500 with the traceback logged. ``None`` for an ``HTTPException`` below 400 (a redirect): the
-    caller raises it on.
-    """
-    if isinstance(exc, GatewayError):
-        err: GatewayError = exc
-    elif isinstance(exc, web.HTTPException):
-        if exc.status < 400:
-            return None
-        err = from_http_exception(exc)
-    elif isinstance(exc, web.RequestPayloadError):
-        # A body aiohttp could not decode while the handler read it (corrupt gzip or deflate
-        # data, broken chunking): the client's fault, a 400, never a 500.
-        cause = exc.__cause__
-        detail = cause.message if isinstance(cause, HttpProcessingError) else str(exc)
-        err = InvalidRequest("malformed request body: it cannot be decoded", detail=detail)
-    else:
-        err = InternalError("internal server error")
-        log_error(err, request_id_of(request), exc_info=True)
-        return error_response(err)
-    if log.isEnabledFor(_log_level(err)):  # the request id only for a line that is written
-        log_error(err, request_id_of(request))
-    return error_response(err)
 
 
 # -- tenants: authentication and budgets (gateway.tenants.live raises these) ------------------------------

@@ -16,7 +16,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from gateway.config.store import SettingsStore
 from gateway.http.admin import AdminGate
-from gateway.http.errors import response_for_exception
+from gateway.http.error_middleware import response_for_exception
 from gateway.http.request_body import read_body_in_time
 from gateway.observability.logs import end_request, start_request
 

@@ -27,12 +27,11 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from gateway.config.store import SettingsStore
+from gateway.http.error_middleware import log_error, request_id_of
 from gateway.http.errors import (
     ClientClosedRequest,
     RequestBodyTimeout,
     error_response,
-    log_error,
-    request_id_of,
 )
 from gateway.observability.logs import OUTCOME
 

@@ -36,11 +36,11 @@ from gateway.api.tgi import (
     without_details,
 )
 from gateway.http.echo import clip
+from gateway.http.error_middleware import log_error
 from gateway.http.errors import (
     GatewayError,
     Refused,
     UpstreamError,
-    log_error,
     replica_context_error,
     sse_error_event,
 )

@@ -24,7 +24,7 @@ from gateway.admission.live import ADMISSION
 from gateway.app import build_app
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
-from gateway.http.errors import go_duration
+from gateway.http.rate_limit_headers import go_duration
 from gateway.keys import OUTCOME_LISTENERS
 from gateway.observability.outcome import RequestOutcome
 from gateway.tenants.live import TENANCY

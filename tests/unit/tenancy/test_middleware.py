@@ -25,7 +25,8 @@ from aiohttp.test_utils import TestServer
 from gateway.admission.config import RetryAfterSettings
 from gateway.admission.retry_after import RefusalReason, retry_after
 from gateway.config.settings import Settings
-from gateway.http.errors import Refused, error_response, go_duration
+from gateway.http.errors import Refused, error_response
+from gateway.http.rate_limit_headers import go_duration
 from gateway.keys import STORE
 from gateway.limits.config import TenantLimitSettings
 from gateway.limits.failover import FailoverLimiter

@@ -13,7 +13,7 @@ from gateway.admission.budget import BudgetRefused, budget_retry_after, request_
 from gateway.admission.config import RetryAfterSettings
 from gateway.admission.fairness import TokenWeights
 from gateway.admission.live_budget import is_unlimited, over_budget
-from gateway.http.errors import go_duration, rate_limit_headers
+from gateway.http.rate_limit_headers import go_duration, rate_limit_headers
 from gateway.limits.base import TenantLimits
 from gateway.limits.memory import MemoryLimiter
 from gateway.observability.outcome import RequestOutcome

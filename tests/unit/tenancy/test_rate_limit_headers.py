@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from gateway.config.settings import Settings
-from gateway.http.errors import go_duration
+from gateway.http.rate_limit_headers import go_duration
 from gateway.limits.config import LimitsSettings, TenantLimitSettings, TokenWeightSettings
 from tests.unit.gateway.fakes import MODEL
 from tests.unit.tenancy.conftest import (
