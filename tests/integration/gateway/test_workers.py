@@ -89,6 +89,15 @@ def _per_worker(base: str) -> dict[str, float]:
     }
 
 
+def _workers_up(base: str) -> set[str]:
+    """The workers whose metrics snapshot is there: their app has started (written every second)."""
+    return {
+        dict(labels)["worker"]
+        for (name, labels), _ in _metrics(base).items()
+        if name == "process_start_time_seconds" and "worker" in dict(labels)
+    }
+
+
 def _worker_pids(proc: Proc) -> dict[int, int]:
     """Worker index -> pid of its latest start, from the supervisor's log."""
     return {int(i): int(pid) for i, pid in re.findall(r"worker (\d+) started \(pid (\d+)\)", proc.output())}
@@ -236,3 +245,60 @@ def test_a_supervisor_killed_outright_leaves_no_worker_or_emulator(tmp_path: Pat
         assert proc.output().count("is gone: stopping") == 2
     finally:
         proc.stop(signal.SIGKILL)
+
+
+def test_two_workers_share_one_tenant_budget_in_redis(tmp_path: Path) -> None:
+    """A tenant's request budget in Redis is one budget for both workers: 40 requests spread over
+    them (a new connection each) get exactly the bucket's 6 (plus its refill, 1 per 10 s) served,
+    where two budgets in memory would have served about 12."""
+    from gateway.tenants import hash_api_key
+    from tests.support.redis import RedisNotInstalled, redis_server
+
+    try:
+        redis_cm = redis_server(name="redis-workers")
+        redis = redis_cm.__enter__()
+    except RedisNotInstalled as exc:
+        pytest.skip(str(exc))
+    try:
+        port, emulator_port = free_port(), free_port()
+        settings = _config(port, emulator_port, "sluice")
+        settings["tenants"] = {
+            "tenants": {"t": {"api_keys": [hash_api_key("sk-workers")], "limits": {"requests_per_minute": 6}}}
+        }
+        settings["limits"] = {"backend": "redis", "redis": {"url": redis.url, "timeout_s": 1.0}}
+        config = tmp_path / "sluice.yaml"
+        config.write_text(yaml.safe_dump(settings), encoding="utf-8")
+        proc = Proc([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)], name="workers")
+        try:
+            base = f"http://127.0.0.1:{port}"
+            proc.wait_http(f"{base}/readyz", timeout_s=120)
+            _until("both workers serve", lambda: _workers_up(base) == {"0", "1"}, proc)
+            time.sleep(0.5)  # a worker binds its listener just after its app has started
+            started = time.monotonic()
+            codes = [_status(base, "sk-workers") for _ in range(40)]
+            elapsed = time.monotonic() - started
+            per_worker = _per_worker(base)
+        finally:
+            proc.stop(signal.SIGTERM, timeout_s=60)
+    finally:
+        redis_cm.__exit__(None, None, None)
+    assert set(codes) <= {200, 429}, codes
+    assert sum(per_worker.values()) == 40, per_worker
+    assert min(per_worker.values()) >= 7, per_worker  # each alone would have served its own 6
+    assert 6 <= codes.count(200) <= 6 + int(elapsed / 10) + 1, (codes, elapsed)
+
+
+def _status(base: str, key: str) -> int:
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    req = urllib.request.Request(
+        f"{base}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json", "connection": "close", "Authorization": f"Bearer {key}"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            resp.read()
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        exc.read()
+        return int(exc.code)
