@@ -118,3 +118,16 @@ def test_merge_sums_counters_and_listed_gauges_and_labels_the_rest() -> None:
         Sample("sluice_replica_healthy", {"replica": "r0", "worker": "1"}, 0.0),
     ]
     assert merged["sluice_fits"] == [Sample("sluice_fits_total", {"replica": "r0"}, 10.0)]
+
+
+def test_every_declared_gauge_says_how_workers_combine() -> None:
+    """A ``Gauge`` left at prometheus_client's default mode (``all``) would show one series per
+    worker pid: each says how the host's value is made (sum, max, min, most recent)."""
+    from prometheus_client import Gauge
+
+    from gateway.observability.metrics import SluiceMetrics
+
+    registry = SluiceMetrics().registry
+    gauges = [c for c in list(registry._collector_to_names) if isinstance(c, Gauge)]
+    assert gauges
+    assert {g._name: g._multiprocess_mode for g in gauges if g._multiprocess_mode == "all"} == {}
