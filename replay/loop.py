@@ -180,6 +180,7 @@ class _Record:
     reason: str = ""
     busy_s: float = 0.0
     preemptions: int = 0
+    cached_tokens: int = 0
 
     def outcome(self) -> Outcome:
         r = self.request
@@ -198,6 +199,7 @@ class _Record:
             self.tpot_s,
             self.busy_s,
             self.preemptions,
+            self.cached_tokens,
         )
 
 
@@ -264,7 +266,12 @@ class Fleet:
         record.dispatched_s, record.replica = now, handle.name
         engine = handle.inner.engine
         engine.add_request(
-            str(request.index), request.prompt_tokens, request.max_tokens, record.output_tokens, now
+            str(request.index),
+            request.prompt_tokens,
+            request.max_tokens,
+            record.output_tokens,
+            now,
+            prompt_token_ids=request.token_ids(),
         )
         handle.open[request.index] = _Open(request, now, live=live)
         if handle.inner.plan is None and replica != self._loop.completing:
@@ -369,6 +376,7 @@ class VirtualTimeLoop:
             record.tpot_s = stats.tpot_s
             record.output_tokens = stats.generation_tokens
             record.preemptions = stats.num_preemptions
+            record.cached_tokens = stats.cached_tokens
             self.policy.on_finished(k, o.request, stats, self.now)
         self.completing = -1
         self.start_step(k)

@@ -15,6 +15,9 @@ when configured so), driven by ``SluicePolicy``'s adapter; each has one knob the
   is not empty; tokens are charged when it ends); routing is least outstanding. Live, tenant
   rpm/tpm are the ``tenants:`` budgets (``gateway.tenants.live`` over ``gateway.limits``), enforced
   before admission under any policy; this replay-only class models LiteLLM's post-call accounting.
+* ``PrefixAffinity``: llm-d's default scheduling profile (prefix-cache, queue and KV-cache
+  utilization scorers, max-score picker), everything sent at once: a replay-only model of a
+  peer's cache-affinity router.
 * ``SluicePolicy``: the shipped ``AdmissionEngine`` (``gateway.admission.engine``) and a
   ``PredictionService``, driven as the live gateway's adapter drives them: the same view cache,
   queue, timer, fairness charges, re-placement, tenant budgets (``replay.budget``: the gateway's
@@ -49,6 +52,7 @@ from gateway.admission.results import Ending, Resolution, Saturated, UnknownMode
 from gateway.limits.base import TenantLimits
 from gateway.prediction import PredictionConfig, PredictionService
 from gateway.replicas.registry import LiveRequest
+from predictor.prefix_index import PrefixIndex, PrefixKey, prefix_key
 from replay.budget import DEFAULT_WEIGHTS, MemoryBudget
 from replay.loop import Fleet, IdleHooks, ReplicaHandle
 from replay.requests import GatewayRequest
@@ -57,6 +61,7 @@ from simulator.engine import FinishedRequestStats
 __all__ = [
     "ConcurrencyCap",
     "NoAdmission",
+    "PrefixAffinity",
     "SaturationShedding",
     "SluicePolicy",
     "TenantRateLimit",
@@ -161,6 +166,89 @@ class TenantRateLimit(_Base):
     ) -> None:
         _, tok = self._buckets(request.tenant, now)
         tok.charge(float(stats.prompt_tokens + stats.generation_tokens), now)
+
+
+class PrefixAffinity(_Base):
+    """A cache-affinity router configured as llm-d's default: every request sent at once to the
+    replica with the highest weighted score (ties at random, ``seed``), no admission.
+
+    Followed: llm-d's inference-scheduling guide (``llm-d/llm-d``,
+    ``guides/inference-scheduling/scheduler/inference-scheduling.values.yaml``: one profile of
+    ``queue-scorer`` weight 2, ``kv-cache-utilization-scorer`` weight 2, ``prefix-cache-scorer``
+    weight 3, picked by the max score), and the approximate prefix scorer of the Gateway API
+    inference extension that llm-d runs (``pkg/epp/.../plugins/.../prefix``):
+
+    * prefix: the prompt's bytes cut into blocks of ``block_tokens`` x 4 characters (vLLM's block
+      size, autotuned, times its assumed 4 characters a token), at most ``max_blocks`` (256),
+      chained hashes seeded with the model; per replica an LRU of block hashes holding as many
+      entries as the replica has KV blocks (autotuned from its ``num_gpu_blocks``), fed with a
+      request's blocks when it is sent there; score = matched leading blocks / the request's blocks;
+    * queue: (most waiting - its waiting) / (most - fewest) over the replicas, 1 when all equal;
+    * KV-cache utilization: 1 - its KV-cache use.
+
+    The queue and KV figures are read from the engines at the decision (the extension scrapes
+    every 50 ms). The prefix index is ``predictor.prefix_index.PrefixIndex`` with every entry
+    weighing one block. Requests without ``hash_ids`` score 0 for prefix everywhere.
+    """
+
+    def __init__(
+        self,
+        *,
+        prefix_weight: float = 3.0,
+        queue_weight: float = 2.0,
+        kv_weight: float = 2.0,
+        block_tokens: int = 16,
+        max_blocks: int = 256,
+        seed: int = 0,
+        name: str = "llm-d prefix scorer",
+    ) -> None:
+        if min(prefix_weight, queue_weight, kv_weight) < 0 or block_tokens < 1 or max_blocks < 1:
+            raise ValueError("weights must be >= 0, block_tokens and max_blocks >= 1")
+        self.name = name
+        self.weights = (prefix_weight, queue_weight, kv_weight)
+        self.block_bytes = 4 * block_tokens
+        self.max_blocks = max_blocks
+        self._rng = random.Random(seed)
+        self._model = ""
+        self.indexes: list[PrefixIndex] = []
+
+    def bind(self, fleet: Fleet) -> None:
+        super().bind(fleet)
+        self._model = fleet.model
+        blocks = fleet.config.profile.engine.num_gpu_blocks
+        self.indexes = [PrefixIndex(blocks) for _ in fleet.replicas]
+
+    def key(self, request: GatewayRequest) -> PrefixKey | None:
+        """``request``'s blocks, each weighing one index entry (``None``: no text or no full block)."""
+        text = request.text()
+        if text is None:
+            return None
+        size, most = self.block_bytes, self.max_blocks
+        key = prefix_key(text, request.prompt_tokens, seed=self._model, block_bytes=size, max_blocks=most)
+        return None if key is None else PrefixKey(key.hashes, 1.0)
+
+    def scores(self, key: PrefixKey | None) -> list[float]:
+        """Each replica's weighted score for a request with ``key`` (see the class)."""
+        replicas = self.fleet.replicas
+        waiting = [r.num_waiting for r in replicas]
+        most, fewest = max(waiting), min(waiting)
+        w_prefix, w_queue, w_kv = self.weights
+        out: list[float] = []
+        for r, index in zip(replicas, self.indexes, strict=True):
+            prefix = index.match(key) / len(key.hashes) if key is not None else 0.0
+            queue = 1.0 if most == fewest else (most - r.num_waiting) / (most - fewest)
+            kv = 1.0 - r.kv_cache_usage
+            out.append(w_prefix * prefix + w_queue * queue + w_kv * kv)
+        return out
+
+    def on_arrival(self, request: GatewayRequest, now: float) -> None:
+        key = self.key(request)
+        scores = self.scores(key)
+        top = max(scores)
+        chosen = self._rng.choice([k for k, s in enumerate(scores) if s == top])
+        if key is not None:
+            self.indexes[chosen].insert(key)
+        self.fleet.dispatch(request, chosen, now)
 
 
 class _FleetReplica:
@@ -305,16 +393,27 @@ class SluicePolicy(_Base):
             return request.prompt_tokens
         return max(self.service.estimate_prompt_tokens(self._model, request.prompt_chars, request.tenant), 1)
 
+    def _fewest(self, request: GatewayRequest, tokens: int) -> int | None:
+        """The lowest plausible prompt tokens of ``request`` judged at ``tokens`` (``None``: exact,
+        sent as token ids, or no fewer), as ``prompt_size_of`` gives them live."""
+        if request.prompt_chars is None:
+            return None
+        fewest = min(max(self.service.fewest_prompt_tokens(request.prompt_chars), 1), tokens)
+        return None if fewest == tokens else fewest
+
     def _submit(self, request: GatewayRequest, now: float) -> None:
         """Decide ``request`` (arrived at ``request.arrival_s``) now, as ``LiveAdmission.admit``."""
+        tokens = self._sized(request)
         areq = self.engine.request(
             str(request.index),
             self._model,
-            prompt_tokens=self._sized(request),
+            prompt_tokens=tokens,
+            fewest_prompt_tokens=self._fewest(request, tokens),
             max_tokens=request.max_tokens,
             request_class=self.request_class,
             arrival_s=request.arrival_s,
             tenant=request.tenant,
+            prompt_text=request.text(),
         )
         submitted = self.engine.submit(areq, self._model, now)
         if isinstance(submitted, UnknownModel):
@@ -368,6 +467,7 @@ class SluicePolicy(_Base):
             finished_at=now,
             ttft_s=stats.ttft_s,
             prompt_chars=request.prompt_chars,
+            cached_tokens=stats.cached_tokens,
         )
         self._apply(self.engine.finish(key, ending, now), now)
 

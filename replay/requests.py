@@ -9,6 +9,7 @@ engines and how they are scraped. Times are virtual seconds. Plain values, no lo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 from gateway.prediction import ReplicaFacts
 from gateway.replicas.scrape import DEFAULT_WINDOW_S
+from replay.prefixes import prompt_text, prompt_token_ids
 from replay.traces import TraceRequest
 from simulator.profile import Profile
 
@@ -39,7 +41,9 @@ class GatewayRequest:
     """A request as a gateway sees it on arrival (never its true output length).
 
     ``arrival_s``: virtual seconds. ``max_tokens``: the client's output cap (tokens).
-    ``tenant``: who sent it (the trace's, or assigned round robin).
+    ``tenant``: who sent it (the trace's, or assigned round robin). ``hash_ids``: its prompt's
+    prefix blocks (``TraceRequest.hash_ids``; ``None``: its prompt shares nothing, and the
+    engine's prefix cache never sees it): the engine gets ``token_ids()``, the gateway ``text()``.
     """
 
     index: int
@@ -48,6 +52,21 @@ class GatewayRequest:
     prompt_tokens: int
     max_tokens: int
     prompt_chars: int | None = None
+    hash_ids: tuple[int, ...] | None = None
+
+    def token_ids(self) -> list[int] | None:
+        """Its prompt's token ids as the engine gets them (``replay.prefixes``); ``None``: no
+        ``hash_ids``."""
+        if self.hash_ids is None:
+            return None
+        return prompt_token_ids(self.hash_ids, self.prompt_tokens, tail_key=str(self.index))
+
+    def text(self) -> str | None:
+        """Its prompt as text, as the gateway gets it (``replay.prefixes``); ``None``: no
+        ``hash_ids``."""
+        if self.hash_ids is None:
+            return None
+        return prompt_text(self.hash_ids, self.prompt_tokens, tail_key=str(self.index))
 
     @property
     def sized_from_text(self) -> bool:
@@ -88,7 +107,8 @@ class Outcome:
     ``finished_s`` is ``None`` for a request still running (or waiting in the engine) when the
     replay stopped. ``busy_s``: engine busy time attributed to it (see the module docstring).
     ``tpot_s``: the engine's mean time per output token after the first (``None`` below two
-    tokens).
+    tokens). ``cached_tokens``: prompt tokens its engine found in its prefix cache (0 unless it
+    finished).
     """
 
     index: int
@@ -105,6 +125,7 @@ class Outcome:
     tpot_s: float | None
     busy_s: float
     preemptions: int
+    cached_tokens: int = 0
 
     @property
     def ttft_s(self) -> float | None:
@@ -159,7 +180,8 @@ def gateway_requests(
 ) -> list[GatewayRequest]:
     """``trace`` as the gateway sees it: request ``i`` goes to tenant ``t{i % tenants}`` with
     ``max_tokens`` = the client's cap, lowered to ``max_model_len - prompt`` (never below the
-    request's true output). ``check_fit``: raise ``ValueError`` for a request whose prompt and
+    request's true output); a request with ``hash_ids`` sent as text has its text's characters.
+    ``check_fit``: raise ``ValueError`` for a request whose prompt and
     output exceed ``max_model_len`` (``fit_to_model_len`` leaves those out)."""
     limit = config.profile.engine.max_model_len
     requests: list[GatewayRequest] = []
@@ -167,8 +189,12 @@ def gateway_requests(
         if check_fit and t.prompt_tokens + t.output_tokens > limit:
             raise ValueError(f"request {i} does not fit max_model_len {limit}: use fit_to_model_len")
         max_tokens = max(t.output_tokens, min(config.max_tokens, limit - t.prompt_tokens))
-        chars = None if config.text is None else config.text.chars(i, t.prompt_tokens)
-        requests.append(
-            GatewayRequest(i, f"t{i % config.tenants}", t.arrival_s, t.prompt_tokens, max_tokens, chars)
+        request = GatewayRequest(
+            i, f"t{i % config.tenants}", t.arrival_s, t.prompt_tokens, max_tokens, None, t.hash_ids
         )
+        if config.text is not None:
+            text = request.text()
+            chars = config.text.chars(i, t.prompt_tokens) if text is None else len(text)
+            request = dataclasses.replace(request, prompt_chars=chars)
+        requests.append(request)
     return requests

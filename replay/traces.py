@@ -6,6 +6,7 @@ Arrivals are seconds from the trace's start; every function returns a new list i
 from __future__ import annotations
 
 import csv
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ __all__ = [
     "fit_to_model_len",
     "load_azure_trace",
     "load_mooncake_trace",
+    "parse_hash_ids",
     "piecewise_rate",
 ]
 
@@ -35,17 +37,29 @@ AZURE_CONV_TRACE: Final = (
     / "AzureLLMInferenceTrace_conv.csv"
 )
 
-#: The Mooncake FAST'25 conversation trace (Kimi), its three numeric columns as CSV (see its README).
+#: The Mooncake FAST'25 conversation trace (Kimi) as CSV: its three numeric columns and its prefix
+#: block ids (see its README).
 MOONCAKE_CONV_TRACE: Final = AZURE_CONV_TRACE.parents[1] / "mooncake_fast25" / "conversation_trace.csv"
 
 
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
-    """One request of a trace: arrival (seconds from the trace's start) and its token counts."""
+    """One request of a trace: arrival (seconds from the trace's start) and its token counts.
+
+    ``hash_ids``: its prompt's prefix blocks as the trace names them (Mooncake's ``hash_ids``: one
+    id per ``replay.prefixes.HASH_BLOCK_TOKENS`` tokens, the last block possibly partial; two
+    requests share their prompts' first k blocks exactly when their first k ids are equal);
+    ``None``: the trace says nothing of shared prefixes.
+    """
 
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
+    hash_ids: tuple[int, ...] | None = None
+
+    def at(self, arrival_s: float) -> TraceRequest:
+        """The same request arriving at ``arrival_s``."""
+        return dataclasses.replace(self, arrival_s=arrival_s)
 
 
 def load_azure_trace(
@@ -75,30 +89,53 @@ def load_azure_trace(
     return [TraceRequest((t - t0).total_seconds(), p, o) for t, p, o in rows]
 
 
+def parse_hash_ids(text: str) -> tuple[int, ...]:
+    """The block ids of the CSV's ``hash_ids`` column: space-separated ids and inclusive runs
+    ``a-b`` (``"0 14-17"`` is ``(0, 14, 15, 16, 17)``); ``ValueError`` on anything else."""
+    ids: list[int] = []
+    for part in text.split():
+        first, dash, last = part.partition("-")
+        if not dash:
+            ids.append(int(first))
+            continue
+        a, b = int(first), int(last)
+        if b < a:
+            raise ValueError(f"descending run {part!r} in hash_ids")
+        ids.extend(range(a, b + 1))
+    return tuple(ids)
+
+
 def load_mooncake_trace(
     path: Path = MOONCAKE_CONV_TRACE, *, start: int = 0, count: int | None = None, spread: bool = True
 ) -> list[TraceRequest]:
     """Rows ``start`` .. ``start + count`` of the Mooncake conversation trace CSV
-    (``timestamp_ms,input_length,output_length``), arrivals in seconds relative to the first row.
+    (``timestamp_ms,input_length,output_length``, and ``hash_ids`` where the file has it, see
+    ``parse_hash_ids``), arrivals in seconds relative to the first row.
 
     The trace's timestamps are quantised to 3-second slots (every request of a slot has the same
     one). ``spread``: requests sharing a timestamp are spread evenly over the gap to the next
     distinct timestamp (request j of n at ``t + gap x j / n``), which is milder than replaying
     each slot as one simultaneous burst; the slot's last gap is taken as the previous one.
     """
-    rows: list[tuple[float, int, int]] = []
+    rows: list[TraceRequest] = []
     with path.open(newline="", encoding="utf-8") as f:
         for i, row in enumerate(csv.DictReader(f)):
             if i < start:
                 continue
             if count is not None and len(rows) >= count:
                 break
+            ids = row.get("hash_ids")
             rows.append(
-                (float(row["timestamp_ms"]) / 1e3, int(row["input_length"]), int(row["output_length"]))
+                TraceRequest(
+                    float(row["timestamp_ms"]) / 1e3,
+                    int(row["input_length"]),
+                    int(row["output_length"]),
+                    None if ids is None else parse_hash_ids(ids),
+                )
             )
     if not rows:
         return []
-    times = [t for t, _, _ in rows]
+    times = [r.arrival_s for r in rows]
     if spread:
         distinct = sorted(set(times))
         gaps = {a: b - a for a, b in itertools.pairwise(distinct)}
@@ -115,7 +152,7 @@ def load_mooncake_trace(
         times = spread_times
     t0 = min(times)
     order = sorted(range(len(rows)), key=lambda k: (times[k], k))
-    return [TraceRequest(times[k] - t0, rows[k][1], rows[k][2]) for k in order]
+    return [rows[k].at(times[k] - t0) for k in order]
 
 
 def piecewise_rate(
@@ -135,16 +172,12 @@ def piecewise_rate(
         chunk = list(requests[used : used + n + 1])  # one more: its arrival ends the phase
         if not chunk:
             break
-        timed = (
-            at_rate(chunk, rate)
-            if len(chunk) > 1
-            else [TraceRequest(0.0, chunk[0].prompt_tokens, chunk[0].output_tokens)]
-        )
+        timed = at_rate(chunk, rate) if len(chunk) > 1 else [chunk[0].at(0.0)]
         scale = duration / timed[-1].arrival_s if len(timed) == n + 1 and timed[-1].arrival_s > 0 else 1.0
         for r in timed[:n]:
             t = offset + r.arrival_s * scale
             if t < offset + duration:
-                out.append(TraceRequest(t, r.prompt_tokens, r.output_tokens))
+                out.append(r.at(t))
         used += n
         offset += duration
     return out
@@ -164,7 +197,7 @@ def at_rate(requests: Sequence[TraceRequest], rate_per_s: float) -> list[TraceRe
     native = (len(requests) - 1) / span if span > 0 else rate_per_s
     scale = native / rate_per_s
     t0 = requests[0].arrival_s
-    return [TraceRequest((r.arrival_s - t0) * scale, r.prompt_tokens, r.output_tokens) for r in requests]
+    return [r.at((r.arrival_s - t0) * scale) for r in requests]
 
 
 def fit_to_model_len(requests: Sequence[TraceRequest], max_model_len: int) -> tuple[list[TraceRequest], int]:
