@@ -273,6 +273,17 @@ def _supervise(settings: Settings, source: Source, argv: list[str]) -> int:
             settings.server.workers,
             settings.server.workers,
         )
+    limited = settings.limited_tenants()
+    if settings.limits.backend == "memory" and limited:
+        log.warning(
+            "server.workers: %d with limits.backend: memory: each worker keeps 1/%d of every tenant "
+            "budget (%s ...), so a tenant's total stays within its limits, but one whose connections "
+            "land unevenly on the workers may be refused before it used them all; limits.backend: "
+            "redis keeps one budget for every worker (docs/deployment.md, Workers)",
+            settings.server.workers,
+            settings.server.workers,
+            limited[0],
+        )
     try:
         return supervise(settings, argv, settings.server.workers)
     except EmulatorStartError as exc:

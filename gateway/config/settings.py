@@ -146,9 +146,9 @@ class ServerSettings(Section):
             le=256,
             description="Gateway processes serving the one port (SO_REUSEPORT), under a supervisor that "
             "starts them, restarts one that dies (with back-off), passes SIGTERM, SIGINT and SIGHUP on and "
-            "sums their /metrics. More than 1 needs a fixed server.port (and admin.port, when set) and, "
-            "when a tenant has limits, limits.backend: redis. `sluice serve --workers N` sets it. "
-            "Restart required.",
+            "sums their /metrics. More than 1 needs a fixed server.port (and admin.port, when set); with "
+            "limits.backend: memory each worker keeps 1/N of every tenant budget (redis: one budget for "
+            "all). `sluice serve --workers N` sets it. Restart required.",
         ),
     ] = 1
     server_header: Annotated[
@@ -426,8 +426,7 @@ class Settings(Section):
         return [Violation(("server", "host"), message, server.host)]
 
     def _worker_violations(self) -> list[Violation]:
-        """``server.workers`` > 1 with what several processes cannot share: a port picked at
-        random (0) by each, or tenant budgets each process would keep whole in its own memory."""
+        """``server.workers`` > 1 with a port picked at random (0): each worker would pick its own."""
         workers = self.server.workers
         if workers == 1:
             return []
@@ -436,16 +435,12 @@ class Settings(Section):
             if port == 0:
                 message = f"0 picks a different free port in each of the {workers} workers: give a fixed port"
                 found.append(Violation((path, "port"), message, port))
-        unlimited = TenantLimitSettings()
-        limited = sorted(name for name, t in self.tenants.tenants.items() if t.limits != unlimited)
-        if self.limits.backend == "memory" and limited:
-            message = (
-                f"memory keeps each of the {workers} workers' own budgets, so tenant {limited[0]!r} would "
-                f"get {workers} times its limits: set limits.backend: redis (shared by every worker), or "
-                "server.workers: 1"
-            )
-            found.append(Violation(("limits", "backend"), message, self.limits.backend))
         return found
+
+    def limited_tenants(self) -> list[str]:
+        """The tenants with at least one budget (``tenants.*.limits``), by name."""
+        unlimited = TenantLimitSettings()
+        return sorted(name for name, t in self.tenants.tenants.items() if t.limits != unlimited)
 
     def _admin_violations(self) -> list[Violation]:
         """An admin port another listener of this file needs, and an admin token that disagrees

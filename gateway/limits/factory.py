@@ -14,17 +14,22 @@ from gateway.limits.redis import RedisLimiter, connect
 
 
 def build_limiter(
-    settings: LimitsSettings, *, stats: LimiterStats, clock: Callable[[], float] = time.monotonic
+    settings: LimitsSettings,
+    *,
+    stats: LimiterStats,
+    clock: Callable[[], float] = time.monotonic,
+    memory_share: float = 1.0,
 ) -> Limiter:
     """The limiter for ``settings``; every layer counts into ``stats``.
 
-    ``memory``: a ``MemoryLimiter``. ``redis``: ``FailoverLimiter(OverLimitCache(RedisLimiter),
-    MemoryLimiter at fallback_share)`` (the cache only when ``over_limit_cache``), probing a failed
-    Redis with PING every ``probe_interval_s``. Creating it opens no connection; call
-    ``await limiter.close()`` at shutdown.
+    ``memory``: a ``MemoryLimiter`` at ``memory_share`` (0 < share <= 1) of every budget: one
+    worker's part when ``server.workers`` processes each keep their own. ``redis``:
+    ``FailoverLimiter(OverLimitCache(RedisLimiter), MemoryLimiter at fallback_share)`` (the cache
+    only when ``over_limit_cache``), probing a failed Redis with PING every ``probe_interval_s``.
+    Creating it opens no connection; call ``await limiter.close()`` at shutdown.
     """
     if settings.backend == "memory" or settings.redis is None:
-        return MemoryLimiter(lease_ttl_s=settings.lease_ttl_s, clock=clock, stats=stats)
+        return MemoryLimiter(share=memory_share, lease_ttl_s=settings.lease_ttl_s, clock=clock, stats=stats)
     redis_settings = settings.redis
     client = connect(
         redis_settings.url,

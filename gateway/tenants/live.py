@@ -57,6 +57,7 @@ from gateway.observability.outcome import RequestOutcome
 from gateway.prediction.service import PredictionService
 from gateway.tenants import Authenticator, AuthError, Tenant
 from gateway.tenants.pricing import PLAIN_WEIGHTS, GroupWeights, ReplicaGroups, configured_weights
+from gateway.workers import worker_count
 
 __all__ = ["TENANCY", "TENANT", "Tenancy", "install_tenancy"]
 
@@ -238,7 +239,9 @@ class Tenancy:
         """Build the limiter (unless one was given) and the budget over it, and bind the metrics,
         if the app has them."""
         if self._limiter is None:
-            self._limiter = build_limiter(self._store.current.limits, stats=self.stats)
+            # Several workers with budgets in memory: each keeps 1/N of them (gateway.workers).
+            share = 1.0 / worker_count()
+            self._limiter = build_limiter(self._store.current.limits, stats=self.stats, memory_share=share)
         self._listeners = listeners
         store = self._store
         self._budget = LiveBudget(

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Final
 
 from gateway.config.settings import Settings
-from gateway.workers import PARENT_ENV, WORKER_ENV
+from gateway.workers import COUNT_ENV, PARENT_ENV, WORKER_ENV
 
 __all__ = ["supervise"]
 
@@ -85,6 +85,7 @@ class _Supervisor:
             **os.environ,
             WORKER_ENV: str(worker.index),
             PARENT_ENV: str(os.getpid()),
+            COUNT_ENV: str(len(self._workers)),
             _MULTIPROC_ENV: str(self._directory),
         }
         worker.process = await asyncio.create_subprocess_exec(

@@ -81,11 +81,18 @@ class SluiceMetrics:
     ``set_known_labels`` or ``install`` sets them from the configuration. ``clock`` (monotonic
     seconds) dates replica snapshots. ``worker``: this process's worker index (default: from the
     environment, ``gateway.workers``); with ``PROMETHEUS_MULTIPROC_DIR`` set as well, the exposition
-    is the host's, every worker's summed (``multiprocess``). Not thread-safe beyond
+    is the host's, every worker's summed (``multiprocess``); ``budgets_per_worker``: the workers keep
+    tenant budgets in memory, each its share, so the tenant gauges are summed. Not thread-safe beyond
     prometheus_client's own locking; call from the event loop.
     """
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic, worker: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        worker: int | None = None,
+        budgets_per_worker: bool = False,
+    ) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.labels = LabelLimits()
         self.children = Children()
@@ -95,7 +102,7 @@ class SluiceMetrics:
         self.prediction = PredictionMetrics(r, self.children)
         self._replica_state = ReplicaCollector(clock)
         self.replicas = ReplicaMetrics(r, self.children, self._replica_state)
-        self.tenants = TenantMetrics(r, self.children, self.labels)
+        self.tenants = TenantMetrics(r, self.children, self.labels, budgets_per_worker=budgets_per_worker)
         self.reloads = ReloadMetrics(r)
         self._ledger = LedgerCollector()
         r.register(self._ledger)

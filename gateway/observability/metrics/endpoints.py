@@ -91,9 +91,10 @@ def install(
     (also at ``app[METRICS]``) for the producers that are not in the app yet (queue, limiter,
     reloader: see ``SluiceMetrics``).
     """
-    chosen = metrics if metrics is not None else SluiceMetrics()
-    app[METRICS] = chosen
     store = app[STORE]
+    in_memory = store.current.limits.backend == "memory"
+    chosen = metrics if metrics is not None else SluiceMetrics(budgets_per_worker=in_memory)
+    app[METRICS] = chosen
     chosen.follow_settings(store.current)
     store.subscribe(lambda _old, new: chosen.follow_settings(new))
     app[OUTCOME_LISTENERS].append(chosen.observe_outcome)

@@ -13,7 +13,7 @@ what these read of ``gateway.limits.base``'s types.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Protocol
+from typing import Literal, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -98,7 +98,20 @@ class TenantMetrics:
     """The tenant series, registered in ``registry`` at construction (in exposition order);
     tenant names are limited by ``labels``."""
 
-    def __init__(self, registry: CollectorRegistry, children: Children, labels: LabelLimits) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        children: Children,
+        labels: LabelLimits,
+        *,
+        budgets_per_worker: bool = False,
+    ) -> None:
+        """``budgets_per_worker``: with several workers, each keeps its own share of every budget
+        (``limits.backend: memory``), so the host's levels are the workers' summed; otherwise they
+        all read the one budget in Redis and the host's level is the latest read."""
+        levels_mode: Literal["livesum", "livemostrecent"] = "livemostrecent"
+        if budgets_per_worker:
+            levels_mode = "livesum"
         self._children = children
         self._labels = labels
         r = registry
@@ -126,35 +139,35 @@ class TenantMetrics:
             "Tokens or requests left in a tenant's bucket after its last reservation here.",
             ["tenant", "bucket"],
             registry=r,
-            multiprocess_mode="livemostrecent",
+            multiprocess_mode=levels_mode,
         )
         self.tenant_bucket_capacity = Gauge(
             "sluice_tenant_bucket_capacity",
             "Size of a tenant's bucket (burst), in tokens or requests.",
             ["tenant", "bucket"],
             registry=r,
-            multiprocess_mode="livemostrecent",
+            multiprocess_mode=levels_mode,
         )
         self.tenant_limit_per_minute = Gauge(
             "sluice_tenant_limit_per_minute",
             "A tenant's refill rate, tokens or requests per minute.",
             ["tenant", "bucket"],
             registry=r,
-            multiprocess_mode="livemostrecent",
+            multiprocess_mode=levels_mode,
         )
         self.tenant_in_flight = Gauge(
             "sluice_tenant_in_flight_requests",
             "A tenant's unsettled requests across gateways, at its last reservation here.",
             ["tenant"],
             registry=r,
-            multiprocess_mode="livemostrecent",
+            multiprocess_mode=levels_mode,
         )
         self.tenant_concurrency_limit = Gauge(
             "sluice_tenant_concurrency_limit",
             "A tenant's max_concurrent.",
             ["tenant"],
             registry=r,
-            multiprocess_mode="livemostrecent",
+            multiprocess_mode=levels_mode,
         )
 
     def observe_reservation(self, reservation: ReservationView) -> None:

@@ -130,11 +130,6 @@ BAD_CASES: dict[str, list[str]] = {
         "server.port: 0 picks a different free port in each of the 2 workers: give a fixed port (got 0)",
         "admin.port: 0 picks a different free port in each of the 2 workers: give a fixed port (got 0)",
     ],
-    "workers_memory_budgets.yaml": [
-        "limits.backend: memory keeps each of the 2 workers' own budgets, so tenant 'team-a' would get "
-        "2 times its limits: set limits.backend: redis (shared by every worker), or server.workers: 1 "
-        "(got 'memory')"
-    ],
     # Whole-file rules are still checked when an unrelated section has a field error.
     "several_errors_with_fleet_rules.yaml": [
         "health.unhealthy_after: Input should be greater than or equal to 1 (got 0)",

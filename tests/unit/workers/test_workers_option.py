@@ -1,14 +1,15 @@
 """``server.workers`` from the command line: ``sluice serve --workers N`` and ``SLUICE_WORKERS``,
-the flag winning, and the settings validated again with it (port 0, budgets in memory)."""
+the flag winning, and the settings validated again with it (port 0); a worker's identity and its
+share of budgets kept in memory."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.cli import EXIT_CONFIG, build_parser, main
+from gateway.cli import build_parser
 from gateway.config.load import ConfigError, default_settings, parse_settings
 from gateway.config.starter import Source, UsageError, resolve_source, with_workers
-from gateway.workers import PARENT_ENV, WORKER_ENV, supervisor_pid, worker_index
+from gateway.workers import COUNT_ENV, PARENT_ENV, WORKER_ENV, supervisor_pid, worker_count, worker_index
 
 
 def _source(argv: list[str], env: dict[str, str] | None = None) -> Source:
@@ -53,34 +54,42 @@ def test_with_workers_sets_the_key_and_validates_again() -> None:
     ]
 
 
-def test_budgets_in_redis_or_no_limits_allow_workers() -> None:
+def test_budgets_in_memory_or_in_redis_allow_workers() -> None:
+    """In memory each worker keeps its share of every budget (``gateway.limits.factory``); in Redis
+    they share one: both are accepted, the embedded default (demo tenant, memory) included."""
     key = "sha256:" + "3" * 64
     redis = {"backend": "redis", "redis": {"url": "redis://127.0.0.1:6379/0"}}
     limited = {"tenants": {"t": {"api_keys": [key], "limits": {"max_concurrent": 4}}}}
-    assert (
-        parse_settings(_fleet(server={"workers": 2}, tenants=limited, limits=redis), "f").server.workers == 2
-    )
-    unlimited = {"tenants": {"t": {"api_keys": [key]}}}
-    assert parse_settings(_fleet(server={"workers": 2}, tenants=unlimited), "f").server.workers == 2
+    for limits in ({}, {"limits": redis}):
+        settings = parse_settings(_fleet(server={"workers": 2}, tenants=limited, **limits), "f")
+        assert settings.server.workers == 2
+        assert settings.limited_tenants() == ["t"]
+    demo = with_workers(default_settings(), 2, "embedded default")
+    assert (demo.server.workers, demo.limits.backend, demo.limited_tenants()) == (2, "memory", ["demo"])
 
 
-def test_the_embedded_default_with_workers_says_which_key_to_change(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """The demo tenant has limits and the default keeps budgets in memory: refused before anything
-    starts, naming the key."""
-    assert default_settings().server.workers == 1
-    assert main(["serve", "--workers", "2"]) == EXIT_CONFIG
-    err = capsys.readouterr().err
-    assert "with --workers 2" in err
-    assert "limits.backend: memory keeps each of the 2 workers' own budgets" in err
+def test_a_worker_keeps_its_share_of_budgets_in_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.limits.base import LimiterStats
+    from gateway.limits.config import LimitsSettings
+    from gateway.limits.factory import build_limiter
+    from gateway.limits.memory import MemoryLimiter
+
+    monkeypatch.setenv(WORKER_ENV, "0")
+    monkeypatch.setenv(COUNT_ENV, "4")
+    assert worker_count() == 4
+    limiter = build_limiter(LimitsSettings(), stats=LimiterStats(), memory_share=1.0 / worker_count())
+    assert isinstance(limiter, MemoryLimiter)
+    assert limiter.share == 0.25
 
 
 def test_worker_identity_comes_from_the_supervisor_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(WORKER_ENV, raising=False)
     monkeypatch.setenv(PARENT_ENV, "123")
+    monkeypatch.setenv(COUNT_ENV, "3")
     assert worker_index() is None
     assert supervisor_pid() is None
+    assert worker_count() == 1
     monkeypatch.setenv(WORKER_ENV, "1")
     assert worker_index() == 1
     assert supervisor_pid() == 123
+    assert worker_count() == 3
