@@ -432,8 +432,9 @@ def _replicas_view(app: web.Application) -> Callable[[web.Request], Awaitable[we
         """Every replica's state, in-flight requests, last snapshot summary, the prediction
         service's per-replica facts, fitted parameters and fit error, and the attainment
         controller's margin and attainment per class and replica (``admission.attainment``),
-        each class's admission by prompt-size quartile (``admission.size_shares``), and each
-        replica's prefix index (``admission.prefix_cache``)."""
+        each class's admission by prompt-size quartile (``admission.size_shares``), each
+        replica's prefix index (``admission.prefix_cache``) and, with ``ledger.enabled``, the
+        other gateways' in-flight requests this one counts per replica (``ledger``)."""
         body = app[PREDICTIONS].describe()
         admission = app.get(ADMISSION)
         if admission is not None:
