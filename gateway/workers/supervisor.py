@@ -211,6 +211,10 @@ def check_bind(host: str, port: int) -> None:
         sock.bind((host.strip("[]"), port))
 
 
+#: The temporary metrics directories' names: ``sluice-metrics-<supervisor pid>-<random>``.
+_TEMP_PREFIX: Final = "sluice-metrics-"
+
+
 def _metrics_directory() -> tuple[Path, bool]:
     """(the multiprocess metrics directory, whether the supervisor made it and removes it)."""
     from gateway.observability.metrics.multiprocess import clear_directory
@@ -221,7 +225,23 @@ def _metrics_directory() -> tuple[Path, bool]:
         directory.mkdir(parents=True, exist_ok=True)
         clear_directory(directory)
         return directory, False
-    return Path(tempfile.mkdtemp(prefix="sluice-metrics-")), True
+    _sweep_orphaned_directories(Path(tempfile.gettempdir()))
+    return Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-")), True
+
+
+def _sweep_orphaned_directories(parent: Path) -> None:
+    """Remove the temporary metrics directories of supervisors that are gone (killed outright,
+    they could not remove their own); one whose pid runs again, whoever runs it, is kept."""
+    for path in parent.glob(f"{_TEMP_PREFIX}*-*"):
+        pid_text = path.name.removeprefix(_TEMP_PREFIX).split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:
+            continue  # another user's live process
 
 
 async def _supervise(settings: Settings, argv: Sequence[str], workers: int) -> int:

@@ -40,3 +40,20 @@ def test_the_back_off_doubles_to_its_cap() -> None:
         worker.quick_failures = failures
         delays.append(sup._backoff_s(worker))
     assert delays == [0.5, 1.0, 2.0, 30.0]
+
+
+def test_a_dead_supervisors_metrics_directory_is_swept(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead = tmp_path / f"sluice-metrics-{int(gone.stdout)}-abc"
+    alive = tmp_path / f"sluice-metrics-{os.getpid()}-def"
+    other = tmp_path / "sluice-metrics-notapid"
+    for path in (dead, alive, other):
+        path.mkdir()
+    supervisor._sweep_orphaned_directories(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, other.name])
