@@ -46,7 +46,8 @@ class Entry:
     was admitted as (``None``: unknown). ``dispatched_at`` and ``first_token_at``: wall-clock
     seconds (``None``: no token yet). ``tokens``: output tokens so far (estimated by the sender for
     a request whose tokens are not relayed as they come). ``version``: bumped by the sender at
-    each update; a reader keeps the highest.
+    each update; a reader keeps the highest. ``cached_tokens``: prompt tokens the sender expected
+    to hit the replica's prefix cache (0: none).
     """
 
     gateway: str
@@ -60,6 +61,7 @@ class Entry:
     first_token_at: float | None
     tokens: int
     version: int
+    cached_tokens: int = 0
 
     def in_flight(self, offset: float) -> InFlight:
         """As the forecast takes it, its times moved to the reader's monotonic clock
@@ -74,6 +76,7 @@ class Entry:
             self.dispatched_at - offset,
             self.max_tokens,
             first_token_at=first,
+            cached_tokens=self.cached_tokens,
         )
 
 
@@ -92,16 +95,19 @@ def encode_entry(entry: Entry) -> str:
             None if entry.first_token_at is None else round(entry.first_token_at, 6),
             entry.tokens,
             entry.version,
+            entry.cached_tokens,
         ],
         separators=(",", ":"),
     )
 
 
 def decode_entry(text: str | bytes) -> Entry | None:
-    """The entry ``encode_entry`` wrote; ``None`` for anything malformed (never raises)."""
+    """The entry ``encode_entry`` wrote (or, without ``cached_tokens``, an earlier version);
+    ``None`` for anything malformed (never raises)."""
     try:
         row = json.loads(text)
-        g, k, r, p, out, cap, cls, at, first, tokens, version = row
+        g, k, r, p, out, cap, cls, at, first, tokens, version, *more = row
+        cached = int(more[0]) if more else 0
         return Entry(
             str(g),
             str(k),
@@ -114,6 +120,7 @@ def decode_entry(text: str | bytes) -> Entry | None:
             None if first is None else float(first),
             int(tokens),
             int(version),
+            cached,
         )
     except (ValueError, TypeError):
         return None
@@ -246,6 +253,7 @@ class Outbox:
             None if first is None else first + offset,
             int(frozen.tokens_streamed),
             1,
+            int(getattr(frozen, "cached_tokens", 0)),
         )
         self._own[live] = _Own(replica, entry, stream, None, first is not None)
         self._per_replica[replica] = self._per_replica.get(replica, 0) + 1

@@ -37,9 +37,12 @@ class FakeLive:
     first_token_at: float | None = None
     request_class: str = "batch"
     expected_output_tokens: float = 40.0
+    cached: int = 0
 
     def in_flight(self, now: float) -> InFlight:
-        return InFlight("req", 200, self.tokens, 5.0, 64, first_token_at=self.first_token_at)
+        return InFlight(
+            "req", 200, self.tokens, 5.0, 64, first_token_at=self.first_token_at, cached_tokens=self.cached
+        )
 
     __hash__ = object.__hash__
 
@@ -48,8 +51,12 @@ class FakeLive:
 
 
 def test_an_entry_survives_the_wire() -> None:
-    e = replace(entry(), first_token_at=1_011.25, tokens=7, predicted_output=None, max_tokens=None)
+    e = replace(
+        entry(), first_token_at=1_011.25, tokens=7, predicted_output=None, max_tokens=None, cached_tokens=64
+    )
     assert decode_entry(encode_entry(e)) == e
+    # A gateway of an earlier version sends no cached_tokens: read as none.
+    assert decode_entry(encode_entry(e).removesuffix(",64]") + "]") == replace(e, cached_tokens=0)
 
 
 @pytest.mark.parametrize(
@@ -79,7 +86,7 @@ def test_in_flight_moves_times_to_the_readers_clock() -> None:
     frozen = e.in_flight(OFFSET)
     assert (frozen.started_at, frozen.first_token_at, frozen.tokens_streamed) == (10.0, 12.0, 3)
     assert frozen.last_token_at is None
-    assert (frozen.prompt_tokens, frozen.max_tokens) == (100, 64)
+    assert (frozen.prompt_tokens, frozen.max_tokens, frozen.cached_tokens) == (100, 64, 0)
 
 
 # -- outbox ----------------------------------------------------------------------------------------
@@ -90,13 +97,18 @@ def outbox(cap: int = 10) -> Outbox:
 
 
 def test_a_dispatch_is_one_put_with_wall_times() -> None:
-    box, live = outbox(), FakeLive()
+    box, live = outbox(), FakeLive(cached=128)
     box.dispatched("r0", live, live, now=6.0, offset=OFFSET)
     (op,) = box.drain(6.0)
     kind, e = op
     assert kind == "put"
     assert (e.gateway, e.key, e.replica, e.prompt_tokens, e.max_tokens) == ("g1", "g1/1", "r0", 200, 64)
-    assert (e.dispatched_at, e.request_class, e.predicted_output) == (1_005.0, "batch", 40.0)
+    assert (e.dispatched_at, e.request_class, e.predicted_output, e.cached_tokens) == (
+        1_005.0,
+        "batch",
+        40.0,
+        128,
+    )
     assert box.drain(6.1) == []
 
 
