@@ -8,8 +8,17 @@ from __future__ import annotations
 
 import pytest
 
-from bench.goodput.core import FACTS, PROFILE
-from replay import FleetConfig, PromptText, TraceRequest, at_rate, gateway_requests, piecewise_rate
+from bench.goodput.core import FACTS, PROFILE, TARGETS
+from replay import (
+    FleetConfig,
+    PromptText,
+    TraceRequest,
+    at_rate,
+    gateway_requests,
+    piecewise_rate,
+    run_gateway_replay,
+)
+from replay.policies import PrefixAffinity
 from replay.prefixes import (
     HASH_BLOCK_TOKENS,
     TOKEN_ID_LIMIT,
@@ -127,3 +136,21 @@ def test_the_emulated_engine_hits_where_the_blocks_are_shared() -> None:
     # The second request found its first two blocks (1024 tokens) cached, no more.
     assert engine.stats.prefix_cache_hits == 2 * B
     assert engine.stats.prefix_cache_queries == 2 * B + 40 + 3 * B
+
+
+def test_llm_d_scorer_sends_a_shared_prefix_to_its_cache() -> None:
+    # Replica queues and KV use equal (both idle at each arrival): the prefix score decides.
+    profile = load_profile(PROFILE)
+    trace = [
+        TraceRequest(0.0, 4 * B, 5, (1, 2, 3, 4)),
+        TraceRequest(2.0, 4 * B, 5, (1, 2, 3, 9)),
+        TraceRequest(4.0, 4 * B, 5, (1, 2, 3, 4)),
+    ]
+    config = FleetConfig(profile, FACTS, replicas=4, text=PromptText())
+    result = run_gateway_replay(trace, config, PrefixAffinity(seed=1), targets=TARGETS)
+    first, second, third = result.outcomes
+    assert first.replica == second.replica == third.replica
+    # The engine found the shared blocks: three for the second, all but its last token for the third.
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == 3 * B
+    assert third.cached_tokens >= 4 * B - profile.engine.block_size
