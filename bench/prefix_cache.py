@@ -396,7 +396,8 @@ def verdicts(r: Run) -> list[Verdict]:
                 continue
             best = max(rivals, key=lambda c: of(c.score))
             mine, theirs = of(own.score), of(best.score)
-            detail = f"{mine:,.2f} vs {theirs:,.2f} ({LABELS[best.cell.policy]})"
+            digits = 2 if unit == "req/s" else 0
+            detail = f"{mine:,.{digits}f} vs {theirs:,.{digits}f} ({LABELS[best.cell.policy]})"
             out.append(judge(target, mine - theirs, mine > theirs, detail))
         target = (
             f"TTFT forecast error at {load:g}x within issue 3's targets "
