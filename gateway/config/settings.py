@@ -146,9 +146,10 @@ class ServerSettings(Section):
             le=256,
             description="Gateway processes serving the one port (SO_REUSEPORT), under a supervisor that "
             "starts them, restarts one that dies (with back-off), passes SIGTERM, SIGINT and SIGHUP on and "
-            "sums their /metrics. More than 1 needs a fixed server.port (and admin.port, when set); with "
-            "limits.backend: memory each worker keeps 1/N of every tenant budget (redis: one budget for "
-            "all). `sluice serve --workers N` sets it. Restart required.",
+            "sums their /metrics. More than 1 needs a fixed server.port (and admin.port, when set) and "
+            "limits.redis, where the workers share their view of the replicas (ledger.enabled) and, with "
+            "limits.backend: redis, one budget per tenant (memory: each worker keeps 1/N of every tenant "
+            "budget). `sluice serve --workers N` sets it. Restart required.",
         ),
     ] = 1
     server_header: Annotated[
@@ -426,11 +427,21 @@ class Settings(Section):
         return [Violation(("server", "host"), message, server.host)]
 
     def _worker_violations(self) -> list[Violation]:
-        """``server.workers`` > 1 with a port picked at random (0): each worker would pick its own."""
+        """``server.workers`` > 1 with a port picked at random (0): each worker would pick its own;
+        or without ``limits.redis``: no ledger could give the workers one view of the replicas,
+        and each would admit as if it were alone."""
         workers = self.server.workers
         if workers == 1:
             return []
         found: list[Violation] = []
+        if self.limits.redis is None:
+            message = (
+                f"{workers} workers need limits.redis: there they share their in-flight requests "
+                "(ledger.enabled: true); without it each would admit with its own requests only, "
+                f"together up to {workers} times a replica's headroom in a burst "
+                "(docs/deployment.md, Workers)"
+            )
+            found.append(Violation(("server", "workers"), message, workers))
         for path, port in (("server", self.server.port), ("admin", self.admin.port)):
             if port == 0:
                 message = f"0 picks a different free port in each of the {workers} workers: give a fixed port"

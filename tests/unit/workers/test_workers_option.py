@@ -1,6 +1,6 @@
 """``server.workers`` from the command line: ``sluice serve --workers N`` and ``SLUICE_WORKERS``,
-the flag winning, and the settings validated again with it (port 0); a worker's identity and its
-share of budgets kept in memory."""
+the flag winning, and the settings validated again with it (port 0, Redis for the ledger); a
+worker's identity and its share of budgets kept in memory."""
 
 from __future__ import annotations
 
@@ -42,10 +42,11 @@ def _fleet(**sections: object) -> dict[str, object]:
 
 
 def test_with_workers_sets_the_key_and_validates_again() -> None:
-    settings = parse_settings(_fleet(server={"port": 9000}), "f.yaml")
+    redis = {"redis": {"url": "redis://127.0.0.1:6379/0"}}
+    settings = parse_settings(_fleet(server={"port": 9000}, limits=redis), "f.yaml")
     assert with_workers(settings, None, "f.yaml") is settings
     assert with_workers(settings, 4, "f.yaml").server.workers == 4
-    zero = parse_settings(_fleet(server={"port": 0}), "f.yaml")
+    zero = parse_settings(_fleet(server={"port": 0}, limits=redis), "f.yaml")
     with pytest.raises(ConfigError) as caught:
         with_workers(zero, 2, "f.yaml")
     assert caught.value.path == "f.yaml with --workers 2"
@@ -54,18 +55,24 @@ def test_with_workers_sets_the_key_and_validates_again() -> None:
     ]
 
 
-def test_budgets_in_memory_or_in_redis_allow_workers() -> None:
-    """In memory each worker keeps its share of every budget (``gateway.limits.factory``); in Redis
-    they share one: both are accepted, the embedded default (demo tenant, memory) included."""
+def test_workers_need_redis_and_keep_budgets_in_memory_or_there() -> None:
+    """Workers share their view of the replicas through the ledger, on ``limits.redis``: without
+    it, more than one worker is a configuration error (the embedded default's included). With
+    it, budgets may stay in memory (each worker its share, ``gateway.limits.factory``) or go to
+    Redis (one budget)."""
     key = "sha256:" + "3" * 64
-    redis = {"backend": "redis", "redis": {"url": "redis://127.0.0.1:6379/0"}}
+    url = {"url": "redis://127.0.0.1:6379/0"}
     limited = {"tenants": {"t": {"api_keys": [key], "limits": {"max_concurrent": 4}}}}
-    for limits in ({}, {"limits": redis}):
-        settings = parse_settings(_fleet(server={"workers": 2}, tenants=limited, **limits), "f")
+    for limits in ({"redis": url}, {"backend": "redis", "redis": url}):
+        settings = parse_settings(_fleet(server={"workers": 2}, tenants=limited, limits=limits), "f")
         assert settings.server.workers == 2
         assert settings.limited_tenants() == ["t"]
-    demo = with_workers(default_settings(), 2, "embedded default")
-    assert (demo.server.workers, demo.limits.backend, demo.limited_tenants()) == (2, "memory", ["demo"])
+    with pytest.raises(ConfigError) as caught:
+        parse_settings(_fleet(server={"workers": 2}, tenants=limited), "f")
+    assert "server.workers: 2 workers need limits.redis" in str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        with_workers(default_settings(), 2, "embedded default")
+    assert "server.workers: 2 workers need limits.redis" in str(caught.value)
 
 
 def test_a_worker_keeps_its_share_of_budgets_in_memory(monkeypatch: pytest.MonkeyPatch) -> None:
