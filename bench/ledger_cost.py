@@ -48,6 +48,7 @@ class _Live:
     first_token_at: float | None = None
     request_class: str = "interactive"
     expected_output_tokens: float = 48.0
+    predicted_tpot_s: float = 0.02
 
     def in_flight(self, now: float) -> InFlight:
         return InFlight("bench", 300, self.tokens, now, 48, first_token_at=self.first_token_at)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.admission.shares import StreamingRequest
 from gateway.ledger.config import LedgerSettings
 from gateway.ledger.live import TICK_S
 from gateway.ledger.state import Op, Outbox, RemoteLedger, TrackedSource
@@ -200,6 +201,9 @@ class _Listener:
     def in_flight(self, replica: str) -> tuple[InFlight, ...]:
         return self.ledger.in_flight(self.gateway, replica)
 
+    def streams(self, replica: str) -> tuple[StreamingRequest, ...]:
+        return self.ledger.remotes[self.gateway].streams(replica)
+
 
 class _GatewayFleet(Fleet):
     """The fleet as one gateway acts on it: the shared replicas, but its ``ReplicaHandle``s hold
@@ -323,6 +327,7 @@ class ManyGateways(IdleHooks):
                 listener = self.ledger.listener(g)
                 cache.listener = listener
                 cache.remote = listener.in_flight
+                cache.remote_streams = listener.streams
 
     # -- events -------------------------------------------------------------------------------------
     def on_arrival(self, request: GatewayRequest, now: float) -> None:

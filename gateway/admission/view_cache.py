@@ -26,6 +26,7 @@ from gateway.admission.ports import (
     split_route,
 )
 from gateway.admission.prefix import PrefixCaches
+from gateway.admission.shares import StreamingRequest
 from gateway.admission.views import NO_MARGINS, LiveEntry, ReplicaView, TrackedStream
 from predictor import ReplicaState, unknown_step_model
 
@@ -86,6 +87,9 @@ class ViewCache:
         self.margins: Callable[[str, float], Mapping[str, float]] | None = None
         #: Other gateways' in-flight requests on a replica (``gateway.ledger``); ``None``: none.
         self.remote: Callable[[str], Sequence[Any]] | None = None
+        #: Those of them with a TPOT forecast, as running streams admission protects (their
+        #: classes' targets hold for newcomers of any gateway); ``None``: none.
+        self.remote_streams: Callable[[str], Sequence[StreamingRequest]] | None = None
         #: Told of every ``track`` and ``forget`` (``gateway.ledger.LiveLedger``); ``None``: nobody.
         self.listener: TrackListener | None = None
         #: The replicas' prefix caches (``ReplicaView.prefix``); ``None``: not modelled.
@@ -212,6 +216,8 @@ class ViewCache:
             step_model, state = _NO_MODEL, _fallback_state(in_flight)
         self._note_staleness(replica, state.stale)
         running = [s.streaming(now) for s in streams.values()]
+        if self.remote_streams is not None:
+            running.extend(self.remote_streams(replica))
         return ReplicaView.build(
             replica,
             healthy=True,

@@ -30,6 +30,7 @@ import redis.asyncio
 from aiohttp import web
 
 from gateway.admission.live import ADMISSION
+from gateway.admission.shares import StreamingRequest
 from gateway.keys import PREDICTIONS, REGISTRY, STORE
 from gateway.ledger.config import LedgerSettings
 from gateway.ledger.redis_io import LedgerRedis, LedgerUnavailable
@@ -155,6 +156,10 @@ class LiveLedger:
     def in_flight(self, replica: str) -> tuple[InFlight, ...]:
         """The other gateways' in-flight requests on ``replica`` (monotonic times of this clock)."""
         return self.remote.in_flight(replica, self._wall() - self._clock())
+
+    def streams(self, replica: str) -> tuple[StreamingRequest, ...]:
+        """The other gateways' streams on ``replica`` that admission protects (``RemoteLedger.streams``)."""
+        return self.remote.streams(replica)
 
     def extra_margin(self) -> float:
         """The margin added while the ledger is down (``unavailable_margin``), else 0."""
@@ -398,6 +403,7 @@ def install_ledger(app: web.Application) -> None:
         app[LEDGER] = ledger
         cache = admission.engine.view_cache
         cache.remote = ledger.in_flight
+        cache.remote_streams = ledger.streams
         cache.listener = ledger
         engine = admission.engine
         cache.margins = widen(
@@ -416,6 +422,7 @@ def install_ledger(app: web.Application) -> None:
             yield
         finally:
             cache.remote = None
+            cache.remote_streams = None
             cache.listener = None
             app[PREDICTIONS].remote_in_flight = None
             await ledger.stop()

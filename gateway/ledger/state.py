@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Final, Literal, Protocol
 
+from gateway.admission.shares import StreamingRequest
 from gateway.replicas.snapshot import InFlight
 
 __all__ = [
@@ -47,7 +48,9 @@ class Entry:
     seconds (``None``: no token yet). ``tokens``: output tokens so far (estimated by the sender for
     a request whose tokens are not relayed as they come). ``version``: bumped by the sender at
     each update; a reader keeps the highest. ``cached_tokens``: prompt tokens the sender expected
-    to hit the replica's prefix cache (0: none).
+    to hit the replica's prefix cache (0: none). ``predicted_tpot_s``: its TPOT forecast at
+    dispatch, seconds (``None``: none made): what the other gateways hold their newcomers to, as
+    they do for their own running streams.
     """
 
     gateway: str
@@ -62,6 +65,18 @@ class Entry:
     tokens: int
     version: int
     cached_tokens: int = 0
+    predicted_tpot_s: float | None = None
+
+    def streaming(self) -> StreamingRequest | None:
+        """As a running stream admission protects (``ReplicaView.loads``): its class (``""``:
+        unknown, judged by the default class's targets), prompt, tokens so far, predicted output
+        and TPOT; its decode's elapsed time is not known here (taken as its TPOT per token).
+        ``None`` without a TPOT forecast."""
+        tpot = self.predicted_tpot_s
+        if tpot is None or not tpot > 0.0:
+            return None
+        output = self.predicted_output if self.predicted_output is not None else float(self.tokens)
+        return StreamingRequest(self.request_class or "", self.prompt_tokens, self.tokens, output, tpot)
 
     def in_flight(self, offset: float) -> InFlight:
         """As the forecast takes it, its times moved to the reader's monotonic clock
@@ -96,18 +111,20 @@ def encode_entry(entry: Entry) -> str:
             entry.tokens,
             entry.version,
             entry.cached_tokens,
+            None if entry.predicted_tpot_s is None else round(entry.predicted_tpot_s, 6),
         ],
         separators=(",", ":"),
     )
 
 
 def decode_entry(text: str | bytes) -> Entry | None:
-    """The entry ``encode_entry`` wrote (or, without ``cached_tokens``, an earlier version);
-    ``None`` for anything malformed (never raises)."""
+    """The entry ``encode_entry`` wrote (or, without ``cached_tokens`` or ``predicted_tpot_s``,
+    an earlier version); ``None`` for anything malformed (never raises)."""
     try:
         row = json.loads(text)
         g, k, r, p, out, cap, cls, at, first, tokens, version, *more = row
         cached = int(more[0]) if more else 0
+        tpot = float(more[1]) if len(more) > 1 and more[1] is not None else None
         return Entry(
             str(g),
             str(k),
@@ -121,6 +138,7 @@ def decode_entry(text: str | bytes) -> Entry | None:
             int(tokens),
             int(version),
             cached,
+            tpot,
         )
     except (ValueError, TypeError):
         return None
@@ -183,6 +201,7 @@ class TrackedSource(Protocol):
 
     request_class: str
     expected_output_tokens: float
+    predicted_tpot_s: float
 
     def in_flight(self, now: float) -> Any: ...
 
@@ -254,6 +273,7 @@ class Outbox:
             int(frozen.tokens_streamed),
             1,
             int(getattr(frozen, "cached_tokens", 0)),
+            stream.predicted_tpot_s if stream.predicted_tpot_s > 0.0 else None,
         )
         self._own[live] = _Own(replica, entry, stream, None, first is not None)
         self._per_replica[replica] = self._per_replica.get(replica, 0) + 1
@@ -342,6 +362,7 @@ class RemoteLedger:
         self._replicas: dict[str, dict[str, _Held]] = {}
         self._tombstones: dict[str, float] = {}
         self._frozen: dict[str, tuple[InFlight, ...]] = {}
+        self._streams: dict[str, tuple[StreamingRequest, ...]] = {}
         self.dropped = 0
 
     def put(self, entry: Entry, now: float) -> bool:
@@ -359,7 +380,7 @@ class RemoteLedger:
                 self.dropped += 1
                 return False
             held[entry.key] = _Held(entry, now)
-        self._frozen.pop(entry.replica, None)
+        self._changed(entry.replica)
         return True
 
     def remove(self, replica: str, key: str, now: float) -> bool:
@@ -368,7 +389,7 @@ class RemoteLedger:
         held = self._replicas.get(replica)
         if held is None or held.pop(key, None) is None:
             return False
-        self._frozen.pop(replica, None)
+        self._changed(replica)
         return True
 
     def reconcile(self, replica: str, entries: Iterable[Entry], *, asked_at: float, now: float) -> bool:
@@ -387,7 +408,7 @@ class RemoteLedger:
         for key in gone:
             del held[key]
         if gone:
-            self._frozen.pop(replica, None)
+            self._changed(replica)
         return changed or bool(gone)
 
     def expire(self, alive: set[str], now: float) -> list[str]:
@@ -399,7 +420,7 @@ class RemoteLedger:
             for key in dead:
                 del held[key]
             if dead:
-                self._frozen.pop(replica, None)
+                self._changed(replica)
                 touched.append(replica)
         old = [k for k, at in self._tombstones.items() if now - at > TOMBSTONE_S]
         for key in old:
@@ -412,6 +433,7 @@ class RemoteLedger:
         touched = [r for r, held in self._replicas.items() if held]
         self._replicas.clear()
         self._frozen.clear()
+        self._streams.clear()
         return touched
 
     def gateways(self) -> set[str]:
@@ -431,6 +453,21 @@ class RemoteLedger:
             frozen = () if not held else tuple(h.entry.in_flight(offset) for h in held.values())
             self._frozen[replica] = frozen
         return frozen
+
+    def streams(self, replica: str) -> tuple[StreamingRequest, ...]:
+        """``replica``'s held entries that carry a TPOT forecast, as running streams admission
+        protects (``Entry.streaming``); built once per change."""
+        streams = self._streams.get(replica)
+        if streams is None:
+            held = self._replicas.get(replica, {})
+            made = (h.entry.streaming() for h in held.values())
+            streams = self._streams[replica] = tuple(s for s in made if s is not None)
+        return streams
+
+    def _changed(self, replica: str) -> None:
+        """``replica``'s entries changed: what was built of them goes."""
+        self._frozen.pop(replica, None)
+        self._streams.pop(replica, None)
 
     def counts(self) -> dict[str, int]:
         """Held entries per replica (replicas holding none left out)."""

@@ -32,6 +32,7 @@ class Live:
     first_token_at: float | None = None
     request_class: str = "interactive"
     expected_output_tokens: float = 32.0
+    predicted_tpot_s: float = 0.02
 
     def in_flight(self, now: float) -> InFlight:
         return InFlight("req", 128, self.tokens, now, 64, first_token_at=self.first_token_at)

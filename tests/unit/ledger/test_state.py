@@ -37,6 +37,7 @@ class FakeLive:
     first_token_at: float | None = None
     request_class: str = "batch"
     expected_output_tokens: float = 40.0
+    predicted_tpot_s: float = 0.02
     cached: int = 0
 
     def in_flight(self, now: float) -> InFlight:
@@ -55,8 +56,11 @@ def test_an_entry_survives_the_wire() -> None:
         entry(), first_token_at=1_011.25, tokens=7, predicted_output=None, max_tokens=None, cached_tokens=64
     )
     assert decode_entry(encode_entry(e)) == e
-    # A gateway of an earlier version sends no cached_tokens: read as none.
-    assert decode_entry(encode_entry(e).removesuffix(",64]") + "]") == replace(e, cached_tokens=0)
+    # A gateway of an earlier version sends no cached_tokens, or no TPOT forecast: read as none.
+    assert decode_entry(encode_entry(e).removesuffix(",64,null]") + "]") == replace(e, cached_tokens=0)
+    timed = replace(e, predicted_tpot_s=0.025)
+    assert decode_entry(encode_entry(timed)) == timed
+    assert decode_entry(encode_entry(timed).removesuffix(",0.025]") + "]") == e
 
 
 @pytest.mark.parametrize(
@@ -103,11 +107,12 @@ def test_a_dispatch_is_one_put_with_wall_times() -> None:
     kind, e = op
     assert kind == "put"
     assert (e.gateway, e.key, e.replica, e.prompt_tokens, e.max_tokens) == ("g1", "g1/1", "r0", 200, 64)
-    assert (e.dispatched_at, e.request_class, e.predicted_output, e.cached_tokens) == (
+    assert (e.dispatched_at, e.request_class, e.predicted_output, e.cached_tokens, e.predicted_tpot_s) == (
         1_005.0,
         "batch",
         40.0,
         128,
+        0.02,
     )
     assert box.drain(6.1) == []
 
@@ -240,6 +245,20 @@ def test_in_flight_is_built_once_per_change() -> None:
     assert ledger.in_flight("r0", OFFSET) is first
     ledger.put(entry(version=2), 1.1)
     assert ledger.in_flight("r0", OFFSET) is not first
+
+
+def test_entries_with_a_tpot_forecast_are_streams_to_protect() -> None:
+    """The other gateways' requests join the streams admission holds newcomers to (their class's
+    TPOT target), once per change; one without a TPOT forecast only loads the replica."""
+    ledger = remote()
+    ledger.put(replace(entry(), predicted_tpot_s=0.03, tokens=5, request_class="batch"), 1.0)
+    ledger.put(replace(entry(key="g2/9"), request_class=None), 1.0)  # no forecast made
+    (stream,) = ledger.streams("r0")
+    assert (stream.request_class, stream.generated_tokens, stream.predicted_tpot_s) == ("batch", 5, 0.03)
+    assert ledger.streams("r0") is ledger.streams("r0")
+    ledger.put(replace(entry(key="g2/10"), predicted_tpot_s=0.02, request_class=None), 1.1)
+    assert [s.request_class for s in ledger.streams("r0")] == ["batch", ""]  # "": the default's
+    assert ledger.streams("r1") == ()
 
 
 # -- margins and settings ----------------------------------------------------------------------------
