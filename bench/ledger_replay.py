@@ -23,7 +23,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
@@ -46,6 +46,7 @@ from bench.goodput.core import (
     trace_requests,
 )
 from bench.goodput.metrics import score
+from bench.shared import InProcess, write_block
 from bench.verdicts import Verdict, judge, missing
 from replay import FleetConfig, TraceRequest, measure_capacity, piecewise_rate, run_gateway_replay
 from replay.gateways import ManyGateways, Split
@@ -215,19 +216,6 @@ def cells(plan: Plan, capacity: float) -> list[Cell]:
     return out
 
 
-class _InProcess:
-    """``ProcessPoolExecutor``'s ``map`` in this process (``--jobs 1``, and the smoke test)."""
-
-    def __enter__(self) -> _InProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def map(self, fn: Callable[[Cell], CellResult], items: Iterable[Cell]) -> Iterator[CellResult]:
-        return map(fn, items)
-
-
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -239,7 +227,7 @@ def run(plan: Plan, jobs: int) -> tuple[float, list[CellResult]]:
     )
     _log(f"{plan.trace}: capacity {capacity:.2f} req/s per replica")
     results: list[CellResult] = []
-    with ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else _InProcess() as pool:
+    with ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else InProcess() as pool:
         for res in pool.map(run_cell, cells(plan, capacity)):
             c = res.cell
             _log(
@@ -364,14 +352,7 @@ def report(plan: Plan, capacity: float, results: Sequence[CellResult], command: 
 
 def write_doc(generated: str, doc: Path = DOC) -> None:
     """Replace the generated block of ``doc`` (or append it)."""
-    text = doc.read_text(encoding="utf-8") if doc.exists() else "# Benchmarks\n\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        text = head + generated + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + generated + "\n"
-    doc.write_text(text, encoding="utf-8")
+    write_block(doc, generated, BEGIN, END)
 
 
 def summary(results: Sequence[CellResult]) -> list[dict[str, object]]:

@@ -42,7 +42,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -63,6 +63,7 @@ from bench.goodput.core import (
 )
 from bench.goodput.metrics import ForecastAccuracy, Score, forecast_accuracy, score
 from bench.predictor_accuracy import TTFT_MEDIAN, TTFT_P90, ErrorStats
+from bench.shared import InProcess, write_block
 from bench.verdicts import Verdict, judge, missing
 from gateway.admission import AdmissionSettings, Decision
 from gateway.admission.config import PrefixCacheSettings
@@ -79,6 +80,7 @@ from replay import (
     piecewise_rate,
     run_gateway_replay,
 )
+from replay.emulated import saturation_rate
 from replay.policies import NoAdmission, PrefixAffinity
 from simulator.engine import Engine
 from simulator.profile import load_profile
@@ -158,16 +160,7 @@ def measure_capacity(requests: Sequence[TraceRequest], *, seed: int = 0, max_tok
         engine.add_request(
             str(r.index), r.prompt_tokens, r.max_tokens, out, 0.0, prompt_token_ids=r.token_ids()
         )
-    now, done = 0.0, list[float]()
-    while engine.has_unfinished_requests:
-        plan = engine.schedule(now)
-        if plan is None:
-            break
-        now += plan.duration_s
-        result = engine.complete(plan, now)
-        done.extend(now for _ in result.finished)
-    lo, hi = math.floor(0.3 * len(done)), math.floor(0.9 * len(done))
-    return float(hi - lo) / (done[hi] - done[lo])
+    return saturation_rate(engine)
 
 
 def sluice_settings(enabled: bool, hit_weight: float = DEFAULT_HIT_WEIGHT) -> AdmissionSettings:
@@ -304,19 +297,6 @@ class Run:
     cells: list[CellResult] = field(default_factory=list)
 
 
-class _InProcess:
-    """``ProcessPoolExecutor``'s ``map`` in this process (``--jobs 1``, and the smoke test)."""
-
-    def __enter__(self) -> _InProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def map(self, fn: Callable[[Cell], CellResult], items: Iterable[Cell]) -> Iterator[CellResult]:
-        return map(fn, items)
-
-
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -347,7 +327,7 @@ def run(plan: Plan, jobs: int) -> Run:
     uncached = uncached_capacity(load_profile(PROFILE), b[: plan.capacity_rows], seed=plan.seed)
     _log(f"capacity {capacity:.2f} req/s per replica with the prefix cache ({uncached:.2f} without)")
     out = Run(plan, capacity, uncached, len(a), len(b))
-    with ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else _InProcess() as pool:
+    with ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else InProcess() as pool:
         grid = [Cell("sluice", "A", x, w, capacity, plan) for w in plan.hit_weights for x in plan.loads]
         for res in pool.map(run_cell, grid):
             _log("tune " + _describe(res))
@@ -494,14 +474,7 @@ def report(r: Run, command: str, seconds: float) -> str:
 
 def write_doc(generated: str, doc: Path = DOC) -> None:
     """Replace the generated block of ``doc`` (or append it)."""
-    text = doc.read_text(encoding="utf-8") if doc.exists() else "# Benchmarks\n\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        text = head + generated + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + generated + "\n"
-    doc.write_text(text, encoding="utf-8")
+    write_block(doc, generated, BEGIN, END)
 
 
 def summary(r: Run) -> list[dict[str, object]]:

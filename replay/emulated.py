@@ -17,7 +17,7 @@ from simulator.engine import Engine, StepPlan
 from simulator.metrics import VllmMetrics, cache_config_labels
 from simulator.profile import Profile
 
-__all__ = ["EmulatedReplica", "make_replica", "measure_capacity"]
+__all__ = ["EmulatedReplica", "make_replica", "measure_capacity", "saturation_rate"]
 
 
 @dataclass(slots=True)
@@ -80,6 +80,12 @@ def measure_capacity(
         r = requests[i % len(requests)]
         cap = max(r.output_tokens, min(max_tokens, limit - r.prompt_tokens))
         engine.add_request(str(i), r.prompt_tokens, cap, r.output_tokens, 0.0)
+    return saturation_rate(engine)
+
+
+def saturation_rate(engine: Engine) -> float:
+    """Run ``engine``'s requests, all added at 0, to the end; the completion rate (requests per
+    second) between the 30th and the 90th percentile completion (``measure_capacity``)."""
     now, done = 0.0, list[float]()
     while engine.has_unfinished_requests:
         plan = engine.schedule(now)

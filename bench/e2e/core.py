@@ -51,6 +51,7 @@ from typing import Any
 
 from bench.e2e import aiperf
 from bench.e2e.fleet import TENANTS, TPOT_TARGET_S, TTFT_TARGET_S, Replica, replicas, sluice
+from bench.shared import write_block
 from tests.e2e.vllm_cpu import (
     MAX_NUM_SEQS,
     MODEL_DIR,
@@ -463,14 +464,7 @@ def render(report: Report) -> str:
 
 def write_doc(generated: str, doc: Path) -> None:
     """Replace the generated block of ``doc``, or append the section (with its heading) at the end."""
-    text = doc.read_text(encoding="utf-8") if doc.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        text = head + generated + tail
-    else:
-        text = text.rstrip("\n") + f"\n\n{HEADING}\n\n" + generated + "\n"
-    doc.write_text(text, encoding="utf-8")
+    write_block(doc, generated, BEGIN, END, heading=HEADING)
 
 
 def report_json(report: Report) -> dict[str, Any]:

@@ -29,7 +29,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
@@ -49,6 +49,7 @@ from bench.goodput.metrics import (
     score,
     score_by_tenant,
 )
+from bench.shared import InProcess, write_block
 from bench.verdicts import Status, Verdict, judge, missing
 from gateway.admission import AdmissionSettings, ClassSettings, Decision
 from gateway.limits.base import TenantLimits
@@ -486,19 +487,6 @@ class TraceRun:
     prompt_edges: tuple[int, int, int] = (0, 0, 0)
 
 
-class _InProcess:
-    """``ProcessPoolExecutor``'s ``map`` in this process (``--jobs 1``, and the smoke test)."""
-
-    def __enter__(self) -> _InProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def map(self, fn: Callable[[CellSpec], CellResult], items: Iterable[CellSpec]) -> Iterator[CellResult]:
-        return map(fn, items)
-
-
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -537,7 +525,7 @@ def run(plan: Plan, jobs: int) -> list[TraceRun]:
             f"{name}: capacity {capacity:.2f} req/s per replica; "
             f"{too_long} requests over max_model_len left out"
         )
-    with ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else _InProcess() as pool:
+    with ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else InProcess() as pool:
         specs = [
             steady(r.trace, policy, knob, load, plan, r.capacity, r.mean_prompt + r.mean_output)
             for r in runs
@@ -1003,14 +991,7 @@ def report(
 
 def write_doc(generated: str, doc: Path = DOC) -> None:
     """Replace the generated block of docs/benchmarks.md (or append it)."""
-    text = doc.read_text(encoding="utf-8") if doc.exists() else "# Benchmarks\n\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        text = head + generated + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + generated + "\n"
-    doc.write_text(text, encoding="utf-8")
+    write_block(doc, generated, BEGIN, END)
 
 
 def summary(runs: Sequence[TraceRun]) -> list[dict[str, object]]:

@@ -68,6 +68,7 @@ from bench.overhead import peers
 from bench.overhead.backend import MODEL
 from bench.overhead.load import LoadResult, closed_loop
 from bench.overhead.profile import Profile, record, summarise
+from bench.shared import write_block
 from bench.verdicts import Verdict, judge, missing
 from tests.support.procs import free_port
 from tests.support.redis import redis_server
@@ -686,14 +687,7 @@ def markdown(report: Report) -> str:
 
 def write_doc(generated: str, doc: Path) -> None:
     """Replace the generated block of ``doc``, or append the section (with its heading) at the end."""
-    text = doc.read_text(encoding="utf-8") if doc.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        text = head + generated + tail
-    else:
-        text = text.rstrip("\n") + f"\n\n{HEADING}\n\n" + generated + "\n"
-    doc.write_text(text, encoding="utf-8")
+    write_block(doc, generated, BEGIN, END, heading=HEADING)
 
 
 def to_json(report: Report) -> dict[str, Any]:

@@ -1,0 +1,45 @@
+"""What several benchmarks share: their generated block of a doc, and a process pool stand-in.
+
+``write_block`` replaces the block between a benchmark's ``begin`` and ``end`` markers in a doc
+(or appends it, under ``heading`` when given); ``InProcess`` is ``ProcessPoolExecutor``'s ``map``
+run in this process (``--jobs 1``, and the smoke tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+__all__ = ["InProcess", "write_block"]
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def write_block(doc: Path, generated: str, begin: str, end: str, *, heading: str | None = None) -> None:
+    """Replace the block of ``doc`` from ``begin`` to ``end`` with ``generated`` (which carries
+    both markers); without the markers, append it at the end (after ``heading``, when given). A
+    missing ``doc`` starts as ``# Benchmarks``."""
+    text = doc.read_text(encoding="utf-8") if doc.exists() else "# Benchmarks\n"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        text = head + generated + tail
+    else:
+        section = generated if heading is None else f"{heading}\n\n{generated}"
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    doc.write_text(text, encoding="utf-8")
+
+
+class InProcess:
+    """``ProcessPoolExecutor``'s ``map`` in this process (``--jobs 1``, and the smoke tests)."""
+
+    def __enter__(self) -> InProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def map(self, fn: Callable[[_T], _R], items: Iterable[_T]) -> Iterator[_R]:
+        return map(fn, items)
