@@ -96,7 +96,10 @@ class CorrectionConfig:
     ``forget_weight``: pseudo-samples pulling the replica-wide estimate toward no correction
     (its decayed sample weight is compared with it: a replica with recent finishes keeps its
     estimate, one without drifts back to 1). ``min_factor`` / ``max_factor``: the range a factor is
-    clamped to; a sample whose ratio falls outside it is not learned from (counted apart).
+    clamped to. A sample below ``min_factor`` is learned as ``min_factor`` (a forecast far too
+    high: the median still sees it, and following it only admits more); one above ``max_factor``
+    is not learned from (a stall or a fit gone wrong, which must not lock a replica out). Both
+    are counted apart.
     ``residual_window_s``: seconds of residuals kept for ``Residuals``.
     """
 
@@ -365,8 +368,10 @@ class CorrectionLearner:
     ) -> None:
         """One finished request on ``replica`` at ``at`` (seconds), dispatched into the regime of
         ``prompt_tokens`` and ``decode_seqs``. ``ttft`` / ``tpot``: (measured, uncorrected
-        forecast, factor the forecast carried), seconds, seconds, ratio; ``None`` or a
-        non-positive or non-finite number: not measured. Does nothing when disabled."""
+        forecast, factor the forecast carried), seconds, seconds, ratio; ``None``, a non-finite
+        number or a non-positive forecast or factor: not measured. A measured time of 0 or less
+        (a TTFT that came before the dispatch overhead the caller took off it) is as far below
+        the forecast as a sample counts: ``min_factor``. Does nothing when disabled."""
         cfg = self._config
         if not cfg.enabled:
             return
@@ -379,15 +384,22 @@ class CorrectionLearner:
             if sample is None:
                 continue
             measured, base, factor = sample
-            if not (_positive(measured) and _positive(base) and _positive(factor)):
+            if not (math.isfinite(measured) and _positive(base) and _positive(factor)):
                 continue
-            if not cfg.min_factor <= measured / base <= cfg.max_factor:
-                # Not a bias a factor in range could remove: a step model far off (a fit gone
-                # wrong, which the next refit replaces) or a request that stalled. Learned from,
-                # it would hold the clamp against the next model too.
+            ratio = measured / base
+            if ratio > cfg.max_factor:
+                # Not a bias a factor in range could remove: a request that stalled or a step
+                # model far off (which the next refit replaces). Learned from, it would hold the
+                # clamp, and refuse the replica's traffic, against the next model too.
                 metric.rejected += 1
                 continue
-            log_ratio = math.log(measured / base)
+            if ratio < cfg.min_factor:
+                # Dropping these would leave only the slower requests and bias the median up
+                # (the forecast then runs high exactly where it already was); clamped, the
+                # median counts them without being moved by how far below they fell.
+                metric.rejected += 1
+                ratio = cfg.min_factor
+            log_ratio = math.log(ratio)
             metric.add(at, index, log_ratio, cfg)
             errors.append((at, measured / base - 1.0, measured / (base * factor) - 1.0))
             while errors and errors[0][0] < at - cfg.residual_window_s:

@@ -96,13 +96,28 @@ def test_outliers_do_not_move_the_median() -> None:
     assert learner.correction("r", t).factors(100, 0)[0] == pytest.approx(1.5, rel=0.05)
 
 
-def test_a_sample_out_of_range_is_not_learned() -> None:
+def test_a_sample_far_above_the_forecast_is_not_learned() -> None:
     learner = CorrectionLearner(CorrectionConfig(max_factor=10.0))
     feed(learner, 2.0, start=0.0, until=10.0)
     before = learner.correction("r", 10.0).factors(100, 0)
     learner.observe("r", at=10.0, prompt_tokens=100, decode_seqs=0, ttft=(30.0, 1.0, 1.0))
     assert learner.correction("r", 10.0).factors(100, 0) == before
     assert learner.state("r", 10.0).ttft.out_of_range_total == 1
+
+
+def test_samples_far_below_the_forecast_count_at_the_floor() -> None:
+    # Three in five requests come back far faster than forecast (or before the overhead taken off
+    # them), the rest at 0.8 of it. Dropped, the fast ones would leave the median at 0.8: the
+    # forecast would stay high for most requests. Counted at the floor, they carry it there.
+    learner = CorrectionLearner(CorrectionConfig(min_factor=0.25))
+    t = 0.0
+    for i in range(500):
+        measured = (0.02, -0.01)[i % 2] if i % 5 < 3 else 0.8
+        learner.observe("r", at=t, prompt_tokens=100, decode_seqs=0, ttft=(measured, 1.0, 1.0))
+        t += 0.1
+    factor = learner.correction("r", t).factors(100, 0)[0]
+    assert factor == pytest.approx(0.25, rel=0.01)
+    assert learner.state("r", t).ttft.out_of_range_total == 300
 
 
 def test_a_regime_with_few_samples_borrows_from_its_batch_bin() -> None:
