@@ -40,7 +40,7 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
-from gateway.api.openai import carries_tokens
+from gateway.api.responses import carries_tokens
 from gateway.app import build_app
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore

@@ -25,7 +25,8 @@ import aiohttp
 from aiohttp import web
 
 from gateway.admission.live import ADMISSION, LiveAdmission
-from gateway.api.openai import ENGINE_MODELS, models_list
+from gateway.api.openai import ENGINE_MODELS
+from gateway.api.responses import models_list
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.http.admin import ADMIN_LISTENER, AdminGate, install_admin
@@ -299,7 +300,7 @@ async def _generate_stream(request: web.Request) -> web.StreamResponse:
 
 
 async def _models(request: web.Request) -> web.Response:
-    """The union of the healthy replicas' models (see ``gateway.api.openai.models_list``)."""
+    """The union of the healthy replicas' models (see ``gateway.api.responses.models_list``)."""
     return web.json_response(models_list(request.app[REGISTRY].healthy_models()))
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from bench.closed_loop.workload import Arrival, prompt_text
-from gateway.api.openai import carries_tokens
+from gateway.api.responses import carries_tokens
 from replay import Targets
 
 __all__ = ["Outcome", "chars_per_token", "get_json", "replay", "saturate"]

@@ -25,7 +25,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.admission.retry_after import UNMEASURED_WAIT_S, RefusalReason
-from gateway.api.openai import carries_tokens, is_usage_only_chunk, usage_of
+from gateway.api.responses import carries_tokens, is_usage_only_chunk, usage_of
 from gateway.api.sse import DONE, Event, EventSplitter
 from gateway.api.tgi import (
     error_event,

@@ -29,7 +29,7 @@ import aiohttp
 from pydantic import ValidationError
 from yarl import URL
 
-from gateway.api.openai import ModelCard
+from gateway.api.responses import ModelCard
 from gateway.config.section import HF_ID
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from gateway.api.openai import ModelCard, parse_models
+from gateway.api.responses import ModelCard, parse_models
 from gateway.config.store import SettingsStore
 from gateway.replicas.dialects.info import fill_context_length
 from gateway.replicas.registry import Replica, ReplicaRegistry, ReplicaState

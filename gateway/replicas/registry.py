@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.api.openai import ModelCard
+from gateway.api.responses import ModelCard
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.replicas.config import HealthSettings, ReplicaSettings

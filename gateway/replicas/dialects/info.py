@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Final
 import aiohttp
 
 if TYPE_CHECKING:  # at run time only its instances are touched (no import cycle)
-    from gateway.api.openai import ModelCard
+    from gateway.api.responses import ModelCard
 
 #: Info endpoints that tell a context length, with the engine each belongs to, in probe order.
 CONTEXT_PATHS: Final = (("tgi", "/info"), ("sglang", "/get_server_info"))

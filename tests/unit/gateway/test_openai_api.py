@@ -7,18 +7,15 @@ from typing import Any
 
 import pytest
 
-from gateway.api.openai import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
+from gateway.api.openai import COMPLETIONS_DEFAULT_MAX_TOKENS, parse_request, upstream_body, with_max_tokens
+from gateway.api.responses import (
     ModelCard,
     Usage,
     carries_tokens,
     is_usage_only_chunk,
     models_list,
     parse_models,
-    parse_request,
-    upstream_body,
     usage_of,
-    with_max_tokens,
 )
 from gateway.http.errors import InvalidRequest
 

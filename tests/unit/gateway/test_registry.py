@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from gateway.api.openai import ModelCard
+from gateway.api.responses import ModelCard
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.replicas.config import HealthSettings, ReplicaSettings

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.api.openai import ModelCard, parse_models
+from gateway.api.responses import ModelCard, parse_models
 from gateway.replicas.dialects.info import context_length_from_info, fetch_context_length, fill_context_length
 from simulator import sglang, tgi
 from tests.support.procs import Proc, free_port, python_module

@@ -17,7 +17,8 @@ from aiohttp.test_utils import make_mocked_request
 import gateway.tokens.counter as counter_module
 import gateway.tokens.live as live_module
 from gateway.admission.sizing import PromptSize, prompt_size, prompt_size_of
-from gateway.api.openai import OFF_LOOP_BYTES, ModelCard, ParsedRequest, parse_request
+from gateway.api.openai import OFF_LOOP_BYTES, ParsedRequest, parse_request
+from gateway.api.responses import ModelCard
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.prediction.service import PredictionService
