@@ -7,9 +7,9 @@ prefill token ids and hit their prefix caches where blocks are shared, and the g
 same sharing in the prompts' text. Four policies on a fleet of ``PROFILE`` replicas:
 
 (a) least loaded: everything sent at once to the replica with the fewest outstanding requests
-    (``replay.policies.NoAdmission``, a plain load balancer);
+    (``replay.baselines.NoAdmission``, a plain load balancer);
 (b) llm-d's default prefix scorer: prefix-cache, queue and KV-cache-utilization scorers weighted
-    3 / 2 / 2, max score, everything sent (``replay.policies.PrefixAffinity``);
+    3 / 2 / 2, max score, everything sent (``replay.baselines.PrefixAffinity``);
 (c) Sluice with ``admission.prefix_cache.enabled: false``;
 (d) Sluice as shipped (prefix cache on, its default ``hit_weight``),
 
@@ -80,8 +80,8 @@ from replay import (
     piecewise_rate,
     run_gateway_replay,
 )
+from replay.baselines import NoAdmission, PrefixAffinity
 from replay.emulated import saturation_rate
-from replay.policies import NoAdmission, PrefixAffinity
 from simulator.engine import Engine
 from simulator.profile import load_profile
 

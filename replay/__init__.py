@@ -3,8 +3,8 @@
 The second adapter over the admission and prediction code the gateway ships (the live gateway is
 the first): one event loop (``replay.loop``) drives the emulator's engine and a gateway policy.
 ``replay.forecasts`` scores forecasts against the emulator's outcomes; ``replay.admission``
-scores admission policies (``replay.policies``) by goodput. ``gateway`` never imports this
-package, and ``simulator`` (the ground truth) never imports it either.
+scores admission policies (``replay.policies``, ``replay.baselines``) by goodput. ``gateway``
+never imports this package, and ``simulator`` (the ground truth) never imports it either.
 """
 
 from replay.admission import GatewayReplayResult, run_gateway_replay

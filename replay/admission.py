@@ -1,5 +1,6 @@
-"""Score admission policies: replay a trace through a gateway policy (``replay.policies``) on the
-one virtual-time loop (``replay.loop``) and report every request's outcome.
+"""Score admission policies: replay a trace through a gateway policy (``replay.policies``,
+``replay.baselines``) on the one virtual-time loop (``replay.loop``) and report every request's
+outcome.
 
 ``replay.forecasts`` runs the same loop to score forecasts instead.
 """

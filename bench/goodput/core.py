@@ -69,13 +69,8 @@ from replay import (
     piecewise_rate,
     run_gateway_replay,
 )
-from replay.policies import (
-    ConcurrencyCap,
-    NoAdmission,
-    SaturationShedding,
-    SluicePolicy,
-    TenantRateLimit,
-)
+from replay.baselines import ConcurrencyCap, NoAdmission, SaturationShedding, TenantRateLimit
+from replay.policies import SluicePolicy
 from simulator.profile import load_profile
 
 PROFILE: Final = "llama3-8b-h100"

@@ -20,14 +20,14 @@ from replay import (
     piecewise_rate,
     run_gateway_replay,
 )
-from replay.policies import (
+from replay.baselines import (
     ConcurrencyCap,
     NoAdmission,
     SaturationShedding,
-    SluicePolicy,
     TenantRateLimit,
     TokenBucket,
 )
+from replay.policies import SluicePolicy
 from simulator.profile import load_profile
 
 TARGETS = Targets(ttft_s=1.0, tpot_s=0.05)

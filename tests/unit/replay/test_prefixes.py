@@ -18,7 +18,7 @@ from replay import (
     piecewise_rate,
     run_gateway_replay,
 )
-from replay.policies import PrefixAffinity
+from replay.baselines import PrefixAffinity
 from replay.prefixes import (
     HASH_BLOCK_TOKENS,
     TOKEN_ID_LIMIT,
