@@ -3,23 +3,17 @@
 ``build_app(store)`` is the composition root: each long-lived resource (the upstream session,
 emulators, replica registry and health checks, scraper and predictions, admission, the proxy)
 is a ``cleanup_ctx`` generator, torn down in reverse order, and reached through a typed
-``AppKey`` (``gateway.keys`` or the plugin's own module: no module imports this one). A request
-passes ``gateway_middleware`` (request id, access line, JSON errors, body timeout, admin guard)
-and then the tenants'. ``run_gateway(store)`` serves until SIGINT/SIGTERM, then gives in-flight
-requests ``server.shutdown_grace_s`` seconds and tears everything down. The map is in
-docs/architecture.md.
+``AppKey`` (``gateway.keys`` or the plugin's own module: no plugin imports this one; only
+``gateway.serve`` does, to run it). A request passes ``gateway_middleware`` (request id, access
+line, JSON errors, body timeout, admin guard) and then the tenants'. On shutdown the proxy ends
+what still runs shortly before the grace is over. The map is in docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
-import logging
-import os
-import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol
 
 import aiohttp
 from aiohttp import web
@@ -27,12 +21,10 @@ from aiohttp import web
 from gateway.admission.live import ADMISSION, LiveAdmission
 from gateway.api.openai import ENGINE_MODELS
 from gateway.api.responses import models_list
-from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
 from gateway.http.admin import ADMIN_LISTENER, AdminGate, install_admin
 from gateway.http.middleware import gateway_middleware
 from gateway.http.openapi import install_openapi
-from gateway.http.parse_errors import install as install_parse_errors
 from gateway.http.server_header import server_header_hook
 from gateway.keys import (
     EMULATORS,
@@ -47,11 +39,7 @@ from gateway.keys import (
     STORE,
 )
 from gateway.ledger.live import LEDGER, install_ledger
-from gateway.observability.logs import (
-    add_request_id_header,
-    configure_logging,
-    flush_logs,
-)
+from gateway.observability.logs import add_request_id_header, flush_logs
 from gateway.observability.metrics import METRICS
 from gateway.observability.metrics.endpoints import install as install_metrics
 from gateway.prediction.live import LivePredictions, add_prediction_headers, follow_correction
@@ -68,9 +56,6 @@ from gateway.tenants.admin_api import install_tenants_admin
 from gateway.tenants.keys_api import install_keys_api
 from gateway.tenants.live import TENANCY, install_tenancy
 from gateway.tokens.live import PROMPT_TOKENIZERS, PromptTokenizers
-from gateway.workers import supervisor_pid, worker_index
-
-log = logging.getLogger("sluice.app")
 
 #: Upper bound of pooled connections to one replica; generous, admission control bounds load.
 CONNECTIONS_PER_REPLICA = 4096
@@ -81,18 +66,6 @@ KEEPALIVE_S = 60.0
 #: virtual-time replay (``replay``) keeps ``PredictionConfig``'s default (off): it has
 #: no transport. See docs/predictor-accuracy.md, "Live".
 LIVE_PREDICTION = PredictionConfig(learn_dispatch_overhead=True)
-
-
-class Reloader(Protocol):
-    """What ``run_gateway`` needs of a config reloader (``gateway.config.reload.ConfigReloader``)."""
-
-    async def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-
-#: ``factory(store, on_result)``: ``on_result(ok)`` is told each reload attempt's outcome (metrics).
-ReloaderFactory = Callable[[SettingsStore, Callable[[bool], None]], Reloader]
 
 
 def build_app(store: SettingsStore, *, spawn_emulators: bool = True) -> web.Application:
@@ -344,88 +317,6 @@ async def _end_requests_within_the_grace(app: web.Application) -> None:
     asyncio.get_running_loop().call_later(delay, proxy.stop_all)
 
 
-def _install_signal_handlers(app: web.Application) -> None:
-    """SIGTERM and SIGINT start the shutdown: with ``server.drain_s`` > 0, first a drain (``/readyz``
-    503, new completions 503 with Retry-After, requests in flight go on), then aiohttp's graceful
-    exit (listener closed, ``server.shutdown_grace_s`` for what still runs). A second signal during
-    the drain exits at once."""
-    loop = asyncio.get_running_loop()
-
-    def on_signal(signum: signal.Signals) -> None:
-        proxy = app.get(PROXY)
-        drain_s = app[STORE].current.server.drain_s
-        if drain_s <= 0 or proxy is None or proxy.draining:
-            raise web.GracefulExit()
-        proxy.draining = True
-        log.info(
-            "%s: draining for %.1f s (readyz 503, new requests 503), then stopping", signum.name, drain_s
-        )
-        loop.call_later(drain_s, _graceful_exit)
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
-
-
-def _graceful_exit() -> None:
-    """Raised from a loop callback, aiohttp's ``GracefulExit`` ends ``run_app``'s loop gracefully."""
-    raise web.GracefulExit()
-
-
-#: The cycle collector's thresholds while serving (``gc.set_threshold``): generation 0 is
-#: collected after this many more container allocations than deallocations (CPython's default is
-#: 700). A request in flight holds a few dozen containers, so at 32 concurrent requests the default
-#: ran a young collection every few requests, each visiting every object of every request in
-#: flight and finding nothing: the request path frees its objects by reference counting (no
-#: reference cycles: ``tests/integration/gateway/test_no_request_cycles.py``).
-GC_THRESHOLD = (10_000, 10, 10)
-
-
-async def _quiet_gc(app: web.Application) -> None:
-    """Once everything is started: collect, then move every object alive now (modules, classes,
-    settings, metrics, the app) to the permanent generation (``gc.freeze``), and raise the
-    young generation's threshold (``GC_THRESHOLD``).
-
-    Without it a full collection visited all of them, some 80,000 objects: 45-60 ms with the
-    event loop stopped, every few seconds under load, the p99 of every request served meanwhile
-    (``docs/benchmarks.md``, "The cycle collector"). Objects made later (a reload's settings) are
-    collected as usual; a frozen object that became garbage later is never freed by the cycle
-    collector (by reference counting it still is), which for what lives from start-up on is
-    nothing.
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLD)
-
-
-#: Seconds between two checks, in a worker, that its supervisor is still there.
-SUPERVISOR_POLL_S = 1.0
-
-
-async def _supervisor_watch(app: web.Application) -> AsyncIterator[None]:
-    """In a worker: once the supervisor is gone (killed outright, so it passed no signal on),
-    stop as on SIGTERM, draining, so that no worker outlives it."""
-    parent = supervisor_pid()
-
-    async def watch() -> None:
-        while os.getppid() == parent:  # noqa: ASYNC110 (no event tells a process its parent died)
-            await asyncio.sleep(SUPERVISOR_POLL_S)
-        log.warning("supervisor %s is gone: stopping", parent)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    task = asyncio.create_task(watch(), name="sluice-supervisor-watch")
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
-async def _signals_ctx(app: web.Application) -> AsyncIterator[None]:
-    _install_signal_handlers(app)
-    yield
-
-
 def _replicas_view(app: web.Application) -> Callable[[web.Request], Awaitable[web.Response]]:
     """Admin ``GET /sluice/v1/replicas`` for ``app`` (served on ``app`` or on the admin listener)."""
 
@@ -450,84 +341,3 @@ def _replicas_view(app: web.Application) -> Callable[[web.Request], Awaitable[we
         return web.json_response(body)
 
     return handler
-
-
-def _reloader_ctx(
-    factory: ReloaderFactory, store: SettingsStore
-) -> Callable[[web.Application], AsyncIterator[None]]:
-    async def ctx(app: web.Application) -> AsyncIterator[None]:
-        metrics = app.get(METRICS)
-        reloader = factory(store, metrics.observe_reload if metrics is not None else _ignore_result)
-        await reloader.start()
-        try:
-            yield
-        finally:
-            await reloader.stop()
-
-    return ctx
-
-
-def _ignore_result(ok: bool) -> None:
-    """A reload outcome nobody counts."""
-
-
-def _follow_logging(old: Settings, new: Settings) -> None:
-    if old.logging != new.logging:
-        configure_logging(new.logging)
-
-
-def _new_event_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
-    """uvloop's loop when asked for and installed, else asyncio's default."""
-    if use_uvloop:
-        try:
-            import uvloop
-        except ImportError:
-            log.info("uvloop is not installed; using the asyncio event loop")
-        else:
-            return uvloop.new_event_loop()
-    return asyncio.new_event_loop()
-
-
-def _log_banner(message: object) -> None:
-    """aiohttp's "======== Running on URL ========" banner as one log line."""
-    log.info("%s", " ".join(str(message).replace("=", " ").split()))
-
-
-def run_gateway(store: SettingsStore, *, reloader_factory: ReloaderFactory | None = None) -> None:
-    """Serve the gateway until SIGINT or SIGTERM; returns after a graceful shutdown.
-
-    ``reloader_factory(store, on_result)`` (e.g. ``lambda s, r: ConfigReloader(path, s, on_result=r)``,
-    ``on_result`` feeding the reload metrics) is started after the
-    replicas are up and stopped first on shutdown. Logging must already be configured
-    (``configure_logging``); it is reconfigured when a reload changes ``logging:``.
-    Raises ``EmulatorStartError`` when an emulator does not come up.
-    """
-    settings = store.current
-    worker = worker_index()
-    # A worker of several (gateway.workers): the supervisor runs the emulators once for all.
-    app = build_app(store, spawn_emulators=worker is None)
-    app[SHUTDOWN_GRACE] = settings.server.shutdown_grace_s
-    app.cleanup_ctx.append(_signals_ctx)
-    if worker is not None:
-        listener = app.get(ADMIN_LISTENER)
-        if listener is not None:
-            listener.reuse_port = True
-        app.cleanup_ctx.append(_supervisor_watch)
-    if reloader_factory is not None:
-        app.cleanup_ctx.append(_reloader_ctx(reloader_factory, store))
-    app.on_startup.append(_quiet_gc)  # after every cleanup context above has started
-    store.subscribe(_follow_logging)
-    # Requests aiohttp cannot parse: OpenAI-style JSON, never aiohttp's body quoting their bytes.
-    install_parse_errors(lambda: store.current.server.server_header)
-    web.run_app(
-        app,
-        host=settings.server.host,
-        port=settings.server.port,
-        shutdown_timeout=settings.server.shutdown_grace_s,
-        access_log=None,  # our own access line, with replica and token counts
-        print=_log_banner,
-        loop=_new_event_loop(settings.server.uvloop),
-        handle_signals=False,  # ours: a drain first (server.drain_s), see _install_signal_handlers
-        reuse_port=True if worker is not None else None,  # the workers share the port
-    )
-    flush_logs()  # the last access lines, whatever stopped the loop

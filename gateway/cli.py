@@ -210,9 +210,9 @@ def _hash_key() -> int:
 def _serve(source: Source, argv: list[str]) -> int:
     """``sluice serve``: one gateway, or (``server.workers`` > 1) the supervisor of that many,
     each started with ``argv`` (``gateway.workers``)."""
-    from gateway.app import run_gateway
     from gateway.config.reload import ConfigReloader
     from gateway.replicas.emulators import EmulatorStartError
+    from gateway.serve import run_gateway
     from gateway.workers import worker_index
 
     worker = worker_index()

@@ -171,7 +171,7 @@ def summarise(raw: str, top: int = 20) -> Profile:
 
 
 #: Frames on every stack of ``sluice serve``: they say nothing about the request path.
-ROOT_CHAIN = ("(gateway/cli.py)", "run_gateway (gateway/app.py)", "(stdlib/runpy.py)")
+ROOT_CHAIN = ("(gateway/cli.py)", "run_gateway (gateway/serve.py)", "(stdlib/runpy.py)")
 
 
 def _is_sluice(file: str) -> bool:

@@ -17,7 +17,7 @@
   stops them all and exits 1 (a worker that can never start is not restarted for ever);
 * once every worker has exited it stops the emulators and returns.
 
-A worker whose supervisor is killed outright stops by itself, draining (``gateway.app``).
+A worker whose supervisor is killed outright stops by itself, draining (``gateway.serve``).
 """
 
 from __future__ import annotations

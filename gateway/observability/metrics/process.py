@@ -40,7 +40,7 @@ def register_runtime(registry: CollectorRegistry) -> list[Collector]:
         ProcessCollector(registry=registry),
         PlatformCollector(registry=registry),
         # python_gc_collections_total and python_gc_objects_collected_total, by generation: the
-        # cycle collector's work (its pauses stop the event loop; see gateway.app._quiet_gc).
+        # cycle collector's work (its pauses stop the event loop; see gateway.serve._quiet_gc).
         GCCollector(registry=registry),
     ]
 

@@ -204,7 +204,7 @@ async def test_real_emulator_behind_the_gateway(aiohttp_client) -> None:
 RUN_GATEWAY = textwrap.dedent(
     """
     import sys
-    from gateway.app import run_gateway
+    from gateway.serve import run_gateway
     from gateway.observability.logs import configure_logging
     from gateway.config.settings import ServerSettings, Settings
     from gateway.replicas.config import EmulatorSettings

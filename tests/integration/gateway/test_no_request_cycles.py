@@ -2,7 +2,7 @@
 when its handler returns, not left for the cycle collector.
 
 Why it matters: ``sluice serve`` freezes what lives from start-up on (``gc.freeze``) and runs the
-young generation's collection only every 10,000 net allocations (``gateway.app._quiet_gc``). That
+young generation's collection only every 10,000 net allocations (``gateway.serve._quiet_gc``). That
 holds the collector's work near zero only while requests make no cyclic garbage. Before
 2026-12-02 every request did (``Proxy._forward``'s ``end`` closure and the exchange it closed
 over): its task, coroutine, aiohttp request, exchange, outcome and reservation (~35 objects) all

@@ -278,7 +278,7 @@ def _gc_collections(stack: Stack) -> dict[str, float]:
 
 async def test_serving_leaves_the_cycle_collector_idle(stack: Stack) -> None:
     """`sluice serve` freezes its start-up objects and collects the young generation only every
-    10,000 net allocations (``gateway.app._quiet_gc``), and its requests make no cyclic garbage: 600
+    10,000 net allocations (``gateway.serve._quiet_gc``), and its requests make no cyclic garbage: 600
     requests run no full collection, which stops the event loop for ~50 ms without the freeze, and
     next to no young one (with CPython's default thresholds: 9)."""
     client = _aclient(stack)

@@ -13,10 +13,10 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.app import GC_THRESHOLD, _quiet_gc
 from gateway.keys import HEALTH, REGISTRY
 from gateway.replicas.config import ReplicaSettings
 from gateway.replicas.registry import ReplicaState
+from gateway.serve import GC_THRESHOLD, _quiet_gc
 from tests.unit.gateway.conftest import StartGateway, StartReplica
 from tests.unit.gateway.fakes import MODEL, FakeReplica, chat_chunk, sse, wait_for
 
