@@ -96,10 +96,10 @@ class CorrectionConfig:
     ``forget_weight``: pseudo-samples pulling the replica-wide estimate toward no correction
     (its decayed sample weight is compared with it: a replica with recent finishes keeps its
     estimate, one without drifts back to 1). ``min_factor`` / ``max_factor``: the range a factor is
-    clamped to. A sample below ``min_factor`` is learned as ``min_factor`` (a forecast far too
-    high: the median still sees it, and following it only admits more); one above ``max_factor``
-    is not learned from (a stall or a fit gone wrong, which must not lock a replica out). Both
-    are counted apart.
+    clamped to. A TTFT sample below ``min_factor`` is learned as ``min_factor`` (a forecast far
+    too high: the median still sees it); a TPOT sample below it is not learned from (a relay's
+    burst, not the engine's pace); one above ``max_factor`` is not learned from (a stall or a
+    fit gone wrong, which must not lock a replica out). All are counted apart.
     ``residual_window_s``: seconds of residuals kept for ``Residuals``.
     """
 
@@ -369,9 +369,9 @@ class CorrectionLearner:
         """One finished request on ``replica`` at ``at`` (seconds), dispatched into the regime of
         ``prompt_tokens`` and ``decode_seqs``. ``ttft`` / ``tpot``: (measured, uncorrected
         forecast, factor the forecast carried), seconds, seconds, ratio; ``None``, a non-finite
-        number or a non-positive forecast or factor: not measured. A measured time of 0 or less
-        (a TTFT that came before the dispatch overhead the caller took off it) is as far below
-        the forecast as a sample counts: ``min_factor``. Does nothing when disabled."""
+        number or a non-positive forecast or factor: not measured (and a non-positive TPOT). A
+        TTFT of 0 or less is as far below the forecast as a sample counts: ``min_factor``. Does
+        nothing when disabled."""
         cfg = self._config
         if not cfg.enabled:
             return
@@ -380,11 +380,16 @@ class CorrectionLearner:
             r = self._replicas[replica] = _Replica()
         index = regime(prompt_tokens, decode_seqs)
         learned = False
-        for sample, metric, errors in ((ttft, r.ttft, r.ttft_errors), (tpot, r.tpot, r.tpot_errors)):
+        for sample, metric, errors, floored in (
+            (ttft, r.ttft, r.ttft_errors, True),
+            (tpot, r.tpot, r.tpot_errors, False),
+        ):
             if sample is None:
                 continue
             measured, base, factor = sample
             if not (math.isfinite(measured) and _positive(base) and _positive(factor)):
+                continue
+            if not floored and measured <= 0.0:
                 continue
             ratio = measured / base
             if ratio > cfg.max_factor:
@@ -394,10 +399,15 @@ class CorrectionLearner:
                 metric.rejected += 1
                 continue
             if ratio < cfg.min_factor:
-                # Dropping these would leave only the slower requests and bias the median up
-                # (the forecast then runs high exactly where it already was); clamped, the
-                # median counts them without being moved by how far below they fell.
                 metric.rejected += 1
+                if not floored:
+                    # A TPOT far below the engine's step is the relay's, not the engine's: a
+                    # starved API server sends a stream's tokens in a few bursts.
+                    continue
+                # A TTFT is measured whole by the caller and cannot come early: dropping these
+                # would leave only the slower requests and bias the median up (the forecast
+                # then runs high exactly where it already was); clamped, the median counts them
+                # without being moved by how far below they fell.
                 ratio = cfg.min_factor
             log_ratio = math.log(ratio)
             metric.add(at, index, log_ratio, cfg)

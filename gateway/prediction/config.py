@@ -40,7 +40,7 @@ class CorrectionSettings(Section):
         Field(
             ge=1.0,
             description="Largest factor a forecast is multiplied by (the smallest is 0.25); a "
-            "measurement above it is not learned from, one below 0.25 is learned as 0.25.",
+            "measurement above it is not learned from, a TTFT below 0.25 is learned as 0.25.",
         ),
     ] = 10.0
 

@@ -120,6 +120,18 @@ def test_samples_far_below_the_forecast_count_at_the_floor() -> None:
     assert learner.state("r", t).ttft.out_of_range_total == 300
 
 
+def test_a_tpot_far_below_the_forecast_is_not_learned() -> None:
+    # A stream whose tokens came in one burst (a starved API server) measures a TPOT near 0: the
+    # relay's, not the engine's pace. Learned, it would carry TPOT forecasts to the floor.
+    learner = CorrectionLearner(CorrectionConfig(min_factor=0.25))
+    t = feed(learner, 2.0, start=0.0, until=10.0)
+    for i in range(300):  # three times the samples above: learned, they would be the median
+        learner.observe("r", at=t, prompt_tokens=100, decode_seqs=0, tpot=((0.01, 0.0)[i % 2], 1.0, 1.0))
+        t += 0.1
+    assert learner.correction("r", t).factors(100, 0)[1] == pytest.approx(2.0, rel=0.02)
+    assert learner.state("r", t).tpot.out_of_range_total == 150
+
+
 def test_a_regime_with_few_samples_borrows_from_its_batch_bin() -> None:
     learner = CorrectionLearner()
     end = feed(learner, 2.0, start=0.0, until=30.0, prompt=100, decodes=0)
