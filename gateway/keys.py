@@ -1,6 +1,7 @@
 """The app keys of the services ``gateway.app`` builds and its plugins read back.
 
-``gateway.app`` (the composition root) sets these; plugins (``gateway.tenants.live``,
+``gateway.app`` (the composition root; ``gateway.serve`` for the process's own, such as
+``SHUTDOWN_GRACE``) sets these; plugins (``gateway.tenants.live``,
 ``gateway.observability.metrics``, ...) read them from the app. Both import them from here, so no
 plugin imports the composition root. This module sits below every plugin: it imports only the
 services' own modules. A plugin's own key lives with the plugin (``TENANCY``, ``ADMIN_LISTENER``,
