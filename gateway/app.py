@@ -12,7 +12,6 @@ what still runs shortly before the grace is over. The map is in docs/architectur
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -52,6 +51,7 @@ from gateway.replicas.emulators import start_emulators, stop_emulators
 from gateway.replicas.health import HealthChecker
 from gateway.replicas.registry import ReplicaRegistry
 from gateway.replicas.scraper import MetricsScraper
+from gateway.tasks import running
 from gateway.tenants.admin_api import install_tenants_admin
 from gateway.tenants.keys_api import install_keys_api
 from gateway.tenants.live import TENANCY, install_tenancy
@@ -170,13 +170,10 @@ async def _replicas(app: web.Application) -> AsyncIterator[None]:
     app[ENGINE_MODELS] = registry.engine_models
     tokenizers = app[PROMPT_TOKENIZERS] = PromptTokenizers(store, registry)
     await checker.check_all()  # serve with known replica states from the first request on
-    task = asyncio.create_task(checker.run(), name="sluice-health")
     try:
-        yield
+        async with running(checker.run(), name="sluice-health"):
+            yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
         tokenizers.close()
         registry.close()
 
@@ -246,13 +243,8 @@ async def _proxy(app: web.Application) -> AsyncIterator[None]:
         predictions=app[PREDICTIONS],
         admission=app[ADMISSION],
     )
-    task = asyncio.create_task(monitor.run(), name="sluice-disconnects")
-    try:
+    async with running(monitor.run(), name="sluice-disconnects"):
         yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:

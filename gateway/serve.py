@@ -11,7 +11,6 @@ graceful shutdown. It imports ``gateway.app``; nothing of the app imports it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import os
@@ -30,6 +29,7 @@ from gateway.keys import SHUTDOWN_GRACE, STORE
 from gateway.observability.logs import configure_logging, flush_logs
 from gateway.observability.metrics import METRICS
 from gateway.proxy.forward import PROXY
+from gateway.tasks import running
 from gateway.workers import supervisor_pid, worker_index
 
 # The banner and the lifecycle's lines keep the name they always had.
@@ -116,13 +116,8 @@ async def _supervisor_watch(app: web.Application) -> AsyncIterator[None]:
         log.warning("supervisor %s is gone: stopping", parent)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    task = asyncio.create_task(watch(), name="sluice-supervisor-watch")
-    try:
+    async with running(watch(), name="sluice-supervisor-watch"):
         yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def _signals_ctx(app: web.Application) -> AsyncIterator[None]:

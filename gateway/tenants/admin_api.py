@@ -15,7 +15,6 @@ docs/tenants.md.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
@@ -27,6 +26,7 @@ from gateway.http.errors import RouteNotFound
 from gateway.keys import OUTCOME_LISTENERS
 from gateway.limits.base import BucketState, LevelReader, LimiterUnavailable, TenantLevels
 from gateway.observability.metrics import METRICS, SluiceMetrics
+from gateway.tasks import running
 from gateway.tenants.auth import Tenant
 from gateway.tenants.live import Tenancy
 from gateway.tenants.recent import RecentRefusals
@@ -170,18 +170,11 @@ def install_tenants_admin(
 
     async def gauges(app: web.Application) -> AsyncIterator[None]:
         metrics = app.get(METRICS)
-        task = (
-            None
-            if metrics is None
-            else asyncio.get_running_loop().create_task(admin.keep_gauges_fresh(metrics))
-        )
-        try:
+        if metrics is None:
             yield
-        finally:
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            return
+        async with running(admin.keep_gauges_fresh(metrics), name="sluice-tenant-gauges"):
+            yield
 
     app.cleanup_ctx.append(gauges)
     return admin

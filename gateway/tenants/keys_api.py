@@ -12,8 +12,6 @@ prefix; never the secret). Operator guide: docs/tenants.md.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,6 +23,7 @@ from gateway.config.store import SettingsStore
 from gateway.http.errors import GatewayError, InvalidRequest, RouteNotFound
 from gateway.keys import STORE
 from gateway.limits.redis import connect
+from gateway.tasks import running
 from gateway.tenants.admin_api import TenantsAdmin
 from gateway.tenants.key_store import FileKeyStore, KeyStore, KeyStoreError
 from gateway.tenants.keys_file import keys_file_path
@@ -133,23 +132,20 @@ def install_keys_api(
 
     async def lifecycle(_app: web.Application) -> AsyncIterator[None]:
         keys = api.keys
-        poller: asyncio.Task[None] | None = None
-        if isinstance(keys, RedisKeyStore):
-            try:
-                await keys.refresh()
-            except Exception as exc:
-                log.warning("cannot read the issued API keys from Redis at startup (%s); retrying", exc)
-            poller = asyncio.get_running_loop().create_task(keys.poll(api.apply))
+        if not isinstance(keys, RedisKeyStore):
+            api.apply()
+            yield
+            return
+        try:
+            await keys.refresh()
+        except Exception as exc:
+            log.warning("cannot read the issued API keys from Redis at startup (%s); retrying", exc)
         api.apply()
         try:
-            yield
+            async with running(keys.poll(api.apply), name="sluice-keys-poll"):
+                yield
         finally:
-            if poller is not None:
-                poller.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await poller
-            if isinstance(keys, RedisKeyStore):
-                await keys.close()
+            await keys.close()
 
     app.cleanup_ctx.append(lifecycle)
     return api

@@ -6,7 +6,6 @@ service discovery of the replicas, built by ``replica_targets``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING
@@ -17,6 +16,7 @@ from aiohttp import web
 from gateway.keys import OUTCOME_LISTENERS, PREDICTION_SERVICE, REGISTRY, SCRAPER, STORE
 from gateway.observability.metrics import METRICS, SluiceMetrics
 from gateway.observability.metrics.multiprocess import SNAPSHOT_INTERVAL_S, LiveSnapshots
+from gateway.tasks import running
 
 if TYPE_CHECKING:
     from gateway.replicas.registry import Replica
@@ -61,13 +61,8 @@ def _snapshots(live: LiveSnapshots) -> Callable[[web.Application], AsyncIterator
                 log.exception("could not write this worker's metrics snapshot")
 
     async def ctx(_app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(loop(), name="sluice-metrics-snapshot")
-        try:
+        async with running(loop(), name="sluice-metrics-snapshot"):
             yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
     return ctx
 
