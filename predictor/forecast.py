@@ -59,9 +59,10 @@ class Forecast:
     ``prefill_batch``: the mean composition of its prefill steps (what ``ttft_s - step_wait_s -
     admission_wait_s`` is the time of, ``prefill_steps`` times); ``None`` when not valid. A
     measured TTFT thus gives a step-time observation (``predictor.calibrate``).
-    ``overhead_s``: part of ``ttft_s`` the caller added for the way to and from the engine (its
-    transport and the replica server's own work, learned by the caller: on a busy engine, the
-    step the request misses on its way in, if any); ``forecast_request`` itself always gives 0.
+    ``overhead_s``: what the caller added for the way to and from the engine (its transport and
+    the replica server's own work, learned by the caller: on a busy engine, the step the request
+    misses on its way in, if any), before its correction: ``ttft_s`` holds it times
+    ``ttft_factor``. ``forecast_request`` itself always gives 0.
     ``made_at``: the caller's clock (s) when the forecast was made, if it says; ``None`` here.
     ``base_ttft_s`` / ``base_tpot_s``: the engine's TTFT and TPOT as the step model forecast them,
     before any margin or correction (NaN: not said, read ``ttft_s`` / ``tpot_s``);

@@ -139,7 +139,7 @@ class IdleForecasts:
             self._idle_forecasts[key] = (model, ttft, tpot)
         scale = self._slack.scale(view)
         ct, cp = view.correction.factors(request.prompt_tokens, 0.0)
-        return ttft * scale * min(ct, 1.0) + view.dispatch_overhead_s, tpot * scale * min(cp, 1.0)
+        return (ttft * scale + view.dispatch_overhead_s) * min(ct, 1.0), tpot * scale * min(cp, 1.0)
 
     def _idle(self, state: ReplicaState, key: tuple[int, int, int, int]) -> ReplicaState:
         """``_idle(state)``, kept per set of limits (``key``; a replica's limits rarely change)."""

@@ -256,12 +256,13 @@ class SlackRules:
         d = view.dispatch_overhead_s
         overhead = _overhead_s(d, f, view.model)
         # The replica's measured correction for this request's regime (its prompt, the batch its
-        # prefill joins): what the gateway measured there over what the step model forecast.
+        # prefill joins): what the gateway measured there over what was forecast, the overhead
+        # with the engine's TTFT (``predictor.correction``).
         batch = f[11]
         ct, cp = view.correction.factors(
             request.prompt_tokens, state.decode_seqs if batch is None else batch[1]
         )
-        ttft, tpot, infl = f[0] * scale * ct + overhead, f[1] * scale * cp, f[2] * scale * cp
+        ttft, tpot, infl = (f[0] * scale + overhead) * ct, f[1] * scale * cp, f[2] * scale * cp
         stall = f[7] * scale
         output = f[5]
         streams = stalls = _INF
@@ -332,7 +333,7 @@ class SlackRules:
                 pt, pp = view.correction.factors(
                     probe.prompt_tokens, after.decode_seqs if pb is None else pb[1]
                 )
-                p_ttft = (pf[0] - elapsed) * base * pt + _overhead_s(d, pf, view.model)
+                p_ttft = ((pf[0] - elapsed) * base + _overhead_s(d, pf, view.model)) * pt
                 p_tpot = pf[1] * base * pp
                 probes.append((protected, p_ttft, p_tpot))
                 t, p = protected.ttft_target_s, protected.tpot_target_s

@@ -11,8 +11,8 @@ replica's current decode step, plus what requests admitted since the view was bu
 The first-token deadline is arrival + TTFT target, or the client's earlier deadline, so time spent
 in Sluice's queue counts. Every TTFT held against a deadline includes the replica's learned
 dispatch overhead (``ReplicaView.dispatch_overhead_s``, added after the margins: all of it on an
-idle engine, the steps it misses on a busy one, ``predictor.overhead``). Before the margins, the
-engine's TTFT and TPOTs are multiplied by the replica's measured correction for the request's
+idle engine, the steps it misses on a busy one, ``predictor.overhead``). The TTFT with its
+overhead, and the TPOTs, are multiplied by the replica's measured correction for the request's
 regime (``ReplicaView.correction``, ``predictor.correction``). The replica's slack is
 the minimum; the request goes to the replica with
 the most slack among those where it is >= 0. A long prompt that would push running streams past

@@ -86,9 +86,10 @@ def _observe_correction(
     tpot_s: float | None,
     at: float,
 ) -> None:
-    """One sample of ``replica``'s correction: the measured TTFT (less the dispatch overhead the
-    forecast added, which is learned apart) and TPOT over the forecast's uncorrected ones, in
-    the regime the forecast was made in (its prompt, the batch its prefill joined)."""
+    """One sample of ``replica``'s correction: the measured TTFT and TPOT over the forecast's
+    uncorrected ones (the TTFT's with the dispatch overhead it added: the overhead, learned as a
+    mean over scrape windows, grows with the load like the engine's share), in the regime the
+    forecast was made in (its prompt, the batch its prefill joined)."""
     if not forecast.valid:
         return
     batch = forecast.prefill_batch
@@ -96,7 +97,7 @@ def _observe_correction(
     prompt = prompt_tokens if prompt_tokens is not None else 0
     ttft = None
     if ttft_s is not None and math.isfinite(forecast.base_ttft_s):
-        ttft = (ttft_s - forecast.overhead_s, forecast.base_ttft_s, forecast.ttft_factor)
+        ttft = (ttft_s, forecast.base_ttft_s + forecast.overhead_s, forecast.ttft_factor)
     tpot = None
     if tpot_s is not None and math.isfinite(forecast.base_tpot_s):
         tpot = (tpot_s, forecast.base_tpot_s, forecast.tpot_factor)

@@ -24,6 +24,7 @@ from gateway.admission import (
 )
 from gateway.admission.retry_after import decode_drain_s
 from predictor import StepModel, forecast_request
+from predictor.correction import Correction
 from tests.unit.admission.fleet import (
     MODEL,
     SETTINGS,
@@ -722,6 +723,23 @@ def test_dispatch_overhead_counts_against_the_first_token_deadline() -> None:
     roomy = decide([_with_overhead(idle, 0.010)])
     assert isinstance(roomy, Admit)
     assert roomy.forecast == plain.forecast
+
+
+def test_the_ttft_correction_scales_the_overhead_with_the_engines_ttft() -> None:
+    """The TTFT correction is learned on all that was forecast, the engine's TTFT and the
+    overhead it added, so admission applies it to both: with a 100 ms overhead and a factor of
+    0.5, the first token is due at half of (engine + 100 ms), well before engine / 2 + 100 ms."""
+    idle = view("a", state())
+    plain = decide([idle])
+    assert isinstance(plain, Admit)
+    assert plain.forecast is not None
+    halved = replace(_with_overhead(idle, 0.100), correction=Correction(ttft=(0.5,) * 16, tpot=(1.0,) * 16))
+    due = (plain.forecast.ttft_s + 0.100) * 0.5
+    assert due < plain.forecast.ttft_s * 0.5 + 0.100 - 0.04
+    assert isinstance(decide([halved], deadline=NOW + due + 0.002), Admit)
+    late = decide([halved], deadline=NOW + due - 0.002)
+    assert isinstance(late, Reject)
+    assert late.reason == RejectReason.DEADLINE_EXCEEDED
 
 
 def test_dispatch_overhead_routes_to_the_nearer_replica() -> None:
