@@ -28,6 +28,7 @@ from gateway.admission.shares import StreamingRequest
 from gateway.ledger.config import LedgerSettings
 from gateway.ledger.live import TICK_S
 from gateway.ledger.state import Op, Outbox, RemoteLedger, TrackedSource
+from gateway.ledger.unseen import UnseenDispatches
 from gateway.prediction import PredictionService
 from gateway.replicas.dialects.vllm import VllmDialect
 from gateway.replicas.registry import LiveRequest
@@ -113,6 +114,9 @@ class DelayedLedger:
             for g in range(gateways)
         ]
         self.remotes = [RemoteLedger(f"g{g}", max_entries_per_replica=cap) for g in range(gateways)]
+        #: Each gateway's estimate of the dispatches on their way to it (``count_unseen``).
+        self.unseen = [UnseenDispatches() for _ in range(gateways)]
+        self.count_unseen = settings.count_unseen
         #: Messages on their way: (delivery time, sequence, sender, changes).
         self._mail: list[tuple[float, int, int, list[Op]]] = []
         self._seq = 0
@@ -127,8 +131,18 @@ class DelayedLedger:
         return _Listener(self, gateway)
 
     def in_flight(self, gateway: int, replica: str) -> tuple[InFlight, ...]:
-        """The other gateways' entries on ``replica`` as ``gateway`` holds them now."""
-        return self.remotes[gateway].in_flight(replica, 0.0)
+        """The other gateways' entries on ``replica`` as ``gateway`` holds them now, with the
+        stand-ins for those on their way (as ``LiveLedger.in_flight``)."""
+        held = self.remotes[gateway].in_flight(replica, 0.0)
+        unseen = self.unseen[gateway].expected(replica, self.clock(), 0.0)
+        return held + tuple(e.in_flight(0.0) for e in unseen) if unseen else held
+
+    def streams(self, gateway: int, replica: str) -> tuple[StreamingRequest, ...]:
+        """The other gateways' streams on ``replica`` that ``gateway`` protects, stand-ins included."""
+        held = self.remotes[gateway].streams(replica)
+        unseen = self.unseen[gateway].expected(replica, self.clock(), 0.0)
+        made = (e.streaming() for e in unseen)
+        return held + tuple(s for s in made if s is not None) if unseen else held
 
     def tracked(self, gateway: int, replica: str, entry: object, stream: TrackedSource) -> None:
         """``gateway`` sent ``entry`` to ``replica``: published now."""
@@ -177,6 +191,8 @@ class DelayedLedger:
         """As ``LiveLedger.apply_message``."""
         changed: dict[str, bool] = {}
         for kind, entry in ops:
+            if kind == "put" and self.count_unseen and not remote.knows(entry):
+                self.unseen[gateway].arrived(entry, now, 0.0)
             hit = remote.put(entry, now) if kind == "put" else remote.remove(entry.replica, entry.key, now)
             if hit:
                 self.applied += 1
@@ -202,7 +218,7 @@ class _Listener:
         return self.ledger.in_flight(self.gateway, replica)
 
     def streams(self, replica: str) -> tuple[StreamingRequest, ...]:
-        return self.ledger.remotes[self.gateway].streams(replica)
+        return self.ledger.streams(self.gateway, replica)
 
 
 class _GatewayFleet(Fleet):

@@ -68,6 +68,14 @@ class LedgerSettings(Section):
             "fraction: forecasts x (1 + unavailable_margin), on top of the class's own margin.",
         ),
     ] = 0.2
+    count_unseen: Annotated[
+        bool,
+        Field(
+            description="Count the other gateways' dispatches not heard of yet: per replica, their "
+            "recent rate times the ledger's measured delay (at most 0.5 s), as prefills about to "
+            "start. Off: only the entries received count.",
+        ),
+    ] = True
 
     @model_validator(mode="after")
     def _expiry_outlasts_heartbeats(self) -> LedgerSettings:

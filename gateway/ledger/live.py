@@ -35,6 +35,7 @@ from gateway.keys import PREDICTIONS, REGISTRY, STORE
 from gateway.ledger.config import LedgerSettings
 from gateway.ledger.redis_io import LedgerRedis, LedgerUnavailable
 from gateway.ledger.state import Outbox, RemoteLedger, Saturation, TrackedSource, decode_message, widen
+from gateway.ledger.unseen import UnseenDispatches
 from gateway.limits.config import RedisSettings
 from gateway.limits.redis import connect
 from gateway.observability.metrics import METRICS
@@ -113,6 +114,7 @@ class LiveLedger:
             self.gateway, progress_interval_s=settings.progress_interval_s, max_entries_per_replica=cap
         )
         self.remote = RemoteLedger(self.gateway, max_entries_per_replica=cap)
+        self.unseen = UnseenDispatches()
         if io is None:
             client = connect(
                 redis_settings.url, cluster=redis_settings.cluster, timeout_s=redis_settings.timeout_s
@@ -154,12 +156,22 @@ class LiveLedger:
 
     # -- what admission reads ---------------------------------------------------------------------
     def in_flight(self, replica: str) -> tuple[InFlight, ...]:
-        """The other gateways' in-flight requests on ``replica`` (monotonic times of this clock)."""
-        return self.remote.in_flight(replica, self._wall() - self._clock())
+        """The other gateways' in-flight requests on ``replica`` (monotonic times of this clock),
+        with stand-ins for those dispatched but not heard of yet (``UnseenDispatches``)."""
+        now = self._clock()
+        offset = self._wall() - now
+        held = self.remote.in_flight(replica, offset)
+        unseen = self.unseen.expected(replica, now, offset)
+        return held + tuple(e.in_flight(offset) for e in unseen) if unseen else held
 
     def streams(self, replica: str) -> tuple[StreamingRequest, ...]:
-        """The other gateways' streams on ``replica`` that admission protects (``RemoteLedger.streams``)."""
-        return self.remote.streams(replica)
+        """The other gateways' streams on ``replica`` that admission protects (``RemoteLedger.streams``),
+        with the stand-ins' (``in_flight``)."""
+        held = self.remote.streams(replica)
+        now = self._clock()
+        unseen = self.unseen.expected(replica, now, self._wall() - now)
+        made = (e.streaming() for e in unseen)
+        return held + tuple(s for s in made if s is not None) if unseen else held
 
     def extra_margin(self) -> float:
         """The margin added while the ledger is down (``unavailable_margin``), else 0."""
@@ -271,8 +283,11 @@ class LiveLedger:
             return
         now = self._clock()
         changed: dict[str, bool] = {}
+        offset = self._wall() - now
         for kind, entry in message.ops:
             if kind == "put":
+                if self.settings.count_unseen and not self.remote.knows(entry):
+                    self.unseen.arrived(entry, now, offset)
                 hit = self.remote.put(entry, now)
             else:
                 hit = self.remote.remove(entry.replica, entry.key, now)
@@ -353,6 +368,7 @@ class LiveLedger:
             exc,
             self.settings.unavailable_margin * 100,
         )
+        self.unseen.forget()
         for replica in self.remote.clear():
             self.on_change(replica, True)
         self.on_change(None, True)

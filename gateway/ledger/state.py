@@ -383,6 +383,10 @@ class RemoteLedger:
         self._changed(entry.replica)
         return True
 
+    def knows(self, entry: Entry) -> bool:
+        """Whether ``entry``'s key is held or was deleted lately (a put of it is no new dispatch)."""
+        return entry.key in self._tombstones or entry.key in self._replicas.get(entry.replica, {})
+
     def remove(self, replica: str, key: str, now: float) -> bool:
         """The entry ``key`` on ``replica`` ended (deleted at monotonic ``now``)."""
         self._tombstones[key] = now
