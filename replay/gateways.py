@@ -134,15 +134,12 @@ class DelayedLedger:
         """The other gateways' entries on ``replica`` as ``gateway`` holds them now, with the
         stand-ins for those on their way (as ``LiveLedger.in_flight``)."""
         held = self.remotes[gateway].in_flight(replica, 0.0)
-        unseen = self.unseen[gateway].expected(replica, self.clock(), 0.0)
-        return held + tuple(e.in_flight(0.0) for e in unseen) if unseen else held
+        return self.unseen[gateway].in_flight(replica, held, self.clock(), 0.0)
 
     def streams(self, gateway: int, replica: str) -> tuple[StreamingRequest, ...]:
         """The other gateways' streams on ``replica`` that ``gateway`` protects, stand-ins included."""
         held = self.remotes[gateway].streams(replica)
-        unseen = self.unseen[gateway].expected(replica, self.clock(), 0.0)
-        made = (e.streaming() for e in unseen)
-        return held + tuple(s for s in made if s is not None) if unseen else held
+        return self.unseen[gateway].streams(replica, held, self.clock(), 0.0)
 
     def tracked(self, gateway: int, replica: str, entry: object, stream: TrackedSource) -> None:
         """``gateway`` sent ``entry`` to ``replica``: published now."""

@@ -160,18 +160,13 @@ class LiveLedger:
         with stand-ins for those dispatched but not heard of yet (``UnseenDispatches``)."""
         now = self._clock()
         offset = self._wall() - now
-        held = self.remote.in_flight(replica, offset)
-        unseen = self.unseen.expected(replica, now, offset)
-        return held + tuple(e.in_flight(offset) for e in unseen) if unseen else held
+        return self.unseen.in_flight(replica, self.remote.in_flight(replica, offset), now, offset)
 
     def streams(self, replica: str) -> tuple[StreamingRequest, ...]:
         """The other gateways' streams on ``replica`` that admission protects (``RemoteLedger.streams``),
         with the stand-ins' (``in_flight``)."""
-        held = self.remote.streams(replica)
         now = self._clock()
-        unseen = self.unseen.expected(replica, now, self._wall() - now)
-        made = (e.streaming() for e in unseen)
-        return held + tuple(s for s in made if s is not None) if unseen else held
+        return self.unseen.streams(replica, self.remote.streams(replica), now, self._wall() - now)
 
     def extra_margin(self) -> float:
         """The margin added while the ledger is down (``unavailable_margin``), else 0."""

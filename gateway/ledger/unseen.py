@@ -16,7 +16,9 @@ from collections import deque
 from dataclasses import replace
 from typing import Final
 
+from gateway.admission.shares import StreamingRequest
 from gateway.ledger.state import Entry
+from gateway.replicas.snapshot import InFlight
 
 __all__ = ["MAX_LAG_S", "WINDOW_S", "UnseenDispatches"]
 
@@ -74,6 +76,23 @@ class UnseenDispatches:
             )
             for i, (_, _, entry) in enumerate(latest)
         )
+
+    def in_flight(
+        self, replica: str, held: tuple[InFlight, ...], now: float, offset: float
+    ) -> tuple[InFlight, ...]:
+        """``held`` (the entries received, as ``RemoteLedger.in_flight``) with the stand-ins'."""
+        unseen = self.expected(replica, now, offset)
+        return held + tuple(e.in_flight(offset) for e in unseen) if unseen else held
+
+    def streams(
+        self, replica: str, held: tuple[StreamingRequest, ...], now: float, offset: float
+    ) -> tuple[StreamingRequest, ...]:
+        """``held`` (as ``RemoteLedger.streams``) with the stand-ins' that carry a TPOT forecast."""
+        unseen = self.expected(replica, now, offset)
+        if not unseen:
+            return held
+        made = (e.streaming() for e in unseen)
+        return held + tuple(s for s in made if s is not None)
 
     def forget(self) -> None:
         """Drop every arrival (the ledger was cleared)."""
