@@ -2,8 +2,8 @@
 
 When vLLM cannot be installed or cannot start on this machine the e2e tests skip with the reason
 and the install command, unless ``SLUICE_REQUIRE_E2E=1`` or ``SLUICE_CI=1`` (CI), where they fail
-instead (``tests.support.skips``). A server that starts but is not ready within 180 s always
-fails, with the tail of its log.
+instead (``tests.support.skips``). A server that starts but is not ready within 180 s (stretched by
+the host-speed factor, ``tests.support.speed``) always fails, with the tail of its log.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Any, NoReturn
 
 import pytest
 
-from tests.e2e.vllm_cpu import Unavailable, VllmServer, ensure_installed, ensure_model
+from tests.e2e.vllm_cpu import READY_TIMEOUT_S, Unavailable, VllmServer, ensure_installed, ensure_model
+from tests.support import speed
 from tests.support.skips import REQUIRE_E2E_ENV, skip_or_fail
 
 #: How to get what the e2e suite needs, ahead of the run.
@@ -50,7 +51,10 @@ def vllm_server(vllm_installed: None) -> Iterator[VllmServer]:
 def serving(**start: Any) -> Iterator[VllmServer]:
     """A vLLM server started with ``VllmServer.start(**start)`` for a fixture to yield: skipped
     (or failed where e2e is required) when vLLM is unavailable, failed when it does not come up,
-    stopped after."""
+    stopped after. Unless ``start`` sets ``timeout_s``, the server's ready bound is
+    ``READY_TIMEOUT_S`` stretched by the host-speed factor: its start (torch's import, the engine's
+    warm-up) is CPU-bound and slows with a busy host."""
+    start.setdefault("timeout_s", speed.scaled(READY_TIMEOUT_S))
     try:
         server = VllmServer.start(**start)
     except Unavailable as exc:
