@@ -23,12 +23,17 @@ import pytest
 
 from bench.e2e import aiperf
 from bench.e2e.core import BEGIN, END, HEADING, PATHS, QUICK, SHARES, write_doc
+from tests.support import speed
 from tests.support.skips import REQUIRE_E2E_ENV, skip_or_fail
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Seconds the quick run may take: about 90 on an idle 2-core machine (vLLM starts in ~35 s, each
-#: AIPerf pair in ~20 s plus its 5 s of load); a shared, busy machine needs many times that.
+#: Seconds the quick run may take on the reference host, stretched by the host-speed factor (as
+#: the test's own timeout is, so the run's bound stays inside it): about 90 on an idle 2-core
+#: machine (vLLM starts in ~35 s, each AIPerf pair in ~20 s plus its 5 s of load); a shared,
+#: busy machine needs many times that.
 RUN_TIMEOUT_S = 600.0
+#: Seconds the bench may take to stop its replicas, Sluice and AIPerf after SIGTERM (reference host).
+STOP_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +72,23 @@ def test_quick_e2e_bench_gets_aiperf_results_on_both_paths_and_no_5xx_from_sluic
     with subprocess.Popen(
         args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     ) as proc:
+        run_timeout_s = speed.scaled(RUN_TIMEOUT_S)
         try:
-            output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+            output, _ = proc.communicate(timeout=run_timeout_s)
         except subprocess.TimeoutExpired:
             # SIGTERM, not SIGKILL: the bench then stops its replicas, Sluice and AIPerf.
             proc.terminate()
-            output, _ = proc.communicate(timeout=60)
-            pytest.fail(f"bench/e2e --quick still running after {RUN_TIMEOUT_S:g} s:\n{output[-4000:]}")
+            try:
+                output, _ = proc.communicate(timeout=speed.scaled(STOP_TIMEOUT_S))
+                stopped = f"stopped by SIGTERM (exit {proc.returncode})"
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                output, _ = proc.communicate()
+                stopped = "killed: it did not stop on SIGTERM (vLLM may be left running)"
+            pytest.fail(
+                f"bench/e2e --quick still running after {run_timeout_s:.0f} s "
+                f"(host-speed factor {speed.factor():.2f}), {stopped}:\n{output[-4000:]}"
+            )
     assert proc.returncode == 0, output[-6000:]
     report = json.loads(out.read_text(encoding="utf-8"))
 
