@@ -98,6 +98,23 @@ def _total(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: 
     )
 
 
+def _counted(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> tuple[float, float]:
+    """(requests the host's counters agree on, or -1 where they differ; replica requests in flight).
+
+    A worker counts a request just after its answer went out, and the other worker's live gauges
+    come from the snapshot it writes every second: a scrape right after the last answer can
+    precede both, so a test waits for the counts rather than reading them once."""
+    counts = {
+        _total(metrics, name)
+        for name in (
+            "sluice_worker_requests_total",
+            "sluice_requests_total",
+            "sluice_request_duration_seconds_count",
+        )
+    }
+    return (counts.pop() if len(counts) == 1 else -1.0), _total(metrics, "sluice_replica_in_flight_requests")
+
+
 def _per_worker(base: str) -> dict[str, float]:
     return {
         dict(labels)["worker"]: value
@@ -156,6 +173,7 @@ def test_two_workers_share_the_port_the_metrics_reloads_and_the_shutdown(
         for _ in range(4):
             assert _complete(base) == 200
             sent += 1
+    _until("every request counted once, none in flight", lambda: _counted(_metrics(base)) == (sent, 0), proc)
     metrics = _metrics(base)
     assert _total(metrics, "sluice_worker_requests_total") == sent
     assert _total(metrics, "sluice_requests_total") == sent
@@ -291,6 +309,7 @@ def test_two_workers_hold_a_tenant_to_one_budget(tmp_path: Path, backend: str, r
         started = time.monotonic()
         codes = [_status(base, "sk-workers") for _ in range(40)]
         elapsed = time.monotonic() - started
+        _until("all 40 requests counted", lambda: sum(_per_worker(base).values()) == 40, proc)
         per_worker = _per_worker(base)
         # Each worker writes its tenant gauges with its snapshot, every second.
         capacity = ("sluice_tenant_bucket_capacity", (("bucket", "requests"), ("tenant", "t")))
