@@ -27,8 +27,10 @@ returns):
   that holds the target swings less at every turn; tightening always takes full steps;
 * never below ``min_margin``, never above ``max_margin``;
 * back towards ``forecast_margin`` (half-life ``decay_half_life_s``, in the multiplier's log)
-  while the window holds no outcome: whatever was learned under a burst does not outlive it, and
-  a margin that refuses every request there (so nothing there ends) comes back on its own.
+  while the window holds no outcome and the class is refused there: a margin that refuses every
+  request there (so nothing there ends) comes back on its own. While no request of the class
+  comes at all, the margin stays as learned: an idle spell says nothing of the forecasts' error,
+  and the traffic after it is judged by what the traffic before it taught.
 
 Only the outcomes of requests admitted *after* the margin last moved count towards the next
 move: a request admitted before it says nothing about the new margin. This is what keeps the loop
@@ -129,8 +131,9 @@ class _Outcome:
 class _Key:
     """One (class, replica): its window, its margin's log multiplier ``log(1 + margin)``, when it
     last moved (``moved_at``) and which way (``direction``: +1 tighter, -1 looser, 0 never), the
-    share of a full step its loosenings take now (``damping``), when it last decayed to, and when
-    the class was last refused there."""
+    share of a full step its loosenings take now (``damping``), when it last decayed to, when the
+    class was last refused there, and when its refusals since the last outcome began
+    (``refusing_since``; -inf: none)."""
 
     log_scale: float
     moved_at: float = -math.inf
@@ -138,6 +141,7 @@ class _Key:
     damping: float = 1.0
     decayed_to: float = -math.inf
     refused_at: float = -math.inf
+    refusing_since: float = -math.inf
     window: deque[_Outcome] = field(default_factory=deque)
     #: (ended at, admission-to-end seconds) of the outcomes of the last ``window_s``, longest
     #: first, each longer than every later one (a sliding maximum; the count bound does not
@@ -196,7 +200,11 @@ class AttainmentController:
         """A request of ``request_class`` was refused or held on ``replica`` on its forecasts
         (TTFT, TPOT, or the running streams' TPOT or stalls), where a looser margin could have
         let it in: the margin there may loosen while this lasts (``window_s``)."""
-        self._key(request_class, replica, now).refused_at = now
+        key = self._key(request_class, replica, now)
+        last = key.window[-1].finished_at if key.window else -math.inf
+        if key.refusing_since <= last:
+            key.refusing_since = now
+        key.refused_at = now
 
     # -- reads ---------------------------------------------------------------------------------------
     def margin(self, request_class: str, replica: str, now: float) -> float:
@@ -277,13 +285,16 @@ class AttainmentController:
 
     def _decay(self, key: _Key, now: float) -> None:
         """Bring the margin back towards ``forecast_margin`` for the time the window has been
-        empty (from the last outcome's expiry, or the last decay, to ``now``)."""
+        empty while the class was refused there (from the last outcome's expiry, the first refusal
+        after it, or the last decay, to ``now``)."""
         if key.log_scale == self._base:
             return
         window = key.window
         a = self._a
         last = window[-1].finished_at if window else -math.inf
-        empty_since = max(last + a.window_s, key.decayed_to, key.moved_at)
+        if key.refusing_since <= last:
+            return  # no refusal since the last outcome: idle, not locked out
+        empty_since = max(last + a.window_s, key.decayed_to, key.moved_at, key.refusing_since)
         if now <= empty_since or now - last <= a.window_s:
             return
         keep = 0.5 ** ((now - empty_since) / a.decay_half_life_s)

@@ -289,7 +289,8 @@ class AttainmentSettings(Section):
         PositiveSeconds,
         Field(
             description="Half-life, in seconds, of the margin's way back to forecast_margin (in the log "
-            "of 1 + margin) while a class and replica have had no outcome for window_s."
+            "of 1 + margin) while a class and replica have had no outcome for window_s and the class is "
+            "refused there (an idle spell keeps the margin)."
         ),
     ] = 30.0
 

@@ -126,17 +126,37 @@ def test_refusals_expire_after_the_window() -> None:
     assert ctl.margin("interactive", "a", t) == pytest.approx(BASE)
 
 
-def test_decays_back_when_the_window_empties() -> None:
+def test_decays_back_while_refusing_with_the_window_empty() -> None:
+    """Locked out: the class is refused there and nothing ends, so the margin comes back."""
     ctl = AttainmentController(settings(window_s=10.0, decay_half_life_s=5.0))
     t = feed(ctl, 0.0, [False] * 20)
     high = ctl.margin("interactive", "a", t)
     assert high == pytest.approx(1.15 * 1.25 - 1)
+    ctl.refused("interactive", "a", t + 1.0)
     assert ctl.margin("interactive", "a", t + 10.0) == pytest.approx(high)  # window not yet empty
     half = ctl.margin("interactive", "a", t + 15.0)
     assert math.log1p(half) - math.log1p(BASE) == pytest.approx(math.log(1.25) / 2)
     assert ctl.margin("interactive", "a", t + 100.0) == BASE
     (state,) = ctl.states(t + 100.0)
     assert (state.samples, state.attainment) == (0, None)
+
+
+def test_keeps_the_margin_through_an_idle_spell() -> None:
+    """No request of the class comes: nothing is refused, the margin stays as learned; once
+    refusals start, it decays from then, not from when the window emptied."""
+    ctl = AttainmentController(settings(window_s=10.0, decay_half_life_s=5.0))
+    t = feed(ctl, 0.0, [False] * 20)
+    high = ctl.margin("interactive", "a", t)
+    assert high > BASE
+    assert ctl.margin("interactive", "a", t + 300.0) == pytest.approx(high)
+    ctl.refused("interactive", "a", t + 300.0)
+    assert ctl.margin("interactive", "a", t + 300.0) == pytest.approx(high)
+    half = ctl.margin("interactive", "a", t + 305.0)
+    assert math.log1p(half) - math.log1p(BASE) == pytest.approx(math.log(1.25) / 2)
+    # An outcome ends the refusing spell: idle again after it, the margin holds.
+    feed(ctl, t + 306.0, [True])
+    kept = ctl.margin("interactive", "a", t + 307.0)
+    assert ctl.margin("interactive", "a", t + 600.0) == pytest.approx(kept)
 
 
 def test_classes_and_replicas_are_apart() -> None:
