@@ -11,7 +11,6 @@ here, and fails instead when ``SLUICE_REQUIRE_E2E=1`` or ``SLUICE_CI=1`` (``test
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -23,8 +22,8 @@ from bench.closed_loop.report import FULL_LOADS
 from bench.closed_loop.workload import TRACES
 from bench.verdicts import Status
 from tests.support import speed
+from tests.support.procs import run_bench
 
-ROOT = Path(__file__).resolve().parents[2]
 #: Seconds the quick run may take on the reference host, stretched by the host-speed factor (as
 #: the test's own timeout is, so the run's bound stays inside it): about 3 minutes once vLLM is
 #: up, and vLLM's start alone can take minutes on a busy host.
@@ -39,27 +38,13 @@ STOP_TIMEOUT_S = 60.0
 def test_quick_closed_loop_bench_reports_every_point_with_data(vllm_installed: None, tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     args = [sys.executable, "-m", "bench.closed_loop", "--quick", "--json", str(out), "--work", str(tmp_path)]
-    with subprocess.Popen(
-        args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    ) as proc:
-        run_timeout_s = speed.scaled(RUN_TIMEOUT_S)
-        try:
-            output, _ = proc.communicate(timeout=run_timeout_s)
-        except subprocess.TimeoutExpired:
-            # SIGTERM, not SIGKILL: the bench then stops vLLM and Sluice.
-            proc.terminate()
-            try:
-                output, _ = proc.communicate(timeout=speed.scaled(STOP_TIMEOUT_S))
-                stopped = f"stopped by SIGTERM (exit {proc.returncode})"
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                output, _ = proc.communicate()
-                stopped = "killed: it did not stop on SIGTERM (vLLM may be left running)"
-            pytest.fail(
-                f"bench.closed_loop --quick still running after {run_timeout_s:.0f} s "
-                f"(host-speed factor {speed.factor():.2f}), {stopped}:\n{output[-4000:]}"
-            )
-    assert proc.returncode == 0, output[-6000:]
+    returncode, output = run_bench(
+        args,
+        timeout_s=speed.scaled(RUN_TIMEOUT_S),
+        stop_timeout_s=speed.scaled(STOP_TIMEOUT_S),
+        what="bench.closed_loop --quick",
+    )
+    assert returncode == 0, output[-6000:]
     report = json.loads(out.read_text(encoding="utf-8"))
 
     assert [t["name"] for t in report["traces"]] == list(QUICK.traces)

@@ -15,7 +15,6 @@ suite, the test skips when vLLM or AIPerf cannot be installed here, and fails in
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,9 +23,9 @@ import pytest
 from bench.e2e import aiperf
 from bench.e2e.core import BEGIN, END, HEADING, PATHS, QUICK, SHARES, write_doc
 from tests.support import speed
+from tests.support.procs import run_bench
 from tests.support.skips import REQUIRE_E2E_ENV, skip_or_fail
 
-ROOT = Path(__file__).resolve().parents[2]
 #: Seconds the quick run may take on the reference host, stretched by the host-speed factor (as
 #: the test's own timeout is, so the run's bound stays inside it): about 90 on an idle 2-core
 #: machine (vLLM starts in ~35 s, each AIPerf pair in ~20 s plus its 5 s of load); a shared,
@@ -69,27 +68,13 @@ def test_quick_e2e_bench_gets_aiperf_results_on_both_paths_and_no_5xx_from_sluic
         "--doc",
         str(doc),
     ]
-    with subprocess.Popen(
-        args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    ) as proc:
-        run_timeout_s = speed.scaled(RUN_TIMEOUT_S)
-        try:
-            output, _ = proc.communicate(timeout=run_timeout_s)
-        except subprocess.TimeoutExpired:
-            # SIGTERM, not SIGKILL: the bench then stops its replicas, Sluice and AIPerf.
-            proc.terminate()
-            try:
-                output, _ = proc.communicate(timeout=speed.scaled(STOP_TIMEOUT_S))
-                stopped = f"stopped by SIGTERM (exit {proc.returncode})"
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                output, _ = proc.communicate()
-                stopped = "killed: it did not stop on SIGTERM (vLLM may be left running)"
-            pytest.fail(
-                f"bench/e2e --quick still running after {run_timeout_s:.0f} s "
-                f"(host-speed factor {speed.factor():.2f}), {stopped}:\n{output[-4000:]}"
-            )
-    assert proc.returncode == 0, output[-6000:]
+    returncode, output = run_bench(
+        args,
+        timeout_s=speed.scaled(RUN_TIMEOUT_S),
+        stop_timeout_s=speed.scaled(STOP_TIMEOUT_S),
+        what="bench/e2e --quick",
+    )
+    assert returncode == 0, output[-6000:]
     report = json.loads(out.read_text(encoding="utf-8"))
 
     rows = report["rows"]

@@ -15,6 +15,10 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import pytest
+
+from tests.support import speed
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -103,3 +107,30 @@ def running(args: Sequence[str], ready_url: str, *, name: str, timeout_s: float 
         yield proc
     finally:
         proc.stop()
+
+
+def run_bench(args: Sequence[str], *, timeout_s: float, stop_timeout_s: float, what: str) -> tuple[int, str]:
+    """Run a benchmark's command line from the project root to its end: (exit status, output,
+    stdout and stderr together). Past ``timeout_s`` it gets SIGTERM (a bench then stops the
+    servers it started), ``stop_timeout_s`` later SIGKILL, and the test fails with ``what``, both
+    bounds' outcome, the host-speed factor and the output's tail. Both bounds are taken as given:
+    stretch them with ``tests.support.speed.scaled``."""
+    with subprocess.Popen(
+        args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        try:
+            output, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                output, _ = proc.communicate(timeout=stop_timeout_s)
+                stopped = f"stopped by SIGTERM (exit {proc.returncode})"
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                output, _ = proc.communicate()
+                stopped = "killed: it did not stop on SIGTERM (vLLM may be left running)"
+            pytest.fail(
+                f"{what} still running after {timeout_s:.0f} s "
+                f"(host-speed factor {speed.factor():.2f}), {stopped}:\n{output[-4000:]}"
+            )
+    return proc.returncode, output
