@@ -126,10 +126,6 @@ def sluice_config_for(plan: Plan) -> Callable[[int, Sequence[Replica]], dict[str
 
     def build(port: int, backends: Sequence[Replica]) -> dict[str, Any]:
         config = sluice_config(port, backends)
-        # A CPU vLLM answers /health from the API server that shares the cores with generation:
-        # at 2x and 4x load on a busy host it can take seconds, which is slow, not down.
-        health = {"interval_s": 5.0, "timeout_s": 5.0, "unhealthy_after": 3}
-        config["health"] = {**config.get("health", {}), **health}
         config["admission"] = {
             "policy": "slo",
             "expose_prediction_headers": True,

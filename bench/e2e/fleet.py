@@ -7,7 +7,8 @@ Sluice runs from the project's own venv with a generated YAML: the two replicas 
 facts an operator knows of them (no GPU or catalogue model: the predictor learns each replica's
 speed from its ``/metrics``), two tenants with API keys and budgets no run reaches, the in-memory
 limiter, SLO admission with one class, ``interactive``, whose targets suit CPU replicas
-(TTFT 5 s, TPOT 0.5 s; its other settings at their defaults).
+(TTFT 5 s, TPOT 0.5 s; its other settings at their defaults), and health checks that wait for a
+CPU replica's slow ``/health`` (``CPU_HEALTH``).
 """
 
 from __future__ import annotations
@@ -159,6 +160,11 @@ def replicas(work: Path, count: int = 2, ready_timeout_s: float = READY_TIMEOUT_
             r.server.stop()
 
 
+#: Health checks for a CPU vLLM: it answers ``/health`` from the API server that shares the cores
+#: with generation, which under load can take seconds: slow, not down.
+CPU_HEALTH: dict[str, Any] = {"interval_s": 5.0, "timeout_s": 5.0, "unhealthy_after": 3}
+
+
 def sluice_config(port: int, backends: Sequence[Replica]) -> dict[str, Any]:
     """The YAML (as a dict) of the Sluice under test; see the module doc."""
     return {
@@ -190,6 +196,7 @@ def sluice_config(port: int, backends: Sequence[Replica]) -> dict[str, Any]:
             }
         },
         "limits": {"backend": "memory"},
+        "health": dict(CPU_HEALTH),
     }
 
 
