@@ -109,12 +109,15 @@ def running(args: Sequence[str], ready_url: str, *, name: str, timeout_s: float 
         proc.stop()
 
 
-def run_bench(args: Sequence[str], *, timeout_s: float, stop_timeout_s: float, what: str) -> tuple[int, str]:
+def run_bench(
+    args: Sequence[str], *, timeout_s: float, what: str, stop_timeout_s: float = 60.0
+) -> tuple[int, str]:
     """Run a benchmark's command line from the project root to its end: (exit status, output,
-    stdout and stderr together). Past ``timeout_s`` it gets SIGTERM (a bench then stops the
-    servers it started), ``stop_timeout_s`` later SIGKILL, and the test fails with ``what``, both
-    bounds' outcome, the host-speed factor and the output's tail. Both bounds are taken as given:
-    stretch them with ``tests.support.speed.scaled``."""
+    stdout and stderr together). Both bounds are the reference host's, stretched here by the
+    host-speed factor (``tests.support.speed``): past ``timeout_s`` the bench gets SIGTERM (it
+    then stops the servers it started), ``stop_timeout_s`` later SIGKILL, and the test fails with
+    ``what``, how it stopped, the factor and the output's tail."""
+    timeout_s, stop_timeout_s = speed.scaled(timeout_s), speed.scaled(stop_timeout_s)
     with subprocess.Popen(
         args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     ) as proc:
