@@ -1,12 +1,14 @@
 """The attainment controller: each class's admission margin per replica, held by feedback.
 
-Every admitted request that ends is an *outcome* of its class on its replica: it met both targets
-(first token by its deadline, mean time per output token within the class's TPOT target) or it
-did not. The controller keeps, per (class, replica), a sliding window of outcomes (at most
-``window_requests``, none older than ``window_s``) and moves the admission *margin* there, the
-fraction by which the SLO admitter inflates that class's forecasts on that replica before it
-holds them against the targets (``admission.forecast_margin`` is where it starts and where it
-returns):
+Every admitted request is an *outcome* of its class on its replica: it met both targets (first
+token by its deadline, mean time per output token within the class's TPOT target) or it did not.
+Its caller judges it as soon as that is known: a request still without a first token at its
+deadline has missed, and is judged then, not when its late stream ends (in a burst, when it
+matters); any other at its end. The controller keeps, per (class, replica), a sliding window of
+outcomes (at most ``window_requests``, none older than ``window_s``) and moves the admission
+*margin* there, the fraction by which the SLO admitter inflates that class's forecasts on that
+replica before it holds them against the targets (``admission.forecast_margin`` is where it
+starts and where it returns):
 
 * **tighter** when the requests admitted since the margin last moved clearly fall short of the
   class's ``attainment_target`` plus ``deadband``: the upper end of their attainment's Wilson
@@ -53,6 +55,7 @@ from gateway.admission.config import AdmissionSettings, AttainmentSettings
 __all__ = [
     "AttainmentController",
     "AttainmentState",
+    "Verdict",
     "met_targets",
     "wilson_interval",
 ]
@@ -121,9 +124,12 @@ class AttainmentState:
 
 
 @dataclass(slots=True)
-class _Outcome:
+class Verdict:
+    """One judged request: admitted at ``admitted_at``, judged at ``judged_at`` (seconds of the
+    caller's clock), whether it ``met`` both targets. The handle ``judge`` returns."""
+
     admitted_at: float
-    finished_at: float
+    judged_at: float
     met: bool
 
 
@@ -142,7 +148,7 @@ class _Key:
     decayed_to: float = -math.inf
     refused_at: float = -math.inf
     refusing_since: float = -math.inf
-    window: deque[_Outcome] = field(default_factory=deque)
+    window: deque[Verdict] = field(default_factory=deque)
     #: (ended at, admission-to-end seconds) of the outcomes of the last ``window_s``, longest
     #: first, each longer than every later one (a sliding maximum; the count bound does not
     #: apply: a busy replica's last 200 outcomes are its short requests).
@@ -152,11 +158,12 @@ class _Key:
 class AttainmentController:
     """Per (class, replica) admission margins held by the attainment admitted requests reach.
 
-    ``observe`` each admitted request's outcome when it ends, ``refused`` each refusal of a class
-    the margin may have caused, and read ``margins`` when building a replica's view. Pairs never
-    seen have ``forecast_margin``. Hot reload (``reconfigure``) keeps the windows and margins and
-    clamps the margins into the new bounds; ``enabled: false`` makes every margin
-    ``forecast_margin`` (the windows still fill, so attainment stays visible).
+    ``judge`` each admitted request once its outcome is known (``lasted`` when it ends;
+    ``observe``: both at its end), ``refused`` each refusal of a class the margin may have
+    caused, and read ``margins`` when building a replica's view. Pairs never seen have
+    ``forecast_margin``. Hot reload (``reconfigure``) keeps the windows and margins and clamps
+    the margins into the new bounds; ``enabled: false`` makes every margin ``forecast_margin``
+    (the windows still fill, so attainment stays visible).
     """
 
     def __init__(self, settings: AdmissionSettings) -> None:
@@ -183,16 +190,46 @@ class AttainmentController:
         self._targets = {name: c.attainment_target for name, c in settings.classes.items()}
 
     # -- inputs --------------------------------------------------------------------------------------
-    def observe(self, request_class: str, replica: str, admitted_at: float, now: float, met: bool) -> None:
+    def observe(self, request_class: str, replica: str, admitted_at: float, now: float, met: bool) -> Verdict:
         """A request of ``request_class`` admitted to ``replica`` at ``admitted_at`` ended at
-        ``now`` having ``met`` both its targets (``met_targets``); may move the margin there."""
+        ``now`` having ``met`` both its targets (``met_targets``): ``judge`` and ``lasted`` at once."""
+        verdict = self.judge(request_class, replica, admitted_at, now, met)
+        self.lasted(request_class, replica, admitted_at, now)
+        return verdict
+
+    def judge(self, request_class: str, replica: str, admitted_at: float, now: float, met: bool) -> Verdict:
+        """A request of ``request_class`` admitted to ``replica`` at ``admitted_at`` is judged at
+        ``now``: ``met`` both its targets (``met_targets``), or missed (a request still without a
+        first token at its deadline, judged before it ends). May move the margin there. Its end,
+        when it comes later, is told by ``lasted``."""
         key = self._key(request_class, replica, now)
-        key.window.append(_Outcome(admitted_at, now, met))
+        verdict = Verdict(admitted_at, now, met)
+        key.window.append(verdict)
+        self._prune(key, now)
+        self._step_key(key, request_class, now)
+        return verdict
+
+    def retract(self, verdict: Verdict, request_class: str, replica: str) -> None:
+        """Forget ``verdict``: its request turned out not to be one to judge (its replica refused
+        it, and it is placed again or refused)."""
+        key = self._keys.get((request_class, replica))
+        if key is not None:
+            for i, o in enumerate(key.window):
+                if o is verdict:
+                    del key.window[i]
+                    return
+
+    def lasted(self, request_class: str, replica: str, admitted_at: float, now: float) -> None:
+        """A request of ``request_class`` admitted to ``replica`` at ``admitted_at`` ended at
+        ``now``: how long requests take there, which a loosening waits for (``_settled``)."""
+        key = self._key(request_class, replica, now)
         durations, took = key.durations, now - admitted_at
         while durations and durations[-1][1] <= took:
             durations.pop()
         durations.append((now, took))
         self._prune(key, now)
+
+    def _step_key(self, key: _Key, request_class: str, now: float) -> None:
         if self._a.enabled:
             self._step(key, self._targets.get(request_class, self._default_target()), now)
 
@@ -201,7 +238,7 @@ class AttainmentController:
         (TTFT, TPOT, or the running streams' TPOT or stalls), where a looser margin could have
         let it in: the margin there may loosen while this lasts (``window_s``)."""
         key = self._key(request_class, replica, now)
-        last = key.window[-1].finished_at if key.window else -math.inf
+        last = key.window[-1].judged_at if key.window else -math.inf
         if key.refusing_since <= last:
             key.refusing_since = now
         key.refused_at = now
@@ -277,7 +314,7 @@ class AttainmentController:
     def _prune(self, key: _Key, now: float) -> None:
         window, a = key.window, self._a
         oldest = now - a.window_s
-        while window and (len(window) > a.window_requests or window[0].finished_at < oldest):
+        while window and (len(window) > a.window_requests or window[0].judged_at < oldest):
             window.popleft()
         durations = key.durations
         while durations and durations[0][0] < oldest:
@@ -291,7 +328,7 @@ class AttainmentController:
             return
         window = key.window
         a = self._a
-        last = window[-1].finished_at if window else -math.inf
+        last = window[-1].judged_at if window else -math.inf
         if key.refusing_since <= last:
             return  # no refusal since the last outcome: idle, not locked out
         empty_since = max(last + a.window_s, key.decayed_to, key.moved_at, key.refusing_since)
