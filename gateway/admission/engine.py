@@ -16,14 +16,13 @@ does I/O. Its ports are in ``gateway.admission.ports``, its answers in
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gateway.admission.attainment import AttainmentController, Verdict, met_targets
+from gateway.admission.attainment import AttainmentController
 from gateway.admission.budget import (
     BudgetLedger,
     BudgetRefused,
@@ -33,10 +32,11 @@ from gateway.admission.budget import (
     context_left,
     sure_output,
 )
-from gateway.admission.config import AdmissionSettings, ClassSettings
+from gateway.admission.config import AdmissionSettings
 from gateway.admission.core import AdmissionController
 from gateway.admission.decision import Blocker, Decision, Queue, Reject, RejectReason
 from gateway.admission.fairness import TokenWeights, VirtualTokenCounter
+from gateway.admission.judging import AttainmentJudge, class_of
 from gateway.admission.ports import (
     AdmissionReplica,
     EngineLog,
@@ -99,8 +99,6 @@ class _Sent:
     placed_again: bool = False
     #: Prompt tokens the replica's prefix index held when it was sent (before the delivered share).
     matched_tokens: int = 0
-    #: Its class's attainment verdict, a miss judged at its first-token deadline (``None``: none).
-    verdict: Verdict | None = None
 
 
 class AdmissionEngine:
@@ -143,6 +141,8 @@ class AdmissionEngine:
         #: Each class's margin per replica, held by the attainment admitted requests reach.
         self.attainment = AttainmentController(settings)
         self.view_cache.margins = self.attainment.margins
+        #: When each sent request counts towards its class's attainment there.
+        self.judging = AttainmentJudge(self.attainment, lambda: self._settings, self.view_cache.touch)
         #: Each replica's prefix cache as admission believes it.
         self.prefix = PrefixCaches(settings.prefix_cache)
         self.view_cache.prefix = self.prefix
@@ -153,9 +153,6 @@ class AdmissionEngine:
         self.token_weights: Callable[[], TokenWeights] | None = None
         self._controllers: dict[str, AdmissionController] = {}
         self._sent: dict[int, _Sent] = {}
-        #: (first-token deadline, key) of the sent requests, earliest first: each is judged for
-        #: its class's attainment when its deadline passes (``_judge_due``), or when it ends.
-        self._deadlines: list[tuple[float, int]] = []
         #: Queued requests by key, in the order they were queued.
         self._queued: dict[int, _Queued] = {}
         self._keys = itertools.count()
@@ -318,7 +315,7 @@ class AdmissionEngine:
         resolves it) or refused; ``UnknownModel``/``Saturated`` when no replica may take it. A
         budget reserved for a request refused here is refunded at once. ``streamed``: the client
         streams the response (its tokens are seen)."""
-        self._judge_due(now)
+        self.judging.due(now)
         self.refresh_fair_weights()
         hold = self._reserve(request, now)
         if isinstance(hold, BudgetRefused):
@@ -425,9 +422,9 @@ class AdmissionEngine:
         if ending.learn and not sent.refused:
             self.prefix.reported(sent.replica, sent.matched_tokens, ending.cached_tokens)
             self._learn(sent, ending)
-            self._judge(sent, ending, now)
-        elif sent.verdict is not None:
-            self.attainment.retract(sent.verdict, self._class_of(request)[0], sent.replica)
+            self.judging.ended(key, ending, now)
+        else:
+            self.judging.withdraw(key)
         return resolutions
 
     def finished(self, key: int, produced_tokens: int | None, now: float) -> list[Resolution]:
@@ -457,50 +454,6 @@ class AdmissionEngine:
         except Exception:
             self._log.exception("prediction service failed on a finished request of replica %s", sent.replica)
 
-    def _class_of(self, request: AdmissionRequest) -> tuple[str, ClassSettings]:
-        """The class ``request`` is judged in (its own, else the default) and its settings."""
-        settings = self._settings
-        name = request.request_class if request.request_class in settings.classes else settings.default_class
-        return name, settings.classes[name]
-
-    def _judge(self, sent: _Sent, ending: Ending, now: float) -> None:
-        """Tell the attainment controller, at its end, whether ``sent`` met both its class's
-        targets (not counted without a first token; a miss judged at its deadline only lasted
-        this long); a margin that moves rebuilds its replica's views."""
-        first = sent.entry.first_token_at
-        request = sent.request
-        name, cls = self._class_of(request)
-        attainment, replica = self.attainment, sent.replica
-        before = attainment.margin(name, replica, now)
-        if sent.verdict is not None:
-            attainment.lasted(name, replica, sent.entry.started_at, now)
-        elif first is not None:
-            _, tpot = ending.relayed(sent.entry)
-            met = met_targets(first, request.first_token_deadline_s(cls), tpot, cls.tpot_target_s)
-            attainment.observe(name, replica, sent.entry.started_at, now, met)
-        if attainment.margin(name, replica, now) != before:
-            self.view_cache.touch(replica)
-
-    def _judge_due(self, now: float) -> None:
-        """Judge every sent request whose first-token deadline has passed by ``now`` without a
-        first token, or with a late one: it has missed, whatever comes next. The others are judged
-        when they end (``_judge``: their TPOT counts too), as are requests that ended before their
-        deadline; a request its replica refused is not judged."""
-        deadlines = self._deadlines
-        while deadlines and deadlines[0][0] <= now:
-            deadline, key = heapq.heappop(deadlines)
-            sent = self._sent.get(key)
-            if sent is None or sent.refused or sent.verdict is not None:
-                continue
-            first = sent.entry.first_token_at
-            if first is not None and first <= deadline:
-                continue
-            name, _ = self._class_of(sent.request)
-            before = self.attainment.margin(name, sent.replica, now)
-            sent.verdict = self.attainment.judge(name, sent.replica, sent.entry.started_at, now, False)
-            if self.attainment.margin(name, sent.replica, now) != before:
-                self.view_cache.touch(sent.replica)
-
     def _note_refusal(self, request: AdmissionRequest, decision: Decision, now: float) -> None:
         """An enforced refusal or hold on a replica's forecasts (its own targets, its streams')
         lets the margin of the request's class there loosen (``AttainmentController.refused``)."""
@@ -508,7 +461,7 @@ class AdmissionEngine:
             return
         if decision.blocker not in _MARGIN_BLOCKERS:
             return
-        self.attainment.refused(self._class_of(request)[0], decision.replica, now)
+        self.attainment.refused(class_of(self._settings, request)[0], decision.replica, now)
 
     def replica_refused(
         self, key: int, back_off_s: float, why: str, now: float, *, placed_again: bool = False
@@ -520,6 +473,7 @@ class AdmissionEngine:
         stays reserved for that placement instead of being settled."""
         sent = self._sent.get(key)
         if sent is not None:
+            self.judging.withdraw(key)
             sent.refused = True
             sent.placed_again = placed_again
             self._replicas.saturate_named(sent.replica, now, back_off_s, why)
@@ -547,6 +501,7 @@ class AdmissionEngine:
         sent = self._sent.pop(key, None)
         if sent is not None:
             self._forget(sent)
+            self.judging.withdraw(key)
             self._refund(sent.hold, now)
         return False
 
@@ -565,8 +520,8 @@ class AdmissionEngine:
     def reevaluate(self, now: float) -> list[Resolution]:
         """Offer every route's queued requests to its replicas again; the ones decided, in the
         order they were decided (each dispatch tracked on its replica at once). Requests whose
-        first-token deadline has passed are judged first (``_judge_due``)."""
-        self._judge_due(now)
+        first-token deadline has passed are judged first (``AttainmentJudge.due``)."""
+        self.judging.due(now)
         if not self._queued:
             return []
         by_entry = {(q.route, q.entry_id): key for key, q in self._queued.items()}
@@ -676,7 +631,7 @@ class AdmissionEngine:
         if self._budget is not None:
             self._budget.running(hold, stream)
         self._sent[key] = _Sent(replica, entry, request, route, forecast, hold, matched_tokens=matched)
-        heapq.heappush(self._deadlines, (request.first_token_deadline_s(self._class_of(request)[1]), key))
+        self.judging.sent(key, replica, entry, request)
 
     def _forget(self, sent: _Sent) -> None:
         self.view_cache.forget(sent.replica, sent.entry)
