@@ -5,7 +5,10 @@ streaming, contention for the host's cores) adds time no step model sees, and on
 can double a TTFT. The caller measures every admitted request's TTFT and TPOT as it relays the
 stream, so no systematic error needs to survive for long: ``CorrectionLearner`` keeps, per
 replica, a robust time-weighted estimate of ``log(measured / forecast)`` for TTFT and for TPOT, by
-**load regime** (``regime``: the prompt's size and the batch the request joined), and
+**load regime** (the prompt's size, and for TPOT the batch the request joined, ``regime``; for
+TTFT how it reaches the engine, ``ttft_regime``: an idle one, a free slot, or a wait for a slot
+behind at most one engine-full of requests or more: a queue deeper than the slots is where a
+step model's error grows), and
 ``Correction`` is the immutable snapshot a forecast multiplies its TTFT and TPOT by.
 
 * **Robust and quick**: the estimate is a weighted median of the samples, each weighing
@@ -48,6 +51,8 @@ __all__ = [
     "Residuals",
     "regime",
     "regime_label",
+    "ttft_regime",
+    "ttft_regime_label",
 ]
 
 #: Prompt-size bins (tokens): below 256, 256-1023, 1024-4095, 4096 and more. Tokenisation and
@@ -64,16 +69,38 @@ _REBUILD_HALF_LIVES: Final = 0.05
 
 
 def regime(prompt_tokens: float, decode_seqs: float) -> int:
-    """The load regime (0 .. 15) of a request of ``prompt_tokens`` joining ``decode_seqs`` decodes."""
+    """The TPOT load regime (0 .. 15) of a request of ``prompt_tokens`` joining ``decode_seqs`` decodes."""
     p = bisect.bisect_right(PROMPT_EDGES, prompt_tokens)
     b = bisect.bisect_right(BATCH_EDGES, decode_seqs)
     return p * _N_BATCH + b
 
 
 def regime_label(index: int) -> str:
-    """A regime's name for reports: ``prompt<256,batch=0``-style."""
+    """A TPOT regime's name for reports: ``prompt<256,batch=0``-style."""
     p, b = divmod(index, _N_BATCH)
     return f"prompt{_bin(PROMPT_EDGES, p)},batch{_bin(BATCH_EDGES, b)}"
+
+
+#: TTFT's load bins (``ttft_regime``): an idle engine, a busy one with a free slot, a wait for a
+#: slot behind at most one engine-full of requests, and behind more.
+_TTFT_LOADS: Final = ("idle", "free-slot", "slot-wait<=1", "slot-wait>1")
+
+
+def ttft_regime(prompt_tokens: float, decode_seqs: float, slot_waves: float) -> int:
+    """The TTFT load regime (0 .. 15) of a request of ``prompt_tokens`` whose prefill joins
+    ``decode_seqs`` decodes behind ``slot_waves`` engine-fulls of requests that must leave before
+    it has a slot (``Forecast.slot_waves``): idle (no decode, no wait), a free slot (no wait), or
+    a wait behind at most one engine-full (``max_num_seqs``) or more."""
+    p = bisect.bisect_right(PROMPT_EDGES, prompt_tokens)
+    if slot_waves > 0.0:
+        return p * _N_BATCH + (3 if slot_waves > 1.0 else 2)
+    return p * _N_BATCH + (1 if decode_seqs > 0.0 else 0)
+
+
+def ttft_regime_label(index: int) -> str:
+    """A TTFT regime's name for reports: ``prompt<256,slot-wait>1``-style."""
+    p, b = divmod(index, _N_BATCH)
+    return f"prompt{_bin(PROMPT_EDGES, p)},{_TTFT_LOADS[b]}"
 
 
 def _bin(edges: tuple[int, ...], i: int) -> str:
@@ -126,7 +153,8 @@ class CorrectionConfig:
 
 @dataclass(frozen=True, slots=True)
 class Correction:
-    """The factors to multiply a replica's forecasts by, per regime (``regime``); immutable.
+    """The factors to multiply a replica's forecasts by, per regime (``ttft_regime`` /
+    ``regime``); immutable.
 
     ``ttft`` / ``tpot``: one factor per regime (``len == 16``), or empty for no correction.
     """
@@ -134,12 +162,16 @@ class Correction:
     ttft: tuple[float, ...] = ()
     tpot: tuple[float, ...] = ()
 
-    def factors(self, prompt_tokens: float, decode_seqs: float) -> tuple[float, float]:
-        """(TTFT factor, TPOT factor) for a request of ``prompt_tokens`` joining ``decode_seqs``."""
+    def factors(
+        self, prompt_tokens: float, decode_seqs: float, slot_waves: float = 0.0
+    ) -> tuple[float, float]:
+        """(TTFT factor, TPOT factor) for a request of ``prompt_tokens`` joining ``decode_seqs``,
+        behind ``slot_waves`` engine-fulls waiting for a slot (``ttft_regime``)."""
         if not self.ttft:
             return 1.0, 1.0
-        i = regime(prompt_tokens, decode_seqs)
-        return self.ttft[i], self.tpot[i]
+        return self.ttft[ttft_regime(prompt_tokens, decode_seqs, slot_waves)], self.tpot[
+            regime(prompt_tokens, decode_seqs)
+        ]
 
     @property
     def active(self) -> bool:
@@ -284,7 +316,8 @@ class Residuals:
 
 @dataclass(frozen=True, slots=True)
 class RegimeState:
-    """One load regime's factor (``regime_label``), samples kept and their decayed weight now."""
+    """One load regime's factor (``ttft_regime_label`` / ``regime_label``), samples kept and their
+    decayed weight now."""
 
     regime: str
     factor: float
@@ -363,26 +396,26 @@ class CorrectionLearner:
         at: float,
         prompt_tokens: float,
         decode_seqs: float,
+        slot_waves: float = 0.0,
         ttft: tuple[float, float, float] | None = None,
         tpot: tuple[float, float, float] | None = None,
     ) -> None:
-        """One finished request on ``replica`` at ``at`` (seconds), dispatched into the regime of
-        ``prompt_tokens`` and ``decode_seqs``. ``ttft`` / ``tpot``: (measured, uncorrected
-        forecast, factor the forecast carried), seconds, seconds, ratio; ``None``, a non-finite
-        number or a non-positive forecast or factor: not measured (and a non-positive TPOT). A
-        TTFT of 0 or less is as far below the forecast as a sample counts: ``min_factor``. Does
-        nothing when disabled."""
+        """One finished request on ``replica`` at ``at`` (seconds), dispatched into the regimes of
+        ``prompt_tokens``, ``decode_seqs`` and ``slot_waves`` (``ttft_regime``, ``regime``).
+        ``ttft`` / ``tpot``: (measured, uncorrected forecast, factor the forecast carried),
+        seconds, seconds, ratio; ``None``, a non-finite number or a non-positive forecast or
+        factor: not measured (and a non-positive TPOT). A TTFT of 0 or less is as far below the
+        forecast as a sample counts: ``min_factor``. Does nothing when disabled."""
         cfg = self._config
         if not cfg.enabled:
             return
         r = self._replicas.get(replica)
         if r is None:
             r = self._replicas[replica] = _Replica()
-        index = regime(prompt_tokens, decode_seqs)
         learned = False
-        for sample, metric, errors, floored in (
-            (ttft, r.ttft, r.ttft_errors, True),
-            (tpot, r.tpot, r.tpot_errors, False),
+        for sample, metric, errors, floored, index in (
+            (ttft, r.ttft, r.ttft_errors, True, ttft_regime(prompt_tokens, decode_seqs, slot_waves)),
+            (tpot, r.tpot, r.tpot_errors, False, regime(prompt_tokens, decode_seqs)),
         ):
             if sample is None:
                 continue
@@ -474,7 +507,8 @@ class CorrectionLearner:
                     if s.points:
                         factor = factors[i] if factors else 1.0
                         weight = s.weight_at(now, cfg.half_life_s)
-                        regimes.append(RegimeState(regime_label(i), factor, len(s.points), weight))
+                        label = ttft_regime_label(i) if name == "ttft" else regime_label(i)
+                        regimes.append(RegimeState(label, factor, len(s.points), weight))
             latencies.append(
                 LatencyState(
                     factor=self.overall_factor(replica, name, now),

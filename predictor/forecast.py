@@ -69,6 +69,9 @@ class Forecast:
     ``ttft_factor`` / ``tpot_factor``: the measured correction the caller applied to them
     (``predictor.correction``; 1: none). What the caller's correction learns against.
     ``cached_prompt_tokens``: the prompt tokens it assumed hit the replica's prefix cache.
+    ``slot_waves``: the requests that must leave the engine before it has a slot (or KV room),
+    in engine-fulls (``max_num_seqs``); 0 when one is free. What the correction's TTFT regime is
+    keyed by (``predictor.correction``): a queue deeper than the slots is where the error grows.
     """
 
     ttft_s: float
@@ -90,6 +93,7 @@ class Forecast:
     ttft_factor: float = 1.0
     tpot_factor: float = 1.0
     cached_prompt_tokens: int = 0
+    slot_waves: float = 0.0
 
     def with_overhead(self, ttft_s: float, overhead_s: float, made_at: float) -> Forecast:
         """This forecast with ``ttft_s``, ``overhead_s`` and ``made_at`` replaced: what
@@ -115,11 +119,12 @@ class Forecast:
             self.ttft_factor,
             self.tpot_factor,
             self.cached_prompt_tokens,
+            self.slot_waves,
         )
 
 
 #: ``Forecast``'s first twelve fields as a plain tuple, with ``prefill_batch`` as the tuple of
-#: ``StepBatch``'s four fields (or ``None``): what ``forecast_values`` returns.
+#: ``StepBatch``'s four fields (or ``None``), then ``slot_waves``: what ``forecast_values`` returns.
 ForecastValues = tuple[
     float,
     float,
@@ -133,12 +138,13 @@ ForecastValues = tuple[
     int,
     float,
     "tuple[float, float, float, float] | None",
+    float,
 ]
 
 
 def _invalid(request: CandidateRequest, reason: str, output: float = math.nan) -> ForecastValues:
     nan = math.nan
-    return (nan, nan, nan, False, reason, output, request.output_quantile, nan, nan, 0, 0.0, None)
+    return (nan, nan, nan, False, reason, output, request.output_quantile, nan, nan, 0, 0.0, None, 0.0)
 
 
 def forecast_of(
@@ -154,7 +160,9 @@ def forecast_of(
     correction, ``predictor.correction``; 1: none). The tuple's own TTFT and TPOT are kept as
     ``base_ttft_s`` / ``base_tpot_s``. ``cached_prompt_tokens``: the prefix-cache hit the
     forecast assumed (``CandidateRequest.cached_prompt_tokens``), echoed."""
-    (ttft, tpot, inflicted, valid, reason, output, quantile, stall, wait, steps, step_wait, batch) = values
+    (ttft, tpot, inflicted, valid, reason, output, quantile, stall, wait, steps, step_wait, batch, waves) = (
+        values
+    )
     base_ttft, base_tpot = ttft, tpot
     if scale != 1.0 or ttft_factor != 1.0 or tpot_factor != 1.0:
         ttft, tpot, inflicted, stall, wait = (
@@ -184,6 +192,7 @@ def forecast_of(
         ttft_factor,
         tpot_factor,
         cached_prompt_tokens,
+        waves,
     )
 
 
@@ -373,7 +382,7 @@ def forecast_values(
     decode_step = base + gemm_n0 + cd * n0 + ckv * kv0
     need_slots = state.num_running + state.num_waiting + seqs - seqs_cap
     need_kv = kv0 + queued + own - state.kv_capacity_tokens
-    released = freed = wait_s = 0.0
+    released = freed = wait_s = waves = 0.0
     replaced = False
     rate = state.finish_rate_per_s
     full_engine = need_slots > 0 or need_kv > 0
@@ -383,6 +392,7 @@ def forecast_values(
         # Unless prefilling the queue takes longer still: both bounds hold, the larger one binds.
         mean_prompt = (queued + own) / (queued_reqs + 1.0)
         waiting_out = min(queued_reqs + 1.0, max(float(need_slots), need_kv / mean_prompt))
+        waves = waiting_out / seqs_cap_f
         admitted = _prefill(0, 0, 0.0, n0, kv0, own, own_pairs, seqs_cap_f, budget, p)
         through = _prefill(queued, queued_reqs, queue_pairs, n0, kv0, own, own_pairs, seqs_cap_f, budget, p)
         if waiting_out / rate + admitted[0] >= through[0]:
@@ -395,6 +405,7 @@ def forecast_values(
         if full_engine:
             released, wait_steps, freed = _release(state, need_slots, need_kv, config.default_window_tokens)
             wait_s = wait_steps * decode_step
+            waves = max(float(need_slots), released) / seqs_cap_f
         n_pre = n0 - released
         kv_pre = kv0 - freed
         pre = _prefill(
@@ -526,4 +537,5 @@ def forecast_values(
         steps,
         step_wait,
         ((queued + own + riders) / steps, n_mid, kv_mid, (ahead_pairs + own_pairs) / steps),
+        waves,
     )

@@ -149,6 +149,7 @@ def _after(f: ForecastValues, elapsed_s: float) -> ForecastValues:
         f[9],
         f[10] - elapsed_s,
         f[11],
+        f[12],
     )
 
 
@@ -256,11 +257,12 @@ class SlackRules:
         d = view.dispatch_overhead_s
         overhead = _overhead_s(d, f, view.model)
         # The replica's measured correction for this request's regime (its prompt, the batch its
-        # prefill joins): what the gateway measured there over what was forecast, the overhead
-        # with the engine's TTFT (``predictor.correction``).
+        # prefill joins, the engine-fulls that must leave before it has a slot): what the gateway
+        # measured there over what was forecast, the overhead with the engine's TTFT
+        # (``predictor.correction``).
         batch = f[11]
         ct, cp = view.correction.factors(
-            request.prompt_tokens, state.decode_seqs if batch is None else batch[1]
+            request.prompt_tokens, state.decode_seqs if batch is None else batch[1], f[12]
         )
         ttft, tpot, infl = (f[0] * scale + overhead) * ct, f[1] * scale * cp, f[2] * scale * cp
         stall = f[7] * scale
@@ -331,7 +333,7 @@ class SlackRules:
                 pf = forecast_values(probe, after, view.model, self._fc)
                 pb = pf[11]
                 pt, pp = view.correction.factors(
-                    probe.prompt_tokens, after.decode_seqs if pb is None else pb[1]
+                    probe.prompt_tokens, after.decode_seqs if pb is None else pb[1], pf[12]
                 )
                 p_ttft = ((pf[0] - elapsed) * base + _overhead_s(d, pf, view.model)) * pt
                 p_tpot = pf[1] * base * pp

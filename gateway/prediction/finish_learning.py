@@ -89,7 +89,8 @@ def _observe_correction(
     """One sample of ``replica``'s correction: the measured TTFT and TPOT over the forecast's
     uncorrected ones (the TTFT's with the dispatch overhead it added: the overhead, learned as a
     mean over scrape windows, grows with the load like the engine's share), in the regime the
-    forecast was made in (its prompt, the batch its prefill joined)."""
+    forecast was made in (its prompt, the batch its prefill joined, the engine-fulls ahead of its
+    slot)."""
     if not forecast.valid:
         return
     batch = forecast.prefill_batch
@@ -101,7 +102,15 @@ def _observe_correction(
     tpot = None
     if tpot_s is not None and math.isfinite(forecast.base_tpot_s):
         tpot = (tpot_s, forecast.base_tpot_s, forecast.tpot_factor)
-    corrections.observe(replica, at=at, prompt_tokens=prompt, decode_seqs=decodes, ttft=ttft, tpot=tpot)
+    corrections.observe(
+        replica,
+        at=at,
+        prompt_tokens=prompt,
+        decode_seqs=decodes,
+        slot_waves=forecast.slot_waves,
+        ttft=ttft,
+        tpot=tpot,
+    )
 
 
 def _observe_api(r: ReplicaRecord, api: str, residual_s: float, config: PredictionConfig) -> None:

@@ -87,7 +87,7 @@ def test_the_service_learns_measured_over_uncorrected_forecast() -> None:
     shown = svc.describe(120.0)["replicas"]["r0"]["correction"]  # type: ignore[index]
     assert shown["ttft"]["residuals"]["after_median"] == 0.0
     assert shown["ttft"]["residuals"]["before_median"] == 1.0
-    assert shown["ttft"]["regimes"][0]["regime"] == "prompt<256,batch=0"
+    assert shown["ttft"]["regimes"][0]["regime"] == "prompt<256,idle"
 
 
 def test_the_ttft_is_learned_against_the_engine_and_the_overhead_together() -> None:
