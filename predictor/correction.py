@@ -91,10 +91,14 @@ def ttft_regime(prompt_tokens: float, decode_seqs: float, slot_waves: float) -> 
     ``decode_seqs`` decodes behind ``slot_waves`` engine-fulls of requests that must leave before
     it has a slot (``Forecast.slot_waves``): idle (no decode, no wait), a free slot (no wait), or
     a wait behind at most one engine-full (``max_num_seqs``) or more."""
-    p = bisect.bisect_right(PROMPT_EDGES, prompt_tokens)
+    return bisect.bisect_right(PROMPT_EDGES, prompt_tokens) * _N_BATCH + _ttft_load(decode_seqs, slot_waves)
+
+
+def _ttft_load(decode_seqs: float, slot_waves: float) -> int:
+    """``ttft_regime``'s load bin (an index of ``_TTFT_LOADS``)."""
     if slot_waves > 0.0:
-        return p * _N_BATCH + (3 if slot_waves > 1.0 else 2)
-    return p * _N_BATCH + (1 if decode_seqs > 0.0 else 0)
+        return 3 if slot_waves > 1.0 else 2
+    return 1 if decode_seqs > 0.0 else 0
 
 
 def ttft_regime_label(index: int) -> str:
@@ -169,9 +173,12 @@ class Correction:
         behind ``slot_waves`` engine-fulls waiting for a slot (``ttft_regime``)."""
         if not self.ttft:
             return 1.0, 1.0
-        return self.ttft[ttft_regime(prompt_tokens, decode_seqs, slot_waves)], self.tpot[
-            regime(prompt_tokens, decode_seqs)
-        ]
+        # Per request and replica on the decision path: the prompt's bin found once for both.
+        row = bisect.bisect_right(PROMPT_EDGES, prompt_tokens) * _N_BATCH
+        return (
+            self.ttft[row + _ttft_load(decode_seqs, slot_waves)],
+            self.tpot[row + bisect.bisect_right(BATCH_EDGES, decode_seqs)],
+        )
 
     @property
     def active(self) -> bool:
