@@ -81,7 +81,7 @@ class AttainmentJudge:
             if first is not None and first <= deadline:
                 continue  # met its first target: judged at its end, with its TPOT
             name, _ = class_of(self._settings(), sent.request)
-            sent.verdict = self._judge(name, sent.replica, sent.entry.started_at, now, False, ended=False)
+            sent.verdict = self._judge(name, sent.replica, sent.entry.started_at, now, False)
 
     def ended(self, key: int, ending: Ending, now: float) -> None:
         """Request ``key`` ended at ``now`` as ``ending`` says: judged now, with its TPOT (not
@@ -99,7 +99,8 @@ class AttainmentJudge:
             return
         _, tpot = ending.relayed(entry)
         met = met_targets(first, request.first_token_deadline_s(cls), tpot, cls.tpot_target_s)
-        self._judge(name, replica, entry.started_at, now, met, ended=True)
+        self._judge(name, replica, entry.started_at, now, met)
+        self._controller.lasted(name, replica, entry.started_at, now)
 
     def withdraw(self, key: int) -> None:
         """Request ``key`` is not one to judge (its replica refused it): forget it, and retract
@@ -108,17 +109,12 @@ class AttainmentJudge:
         if sent is not None and sent.verdict is not None:
             self._controller.retract(sent.verdict, class_of(self._settings(), sent.request)[0], sent.replica)
 
-    def _judge(
-        self, name: str, replica: str, admitted_at: float, now: float, met: bool, *, ended: bool
-    ) -> Verdict:
-        """The controller's ``observe`` (``ended``) or ``judge``, telling ``moved`` when it moved
-        ``name``'s margin on ``replica``."""
+    def _judge(self, name: str, replica: str, admitted_at: float, now: float, met: bool) -> Verdict:
+        """The controller's ``judge``, telling ``moved`` when it moved ``name``'s margin on
+        ``replica``."""
         controller = self._controller
         before = controller.margin(name, replica, now)
-        if ended:
-            verdict = controller.observe(name, replica, admitted_at, now, met)
-        else:
-            verdict = controller.judge(name, replica, admitted_at, now, met)
+        verdict = controller.judge(name, replica, admitted_at, now, met)
         if controller.margin(name, replica, now) != before:
             self._moved(replica)
         return verdict
