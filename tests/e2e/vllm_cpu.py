@@ -124,7 +124,7 @@ ENGINE_CORE_COMM = "VLLM::EngineCor"
 
 
 def _descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (children first), from ``/proc``; empty off Linux."""
+    """Every live process below ``pid``, in no particular order, from ``/proc``; empty off Linux."""
     parents: dict[int, list[int]] = {}
     for entry in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError, ValueError, IndexError):
