@@ -11,6 +11,14 @@ behind at most one engine-full of requests or more: a queue deeper than the slot
 step model's error grows), and
 ``Correction`` is the immutable snapshot a forecast multiplies its TTFT and TPOT by.
 
+* **Spread**: beside each TTFT regime's median, the learner keeps how far above it the upper
+  quantiles of the same samples lie (``SPREAD_QUANTILES``), pooled and forgotten the same way.
+  A caller that must hold a share of its requests within a target (admission, at a class's
+  attainment target) multiplies by ``Correction.ttft_upper`` as well: the median makes a
+  forecast right half the time, the spread right that share of the time, in the regime at
+  hand. Only the TTFT's: a TTFT is one wait in a queue that drains in waves, so its error
+  spreads wide; a TPOT is a mean over many steps, whose errors average out within the request.
+
 * **Robust and quick**: the estimate is a weighted median of the samples, each weighing
   ``2^(-age / half_life_s)``. After a step change the new level holds half the weight one
   half-life later, so the median moves there then, all at once and within the data's range: no
@@ -42,6 +50,7 @@ __all__ = [
     "BATCH_EDGES",
     "NO_CORRECTION",
     "PROMPT_EDGES",
+    "SPREAD_QUANTILES",
     "Correction",
     "CorrectionConfig",
     "CorrectionLearner",
@@ -64,6 +73,11 @@ BATCH_EDGES: Final = (1, 4, 16)
 _N_BATCH: Final = len(BATCH_EDGES) + 1
 _N_REGIMES: Final = (len(PROMPT_EDGES) + 1) * _N_BATCH
 _LN2: Final = math.log(2.0)
+#: The quantiles of each regime's samples whose distance above the median is kept (the spread,
+#: ``Correction.ttft_upper``); a quantile between two of them is interpolated, one above the last is
+#: read at the last.
+SPREAD_QUANTILES: Final = (0.8, 0.9, 0.95, 0.99)
+_N_SPREADS: Final = len(SPREAD_QUANTILES)
 #: Least time between two rebuilds of a replica's ``Correction``, in half-lives (0.75 s at 15 s).
 _REBUILD_HALF_LIVES: Final = 0.05
 
@@ -131,7 +145,8 @@ class CorrectionConfig:
     too high: the median still sees it); a TPOT sample below it is not learned from (a relay's
     burst, not the engine's pace); one above ``max_factor`` is not learned from (a stall or a
     fit gone wrong, which must not lock a replica out). All are counted apart.
-    ``residual_window_s``: seconds of residuals kept for ``Residuals``.
+    ``residual_window_s``: seconds of residuals kept for ``Residuals``. ``spread``: give each
+    TTFT regime's spread (``Correction.ttft_upper``; off: none, every spread 1).
     """
 
     enabled: bool = True
@@ -143,6 +158,7 @@ class CorrectionConfig:
     min_factor: float = 0.25
     max_factor: float = 10.0
     residual_window_s: float = 60.0
+    spread: bool = True
 
     def __post_init__(self) -> None:
         if not self.half_life_s > 0 or not self.memory_half_lives >= 1 or self.max_samples < 1:
@@ -161,10 +177,14 @@ class Correction:
     ``regime``); immutable.
 
     ``ttft`` / ``tpot``: one factor per regime (``len == 16``), or empty for no correction.
+    ``ttft_spreads``: per ``SPREAD_QUANTILES`` entry, one factor (>= 1) per TTFT regime by which
+    that quantile of the regime's measured-over-forecast TTFT ratios lies above its median
+    (``ttft_upper``); empty: none learned.
     """
 
     ttft: tuple[float, ...] = ()
     tpot: tuple[float, ...] = ()
+    ttft_spreads: tuple[tuple[float, ...], ...] = ()
 
     def factors(
         self, prompt_tokens: float, decode_seqs: float, slot_waves: float = 0.0
@@ -179,6 +199,27 @@ class Correction:
             self.ttft[row + _ttft_load(decode_seqs, slot_waves)],
             self.tpot[row + bisect.bisect_right(BATCH_EDGES, decode_seqs)],
         )
+
+    def ttft_upper(
+        self, quantile: float, prompt_tokens: float, decode_seqs: float, slot_waves: float = 0.0
+    ) -> float:
+        """What to multiply the corrected TTFT of a request in ``factors``' regime by so that it
+        is the ``quantile`` (0-1) of what was measured there, not its median: 1 at or below 0.5,
+        interpolated (in the log) between ``SPREAD_QUANTILES``, their last one above it; 1
+        without a spread learned."""
+        spreads = self.ttft_spreads
+        if not spreads or not quantile > 0.5:
+            return 1.0
+        i = bisect.bisect_right(PROMPT_EDGES, prompt_tokens) * _N_BATCH + _ttft_load(decode_seqs, slot_waves)
+        g = bisect.bisect_left(SPREAD_QUANTILES, quantile)
+        if g >= _N_SPREADS:
+            return spreads[-1][i]
+        hi_q, hi = SPREAD_QUANTILES[g], spreads[g][i]
+        if quantile == hi_q:
+            return hi
+        lo_q, lo = (0.5, 1.0) if g == 0 else (SPREAD_QUANTILES[g - 1], spreads[g - 1][i])
+        w = (quantile - lo_q) / (hi_q - lo_q)
+        return float(lo ** (1.0 - w) * hi**w)
 
     @property
     def active(self) -> bool:
@@ -197,6 +238,8 @@ class _Samples:
 
     points: deque[tuple[float, float]] = field(default_factory=deque)
     _median: float = 0.0
+    #: Each ``SPREAD_QUANTILES`` entry's weighted quantile less the median (>= 0).
+    _spreads: tuple[float, ...] = (0.0,) * _N_SPREADS
     #: Sum of the samples' weights at the newest sample's time (each ``2^(-age / half-life)``).
     _weight: float = 0.0
     _dirty: bool = False
@@ -218,19 +261,30 @@ class _Samples:
         points = self.points
         if not points:
             self._median = self._weight = 0.0
+            self._spreads = (0.0,) * _N_SPREADS
             return
         newest = points[-1][0]
         k = _LN2 / self._half_life_s
         ordered = sorted((v, math.exp(k * (t - newest))) for t, v in points)
         total = sum(w for _, w in ordered)
         self._weight = total
-        self._median = _weighted_median(ordered, total)
+        median = self._median = _weighted_median(ordered, total)
+        self._spreads = tuple(
+            max(0.0, _weighted_quantile(ordered, total, q) - median) for q in SPREAD_QUANTILES
+        )
 
     @property
     def median(self) -> float:
         """The samples' weighted median (0 without samples)."""
         self._refresh()
         return self._median
+
+    @property
+    def spreads(self) -> tuple[float, ...]:
+        """Each ``SPREAD_QUANTILES`` entry's weighted quantile less the median (zeros without
+        samples)."""
+        self._refresh()
+        return self._spreads
 
     def weight_at(self, now: float, half_life_s: float) -> float:
         """The samples' total weight at ``now`` (decayed since the newest)."""
@@ -252,6 +306,18 @@ def _weighted_median(ordered: list[tuple[float, float]], total: float) -> float:
             return v
         if abs(run - half) <= 1e-12 and i + 1 < len(ordered):
             return (v + ordered[i + 1][0]) / 2.0
+    return ordered[-1][0] if ordered else 0.0
+
+
+def _weighted_quantile(ordered: list[tuple[float, float]], total: float, q: float) -> float:
+    """The ``q`` weighted quantile (0-1) of (value, weight) pairs sorted by value: the least value
+    whose cumulative weight exceeds ``q`` of ``total`` (the largest for ``q`` 1)."""
+    target = q * total
+    run = 0.0
+    for v, w in ordered:
+        run += w
+        if run > target + 1e-12:
+            return v
     return ordered[-1][0] if ordered else 0.0
 
 
@@ -278,31 +344,52 @@ class _Metric:
         return _forgetting(self.overall, now, cfg)
 
     def factors(self, now: float, cfg: CorrectionConfig) -> tuple[float, ...]:
-        """Each regime's factor at ``now``: its median shrunk toward its batch bin's by
-        ``prior_weight``, that one toward no correction by ``forget_weight``. Not toward the
-        replica-wide median: the error a burst teaches its busy regimes (the load admitted after
-        a request slows it) must not close an idle replica to light requests."""
+        """Each regime's factor at ``now`` (``build``'s first half)."""
+        return self.build(now, cfg)[0]
+
+    def build(
+        self, now: float, cfg: CorrectionConfig
+    ) -> tuple[tuple[float, ...], tuple[tuple[float, ...], ...]]:
+        """Each regime's factor at ``now``, and per ``SPREAD_QUANTILES`` entry each regime's
+        spread factor. A factor is the regime's median shrunk toward its batch bin's by
+        ``prior_weight``, that one toward no correction by ``forget_weight``; a spread likewise.
+        Not toward the replica-wide median: the error a burst teaches its busy regimes (the load
+        admitted after a request slows it) must not close an idle replica to light requests. A
+        factor times its spread stays within ``max_factor``."""
         lo, hi = math.log(cfg.min_factor), math.log(cfg.max_factor)
-        pooled = {b: _forgetting(s, now, cfg) for b, s in self.batches.items()}
-        out = []
+        pooled: dict[int, tuple[float, tuple[float, ...]]] = {}
+        for b, bin_samples in self.batches.items():
+            keep = _kept(bin_samples, now, cfg)
+            pooled[b] = (bin_samples.median * keep, tuple(x * keep for x in bin_samples.spreads))
+        zero = (0.0, (0.0,) * _N_SPREADS)
+        out: list[float] = []
+        uppers: list[list[float]] = [[] for _ in range(_N_SPREADS)]
         for i in range(_N_REGIMES):
-            base = pooled.get(i % _N_BATCH, 0.0)
+            value, spreads = pooled.get(i % _N_BATCH, zero)
             s = self.regimes.get(i)
-            value = base
             if s is not None and s.points:
                 w = s.weight_at(now, cfg.half_life_s)
-                value = (w * s.median + cfg.prior_weight * base) / (w + cfg.prior_weight)
-            out.append(math.exp(min(hi, max(lo, value))))
-        return tuple(out)
+                k = cfg.prior_weight
+                value = (w * s.median + k * value) / (w + k)
+                spreads = tuple((w * x + k * y) / (w + k) for x, y in zip(s.spreads, spreads, strict=True))
+            value = min(hi, max(lo, value))
+            out.append(math.exp(value))
+            for g, x in enumerate(spreads):
+                uppers[g].append(math.exp(min(x, hi - value)))
+        return tuple(out), tuple(tuple(u) for u in uppers)
+
+
+def _kept(s: _Samples, now: float, cfg: CorrectionConfig) -> float:
+    """The share of ``s``'s estimates kept at ``now`` against ``forget_weight`` pseudo-samples of
+    no correction: its decayed weight over that plus ``forget_weight`` (0 without samples)."""
+    w = s.weight_at(now, cfg.half_life_s)
+    return w / (w + cfg.forget_weight) if w > 0.0 else 0.0
 
 
 def _forgetting(s: _Samples, now: float, cfg: CorrectionConfig) -> float:
     """``s``'s weighted median at ``now``, shrunk toward 0 (no correction) by ``forget_weight``
     pseudo-samples against its decayed weight."""
-    w = s.weight_at(now, cfg.half_life_s)
-    if w <= 0.0:
-        return 0.0
-    return s.median * w / (w + cfg.forget_weight)
+    return s.median * _kept(s, now, cfg)
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,12 +411,14 @@ class Residuals:
 @dataclass(frozen=True, slots=True)
 class RegimeState:
     """One load regime's factor (``ttft_regime_label`` / ``regime_label``), samples kept and their
-    decayed weight now."""
+    decayed weight now, and a TTFT regime's spread: per ``SPREAD_QUANTILES`` entry, the factor by
+    which that quantile lies above ``factor`` (``Correction.ttft_upper``; empty: none)."""
 
     regime: str
     factor: float
     samples: int
     weight: float
+    upper: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -470,7 +559,8 @@ class CorrectionLearner:
         age = abs(now - r.cached_at)
         due = age >= _REBUILD_HALF_LIVES * cfg.half_life_s and (r.changed or age > 0.1 * cfg.half_life_s)
         if r.cached is None or due:
-            r.cached = Correction(r.ttft.factors(now, cfg), r.tpot.factors(now, cfg))
+            ttft, spreads = r.ttft.build(now, cfg)
+            r.cached = Correction(ttft, r.tpot.factors(now, cfg), spreads if cfg.spread else ())
             r.cached_at, r.changed = now, False
         return r.cached
 
@@ -507,6 +597,7 @@ class CorrectionLearner:
         for name in ("ttft", "tpot"):
             metric = None if r is None else (r.ttft if name == "ttft" else r.tpot)
             factors = correction.ttft if name == "ttft" else correction.tpot
+            uppers = correction.ttft_spreads if name == "ttft" else ()
             regimes: list[RegimeState] = []
             if metric is not None:
                 for i in sorted(metric.regimes):
@@ -515,7 +606,8 @@ class CorrectionLearner:
                         factor = factors[i] if factors else 1.0
                         weight = s.weight_at(now, cfg.half_life_s)
                         label = ttft_regime_label(i) if name == "ttft" else regime_label(i)
-                        regimes.append(RegimeState(label, factor, len(s.points), weight))
+                        upper = tuple(u[i] for u in uppers)
+                        regimes.append(RegimeState(label, factor, len(s.points), weight, upper))
             latencies.append(
                 LatencyState(
                     factor=self.overall_factor(replica, name, now),

@@ -68,6 +68,9 @@ class Forecast:
     before any margin or correction (NaN: not said, read ``ttft_s`` / ``tpot_s``);
     ``ttft_factor`` / ``tpot_factor``: the measured correction the caller applied to them
     (``predictor.correction``; 1: none). What the caller's correction learns against.
+    ``ttft_spread``: the spread the caller applied to the TTFT on top, to judge it at an upper
+    quantile of what it measured (``Correction.ttft_upper``; 1: none): ``ttft_s`` holds it, the
+    correction learns without it.
     ``cached_prompt_tokens``: the prompt tokens it assumed hit the replica's prefix cache.
     ``slot_waves``: the requests that must leave the engine before it has a slot (or KV room),
     in engine-fulls (``max_num_seqs``); 0 when one is free. What the correction's TTFT regime is
@@ -94,6 +97,7 @@ class Forecast:
     tpot_factor: float = 1.0
     cached_prompt_tokens: int = 0
     slot_waves: float = 0.0
+    ttft_spread: float = 1.0
 
     def with_overhead(self, ttft_s: float, overhead_s: float, made_at: float) -> Forecast:
         """This forecast with ``ttft_s``, ``overhead_s`` and ``made_at`` replaced: what
@@ -120,6 +124,7 @@ class Forecast:
             self.tpot_factor,
             self.cached_prompt_tokens,
             self.slot_waves,
+            self.ttft_spread,
         )
 
 
@@ -153,20 +158,23 @@ def forecast_of(
     ttft_factor: float = 1.0,
     tpot_factor: float = 1.0,
     cached_prompt_tokens: int = 0,
+    ttft_spread: float = 1.0,
 ) -> Forecast:
     """The ``Forecast`` of ``forecast_values``' tuple, its times (TTFT, TPOT, inflicted TPOT and
     stall, admission wait) multiplied by ``scale`` (a caller's margin; 1: as forecast), its TTFT
     also by ``ttft_factor`` and its TPOT and inflicted TPOT by ``tpot_factor`` (a measured
-    correction, ``predictor.correction``; 1: none). The tuple's own TTFT and TPOT are kept as
-    ``base_ttft_s`` / ``base_tpot_s``. ``cached_prompt_tokens``: the prefix-cache hit the
-    forecast assumed (``CandidateRequest.cached_prompt_tokens``), echoed."""
+    correction, ``predictor.correction``; 1: none), its TTFT then by ``ttft_spread`` (the
+    correction's spread, ``Correction.ttft_upper``; 1: none). The tuple's own
+    TTFT and TPOT are kept as ``base_ttft_s`` / ``base_tpot_s``. ``cached_prompt_tokens``: the
+    prefix-cache hit the forecast assumed (``CandidateRequest.cached_prompt_tokens``), echoed."""
     (ttft, tpot, inflicted, valid, reason, output, quantile, stall, wait, steps, step_wait, batch, waves) = (
         values
     )
     base_ttft, base_tpot = ttft, tpot
-    if scale != 1.0 or ttft_factor != 1.0 or tpot_factor != 1.0:
+    kt = ttft_factor * ttft_spread
+    if scale != 1.0 or kt != 1.0 or tpot_factor != 1.0:
         ttft, tpot, inflicted, stall, wait = (
-            ttft * scale * ttft_factor,
+            ttft * scale * kt,
             tpot * scale * tpot_factor,
             inflicted * scale * tpot_factor,
             stall * scale,
@@ -193,6 +201,7 @@ def forecast_of(
         tpot_factor,
         cached_prompt_tokens,
         waves,
+        ttft_spread,
     )
 
 

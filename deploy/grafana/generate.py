@@ -464,6 +464,20 @@ REPLICAS = Dashboard(
             amber=3,
         ),
         Panel(
+            "TTFT spread at the 95th percentile",
+            "Per replica and TTFT load regime, the factor by which the 95th percentile of measured / "
+            "forecast TTFT lies above its median: what admission multiplies the TTFT of a class with "
+            "attainment_target 0.95 by on a loaded replica (quantiles 0.8, 0.9 and 0.99 in the same "
+            "metric). 1: every request came as corrected; 1.5: one in twenty came 50 % later.",
+            (
+                Target(
+                    f'max by (replica, regime) (sluice_forecast_correction_spread{{quantile="0.95", {REP}}})',
+                    "{{replica}} {{regime}}",
+                ),
+            ),
+            amber=2,
+        ),
+        Panel(
             "Forecast error, corrected vs not",
             "Signed median of measured / forecast - 1 over the last minute's requests per replica: "
             "against the forecast as corrected when it was made, and as the step model alone gave it. "

@@ -5,8 +5,10 @@ the numbers with the margins applied (seconds), and its slack vector by the cons
 ``gateway.admission.decision`` (fractions of each limit, negative = violated; ``None`` on a replica
 with no step model yet). Forecast multiplier: ``1 + forecast_margin`` (times ``1 + stale_margin``
 when stale), the attainment controller's margin in its place for a class where it holds one,
-and the replica's measured correction (``ReplicaView.correction``) for the request's regime.
-Forecasts are memoised per view (a view lives for many decisions).
+the replica's measured correction (``ReplicaView.correction``) for the request's regime, and
+the TTFT's spread there at the class's ``attainment_target`` (``Correction.ttft_upper``; not on
+an unloaded replica, as the attainment margin). Forecasts are memoised per view (a view lives
+for many decisions).
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ class _Candidate:
     ``output_tokens``: the output length the forecast assumed. The ``Forecast`` object (margins
     applied) is built only when a decision carries it (``forecast``): one per decision, not one
     per replica. ``ttft_factor`` / ``tpot_factor``: the replica's measured correction for this
-    request's regime (``ReplicaView.correction``), applied to its TTFT and to its TPOTs.
+    request's regime (``ReplicaView.correction``), applied to its TTFT and to its TPOTs;
+    ``ttft_spread``: the correction's TTFT spread there at the class's attainment target
+    (``Correction.ttft_upper``), applied to its TTFT on top.
     """
 
     view: ReplicaView
@@ -77,18 +81,24 @@ class _Candidate:
     tpot_factor: float = 1.0
     #: Prompt tokens the forecast took as hits in the replica's prefix cache.
     cached_tokens: int = 0
+    ttft_spread: float = 1.0
 
     @property
     def forecast(self) -> Forecast | None:
         """The forecast with the margins applied (``None`` without a step model)."""
         if self._forecast is None and self.raw is not None:
             known = self.known
-            key = (self.scale, self.ttft_factor, self.tpot_factor)
+            key = (self.scale, self.ttft_factor, self.tpot_factor, self.ttft_spread)
             if known is not None and known.forecast is not None and known.scale == key:
                 self._forecast = known.forecast
             else:
                 self._forecast = forecast_of(
-                    self.raw, self.scale, self.ttft_factor, self.tpot_factor, self.cached_tokens
+                    self.raw,
+                    self.scale,
+                    self.ttft_factor,
+                    self.tpot_factor,
+                    self.cached_tokens,
+                    self.ttft_spread,
                 )
                 if known is not None:
                     known.scale, known.forecast = key, self._forecast
@@ -97,14 +107,14 @@ class _Candidate:
 
 class _Known:
     """One memoised forecast (``SlackRules._forecast``): the predictor's numbers and the
-    ``Forecast`` object last built from them, with the (scale, TTFT factor, TPOT factor) it was
-    built at."""
+    ``Forecast`` object last built from them, with the (scale, TTFT factor, TPOT factor, TTFT
+    spread) it was built at."""
 
     __slots__ = ("forecast", "scale", "values")
 
     def __init__(self, values: ForecastValues) -> None:
         self.values = values
-        self.scale: tuple[float, float, float] | None = None
+        self.scale: tuple[float, float, float, float] | None = None
         self.forecast: Forecast | None = None
 
 
@@ -243,7 +253,8 @@ class SlackRules:
         # on its own forecasts, and on what a newcomer inflicts on its running streams. Not on an
         # unloaded replica: a margin learned under load must not outlive it (no lock-out).
         margins = view.margins
-        if margins and _unloaded(view):
+        unloaded = _unloaded(view)
+        if margins and unloaded:
             margins = NO_MARGINS
         scale = base
         if margins:
@@ -260,11 +271,17 @@ class SlackRules:
         # prefill joins, the engine-fulls that must leave before it has a slot): what the gateway
         # measured there over what was forecast, the overhead with the engine's TTFT
         # (``predictor.correction``).
+        # Then its TTFT's spread there at the class's attainment target (the median is beaten half
+        # the time, the target's quantile that share of the time); not on an unloaded replica, as
+        # the margins: a spread learned in a burst's transitions must not outlive it.
         batch = f[11]
-        ct, cp = view.correction.factors(
-            request.prompt_tokens, state.decode_seqs if batch is None else batch[1], f[12]
-        )
-        ttft, tpot, infl = (f[0] * scale + overhead) * ct, f[1] * scale * cp, f[2] * scale * cp
+        joins = state.decode_seqs if batch is None else batch[1]
+        correction = view.correction
+        ct, cp = correction.factors(request.prompt_tokens, joins, f[12])
+        st = 1.0
+        if not unloaded:
+            st = correction.ttft_upper(cls.attainment_target, request.prompt_tokens, joins, f[12])
+        ttft, tpot, infl = (f[0] * scale + overhead) * ct * st, f[1] * scale * cp, f[2] * scale * cp
         stall = f[7] * scale
         output = f[5]
         streams = stalls = _INF
@@ -371,6 +388,7 @@ class SlackRules:
             ct,
             cp,
             candidate.cached_prompt_tokens,
+            st,
         )
 
     def _forecast(self, candidate: CandidateRequest, view: ReplicaView) -> _Known:

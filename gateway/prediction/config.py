@@ -43,11 +43,20 @@ class CorrectionSettings(Section):
             "measurement above it is not learned from, a TTFT below 0.25 is learned as 0.25.",
         ),
     ] = 10.0
+    spread: Annotated[
+        bool,
+        Field(
+            description="Judge each class's TTFT forecasts at its attainment_target quantile of what "
+            "was measured in the request's load regime, not at the median: the correction also "
+            "learns how far above the median that quantile lies. Off: the median alone (the "
+            "attainment controller's margin is then all that covers the spread)."
+        ),
+    ] = True
 
     def config(self) -> CorrectionConfig:
         """The predictor's ``CorrectionConfig`` for these settings."""
         return CorrectionConfig(
-            enabled=self.enabled, half_life_s=self.half_life_s, max_factor=self.max_factor
+            enabled=self.enabled, half_life_s=self.half_life_s, max_factor=self.max_factor, spread=self.spread
         )
 
 

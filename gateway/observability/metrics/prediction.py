@@ -33,7 +33,7 @@ from gateway.observability.metrics.outcomes import (
 )
 from gateway.observability.outcome import RequestOutcome
 from predictor import FEATURE_NAMES, FitReport
-from predictor.correction import CorrectionState
+from predictor.correction import SPREAD_QUANTILES, CorrectionState
 
 #: A replica's step-model fit by replica name; ``None`` when it has none.
 FitSource = Callable[[str], FitReport | None]
@@ -223,6 +223,9 @@ class CorrectionCollector(Collector):
     forecast, stat}``: the relative error (measured / forecast - 1) of the requests that finished in
     the residual window, against the forecast ``uncorrected`` or as ``corrected`` when it was made,
     as its signed ``median`` and the ``p90_abs`` of its absolute value.
+    ``sluice_forecast_correction_spread{replica, regime, quantile}``: per TTFT regime with samples,
+    the factor by which that quantile of what was measured lies above the median factor (what
+    admission multiplies a class's TTFT by at its attainment target).
     """
 
     def __init__(self, names: Callable[[], list[str]], clock: Callable[[], float]) -> None:
@@ -231,7 +234,9 @@ class CorrectionCollector(Collector):
         self.source: CorrectionSource | None = None
 
     @staticmethod
-    def _families() -> tuple[GaugeMetricFamily, CounterMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+    def _families() -> tuple[
+        GaugeMetricFamily, CounterMetricFamily, GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily
+    ]:
         return (
             GaugeMetricFamily(
                 "sluice_forecast_correction_factor",
@@ -253,13 +258,18 @@ class CorrectionCollector(Collector):
                 "Relative error measured/forecast - 1 of recent requests, uncorrected or as corrected.",
                 labels=["replica", "kind", "forecast", "stat"],
             ),
+            GaugeMetricFamily(
+                "sluice_forecast_correction_spread",
+                "Factor by which a quantile of measured / forecast TTFT lies above the median, per regime.",
+                labels=["replica", "regime", "quantile"],
+            ),
         )
 
     def describe(self) -> Iterable[Metric]:
         return self._families()
 
     def collect(self) -> Iterator[Metric]:
-        factor, samples, weight, residual = self._families()
+        factor, samples, weight, residual, spread = self._families()
         source = self.source
         now = self._clock()
         for name in self._names() if source is not None else []:
@@ -270,6 +280,8 @@ class CorrectionCollector(Collector):
                 factor.add_metric([name, kind, "all"], latency.factor)
                 for regime in latency.regimes:
                     factor.add_metric([name, kind, regime.regime], regime.factor)
+                    for q, upper in zip(SPREAD_QUANTILES, regime.upper, strict=False):
+                        spread.add_metric([name, regime.regime, f"{q:g}"], upper)
                 samples.add_metric([name, kind], float(latency.samples_total))
                 weight.add_metric([name, kind], latency.weight)
                 res = latency.residuals
@@ -281,4 +293,4 @@ class CorrectionCollector(Collector):
                         residual.add_metric([name, kind, forecast, "median"], median)
                     if p90 is not None:
                         residual.add_metric([name, kind, forecast, "p90_abs"], p90)
-        yield from (factor, samples, weight, residual)
+        yield from (factor, samples, weight, residual, spread)

@@ -751,3 +751,39 @@ def test_dispatch_overhead_routes_to_the_nearer_replica() -> None:
         decision = decide(views, deadline=NOW + 0.3)
         assert isinstance(decision, Admit)
         assert decision.replica == "near"
+
+
+def test_the_ttft_is_judged_at_the_class_quantile_of_its_regime_on_a_loaded_replica() -> None:
+    """The correction's spread (how far above the median the quantile of what was measured lies)
+    multiplies the TTFT at the class's attainment target (0.95 by default; 0.9 read from the
+    grid), the forecast saying so apart from the median factor the correction learns against;
+    the TPOT is left alone. An unloaded replica gets no spread, as no attainment margin."""
+    spreads = tuple((s,) * 16 for s in (1.1, 1.2, 1.5, 2.0))  # at 0.8, 0.9, 0.95, 0.99
+    corrected = Correction(ttft=(1.0,) * 16, tpot=(1.0,) * 16, ttft_spreads=spreads)
+    busy = view("a", state(decodes=8), streams(8))
+    plain = decide([busy])
+    assert isinstance(plain, Admit)
+    assert plain.forecast is not None
+    judged = decide([replace(busy, correction=corrected)])
+    assert isinstance(judged, Admit)
+    assert judged.forecast is not None
+    assert judged.forecast.ttft_s == pytest.approx(plain.forecast.ttft_s * 1.5)
+    assert (judged.forecast.ttft_spread, judged.forecast.ttft_factor) == (1.5, 1.0)
+    assert judged.forecast.tpot_s == pytest.approx(plain.forecast.tpot_s)
+    looser = decide(
+        [replace(busy, correction=corrected)], config=with_class("interactive", attainment_target=0.9)
+    )
+    assert isinstance(looser, Admit)
+    assert looser.forecast is not None
+    assert looser.forecast.ttft_s == pytest.approx(plain.forecast.ttft_s * 1.2)
+    # A deadline between the median's first token and the quantile's: admitted by the one only.
+    deadline = NOW + plain.forecast.ttft_s * 1.25
+    assert isinstance(decide([busy], deadline=deadline), Admit)
+    late = decide([replace(busy, correction=corrected)], deadline=deadline)
+    assert isinstance(late, Reject)
+    assert late.reason == RejectReason.DEADLINE_EXCEEDED
+    idle = view("a", state())
+    unloaded = decide([replace(idle, correction=corrected)])
+    assert isinstance(unloaded, Admit)
+    assert unloaded.forecast is not None
+    assert unloaded.forecast.ttft_spread == 1.0

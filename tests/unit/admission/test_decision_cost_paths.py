@@ -47,9 +47,9 @@ def test_the_scaled_forecast_is_replace_with_the_times_scaled() -> None:
     assert forecast_of(forecast_values(candidate, BACKLOG, MODEL), 1.15) == _scaled(f, 1.15)
     assert forecast_of(forecast_values(candidate, BACKLOG, MODEL)) == f
     # forecast_values covers every field forecast_request sets (``overhead_s`` and ``made_at`` are
-    # the caller's; the base times, correction factors, cached tokens and wait share are
-    # ``forecast_of``'s).
-    assert len(dataclasses.fields(Forecast)) == 20
+    # the caller's; the base times, correction factors, TTFT spread, cached tokens and wait share
+    # are ``forecast_of``'s).
+    assert len(dataclasses.fields(Forecast)) == 21
 
 
 def test_the_decision_carries_the_forecast_with_its_margin() -> None:

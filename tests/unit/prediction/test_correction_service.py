@@ -137,6 +137,12 @@ def test_metrics_export_the_factor_and_the_residuals() -> None:
         "sluice_forecast_correction_samples_total", {"replica": "r0", "kind": "ttft"}
     )
     assert samples == 200.0
+    regime = svc.corrections.state("r0", 20.0).ttft.regimes[0]
+    spread = metrics.registry.get_sample_value(
+        "sluice_forecast_correction_spread", {"replica": "r0", "regime": regime.regime, "quantile": "0.95"}
+    )
+    assert spread is not None
+    assert spread == regime.upper[2] >= 1.0
 
 
 def test_the_yaml_knobs_follow_reloads() -> None:

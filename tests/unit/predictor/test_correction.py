@@ -208,3 +208,72 @@ def test_the_factors_are_clamped() -> None:
 def test_bad_knobs_are_refused(knobs: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="must"):
         CorrectionConfig(**knobs)  # type: ignore[arg-type]
+
+
+def _spread_learner(ratios: list[float], *, decodes: float = 0.0) -> tuple[CorrectionLearner, float]:
+    """Samples (TTFT and TPOT alike) cycling through ``ratios`` every 0.1 s for 60 s; the learner
+    and the time after the last."""
+    learner = CorrectionLearner()
+    t = 0.0
+    for i in range(600):
+        sample = (ratios[i % len(ratios)], 1.0, 1.0)
+        learner.observe("r", at=t, prompt_tokens=100, decode_seqs=decodes, ttft=sample, tpot=sample)
+        t += 0.1
+    return learner, t
+
+
+def test_the_ttft_spread_is_the_quantile_over_the_median() -> None:
+    # Twenty ratios 1.00 .. 1.95: the median 1.5 (pooled and forgotten: within 1 %), the 0.8 and
+    # 0.95 quantiles 1.80 and 1.95 (the least value with more than that share of the weight at or
+    # below it).
+    learner, end = _spread_learner([1.0 + 0.05 * i for i in range(20)])
+    c = learner.correction("r", end)
+    median = c.factors(100, 0)[0]
+    assert median == pytest.approx(1.5, rel=0.01)
+    assert median * c.ttft_upper(0.95, 100, 0) == pytest.approx(1.95, rel=0.01)
+    assert median * c.ttft_upper(0.8, 100, 0) == pytest.approx(1.80, rel=0.01)
+    # Interpolated in the log between the grid's quantiles; 1 at or below the median; the last
+    # quantile's above it.
+    between = c.ttft_upper(0.85, 100, 0)
+    assert c.ttft_upper(0.8, 100, 0) < between < c.ttft_upper(0.9, 100, 0)
+    assert between == pytest.approx(math.sqrt(c.ttft_upper(0.8, 100, 0) * c.ttft_upper(0.9, 100, 0)))
+    assert c.ttft_upper(0.5, 100, 0) == c.ttft_upper(0.3, 100, 0) == 1.0
+    assert c.ttft_upper(0.999, 100, 0) == c.ttft_upper(0.99, 100, 0)
+
+
+def test_a_steady_ratio_has_no_spread_and_the_spread_is_per_regime() -> None:
+    learner, end = _spread_learner([2.0])
+    c = learner.correction("r", end)
+    assert c.ttft_upper(0.95, 100, 0) == pytest.approx(1.0)
+    # A busy regime with no samples of its own borrows nothing from the idle one.
+    assert c.ttft_upper(0.95, 100, 8) == 1.0
+
+
+def test_the_spread_is_reported_per_regime() -> None:
+    learner, end = _spread_learner([1.0, 1.0, 1.0, 3.0])
+    state = learner.state("r", end).ttft.regimes
+    assert [r.regime for r in state] == ["prompt<256,idle"]
+    upper = state[0].upper
+    assert len(upper) == 4
+    assert upper == tuple(sorted(upper))  # a higher quantile lies no lower
+    assert upper[2] == pytest.approx(learner.correction("r", end).ttft_upper(0.95, 100, 0))
+    assert upper[2] > 2.5  # a quarter of the samples three times the median
+    assert learner.state("r", end).tpot.regimes[0].upper == ()  # a TPOT's spread is not kept
+
+
+def test_a_factor_times_its_spread_stays_within_the_clamp() -> None:
+    learner, end = _spread_learner([1.0, 9.0])
+    c = learner.correction("r", end)
+    factor = c.factors(100, 0)[0]
+    assert factor * c.ttft_upper(0.99, 100, 0) <= CorrectionConfig().max_factor + 1e-9
+
+
+def test_the_spread_is_forgotten_with_the_median_and_can_be_switched_off() -> None:
+    learner, end = _spread_learner([1.0, 1.0, 3.0])
+    at = [learner.correction("r", end + d).ttft_upper(0.95, 100, 0) for d in (0.0, 60.0, 240.0)]
+    assert at[0] > 2.0
+    assert at[0] > at[1] > at[2]
+    assert at[2] < 1.05
+    learner.configure(CorrectionConfig(spread=False))
+    assert learner.correction("r", end).ttft_upper(0.95, 100, 0) == 1.0
+    assert learner.correction("r", end).ttft_spreads == ()
