@@ -11,14 +11,6 @@ behind at most one engine-full of requests or more: a queue deeper than the slot
 step model's error grows), and
 ``Correction`` is the immutable snapshot a forecast multiplies its TTFT and TPOT by.
 
-* **Spread**: beside each TTFT regime's median, the learner keeps how far above it the upper
-  quantiles of the same samples lie (``SPREAD_QUANTILES``), pooled and forgotten the same way.
-  A caller that must hold a share of its requests within a target (admission, at a class's
-  attainment target) multiplies by ``Correction.ttft_upper`` as well: the median makes a
-  forecast right half the time, the spread right that share of the time, in the regime at
-  hand. Only the TTFT's: a TTFT is one wait in a queue that drains in waves, so its error
-  spreads wide; a TPOT is a mean over many steps, whose errors average out within the request.
-
 * **Robust and quick**: the estimate is a weighted median of the samples, each weighing
   ``2^(-age / half_life_s)``. After a step change the new level holds half the weight one
   half-life later, so the median moves there then, all at once and within the data's range: no
@@ -32,7 +24,15 @@ step model's error grows), and
 * **Against the model**: samples compare the measured latency with the *uncorrected* forecast
   (``Forecast.base_ttft_s``), so the estimate does not feed on itself; its residual (the error
   left after the correction the forecast carried) is kept apart for reporting.
+* **Spread**: beside each TTFT regime's median, the learner keeps how far above it the upper
+  quantiles of the same samples lie (``SPREAD_QUANTILES``), pooled and forgotten the same way.
+  A caller that must hold a share of its requests within a target (admission, at a class's
+  attainment target) multiplies by ``Correction.ttft_upper`` as well: the median makes a
+  forecast right half the time, the spread right that share of the time, in the regime at
+  hand. Only the TTFT's: a TTFT is one wait in a queue that drains in waves, so its error
+  spreads wide; a TPOT is a mean over many steps, whose errors average out within the request.
 
+The regimes are ``predictor.regimes``'; the samples of each, ``predictor.decayed_samples``'.
 Pure and synchronous: times are the caller's seconds. Not thread-safe.
 """
 
@@ -45,6 +45,20 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final
+
+from predictor.correction_state import CorrectionState, LatencyState, RegimeState, Residuals
+from predictor.decayed_samples import SPREAD_QUANTILES, DecayedSamples
+from predictor.regimes import (
+    BATCH_EDGES,
+    N_BATCH,
+    N_REGIMES,
+    PROMPT_EDGES,
+    regime,
+    regime_label,
+    ttft_load,
+    ttft_regime,
+    ttft_regime_label,
+)
 
 __all__ = [
     "BATCH_EDGES",
@@ -64,69 +78,9 @@ __all__ = [
     "ttft_regime_label",
 ]
 
-#: Prompt-size bins (tokens): below 256, 256-1023, 1024-4095, 4096 and more. Tokenisation and
-#: prefill grow with the prompt; an API server's per-request work does not, so the ratio differs.
-PROMPT_EDGES: Final = (256, 1024, 4096)
-#: Batch bins (decode sequences the request joins): 0 (idle), 1-3, 4-15, 16 and more. The host's
-#: contention grows with the streams it relays.
-BATCH_EDGES: Final = (1, 4, 16)
-_N_BATCH: Final = len(BATCH_EDGES) + 1
-_N_REGIMES: Final = (len(PROMPT_EDGES) + 1) * _N_BATCH
-_LN2: Final = math.log(2.0)
-#: The quantiles of each regime's samples whose distance above the median is kept (the spread,
-#: ``Correction.ttft_upper``); a quantile between two of them is interpolated, one above the last is
-#: read at the last.
-SPREAD_QUANTILES: Final = (0.8, 0.9, 0.95, 0.99)
 _N_SPREADS: Final = len(SPREAD_QUANTILES)
 #: Least time between two rebuilds of a replica's ``Correction``, in half-lives (0.75 s at 15 s).
 _REBUILD_HALF_LIVES: Final = 0.05
-
-
-def regime(prompt_tokens: float, decode_seqs: float) -> int:
-    """The TPOT load regime (0 .. 15) of a request of ``prompt_tokens`` joining ``decode_seqs`` decodes."""
-    p = bisect.bisect_right(PROMPT_EDGES, prompt_tokens)
-    b = bisect.bisect_right(BATCH_EDGES, decode_seqs)
-    return p * _N_BATCH + b
-
-
-def regime_label(index: int) -> str:
-    """A TPOT regime's name for reports: ``prompt<256,batch=0``-style."""
-    p, b = divmod(index, _N_BATCH)
-    return f"prompt{_bin(PROMPT_EDGES, p)},batch{_bin(BATCH_EDGES, b)}"
-
-
-#: TTFT's load bins (``ttft_regime``): an idle engine, a busy one with a free slot, a wait for a
-#: slot behind at most one engine-full of requests, and behind more.
-_TTFT_LOADS: Final = ("idle", "free-slot", "slot-wait<=1", "slot-wait>1")
-
-
-def ttft_regime(prompt_tokens: float, decode_seqs: float, slot_waves: float) -> int:
-    """The TTFT load regime (0 .. 15) of a request of ``prompt_tokens`` whose prefill joins
-    ``decode_seqs`` decodes behind ``slot_waves`` engine-fulls of requests that must leave before
-    it has a slot (``Forecast.slot_waves``): idle (no decode, no wait), a free slot (no wait), or
-    a wait behind at most one engine-full (``max_num_seqs``) or more."""
-    return bisect.bisect_right(PROMPT_EDGES, prompt_tokens) * _N_BATCH + _ttft_load(decode_seqs, slot_waves)
-
-
-def _ttft_load(decode_seqs: float, slot_waves: float) -> int:
-    """``ttft_regime``'s load bin (an index of ``_TTFT_LOADS``)."""
-    if slot_waves > 0.0:
-        return 3 if slot_waves > 1.0 else 2
-    return 1 if decode_seqs > 0.0 else 0
-
-
-def ttft_regime_label(index: int) -> str:
-    """A TTFT regime's name for reports: ``prompt<256,slot-wait>1``-style."""
-    p, b = divmod(index, _N_BATCH)
-    return f"prompt{_bin(PROMPT_EDGES, p)},{_TTFT_LOADS[b]}"
-
-
-def _bin(edges: tuple[int, ...], i: int) -> str:
-    if i == 0:
-        return f"<{edges[0]}" if edges[0] > 1 else "=0"
-    if i == len(edges):
-        return f">={edges[-1]}"
-    return f"{edges[i - 1]}-{edges[i] - 1}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,9 +148,9 @@ class Correction:
         if not self.ttft:
             return 1.0, 1.0
         # Per request and replica on the decision path: the prompt's bin found once for both.
-        row = bisect.bisect_right(PROMPT_EDGES, prompt_tokens) * _N_BATCH
+        row = bisect.bisect_right(PROMPT_EDGES, prompt_tokens) * N_BATCH
         return (
-            self.ttft[row + _ttft_load(decode_seqs, slot_waves)],
+            self.ttft[row + ttft_load(decode_seqs, slot_waves)],
             self.tpot[row + bisect.bisect_right(BATCH_EDGES, decode_seqs)],
         )
 
@@ -210,7 +164,7 @@ class Correction:
         spreads = self.ttft_spreads
         if not spreads or not quantile > 0.5:
             return 1.0
-        i = bisect.bisect_right(PROMPT_EDGES, prompt_tokens) * _N_BATCH + _ttft_load(decode_seqs, slot_waves)
+        i = bisect.bisect_right(PROMPT_EDGES, prompt_tokens) * N_BATCH + ttft_load(decode_seqs, slot_waves)
         g = bisect.bisect_left(SPREAD_QUANTILES, quantile)
         if g >= _N_SPREADS:
             return spreads[-1][i]
@@ -232,111 +186,25 @@ NO_CORRECTION: Final = Correction()
 
 
 @dataclass(slots=True)
-class _Samples:
-    """Samples of one log-ratio, newest last: (time, value), and the weighted median of them
-    (computed when read after a change: ``refresh``)."""
-
-    points: deque[tuple[float, float]] = field(default_factory=deque)
-    _median: float = 0.0
-    #: Each ``SPREAD_QUANTILES`` entry's weighted quantile less the median (>= 0).
-    _spreads: tuple[float, ...] = (0.0,) * _N_SPREADS
-    #: Sum of the samples' weights at the newest sample's time (each ``2^(-age / half-life)``).
-    _weight: float = 0.0
-    _dirty: bool = False
-    _half_life_s: float = 1.0
-
-    def add(self, at: float, value: float, cfg: CorrectionConfig) -> None:
-        points = self.points
-        points.append((at, value))
-        horizon = at - cfg.memory_half_lives * cfg.half_life_s
-        while points and (points[0][0] < horizon or len(points) > cfg.max_samples):
-            points.popleft()
-        self._dirty = True
-        self._half_life_s = cfg.half_life_s
-
-    def _refresh(self) -> None:
-        if not self._dirty:
-            return
-        self._dirty = False
-        points = self.points
-        if not points:
-            self._median = self._weight = 0.0
-            self._spreads = (0.0,) * _N_SPREADS
-            return
-        newest = points[-1][0]
-        k = _LN2 / self._half_life_s
-        ordered = sorted((v, math.exp(k * (t - newest))) for t, v in points)
-        total = sum(w for _, w in ordered)
-        self._weight = total
-        median = self._median = _weighted_median(ordered, total)
-        self._spreads = tuple(
-            max(0.0, _weighted_quantile(ordered, total, q) - median) for q in SPREAD_QUANTILES
-        )
-
-    @property
-    def median(self) -> float:
-        """The samples' weighted median (0 without samples)."""
-        self._refresh()
-        return self._median
-
-    @property
-    def spreads(self) -> tuple[float, ...]:
-        """Each ``SPREAD_QUANTILES`` entry's weighted quantile less the median (zeros without
-        samples)."""
-        self._refresh()
-        return self._spreads
-
-    def weight_at(self, now: float, half_life_s: float) -> float:
-        """The samples' total weight at ``now`` (decayed since the newest)."""
-        if not self.points:
-            return 0.0
-        self._refresh()
-        age = max(0.0, now - self.points[-1][0])
-        return self._weight * math.exp(-_LN2 * age / half_life_s)
-
-
-def _weighted_median(ordered: list[tuple[float, float]], total: float) -> float:
-    """The weighted median of (value, weight) pairs sorted by value (the mean of the two middle
-    values where the halves meet exactly)."""
-    half = total / 2.0
-    run = 0.0
-    for i, (v, w) in enumerate(ordered):
-        run += w
-        if run > half + 1e-12:
-            return v
-        if abs(run - half) <= 1e-12 and i + 1 < len(ordered):
-            return (v + ordered[i + 1][0]) / 2.0
-    return ordered[-1][0] if ordered else 0.0
-
-
-def _weighted_quantile(ordered: list[tuple[float, float]], total: float, q: float) -> float:
-    """The ``q`` weighted quantile (0-1) of (value, weight) pairs sorted by value: the least value
-    whose cumulative weight exceeds ``q`` of ``total`` (the largest for ``q`` 1)."""
-    target = q * total
-    run = 0.0
-    for v, w in ordered:
-        run += w
-        if run > target + 1e-12:
-            return v
-    return ordered[-1][0] if ordered else 0.0
-
-
-@dataclass(slots=True)
 class _Metric:
     """One latency's (TTFT's or TPOT's) estimates for one replica: replica-wide (reported), per
     batch bin (what a regime is pooled toward) and per regime."""
 
-    overall: _Samples = field(default_factory=_Samples)
-    batches: dict[int, _Samples] = field(default_factory=dict)
-    regimes: dict[int, _Samples] = field(default_factory=dict)
+    overall: DecayedSamples = field(default_factory=DecayedSamples)
+    batches: dict[int, DecayedSamples] = field(default_factory=dict)
+    regimes: dict[int, DecayedSamples] = field(default_factory=dict)
     #: Samples ever taken, and refused as out of range (for reports).
     count: int = 0
     rejected: int = 0
 
     def add(self, at: float, index: int, value: float, cfg: CorrectionConfig) -> None:
-        self.overall.add(at, value, cfg)
-        self.batches.setdefault(index % _N_BATCH, _Samples()).add(at, value, cfg)
-        self.regimes.setdefault(index, _Samples()).add(at, value, cfg)
+        keep = {"half_life_s": cfg.half_life_s, "horizon_s": cfg.memory_half_lives * cfg.half_life_s}
+        for samples in (
+            self.overall,
+            self.batches.setdefault(index % N_BATCH, DecayedSamples()),
+            self.regimes.setdefault(index, DecayedSamples()),
+        ):
+            samples.add(at, value, max_samples=cfg.max_samples, **keep)
         self.count += 1
 
     def overall_log(self, now: float, cfg: CorrectionConfig) -> float:
@@ -364,8 +232,8 @@ class _Metric:
         zero = (0.0, (0.0,) * _N_SPREADS)
         out: list[float] = []
         uppers: list[list[float]] = [[] for _ in range(_N_SPREADS)]
-        for i in range(_N_REGIMES):
-            value, spreads = pooled.get(i % _N_BATCH, zero)
+        for i in range(N_REGIMES):
+            value, spreads = pooled.get(i % N_BATCH, zero)
             s = self.regimes.get(i)
             if s is not None and s.points:
                 w = s.weight_at(now, cfg.half_life_s)
@@ -379,75 +247,17 @@ class _Metric:
         return tuple(out), tuple(tuple(u) for u in uppers)
 
 
-def _kept(s: _Samples, now: float, cfg: CorrectionConfig) -> float:
+def _kept(s: DecayedSamples, now: float, cfg: CorrectionConfig) -> float:
     """The share of ``s``'s estimates kept at ``now`` against ``forget_weight`` pseudo-samples of
     no correction: its decayed weight over that plus ``forget_weight`` (0 without samples)."""
     w = s.weight_at(now, cfg.half_life_s)
     return w / (w + cfg.forget_weight) if w > 0.0 else 0.0
 
 
-def _forgetting(s: _Samples, now: float, cfg: CorrectionConfig) -> float:
+def _forgetting(s: DecayedSamples, now: float, cfg: CorrectionConfig) -> float:
     """``s``'s weighted median at ``now``, shrunk toward 0 (no correction) by ``forget_weight``
     pseudo-samples against its decayed weight."""
     return s.median * _kept(s, now, cfg)
-
-
-@dataclass(frozen=True, slots=True)
-class Residuals:
-    """Relative errors (``measured / forecast - 1``) of one latency over the residual window.
-
-    ``before_*``: against the uncorrected forecast; ``after_*``: against the forecast as corrected
-    when it was made. ``median``: signed (negative: forecasts were too high); ``p90_abs``: the
-    90th percentile of the absolute error. ``None``: no sample in the window.
-    """
-
-    samples: int
-    before_median: float | None
-    before_p90_abs: float | None
-    after_median: float | None
-    after_p90_abs: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class RegimeState:
-    """One load regime's factor (``ttft_regime_label`` / ``regime_label``), samples kept and their
-    decayed weight now, and a TTFT regime's spread: per ``SPREAD_QUANTILES`` entry, the factor by
-    which that quantile lies above ``factor`` (``Correction.ttft_upper``; empty: none)."""
-
-    regime: str
-    factor: float
-    samples: int
-    weight: float
-    upper: tuple[float, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class LatencyState:
-    """One latency's (TTFT's or TPOT's) correction on one replica, for reports.
-
-    ``factor``: the replica-wide factor (what a regime without samples of its batch bin would
-    not use: reported for the overview). ``samples_total`` / ``out_of_range_total``: samples
-    learned from and refused since start; ``samples`` / ``weight``: those kept now and their
-    decayed weight (effective samples). ``regimes``: each regime with samples kept.
-    """
-
-    factor: float
-    samples_total: int
-    out_of_range_total: int
-    samples: int
-    weight: float
-    regimes: tuple[RegimeState, ...]
-    residuals: Residuals
-
-
-@dataclass(frozen=True, slots=True)
-class CorrectionState:
-    """A replica's correction (``CorrectionLearner.state``): the knobs that matter and each latency's."""
-
-    enabled: bool
-    half_life_s: float
-    ttft: LatencyState
-    tpot: LatencyState
 
 
 @dataclass(slots=True)
