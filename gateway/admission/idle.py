@@ -30,18 +30,19 @@ _EULER: Final = 0.5772156649015329
 _IDLE_FORECASTS_KEPT: Final = 1024
 
 
-def _idle_after_s(state: ReplicaState, step_s: float) -> float:
+def _idle_after_s(state: ReplicaState, step_s: float, typical_tokens: float = 0.0) -> float:
     """Predicted seconds until every request on the replica in ``state`` has finished, its decode
     steps taking ``step_s`` each: the step in progress, then the last of its running and queued
     requests to finish, each with memoryless remaining output of the state's mean (``n`` of them
-    all finish after ``mean x H_n`` steps). 0 for an idle replica; ``inf`` when ``step_s`` is not
-    a number."""
+    all finish after ``mean x H_n`` steps), or where the state does not say (requests the gateway
+    does not know one by one) ``typical_tokens`` (0: ``DEFAULT_REMAINING_TOKENS``). 0 for an idle
+    replica; ``inf`` when ``step_s`` is not a number."""
     n = state.decode_seqs + state.queued_requests
     if n <= 0:
         return state.step_remaining_s
     if not step_s >= 0.0:
         return _INF
-    rest = state.mean_remaining_output_tokens or DEFAULT_REMAINING_TOKENS
+    rest = state.mean_remaining_output_tokens or typical_tokens or DEFAULT_REMAINING_TOKENS
     return state.step_remaining_s + rest * (math.log(n + 0.5) + _EULER) * step_s
 
 

@@ -17,7 +17,7 @@ from gateway.admission.config import AdmissionSettings, ClassSettings
 from gateway.admission.decision import _KV, _SLOT, _STALL, _STREAMS, _TPOT, _TTFT, _YTPOT, _YTTFT, Blocker
 from gateway.admission.idle import IdleForecasts, _idle_after_s
 from gateway.admission.request import AdmissionRequest
-from gateway.admission.retry_after import decode_drain_s, ttft_excess_s
+from gateway.admission.retry_after import DEFAULT_REMAINING_TOKENS, decode_drain_s, ttft_excess_s
 from gateway.admission.shares import kv_share_limit
 from gateway.admission.slack import SlackRules, _Candidate
 from predictor import Forecast, ReplicaState
@@ -183,7 +183,7 @@ class WaitEstimates:
         # unless even an idle copy would miss (``IdleForecasts.hopeless``, the reason an estimate is ``inf``):
         # no finite estimate is longer than that. The gateway's own streams there are known one
         # by one (``max_finish_s``), the rest from the state's mean, at the forecast's TPOT.
-        idle = _idle_after_s(c.view.state, c.tpot_s)
+        idle = _idle_after_s(c.view.state, c.tpot_s, c.output_tokens)
         for load in c.view.loads.values():
             if load.max_finish_s > idle:
                 idle = load.max_finish_s
@@ -213,7 +213,7 @@ class WaitEstimates:
                 # its recent arrivals settle at, which a burst inflates), not its batch. That
                 # passes as the running requests are replaced: wait a typical one's duration,
                 # not forever (which would refuse the request as hopeless, without Retry-After).
-                return self._or_typical(0.0, state, tpot)
+                return self._or_typical(0.0, state, tpot, output)
             return drain
         if slot == _STREAMS:
             infl, extra = c.inflicted_tpot_s, view.extra_tpot_s
@@ -222,7 +222,7 @@ class WaitEstimates:
                 limit = self._settings.classes.get(stream_class, self._default).tpot_target_s - infl - extra
                 if load.max_tpot_s > limit:
                     waits.append(load.wait_for_tpot_below_s(limit))
-            return self._or_typical(max(waits, default=0.0), state, tpot)
+            return self._or_typical(max(waits, default=0.0), state, tpot, output)
         if slot == _STALL:
             stall = c.inflicted_stall_s
             waits = []
@@ -231,17 +231,19 @@ class WaitEstimates:
                 over = k.max_stall_s is not None and k.max_stall_s < stall
                 if over or k.stall_budget_horizon is not None:
                     waits.append(load.max_finish_s)
-            return self._or_typical(max(waits, default=0.0), state, tpot)
+            return self._or_typical(max(waits, default=0.0), state, tpot, output)
         if slot == _KV:
             limit = kv_share_limit(cls.kv_share, state)
             used = own.kv_tokens if own is not None else 0.0
             if request.prompt_tokens + output > limit:
                 return _INF  # larger than the whole share: never here
             need_kv = used + request.prompt_tokens + output - limit
-            return self._or_typical(own.wait_for_kv_s(need_kv) if own is not None else 0.0, state, tpot)
+            return self._or_typical(
+                own.wait_for_kv_s(need_kv) if own is not None else 0.0, state, tpot, output
+            )
         if slot == _SLOT and own is not None:
             limit_seqs = self._slack.slot_limit(cls, view)
-            return self._or_typical(own.wait_for_finishes_s(own.seqs + 1 - limit_seqs), state, tpot)
+            return self._or_typical(own.wait_for_finishes_s(own.seqs + 1 - limit_seqs), state, tpot, output)
         if slot == _YTTFT:
             keep = 1.0 - self._settings.yield_margin
             return max((ttft_excess_s(pt, keep * p.ttft_target_s) for p, pt, _ in c.probes), default=0.0)
@@ -251,13 +253,16 @@ class WaitEstimates:
                 (decode_drain_s(state, model, pp - keep * p.tpot_target_s, pp) for p, _, pp in c.probes),
                 default=0.0,
             )
-        return self._or_typical(0.0, state, tpot)
+        return self._or_typical(0.0, state, tpot, output)
 
     @staticmethod
-    def _or_typical(wait: float, state: ReplicaState, tpot_s: float) -> float:
+    def _or_typical(wait: float, state: ReplicaState, tpot_s: float, typical_tokens: float) -> float:
         """``wait``, or when the blocking streams are not known individually (admitted since the
-        view was built), the time a typical running request takes to finish at ``tpot_s``."""
+        view was built, or not the gateway's), the time a typical running request takes to finish
+        at ``tpot_s``: the state's mean remaining output, or where it does not say
+        ``typical_tokens`` (the output the blocked request's forecast assumed: the traffic the
+        gateway sees), else ``DEFAULT_REMAINING_TOKENS``."""
         if wait > 0.0:
             return wait
-        rest = state.mean_remaining_output_tokens or 256.0
+        rest = state.mean_remaining_output_tokens or typical_tokens or DEFAULT_REMAINING_TOKENS
         return rest * tpot_s

@@ -141,6 +141,22 @@ def test_retry_after_is_bounded_by_the_replica_draining_to_idle() -> None:
     assert 0.0 < busy.retry_after.base_s <= bound
 
 
+def test_requests_the_state_does_not_size_drain_as_long_as_the_refused_ones_output() -> None:
+    """Four decodes the gateway does not know one by one (its streams ended, the scrape not yet
+    caught up), their remaining output unsaid: the drain bound takes the refused request's own
+    expected output (16 tokens, the traffic the gateway sees), not a 256-token default (which a
+    TPOT stretched 5x by a burst's correction made 20-30 s while the replica emptied in a
+    second)."""
+    four = replace(state(4), prefill_share=0.9)
+    assert four.mean_remaining_output_tokens == 0.0
+    refused = decide([view("a", four)], UNQUEUED)
+    assert isinstance(refused, Reject)
+    assert refused.retry_after is not None
+    assert refused.forecast is not None
+    bound = 16.0 * (math.log(4.5) + 0.5773) * refused.forecast.tpot_s
+    assert 0.0 < refused.retry_after.base_s <= bound * 1.001
+
+
 def test_an_idle_replica_that_keeps_refusing_is_probed_every_few_seconds() -> None:
     """A fit a burst taught can make even an idle replica's forecast miss the targets, and only
     the replica's own steps can correct it: an idle replica refusing requests on their own
