@@ -161,10 +161,29 @@ class Correction:
         is the ``quantile`` (0-1) of what was measured there, not its median: 1 at or below 0.5,
         interpolated (in the log) between ``SPREAD_QUANTILES``, their last one above it; 1
         without a spread learned."""
-        spreads = self.ttft_spreads
-        if not spreads or not quantile > 0.5:
+        if not self.ttft_spreads or not quantile > 0.5:
             return 1.0
         i = bisect.bisect_right(PROMPT_EDGES, prompt_tokens) * N_BATCH + ttft_load(decode_seqs, slot_waves)
+        return self._spread_at(quantile, i)
+
+    def judged(
+        self, quantile: float | None, prompt_tokens: float, decode_seqs: float, slot_waves: float = 0.0
+    ) -> tuple[float, float, float]:
+        """``factors`` and ``ttft_upper`` at once, the regime found once: (TTFT factor, TPOT
+        factor, TTFT spread at ``quantile``; ``None``: no spread, 1). What admission multiplies a
+        request's forecast by on its decision path."""
+        if not self.ttft:
+            return 1.0, 1.0, 1.0
+        row = bisect.bisect_right(PROMPT_EDGES, prompt_tokens) * N_BATCH
+        i = row + ttft_load(decode_seqs, slot_waves)
+        spread = 1.0
+        if quantile is not None and quantile > 0.5 and self.ttft_spreads:
+            spread = self._spread_at(quantile, i)
+        return self.ttft[i], self.tpot[row + bisect.bisect_right(BATCH_EDGES, decode_seqs)], spread
+
+    def _spread_at(self, quantile: float, i: int) -> float:
+        """TTFT regime ``i``'s spread at ``quantile`` (> 0.5), read from the grid (see ``ttft_upper``)."""
+        spreads = self.ttft_spreads
         g = bisect.bisect_left(SPREAD_QUANTILES, quantile)
         if g >= _N_SPREADS:
             return spreads[-1][i]

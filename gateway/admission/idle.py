@@ -18,7 +18,7 @@ from typing import Final
 from gateway.admission.config import ClassSettings
 from gateway.admission.decision import Blocker
 from gateway.admission.request import AdmissionRequest
-from gateway.admission.retry_after import DEFAULT_REMAINING_TOKENS
+from gateway.admission.retry_after import remaining_tokens
 from gateway.admission.slack import _IDLE_STATES_KEPT, SlackRules, _Candidate
 from gateway.admission.views import ReplicaView
 from predictor import CandidateRequest, ForecastConfig, ReplicaState, StepModel
@@ -42,7 +42,7 @@ def _idle_after_s(state: ReplicaState, step_s: float, typical_tokens: float = 0.
         return state.step_remaining_s
     if not step_s >= 0.0:
         return _INF
-    rest = state.mean_remaining_output_tokens or typical_tokens or DEFAULT_REMAINING_TOKENS
+    rest = remaining_tokens(state, typical_tokens)
     return state.step_remaining_s + rest * (math.log(n + 0.5) + _EULER) * step_s
 
 

@@ -17,7 +17,7 @@ from gateway.admission.config import AdmissionSettings, ClassSettings
 from gateway.admission.decision import _KV, _SLOT, _STALL, _STREAMS, _TPOT, _TTFT, _YTPOT, _YTTFT, Blocker
 from gateway.admission.idle import IdleForecasts, _idle_after_s
 from gateway.admission.request import AdmissionRequest
-from gateway.admission.retry_after import DEFAULT_REMAINING_TOKENS, decode_drain_s, ttft_excess_s
+from gateway.admission.retry_after import decode_drain_s, remaining_tokens, ttft_excess_s
 from gateway.admission.shares import kv_share_limit
 from gateway.admission.slack import SlackRules, _Candidate
 from predictor import Forecast, ReplicaState
@@ -264,5 +264,4 @@ class WaitEstimates:
         gateway sees), else ``DEFAULT_REMAINING_TOKENS``."""
         if wait > 0.0:
             return wait
-        rest = state.mean_remaining_output_tokens or typical_tokens or DEFAULT_REMAINING_TOKENS
-        return rest * tpot_s
+        return remaining_tokens(state, typical_tokens) * tpot_s

@@ -201,5 +201,11 @@ def decode_drain_s(state: ReplicaState, model: StepModel, excess_s: float, step_
     leave = math.ceil(excess_s / marginal)
     if leave >= n:
         return math.inf
-    rest = state.mean_remaining_output_tokens or DEFAULT_REMAINING_TOKENS
-    return rest * (_harmonic(n) - _harmonic(n - leave)) * step_s
+    return remaining_tokens(state) * (_harmonic(n) - _harmonic(n - leave)) * step_s
+
+
+def remaining_tokens(state: ReplicaState, typical_tokens: float = 0.0) -> float:
+    """Output tokens a running request on ``state``'s replica has left, as a drain estimate takes
+    it: the state's mean, or where the state does not say (requests the gateway does not know one
+    by one) ``typical_tokens``, or where that is 0 ``DEFAULT_REMAINING_TOKENS``."""
+    return state.mean_remaining_output_tokens or typical_tokens or DEFAULT_REMAINING_TOKENS

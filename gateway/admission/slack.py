@@ -276,11 +276,8 @@ class SlackRules:
         # the margins: a spread learned in a burst's transitions must not outlive it.
         batch = f[11]
         joins = state.decode_seqs if batch is None else batch[1]
-        correction = view.correction
-        ct, cp = correction.factors(request.prompt_tokens, joins, f[12])
-        st = 1.0
-        if not unloaded:
-            st = correction.ttft_upper(cls.attainment_target, request.prompt_tokens, joins, f[12])
+        quantile = None if unloaded else cls.attainment_target
+        ct, cp, st = view.correction.judged(quantile, request.prompt_tokens, joins, f[12])
         ttft, tpot, infl = (f[0] * scale + overhead) * ct * st, f[1] * scale * cp, f[2] * scale * cp
         stall = f[7] * scale
         output = f[5]
