@@ -68,9 +68,10 @@ class Forecast:
     before any margin or correction (NaN: not said, read ``ttft_s`` / ``tpot_s``);
     ``ttft_factor`` / ``tpot_factor``: the measured correction the caller applied to them
     (``predictor.correction``; 1: none). What the caller's correction learns against.
-    ``ttft_spread``: the spread the caller applied to the TTFT on top, to judge it at an upper
-    quantile of what it measured (``Correction.ttft_upper``; 1: none): ``ttft_s`` holds it, the
-    correction learns without it.
+    ``ttft_spread``: the spread the caller judged the TTFT at on top, an upper quantile of what
+    it measured (``Correction.ttft_upper``; 1: none): admission held ``ttft_s`` times it against
+    the deadline. ``ttft_s`` itself stays the median forecast (what headers, metrics and the
+    correction compare with the measured TTFT).
     ``cached_prompt_tokens``: the prompt tokens it assumed hit the replica's prefix cache.
     ``slot_waves``: the requests that must leave the engine before it has a slot (or KV room),
     in engine-fulls (``max_num_seqs``); 0 when one is free. What the correction's TTFT regime is
@@ -163,15 +164,15 @@ def forecast_of(
     """The ``Forecast`` of ``forecast_values``' tuple, its times (TTFT, TPOT, inflicted TPOT and
     stall, admission wait) multiplied by ``scale`` (a caller's margin; 1: as forecast), its TTFT
     also by ``ttft_factor`` and its TPOT and inflicted TPOT by ``tpot_factor`` (a measured
-    correction, ``predictor.correction``; 1: none), its TTFT then by ``ttft_spread`` (the
-    correction's spread, ``Correction.ttft_upper``; 1: none). The tuple's own
+    correction, ``predictor.correction``; 1: none). ``ttft_spread`` (the correction's spread,
+    ``Correction.ttft_upper``; 1: none) is recorded, not applied. The tuple's own
     TTFT and TPOT are kept as ``base_ttft_s`` / ``base_tpot_s``. ``cached_prompt_tokens``: the
     prefix-cache hit the forecast assumed (``CandidateRequest.cached_prompt_tokens``), echoed."""
     (ttft, tpot, inflicted, valid, reason, output, quantile, stall, wait, steps, step_wait, batch, waves) = (
         values
     )
     base_ttft, base_tpot = ttft, tpot
-    kt = ttft_factor * ttft_spread
+    kt = ttft_factor
     if scale != 1.0 or kt != 1.0 or tpot_factor != 1.0:
         ttft, tpot, inflicted, stall, wait = (
             ttft * scale * kt,

@@ -136,8 +136,8 @@ def with_overhead(r: ReplicaRecord | None, engine: Forecast, now: float) -> Fore
     to first token back) given ``r``'s learned dispatch overhead ``d`` (the way in, the
     replica server's own work and the way back, the same for every API it serves: see
     ``finish_learning.api_residual_s``); ``Forecast.overhead_s`` says what was added, and the
-    TTFT holds it times the forecast's ``ttft_factor`` and ``ttft_spread`` (the measured
-    correction covers the overhead with the engine's TTFT).
+    TTFT holds it times the forecast's ``ttft_factor`` (the measured correction covers the
+    overhead with the engine's TTFT).
     What ``PredictionService.forecast`` returns; a caller that forecasts with ``replica_inputs``
     itself (admission) passes its forecast to ``PredictionService.with_overhead``. Unchanged
     (``overhead_s`` 0) when no overhead is learned, ``r`` is ``None`` (a replica the service does
@@ -169,7 +169,7 @@ def with_overhead(r: ReplicaRecord | None, engine: Forecast, now: float) -> Fore
     decodes = batch.decode_seqs if batch is not None else 0.0
     kv = batch.kv_tokens_read if batch is not None else 0.0
     added = added_overhead_s(overhead, engine.step_wait_s, decodes, kv, r.model)
-    return engine.with_overhead(engine.ttft_s + added * engine.ttft_factor * engine.ttft_spread, added, now)
+    return engine.with_overhead(engine.ttft_s + added * engine.ttft_factor, added, now)
 
 
 def no_model(request: CandidateRequest) -> Forecast:

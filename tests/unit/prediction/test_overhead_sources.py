@@ -127,6 +127,18 @@ def test_with_overhead_adds_what_was_learned_to_a_forecast_made_elsewhere() -> N
     assert (unknown.ttft_s, unknown.overhead_s, unknown.made_at) == (0.02, 0.0, 41.0)
 
 
+def test_the_overhead_is_corrected_with_the_ttft_and_not_spread() -> None:
+    """A forecast the correction scaled (``ttft_factor``) has the overhead scaled with it; the
+    spread admission judged it at (``ttft_spread``) stays out of the TTFT shown, a median."""
+    svc = PredictionService(config=PredictionConfig(learn_dispatch_overhead=True))
+    _learned_overhead_s(0.019, svc, ttft=0.016)
+    engine = Forecast(0.04, 0.01, 0.0, True, None, 50.0, 0.5, ttft_factor=2.0, ttft_spread=1.5)
+    shown = svc.with_overhead("r0", engine, 41.0)
+    assert shown.overhead_s == pytest.approx(0.003, abs=1e-4)
+    assert shown.ttft_s == pytest.approx(0.04 + 2.0 * shown.overhead_s)
+    assert shown.ttft_spread == 1.5
+
+
 @pytest.mark.parametrize(
     ("step_wait_s", "decode_seqs", "steps"),
     [(0.005, 3.0, 0.0), (0.003, 3.0, 0.5), (0.001, 3.0, 1.0), (0.0, 3.0, 1.0), (0.002, 0.0, 5.0 / 6.0)],
