@@ -396,6 +396,11 @@ def forecast_values(
     replaced = False
     rate = state.finish_rate_per_s
     full_engine = need_slots > 0 or need_kv > 0
+    capacity = state.full_finish_rate_per_s
+    if full_engine and capacity is not None and (rate is None or capacity > rate):
+        # The recent rate counts the time the engine was not full; full, it frees slots at its
+        # capacity (``ReplicaState.full_finish_rate_per_s``).
+        rate = capacity
     if full_engine and rate is not None and rate > 0.0:
         # A full engine admits one waiting request per finished one: the queue ahead is admitted
         # (and prefilled) while it waits, at the measured finish rate, and the batch stays full.

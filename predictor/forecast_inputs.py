@@ -98,6 +98,9 @@ class ReplicaState:
     A full engine admits a waiting request per finished one, so a newcomer that cannot be
     admitted at once waits for the requests ahead of it at this rate; without it, the wait is
     estimated from the running requests' expected remaining outputs.
+    ``full_finish_rate_per_s``: requests it finished per second while it was full, recently (its
+    capacity; ``None``: unknown). A recent rate counts the time the engine was not full too (after
+    a quiet spell, the quiet traffic's rate): a full engine frees its slots at the larger of the two.
     ``steady_step_s``: the mean step time the replica settles at under its recent arrivals
     (``steady_state``: Little's law); ``None``: unknown, no arrivals, or overloaded (no steady
     state). The TPOT forecast moves from the batch it joins toward it over its decode
@@ -129,6 +132,7 @@ class ReplicaState:
     finish_rate_per_s: float | None = None
     steady_step_s: float | None = None
     arriving_prompt_tokens_per_s: float = 0.0
+    full_finish_rate_per_s: float | None = None
     #: What ``problem_of`` found wrong with this state (``None``: nothing), filled by the first
     #: forecast on it: a state is forecast many times (admission: every request against it).
     _problem: str | None = field(default=_UNCHECKED, init=False, repr=False, compare=False)
@@ -150,6 +154,7 @@ class ReplicaState:
         finish_rate_per_s: float | None = None,
         steady_step_s: float | None = None,
         arriving_prompt_tokens_per_s: float = 0.0,
+        full_finish_rate_per_s: float | None = None,
     ) -> ReplicaState:
         """Aggregate per-request detail (running in schedule order, waiting FCFS) into a state.
 
@@ -172,6 +177,7 @@ class ReplicaState:
             finish_rate_per_s=finish_rate_per_s,
             steady_step_s=steady_step_s,
             arriving_prompt_tokens_per_s=arriving_prompt_tokens_per_s,
+            full_finish_rate_per_s=full_finish_rate_per_s,
         )
 
     @classmethod
@@ -191,6 +197,7 @@ class ReplicaState:
         finish_rate_per_s: float | None = None,
         steady_step_s: float | None = None,
         arriving_prompt_tokens_per_s: float = 0.0,
+        full_finish_rate_per_s: float | None = None,
     ) -> ReplicaState:
         """``from_sequences`` with each running request as a plain tuple ``(prompt_tokens,
         computed_tokens, generated_tokens, expected_output_tokens)`` (``RunningSeq``'s fields):
@@ -252,6 +259,7 @@ class ReplicaState:
             finish_rate_per_s,
             steady_step_s,
             arriving_prompt_tokens_per_s,
+            full_finish_rate_per_s,
         )
 
 
@@ -289,10 +297,9 @@ def _check_state(s: ReplicaState) -> ForecastReason | None:
         return ForecastReason.BAD_STATE
     if s.prefill_share is not None and not 0.0 <= s.prefill_share < 1.0:
         return ForecastReason.BAD_STATE
-    if s.finish_rate_per_s is not None and not (
-        math.isfinite(s.finish_rate_per_s) and s.finish_rate_per_s >= 0.0
-    ):
-        return ForecastReason.BAD_STATE
+    for rate in (s.finish_rate_per_s, s.full_finish_rate_per_s):
+        if rate is not None and not (math.isfinite(rate) and rate >= 0.0):
+            return ForecastReason.BAD_STATE
     if len(s.release_steps) != len(s.release_kv_cumulative):
         return ForecastReason.BAD_STATE
     if s.steady_step_s is not None and not (math.isfinite(s.steady_step_s) and s.steady_step_s > 0.0):

@@ -361,4 +361,5 @@ def with_queued(state: ReplicaState, prompt_tokens: int, cached_prompt_tokens: i
         state.finish_rate_per_s,
         state.steady_step_s,
         state.arriving_prompt_tokens_per_s,
+        state.full_finish_rate_per_s,
     )

@@ -55,6 +55,8 @@ def describe(
             },
             "background_prefill_tokens_per_step": r.load.prefill_tokens_per_step,
             "prefill_share": r.load.prefill_share,
+            "finish_rate_per_s": r.load.finish_rate_per_s,
+            "capacity_per_s": r.load.full_finish_rate_per_s,
             "dispatch_overhead_s": r.overhead_s,
             "api_ttft_residuals_s": {a: api_residual_s(r, a, config) for a in sorted(r.api_requests)},
             "correction": corrections.describe(name, at),

@@ -61,6 +61,9 @@ class ReplicaRecord:
     api_requests: dict[str, int] = field(default_factory=dict)
     #: (finished at, prompt tokens, output tokens) of the caller's recent requests there.
     finishes: deque[tuple[float, int, int]] = field(default_factory=deque)
+    #: (interval end, requests finished, seconds) of recent scrape intervals it had requests
+    #: waiting at both ends of (full), for its capacity (``scrape_learning.full_finish_rate``).
+    full_intervals: deque[tuple[float, float, float]] = field(default_factory=deque)
     #: When the service first saw a snapshot of it (the start of its finish history), seconds.
     first_seen_at: float | None = None
     #: The steady state under the recent traffic (``None``: unknown or overloaded).

@@ -19,7 +19,7 @@ from gateway.replicas.snapshot import ReplicaSnapshot
 from predictor import WindowStats, observation_from_window, prefill_share
 from predictor.steady import TrafficMix, steady_state
 
-__all__ = ["observe_overhead", "observe_snapshot"]
+__all__ = ["full_finish_rate", "observe_overhead", "observe_snapshot"]
 
 
 def observe_snapshot(r: ReplicaRecord, snapshot: ReplicaSnapshot, config: PredictionConfig) -> None:
@@ -56,12 +56,22 @@ def observe_snapshot(r: ReplicaRecord, snapshot: ReplicaSnapshot, config: Predic
         at = snapshot.metrics_at if snapshot.metrics_at is not None else snapshot.taken_at
         r.shares.clear()
         r.shares.append((at, 1.0))
-        r.load = Load(0.0, 0.0, snapshot.requests_finished_per_s, r.load.steady_step_s, 0.0)
+        r.load = Load(
+            0.0,
+            0.0,
+            snapshot.requests_finished_per_s,
+            r.load.steady_step_s,
+            0.0,
+            r.load.full_finish_rate_per_s,
+        )
 
 
 def _learn(r: ReplicaRecord, snapshot: ReplicaSnapshot, config: PredictionConfig) -> None:
-    """``observe_snapshot``'s learning from a fresh ``snapshot`` of ``r``: gauges, overhead, load, fit."""
+    """``observe_snapshot``'s learning from a fresh ``snapshot`` of ``r``: gauges, overhead, load,
+    capacity, fit."""
+    before = r.gauges[-1] if r.gauges else None
     _remember_gauges(r, snapshot)
+    _observe_capacity(r, snapshot, before, config)
     observe_overhead(r, snapshot, config)
     gauges = gauge_means(r, snapshot.taken_at - snapshot.window_s)
     window = window_stats(snapshot, gauges)
@@ -76,6 +86,9 @@ def _learn(r: ReplicaRecord, snapshot: ReplicaSnapshot, config: PredictionConfig
                 r.load.steady_step_s,
                 window.prompt_tokens_per_s,
             )
+    capacity = full_finish_rate(r, snapshot.taken_at, config)
+    if capacity != r.load.full_finish_rate_per_s:
+        r.load = dataclasses.replace(r.load, full_finish_rate_per_s=capacity)
     # The fit learns from the newest scrape interval alone: consecutive windows overlap
     # almost entirely, intervals do not, and their differing mixes identify the coefficients.
     interval = snapshot.last_interval
@@ -196,6 +209,50 @@ def observe_overhead(r: ReplicaRecord, snapshot: ReplicaSnapshot, config: Predic
     # From 0, not from the first window: a short first window after start-up is the least
     # trustworthy, and an overhead too large would teach the step fit steps too short.
     r.overhead_ewma_s += cfg.overhead_weight * (measured - r.overhead_ewma_s)
+
+
+def _observe_capacity(
+    r: ReplicaRecord,
+    snapshot: ReplicaSnapshot,
+    before: tuple[float, float, float, float] | None,
+    config: PredictionConfig,
+) -> None:
+    """Keep ``snapshot``'s newest scrape interval in ``r.full_intervals`` if the replica was full
+    through it: requests waiting in its queue at the scrape that opened it (``before``, the
+    gauges remembered then) and at this one. Its finish rate then is the replica's capacity under
+    the traffic of the moment, whatever was offered. Intervals older than
+    ``capacity_memory_s`` are dropped."""
+    intervals = r.full_intervals
+    now = snapshot.taken_at
+    while intervals and intervals[0][0] < now - config.capacity_memory_s:
+        intervals.popleft()
+    interval = snapshot.last_interval
+    if interval is None or before is None:
+        return
+    rate, seconds = interval.requests_finished_per_s, interval.window_s
+    if rate is None or not (math.isfinite(rate) and rate >= 0.0 and seconds > 0.0):
+        return
+    # The gauges remembered last must be those of the scrape that opened the interval (not of one
+    # before a gap in the scrapes, whose waiting queue says nothing of this interval).
+    if not 0.5 * seconds <= now - before[0] <= 1.5 * seconds:
+        return
+    if before[2] > 0.0 and (snapshot.num_waiting or 0) > 0:
+        intervals.append((now, rate * seconds, seconds))
+
+
+def full_finish_rate(r: ReplicaRecord, now: float, config: PredictionConfig) -> float | None:
+    """``r``'s capacity at ``now``: requests finished per second over its newest full intervals
+    (``_observe_capacity``), ``capacity_window_s`` of them at most, within ``capacity_memory_s``;
+    ``None`` with fewer than ``capacity_min_s`` seconds of them."""
+    finished = seconds = 0.0
+    for at, count, span in reversed(r.full_intervals):
+        if at < now - config.capacity_memory_s or seconds >= config.capacity_window_s:
+            break
+        finished += count
+        seconds += span
+    if seconds < config.capacity_min_s:
+        return None
+    return finished / seconds
 
 
 def _idle(snapshot: ReplicaSnapshot) -> bool:

@@ -43,6 +43,13 @@ class PredictionConfig:
     default: recent traffic predicts the next seconds' worse than the batch does (measured in
     docs/predictor-accuracy.md).
     ``arrival_min_span_s``: seconds of that history needed before a rate is trusted.
+    ``capacity_memory_s``: seconds a replica's full-engine finish rate (its capacity: requests it
+    finished per second in the scrape intervals it had requests waiting throughout) is
+    remembered; ``capacity_window_s``: seconds of the newest such intervals it is measured over;
+    ``capacity_min_s``: seconds of them needed before it is used. A full engine frees a slot per
+    finished request; the rate of the last window is that only if the engine was full through
+    it (after a quiet spell it is the quiet traffic's), so a newcomer's wait for a slot counts
+    the larger of the two.
     ``correction``: the measured correction of each replica's TTFT and TPOT forecasts
     (``predictor.correction``: learned in ``on_finished``, read with ``correction``).
     """
@@ -66,6 +73,9 @@ class PredictionConfig:
     steady_state: bool = False
     arrival_memory_s: float = 60.0
     arrival_min_span_s: float = 10.0
+    capacity_memory_s: float = 300.0
+    capacity_window_s: float = 30.0
+    capacity_min_s: float = 5.0
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
 
     def __post_init__(self) -> None:
@@ -79,3 +89,5 @@ class PredictionConfig:
             raise ValueError("api_residual_weight must be in (0, 1] and api_residual_min_requests >= 1")
         if not 0.0 < self.arrival_min_span_s <= self.arrival_memory_s:
             raise ValueError("need 0 < arrival_min_span_s <= arrival_memory_s")
+        if not 0.0 < self.capacity_min_s <= self.capacity_window_s <= self.capacity_memory_s:
+            raise ValueError("need 0 < capacity_min_s <= capacity_window_s <= capacity_memory_s")

@@ -154,6 +154,8 @@ class Load:
     ``prefill_share``: expected share of step time spent on others' prefill chunks (0-1);
     ``None`` until a window with inter-token latencies and a valid step model.
     ``finish_rate_per_s``: requests finished per second over the window (``None``: unknown).
+    ``full_finish_rate_per_s``: requests it finished per second while full, recently (its
+    capacity under the recent mix; ``None``: not full long enough lately).
     ``steady_step_s``: mean step time at the steady state of the recent traffic
     (``predictor.steady.steady_state``; ``None``: unknown or overloaded).
     ``arriving_prompt_tokens_per_s``: prompt tokens the replica took per second over the window
@@ -165,6 +167,7 @@ class Load:
     finish_rate_per_s: float | None = None
     steady_step_s: float | None = None
     arriving_prompt_tokens_per_s: float = 0.0
+    full_finish_rate_per_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,6 +402,7 @@ def replica_state(
         step_remaining_s=cycle.remaining_s,
         prefill_share=load.prefill_share,
         finish_rate_per_s=load.finish_rate_per_s,
+        full_finish_rate_per_s=load.full_finish_rate_per_s,
         steady_step_s=load.steady_step_s,
         arriving_prompt_tokens_per_s=load.arriving_prompt_tokens_per_s,
     )

@@ -41,6 +41,7 @@ def _busy() -> ReplicaState:
         finish_rate_per_s=3.5,
         steady_step_s=0.011,
         arriving_prompt_tokens_per_s=9000.0,
+        full_finish_rate_per_s=6.0,
     )
 
 

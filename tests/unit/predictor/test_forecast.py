@@ -442,6 +442,37 @@ def test_full_replica_admits_one_waiting_request_per_finished_one(
     assert f.ttft_s - f.admission_wait_s == pytest.approx(alone.ttft_s, rel=1e-9)
 
 
+@pytest.mark.parametrize(
+    ("recent", "capacity", "rate"),
+    [(4.0, 10.0, 10.0), (10.0, 4.0, 10.0), (None, 10.0, 10.0), (4.0, None, 4.0)],
+    ids=["quiet-window-known-capacity", "capacity-below-the-window", "no-window-rate", "no-capacity"],
+)
+def test_a_full_replica_frees_its_slots_at_its_capacity_if_the_window_was_quieter(
+    recent: float | None, capacity: float | None, rate: float
+) -> None:
+    """The window's finish rate counts the time the replica was not full (after a quiet spell,
+    the quiet traffic's rate): a full replica frees a slot per finished request at the larger of
+    that and its capacity (its finish rate while full)."""
+    contexts, queue = [1000] * 100, [1000] * 9
+    state = state_of(
+        contexts,
+        queue,
+        kv_capacity=sum(contexts),
+        finish_rate_per_s=recent,
+        full_finish_rate_per_s=capacity,
+    )
+    f = forecast_request(request(1000), state, MODEL)
+    assert f.admission_wait_s == pytest.approx(10 / rate, rel=1e-9)
+
+
+def test_capacity_does_not_touch_a_replica_with_room() -> None:
+    """Not full, nothing waits for a slot: the capacity changes nothing."""
+    contexts = [1000] * 10
+    plain = forecast_request(request(1000), state_of(contexts, [], finish_rate_per_s=2.0), MODEL)
+    known = state_of(contexts, [], finish_rate_per_s=2.0, full_finish_rate_per_s=50.0)
+    assert forecast_request(request(1000), known, MODEL) == plain
+
+
 def test_full_replica_with_a_long_queue_is_bound_by_prefill_instead() -> None:
     # 60 prompts of 2000 tokens ahead take ~15 full steps to prefill, longer than 60 finishes at
     # 100 per second: the prefill throughput binds, and the forecast says so.
