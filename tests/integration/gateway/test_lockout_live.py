@@ -41,9 +41,12 @@ HARDWARE = HardwareSettings(
 PLAIN = AdmissionSettings.model_validate(
     {"classes": {"plain": {"ttft_target_s": 2.0, "tpot_target_s": 0.05}}, "default_class": "plain"}
 )
-#: The burst: 150 prompts of ~3000 tokens, 30 output tokens each, one every 20 ms.
-BURST = 150
-BURST_EVERY_S = 0.02
+#: The burst: 300 prompts of ~3000 tokens, 30 output tokens each, one every 10 ms: about twice
+#: the prefill the replica does within the TTFT target, so most are refused however fast the
+#: forecasts find its slots free again (150 every 20 ms saturated it only on a quick host, or
+#: while its forecasts overstated the wait).
+BURST = 300
+BURST_EVERY_S = 0.01
 #: Admission back within this long after the replica went idle (seconds), before the host's
 #: speed factor.
 BACK_WITHIN_S = 5.0
