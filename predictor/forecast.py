@@ -172,10 +172,9 @@ def forecast_of(
         values
     )
     base_ttft, base_tpot = ttft, tpot
-    kt = ttft_factor
-    if scale != 1.0 or kt != 1.0 or tpot_factor != 1.0:
+    if scale != 1.0 or ttft_factor != 1.0 or tpot_factor != 1.0:
         ttft, tpot, inflicted, stall, wait = (
-            ttft * scale * kt,
+            ttft * scale * ttft_factor,
             tpot * scale * tpot_factor,
             inflicted * scale * tpot_factor,
             stall * scale,
@@ -396,11 +395,12 @@ def forecast_values(
     replaced = False
     rate = state.finish_rate_per_s
     full_engine = need_slots > 0 or need_kv > 0
-    capacity = state.full_finish_rate_per_s
-    if full_engine and capacity is not None and (rate is None or capacity > rate):
+    if full_engine:
         # The recent rate counts the time the engine was not full; full, it frees slots at its
         # capacity (``ReplicaState.full_finish_rate_per_s``).
-        rate = capacity
+        capacity = state.full_finish_rate_per_s
+        if capacity is not None and (rate is None or capacity > rate):
+            rate = capacity
     if full_engine and rate is not None and rate > 0.0:
         # A full engine admits one waiting request per finished one: the queue ahead is admitted
         # (and prefilled) while it waits, at the measured finish rate, and the batch stays full.

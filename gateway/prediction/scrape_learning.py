@@ -86,7 +86,7 @@ def _learn(r: ReplicaRecord, snapshot: ReplicaSnapshot, config: PredictionConfig
                 r.load.steady_step_s,
                 window.prompt_tokens_per_s,
             )
-    capacity = full_finish_rate(r, snapshot.taken_at, config)
+    capacity = full_finish_rate(r, config)
     if capacity != r.load.full_finish_rate_per_s:
         r.load = dataclasses.replace(r.load, full_finish_rate_per_s=capacity)
     # The fit learns from the newest scrape interval alone: consecutive windows overlap
@@ -240,13 +240,14 @@ def _observe_capacity(
         intervals.append((now, rate * seconds, seconds))
 
 
-def full_finish_rate(r: ReplicaRecord, now: float, config: PredictionConfig) -> float | None:
-    """``r``'s capacity at ``now``: requests finished per second over its newest full intervals
-    (``_observe_capacity``), ``capacity_window_s`` of them at most, within ``capacity_memory_s``;
-    ``None`` with fewer than ``capacity_min_s`` seconds of them."""
+def full_finish_rate(r: ReplicaRecord, config: PredictionConfig) -> float | None:
+    """``r``'s capacity: requests finished per second over its newest full intervals
+    (``_observe_capacity``, which drops those older than ``capacity_memory_s``),
+    ``capacity_window_s`` of them at most; ``None`` with fewer than ``capacity_min_s`` seconds of
+    them."""
     finished = seconds = 0.0
-    for at, count, span in reversed(r.full_intervals):
-        if at < now - config.capacity_memory_s or seconds >= config.capacity_window_s:
+    for _, count, span in reversed(r.full_intervals):
+        if seconds >= config.capacity_window_s:
             break
         finished += count
         seconds += span

@@ -8,6 +8,7 @@ rate (``ReplicaState.full_finish_rate_per_s``) once there are enough of them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -39,18 +40,8 @@ def scrape(svc: PredictionService, at: float, waiting: int, interval_rate: float
         num_waiting=waiting,
         requests_finished_per_s=interval_rate,
     )
-    svc.on_snapshot(
-        ReplicaSnapshot(
-            name="r0",
-            taken_at=at,
-            metrics_at=at,
-            window_s=10.0,
-            num_running=4,
-            num_waiting=waiting,
-            requests_finished_per_s=WINDOW_RATE,
-            last_interval=interval,
-        )
-    )
+    window = dataclasses.replace(interval, window_s=10.0, requests_finished_per_s=WINDOW_RATE)
+    svc.on_snapshot(dataclasses.replace(window, last_interval=interval))
 
 
 def capacity(svc: PredictionService, now: float) -> float | None:
