@@ -19,7 +19,6 @@ import asyncio
 from typing import Any
 
 import aiohttp
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pytest_aiohttp import AiohttpServer
 
@@ -124,11 +123,10 @@ async def _replay(aiohttp_server: AiohttpServer, block: int) -> dict[str, Any]:
 
 async def test_usage_matches_the_real_recording(aiohttp_server: AiohttpServer) -> None:
     recorded = load_recording()
-    if recorded is None:
-        pytest.skip(
-            "the real vLLM's prefix-cache recording is still to be made: "
-            "SLUICE_RECORD=1 .venv/bin/python -m pytest tests/e2e/test_prefix_cache_real_vllm.py"
-        )
+    assert recorded is not None, (
+        "the real vLLM's prefix-cache recording is missing: "
+        "SLUICE_RECORD=1 .venv/bin/python -m pytest tests/e2e/test_prefix_cache_real_vllm.py"
+    )
     emulated = await _replay(aiohttp_server, recorded["block_size"])
     for name in (e.name for e in EXCHANGES):
         real, ours = recorded["usage"][name], emulated["usage"][name]

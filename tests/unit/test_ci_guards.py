@@ -7,6 +7,9 @@ whose ``conftest.py`` registers the guard as ``tests/conftest.py`` does, with ``
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
 from tests.support.skips import CI_ENV, REQUIRE_E2E_ENV
@@ -27,6 +30,9 @@ markers =
     accuracy: on demand
 """
 E2E_PASSES = """
+import ast
+from pathlib import Path
+
 import pytest
 
 @pytest.mark.e2e
@@ -34,6 +40,9 @@ def test_real_vllm_answers():
     assert True
 """
 E2E_SKIPS_IN_A_FIXTURE = """
+import ast
+from pathlib import Path
+
 import pytest
 from tests.support.skips import skip_or_fail
 
@@ -281,3 +290,48 @@ def test_collect_only_is_left_alone(project: pytest.Pytester, monkeypatch: pytes
     result = project.runpytest("--collect-only")
 
     assert result.ret == pytest.ExitCode.OK
+
+
+# -- no skip outside the helper ---------------------------------------------------------------------------
+
+#: pytest's ways to skip or expect a failure; each would pass silently in CI.
+_SKIPPERS = frozenset({"skip", "skipif", "importorskip", "xfail"})
+#: The helper itself is the one place that calls ``pytest.skip``.
+_HELPER = Path(__file__).resolve().parents[1] / "support" / "skips.py"
+
+
+def _skips_in(source: str) -> list[int]:
+    """Lines of ``source`` that reach ``pytest.skip``, ``pytest.mark.skipif`` and the like."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in _SKIPPERS:
+            base = node.value
+            chain = base.value if isinstance(base, ast.Attribute) and base.attr == "mark" else base
+            if isinstance(chain, ast.Name) and chain.id == "pytest":
+                lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "pytest":
+            lines += [node.lineno for alias in node.names if alias.name in _SKIPPERS]
+    return sorted(lines)
+
+
+def test_the_scan_finds_each_way_to_skip() -> None:
+    """The oracle of the test below: each form is found, strings and the helper's call are not."""
+    source = (
+        "import pytest\nfrom pytest import importorskip\n"
+        "@pytest.mark.skipif(True, reason='x')\ndef test_a():\n    pytest.skip('x')\n"
+        "@pytest.mark.xfail\ndef test_b():\n    pytest.importorskip('y')\n"
+        "def test_c():\n    skip_or_fail('x', install='y')\n    text = 'pytest.skip(1)'\n"
+    )
+    assert _skips_in(source) == [2, 3, 5, 6, 8]
+
+
+def test_every_skip_goes_through_skip_or_fail() -> None:
+    """A raw ``pytest.skip``, ``skipif``, ``importorskip`` or ``xfail`` would pass in CI;
+    ``tests.support.skips.skip_or_fail`` fails there instead."""
+    root = Path(__file__).resolve().parents[1]
+    found = {
+        str(path.relative_to(root)): lines
+        for path in sorted(root.rglob("*.py"))
+        if path != _HELPER and (lines := _skips_in(path.read_text(encoding="utf-8")))
+    }
+    assert found == {}, f"skip through tests.support.skips.skip_or_fail instead: {found}"

@@ -19,6 +19,7 @@ from gateway.config.load import load_settings
 from gateway.config.reload import ConfigReloader
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
+from tests.support.skips import skip_or_fail
 
 #: Generous: a loaded 2-core CI machine must never time out a poll of a few milliseconds.
 WAIT_S = 20.0
@@ -348,8 +349,9 @@ async def _watch_tasks_settle(want: int) -> int:
 # -- SIGHUP ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP on this platform")
 async def test_sighup_reloads(tmp_path: Path, logs: LogWatch) -> None:
+    if not hasattr(signal, "SIGHUP"):
+        skip_or_fail("this platform has no SIGHUP", install="run the suite on Linux or macOS")
     path = tmp_path / "sluice.yaml"
     write_config(path, config_text(watch=False))  # only the signal can trigger a reload
     store = SettingsStore(load_settings(path))

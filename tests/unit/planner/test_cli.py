@@ -85,7 +85,6 @@ def test_plan_prints_the_report_and_writes_json(tmp_path: Path, capsys: pytest.C
 
 
 def test_latency_curve_table_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("matplotlib")
     out = tmp_path / "plan.json"
     code = main([*SMALL, "--curve-loads", "0.3,1.2", "--plot-dir", str(tmp_path), "--json", str(out)])
     printed = capsys.readouterr().out

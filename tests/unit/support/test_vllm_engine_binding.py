@@ -15,8 +15,14 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.vllm_cpu import ENGINE_CORE_COMM, VllmServer
+from tests.support.skips import skip_or_fail
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/comm").exists(), reason="needs Linux /proc")
+
+@pytest.fixture(autouse=True)
+def _linux_proc() -> None:
+    if not Path("/proc/self/comm").exists():
+        skip_or_fail("this platform has no /proc/self/comm", install="run the suite on Linux")
+
 
 #: A child that renames itself, starts a second thread, says so, and sleeps.
 _CHILD = """
