@@ -401,6 +401,14 @@ def forecast_values(
         capacity = state.full_finish_rate_per_s
         if capacity is not None and (rate is None or capacity > rate):
             rate = capacity
+    slot_wait = 0.0
+    exact = state.slot_steps
+    if need_slots > 0 and exact:
+        # Every output ahead is known exactly: the schedule says when its slot frees, in steps
+        # at today's inter-token latency (the decode step, stretched by the prefill riding along).
+        share = state.prefill_share
+        itl = decode_step / (1.0 - share) if share is not None else decode_step
+        slot_wait = exact[(seqs if seqs < len(exact) else len(exact)) - 1] * itl
     if full_engine and rate is not None and rate > 0.0:
         # A full engine admits one waiting request per finished one: the queue ahead is admitted
         # (and prefilled) while it waits, at the measured finish rate, and the batch stays full.
@@ -410,16 +418,22 @@ def forecast_values(
         waves = waiting_out / seqs_cap_f
         admitted = _prefill(0, 0, 0.0, n0, kv0, own, own_pairs, seqs_cap_f, budget, p)
         through = _prefill(queued, queued_reqs, queue_pairs, n0, kv0, own, own_pairs, seqs_cap_f, budget, p)
-        if waiting_out / rate + admitted[0] >= through[0]:
+        # The rate is the recent past's: when the outputs ahead are known, never sooner than
+        # their schedule (a mix of longer outputs frees slots slower than the rate says).
+        by_rate = waiting_out / rate
+        if slot_wait > by_rate:
+            by_rate = slot_wait
+        if by_rate + admitted[0] >= through[0]:
             # Each request ahead replaced a finished one: the batch it joins is today's.
-            wait_s, pre, replaced = waiting_out / rate, admitted, True
+            wait_s, pre, replaced = by_rate, admitted, True
             queued, queued_reqs = 0, 0
         else:
             pre = through
     else:
         if full_engine:
             released, wait_steps, freed = _release(state, need_slots, need_kv, config.default_window_tokens)
-            wait_s = wait_steps * decode_step
+            # The schedule, when known, beats expected outputs (it knows the queue's too).
+            wait_s = slot_wait if slot_wait > 0.0 else wait_steps * decode_step
             waves = max(float(need_slots), released) / seqs_cap_f
         n_pre = n0 - released
         kv_pre = kv0 - freed

@@ -10,13 +10,23 @@ reason a request and a state cannot be forecast (``None``: they can). Pure, no I
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
 
-__all__ = ["CandidateRequest", "ForecastReason", "ReplicaState", "RunningSeq", "problem_of"]
+__all__ = [
+    "CandidateRequest",
+    "ForecastReason",
+    "ReplicaState",
+    "RunningSeq",
+    "problem_of",
+    "slot_schedule",
+    "slots_after_one_more",
+]
 
 #: ``ReplicaState._problem`` before the state was checked (a value no check returns).
 _UNCHECKED: Final = "unchecked"
@@ -109,6 +119,11 @@ class ReplicaState:
     rate; 0: unknown or none). The requests that arrive while a newcomer waits for its last
     prefill step come after it in the queue, but the engine packs their prompts into that step's
     unused token budget: the step takes longer and the newcomer's first token comes later.
+    ``slot_steps``: when no slot is left for a newcomer and every output ahead of it is known
+    exactly (clients that pin their outputs: ``ignore_eos`` with ``max_tokens``), the engine
+    steps until each of the next slots frees behind the waiting queue, ascending
+    (``slot_schedule``): the ``k``-th is when a newcomer needing ``k`` slots gets them. Empty:
+    a slot is free, or the outputs are not known (a finish rate and expected outputs tell).
     """
 
     num_running: int
@@ -133,6 +148,7 @@ class ReplicaState:
     steady_step_s: float | None = None
     arriving_prompt_tokens_per_s: float = 0.0
     full_finish_rate_per_s: float | None = None
+    slot_steps: tuple[float, ...] = ()
     #: What ``problem_of`` found wrong with this state (``None``: nothing), filled by the first
     #: forecast on it: a state is forecast many times (admission: every request against it).
     _problem: str | None = field(default=_UNCHECKED, init=False, repr=False, compare=False)
@@ -155,9 +171,13 @@ class ReplicaState:
         steady_step_s: float | None = None,
         arriving_prompt_tokens_per_s: float = 0.0,
         full_finish_rate_per_s: float | None = None,
+        waiting_outputs: Sequence[float] | None = None,
     ) -> ReplicaState:
         """Aggregate per-request detail (running in schedule order, waiting FCFS) into a state.
 
+        ``waiting_outputs``: the waiting requests' outputs (tokens, in the order of
+        ``waiting_prompt_tokens``) when every output is known exactly, the running requests'
+        ``expected_output_tokens`` included; ``None``: not known. It gives ``slot_steps``.
         O(n log n) once per state; forecasts against the result are O(log n).
         """
         return cls.from_rows(
@@ -178,6 +198,7 @@ class ReplicaState:
             steady_step_s=steady_step_s,
             arriving_prompt_tokens_per_s=arriving_prompt_tokens_per_s,
             full_finish_rate_per_s=full_finish_rate_per_s,
+            waiting_outputs=waiting_outputs,
         )
 
     @classmethod
@@ -198,10 +219,13 @@ class ReplicaState:
         steady_step_s: float | None = None,
         arriving_prompt_tokens_per_s: float = 0.0,
         full_finish_rate_per_s: float | None = None,
+        waiting_outputs: Sequence[float] | None = None,
     ) -> ReplicaState:
         """``from_sequences`` with each running request as a plain tuple ``(prompt_tokens,
         computed_tokens, generated_tokens, expected_output_tokens)`` (``RunningSeq``'s fields):
         the same state, without building an object per request (a replica holds hundreds)."""
+        if waiting_outputs is not None and len(waiting_outputs) != len(waiting_prompt_tokens):
+            raise ValueError("waiting_outputs must match waiting_prompt_tokens")
         decode = kv = queued = queued_reqs = 0
         pairs = 0.0
         release: list[tuple[float, int]] = []
@@ -237,6 +261,9 @@ class ReplicaState:
                 freed_list.append(freed)
             cumulative = tuple(freed_list)
             mean_rest = sum(steps) / len(release)
+        slots: tuple[float, ...] = ()
+        if waiting_outputs is not None and len(running) + len(waiting_outputs) >= max_num_seqs:
+            slots = slot_schedule(steps, max(0, max_num_seqs - len(running)), waiting_outputs)
         return cls(
             len(running),
             len(waiting_prompt_tokens),
@@ -260,7 +287,41 @@ class ReplicaState:
             steady_step_s,
             arriving_prompt_tokens_per_s,
             full_finish_rate_per_s,
+            slots,
         )
+
+
+def slot_schedule(rests: Sequence[float], free: int, waiting_outputs: Sequence[float]) -> tuple[float, ...]:
+    """Engine steps until each slot frees behind a waiting queue, ascending.
+
+    ``rests``: the running requests' remaining outputs (steps; one token per step each);
+    ``free``: slots free now (>= 0); ``waiting_outputs``: the waiting requests' outputs, FCFS.
+    Each waiting request takes the first slot to free (a free one at step 0) and holds it for
+    its output, its prefill step producing the first token. What is left are the slots a
+    newcomer behind them waits for: ``free`` zeros (slots still free) then the heap's times.
+    O((n + w) log n); empty only with no slot at all.
+    """
+    heap = [float(r) for r in rests]
+    heapq.heapify(heap)
+    for output in waiting_outputs:
+        steps = output if output > 1.0 else 1.0
+        if free > 0:
+            free -= 1
+            heapq.heappush(heap, steps)
+        else:
+            heapq.heappush(heap, heapq.heappop(heap) + steps if heap else steps)
+    return (0.0,) * free + tuple(sorted(heap))
+
+
+def slots_after_one_more(slots: tuple[float, ...], output: float | None) -> tuple[float, ...]:
+    """``slots`` (``ReplicaState.slot_steps``) once one more request of ``output`` tokens joins the
+    waiting queue: it takes the first slot to free and holds it for its output. Empty when
+    ``output`` is not known (``None``) or there was no schedule."""
+    if not slots or output is None:
+        return ()
+    rest = list(slots[1:])
+    bisect.insort(rest, slots[0] + (output if output > 1.0 else 1.0))
+    return tuple(rest)
 
 
 def problem_of(request: CandidateRequest, state: ReplicaState) -> str | None:
@@ -301,6 +362,8 @@ def _check_state(s: ReplicaState) -> ForecastReason | None:
         if rate is not None and not (math.isfinite(rate) and rate >= 0.0):
             return ForecastReason.BAD_STATE
     if len(s.release_steps) != len(s.release_kv_cumulative):
+        return ForecastReason.BAD_STATE
+    if s.slot_steps and not (math.isfinite(s.slot_steps[-1]) and s.slot_steps[0] >= 0.0):
         return ForecastReason.BAD_STATE
     if s.steady_step_s is not None and not (math.isfinite(s.steady_step_s) and s.steady_step_s > 0.0):
         return ForecastReason.BAD_STATE

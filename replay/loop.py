@@ -130,6 +130,7 @@ class _Open:
             r.max_tokens,
             self.last_token_s,
             self.first_token_s,
+            exact_output_tokens=None if self.live is None else self.live.exact_output,
         )
 
 

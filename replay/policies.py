@@ -66,7 +66,11 @@ class PolicyBase(IdleHooks):
 
 
 def _new_entry(request: AdmissionRequest, now: float, streamed: bool) -> LiveRequest:
-    return LiveRequest(request.request_id, request.prompt_tokens, now, request.max_tokens, streamed=streamed)
+    r = request
+    exact = r.exact_output_tokens
+    return LiveRequest(
+        r.request_id, r.prompt_tokens, now, r.max_tokens, streamed=streamed, exact_output=exact
+    )
 
 
 class SluicePolicy(PolicyBase):
@@ -168,6 +172,7 @@ class SluicePolicy(PolicyBase):
             prompt_tokens=tokens,
             fewest_prompt_tokens=self._fewest(request, tokens),
             max_tokens=request.max_tokens,
+            ignore_eos=request.ignore_eos,
             request_class=self.request_class,
             arrival_s=request.arrival_s,
             tenant=request.tenant,

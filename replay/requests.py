@@ -44,6 +44,7 @@ class GatewayRequest:
     ``tenant``: who sent it (the trace's, or assigned round robin). ``hash_ids``: its prompt's
     prefix blocks (``TraceRequest.hash_ids``; ``None``: its prompt shares nothing, and the
     engine's prefix cache never sees it): the engine gets ``token_ids()``, the gateway ``text()``.
+    ``ignore_eos``: the client pinned its output to ``max_tokens`` (its true output then).
     """
 
     index: int
@@ -53,6 +54,7 @@ class GatewayRequest:
     max_tokens: int
     prompt_chars: int | None = None
     hash_ids: tuple[int, ...] | None = None
+    ignore_eos: bool = False
 
     def token_ids(self) -> list[int] | None:
         """Its prompt's token ids as the engine gets them (``replay.prefixes``); ``None``: no
@@ -154,7 +156,8 @@ class FleetConfig:
     ``jitter``: engines' step-time noise; engine ``i`` is seeded ``seed + i``.
     ``scrape_interval_s`` / ``window_s``: as the live scraper's ``interval`` and ``window``.
     ``text``: prompts sent as text, sized by the gateway from their characters (``None``: sent
-    as token ids, sized exactly).
+    as token ids, sized exactly). ``pinned_outputs``: the clients pin each output (``max_tokens``
+    = its true output, with ``ignore_eos``), as ``vllm bench serve`` and ``bench.closed_loop`` do.
     """
 
     profile: Profile
@@ -167,6 +170,7 @@ class FleetConfig:
     tenants: int = 4
     window_s: float = DEFAULT_WINDOW_S
     text: PromptText | None = None
+    pinned_outputs: bool = False
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.max_tokens < 1 or self.tenants < 1:
@@ -180,17 +184,25 @@ def gateway_requests(
 ) -> list[GatewayRequest]:
     """``trace`` as the gateway sees it: request ``i`` goes to tenant ``t{i % tenants}`` with
     ``max_tokens`` = the client's cap, lowered to ``max_model_len - prompt`` (never below the
-    request's true output); a request with ``hash_ids`` sent as text has its text's characters.
-    ``check_fit``: raise ``ValueError`` for a request whose prompt and
-    output exceed ``max_model_len`` (``fit_to_model_len`` leaves those out)."""
+    request's true output; its true output with ``config.pinned_outputs``); a request with
+    ``hash_ids`` sent as text has its text's characters. ``check_fit``: raise ``ValueError`` for a
+    request whose prompt and output exceed ``max_model_len`` (``fit_to_model_len`` leaves those out)."""
     limit = config.profile.engine.max_model_len
     requests: list[GatewayRequest] = []
     for i, t in enumerate(trace):
         if check_fit and t.prompt_tokens + t.output_tokens > limit:
             raise ValueError(f"request {i} does not fit max_model_len {limit}: use fit_to_model_len")
+        pinned = config.pinned_outputs
         max_tokens = max(t.output_tokens, min(config.max_tokens, limit - t.prompt_tokens))
         request = GatewayRequest(
-            i, f"t{i % config.tenants}", t.arrival_s, t.prompt_tokens, max_tokens, None, t.hash_ids
+            i,
+            f"t{i % config.tenants}",
+            t.arrival_s,
+            t.prompt_tokens,
+            t.output_tokens if pinned else max_tokens,
+            None,
+            t.hash_ids,
+            ignore_eos=pinned,
         )
         if config.text is not None:
             text = request.text()

@@ -257,7 +257,8 @@ class AdmissionEngine:
         """The request sized for admission: its output predicted at the service's quantile,
         capped by ``max_tokens`` (the cap itself, at quantile 1, when the prediction fails), and
         never below what it is sure to produce (``min_tokens``; with ``ignore_eos`` its whole cap,
-        the rest of the route's largest context when ``max_tokens`` is absent: ``sure_output``).
+        the rest of the route's largest context when ``max_tokens`` is absent: ``sure_output``;
+        with ``ignore_eos`` and ``max_tokens`` it is exact: ``AdmissionRequest.exact_output_tokens``).
         ``choices``: the sequences it decodes (the body's ``n``; its budget pays for each).
         The output is predicted for ``tenant`` (``PredictionService.expected_output``).
         ``fewest_prompt_tokens``: the lowest plausible prompt size when ``prompt_tokens`` is an
@@ -305,6 +306,7 @@ class AdmissionEngine:
             prefix=self.prefix.key(prompt_text, prompt_tokens, model),
             session=session,
             affinity=self.prefix.affinity(session),
+            exact_output_tokens=max_tokens if ignore_eos else None,
         )
 
     def submit(

@@ -182,8 +182,14 @@ def output_floor(parsed: ParsedRequest) -> dict[str, Any]:
     return floor
 
 
-def _new_entry(request: AdmissionRequest, now: float, streamed: bool) -> LiveRequest:
-    return LiveRequest(request.request_id, request.prompt_tokens, now, request.max_tokens, streamed=streamed)
+def live_entry(request: AdmissionRequest, now: float, streamed: bool) -> LiveRequest:
+    """The registry's entry of ``request``, sent at ``now`` (monotonic seconds); its pinned
+    output (``exact_output_tokens``) carried along."""
+    r = request
+    exact = r.exact_output_tokens
+    return LiveRequest(
+        r.request_id, r.prompt_tokens, now, r.max_tokens, streamed=streamed, exact_output=exact
+    )
 
 
 class LiveAdmission:
@@ -220,7 +226,7 @@ class LiveAdmission:
             self.replica_source,
             predictions.service,
             rng=self._rng,
-            new_entry=_new_entry,
+            new_entry=live_entry,
             view_max_age_s=view_max_age_s,
             log=log,
             budget=budget,

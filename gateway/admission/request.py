@@ -41,7 +41,9 @@ class AdmissionRequest:
     look up in each replica's prefix index (``predictor.prefix_index``; ``None``: not indexed,
     ``cached_prompt_tokens`` is then its expected hit everywhere). ``session``: the client session
     it belongs to (``None``: none); ``affinity``: the replica that served that session last, which
-    routing prefers (``None``: none).
+    routing prefers (``None``: none). ``exact_output_tokens``: its output per choice when known
+    exactly (``ignore_eos`` with ``max_tokens``: the client pinned it to the cap); the forecasts
+    of the requests behind it count on it while it runs (``None``: predicted).
     """
 
     request_id: str
@@ -62,6 +64,7 @@ class AdmissionRequest:
     prefix: PrefixKey | None = field(default=None, repr=False, compare=False)
     session: str | None = None
     affinity: str | None = None
+    exact_output_tokens: int | None = None
     _candidate: CandidateRequest | None = field(default=None, init=False, repr=False, compare=False)
     #: Smallest ``max_model_len`` and KV capacity (tokens) a replica needs to hold it at all, at
     #: its fewest plausible prompt tokens.

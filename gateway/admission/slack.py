@@ -341,7 +341,9 @@ class SlackRules:
         # The probes cost a forecast each: skip them where another enforced rule already fails.
         if plan and not (self._all_enforced and min(s_ttft, s_tpot, streams, stalls, kv, slot) < 0.0):
             probes = []
-            after = with_queued(state, request.prompt_tokens, candidate.cached_prompt_tokens)
+            after = with_queued(
+                state, request.prompt_tokens, candidate.cached_prompt_tokens, request.exact_output_tokens
+            )
             keep = 1.0 - self._settings.yield_margin
             for protected, probe in plan:
                 pf = forecast_values(probe, after, view.model, self._fc)

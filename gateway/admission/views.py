@@ -17,6 +17,7 @@ from gateway.admission.request import AdmissionRequest
 from gateway.admission.shares import EMPTY_LOAD, ClassLoad, StreamingRequest, class_loads, decode_elapsed_s
 from predictor import Forecast, ReplicaState, StepBatch, StepModel
 from predictor.correction import NO_CORRECTION, Correction
+from predictor.forecast_inputs import slots_after_one_more
 from predictor.prefix_index import PrefixIndex, expected_hit_tokens
 
 __all__ = ["LiveEntry", "ReplicaView", "TrackedStream", "current_step_s", "with_queued"]
@@ -309,7 +310,7 @@ class ReplicaView:
         loads[name] = current.with_stream(request.prompt_tokens + output, tpot - extra, output)
         return dataclasses.replace(
             self,
-            state=with_queued(self.state, request.prompt_tokens, cached),
+            state=with_queued(self.state, request.prompt_tokens, cached, request.exact_output_tokens),
             loads=loads,
             gateway_streams=self.gateway_streams + 1,
             extra_tpot_s=extra,
@@ -332,8 +333,11 @@ def current_step_s(model: StepModel, state: ReplicaState) -> float:
     return model.step_time(batch)
 
 
-def with_queued(state: ReplicaState, prompt_tokens: int, cached_prompt_tokens: int = 0) -> ReplicaState:
-    """``state`` with one more request waiting in the engine's queue (its uncached prompt to prefill)."""
+def with_queued(
+    state: ReplicaState, prompt_tokens: int, cached_prompt_tokens: int = 0, output_tokens: int | None = None
+) -> ReplicaState:
+    """``state`` with one more request waiting in the engine's queue (its uncached prompt to
+    prefill; its output when pinned, ``None``: not known, and then the slots' schedule is not)."""
     own = prompt_tokens - min(cached_prompt_tokens, prompt_tokens - 1)
     pairs = state.queued_prefill_attn_pairs
     if pairs is not None:
@@ -362,4 +366,5 @@ def with_queued(state: ReplicaState, prompt_tokens: int, cached_prompt_tokens: i
         state.steady_step_s,
         state.arriving_prompt_tokens_per_s,
         state.full_finish_rate_per_s,
+        slots_after_one_more(state.slot_steps, output_tokens),
     )

@@ -386,10 +386,24 @@ def replica_state(
     rows = [(r.prompt_tokens, r.prompt_tokens, r.tokens_streamed + bump, r.max_tokens) for r in decoding]
     rows += [(r.prompt_tokens, r.prompt_tokens, 1, r.max_tokens) for r in cycle.completed]
     rows += [(r.prompt_tokens, done, 0, r.max_tokens) for r, done in cycle.partial]
+    exact = [r.exact_output_tokens for r in decoding]
+    exact += [r.exact_output_tokens for r in cycle.completed]
+    exact += [r.exact_output_tokens for r, _ in cycle.partial]
     rests = remaining([g for _, _, g, _ in rows], [m for _, _, _, m in rows]) if rows else []
     # RunningSeq's fields as plain tuples (``ReplicaState.from_rows``): no object per request.
-    running = [(p, c, g, g + rest) for (p, c, g, _), rest in zip(rows, rests, strict=True)]
-    running.extend(_foreign(snapshot, remaining))
+    # A pinned output is known: it runs to it (at least one more token while it runs).
+    running = [
+        (p, c, g, g + rest if e is None else max(float(e), g + 1.0))
+        for (p, c, g, _), rest, e in zip(rows, rests, exact, strict=True)
+    ]
+    foreign = _foreign(snapshot, remaining)
+    running.extend(foreign)
+    # Every output ahead known (no other client's, every one pinned): the slots' exact schedule.
+    waiting_outputs = None
+    if not foreign and None not in exact:
+        later = [r.exact_output_tokens for r in cycle.later]
+        if None not in later:
+            waiting_outputs = [float(e) for e in later if e is not None]
     return ReplicaState.from_rows(
         running,
         [r.prompt_tokens - min(r.cached_tokens, r.prompt_tokens - 1) for r in cycle.later],
@@ -405,6 +419,7 @@ def replica_state(
         full_finish_rate_per_s=load.full_finish_rate_per_s,
         steady_step_s=load.steady_step_s,
         arriving_prompt_tokens_per_s=load.arriving_prompt_tokens_per_s,
+        waiting_outputs=waiting_outputs,
     )
 
 

@@ -52,11 +52,13 @@ class LiveRequest:
     (``None``: the client set none). Admission reads ``last_token_at - first_token_at`` as the
     time the stream's decode has taken so far (its stall budget, ``StreamingRequest``).
     ``cached_tokens``: prompt tokens admission expected to hit the replica's prefix cache (set
-    when it is sent; 0: none).
+    when it is sent; 0: none). ``exact_output``: the output tokens it will produce, when the
+    client pinned them (``ignore_eos`` with ``max_tokens``); ``None``: not known.
     """
 
     __slots__ = (
         "cached_tokens",
+        "exact_output",
         "first_token_at",
         "last_token_at",
         "max_tokens",
@@ -75,6 +77,7 @@ class LiveRequest:
         max_tokens: int | None = None,
         *,
         streamed: bool = True,
+        exact_output: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
@@ -88,6 +91,7 @@ class LiveRequest:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.cached_tokens = 0
+        self.exact_output = exact_output
 
     def freeze(self, tokens_streamed: int | None = None) -> InFlight:
         """The request as of now, as an immutable ``InFlight``; ``tokens_streamed``: the output
@@ -102,6 +106,7 @@ class LiveRequest:
             last_token_at=self.last_token_at,
             first_token_at=self.first_token_at,
             cached_tokens=self.cached_tokens,
+            exact_output_tokens=self.exact_output,
         )
 
 

@@ -27,6 +27,8 @@ class InFlight:
     behind it got at most that step's leftover budget before then.
     ``cached_tokens``: prompt tokens the gateway expected to hit the replica's prefix cache
     (0 <= it < ``prompt_tokens``, or 0): its prefill starts past them.
+    ``exact_output_tokens``: the output it will produce, when the client pinned it (``ignore_eos``
+    with ``max_tokens``); ``None``: not known, then predicted.
     """
 
     request_id: str
@@ -37,6 +39,7 @@ class InFlight:
     last_token_at: float | None = None
     first_token_at: float | None = None
     cached_tokens: int = 0
+    exact_output_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import pytest
 
 from gateway.admission.budget import Hold, TopUp, context_left, sure_output
 from gateway.admission.engine import AdmissionEngine
-from gateway.admission.live import output_floor
+from gateway.admission.live import live_entry, output_floor
 from gateway.admission.live_budget import LiveBudget
 from gateway.admission.results import Ending, Submitted
 from gateway.api.openai import MAX_TOKENS_LIMIT, parse_request
@@ -123,6 +123,35 @@ def test_the_reservation_holds_what_the_request_is_sure_to_produce(
     choices = int(fields.get("choices", 1))  # type: ignore[call-overload]
     assert engine.budget_cost(req) == pytest.approx(PROMPT + 2 * output)
     assert req.expected_output_tokens * choices >= output
+
+
+@pytest.mark.parametrize(
+    ("fields", "exact"),
+    [
+        pytest.param({"max_tokens": 50, "ignore_eos": True}, True, id="ignore_eos-with-a-cap"),
+        pytest.param({"max_tokens": None, "ignore_eos": True}, False, id="ignore_eos-without-a-cap"),
+        pytest.param({"max_tokens": 50, "min_tokens": 50}, False, id="min_tokens-at-the-cap"),
+        pytest.param({"max_tokens": 50}, False, id="predicted"),
+    ],
+)
+def test_an_output_pinned_by_its_client_is_known_exactly_while_it_runs(
+    fields: dict[str, object], exact: bool
+) -> None:
+    """With ``ignore_eos`` and ``max_tokens`` the output is the cap, and the in-flight entry says
+    so (the forecasts of the requests behind it count on it); anything else is predicted. (Even
+    ``min_tokens`` at the cap may stop at a stop string: not pinned.)"""
+    engine, _ = engine_and_budget()
+    req = engine.request(
+        "a",
+        "m",
+        prompt_tokens=PROMPT,
+        request_class="interactive",
+        arrival_s=0.0,
+        tenant="acme",
+        **fields,  # type: ignore[arg-type]
+    )
+    assert req.exact_output_tokens == (fields["max_tokens"] if exact else None)
+    assert live_entry(req, 0.0, True).freeze().exact_output_tokens == req.exact_output_tokens
 
 
 def uncapped_ignore_eos(engine: AdmissionEngine, route: str) -> float | None:

@@ -14,7 +14,13 @@ from gateway.admission.views import with_queued
 from predictor import ReplicaState
 
 #: The fields ``with_queued`` changes (the newcomer's prompt joins the queue).
-QUEUE_FIELDS = {"num_waiting", "queued_prefill_tokens", "queued_requests", "queued_prefill_attn_pairs"}
+QUEUE_FIELDS = {
+    "num_waiting",
+    "queued_prefill_tokens",
+    "queued_requests",
+    "queued_prefill_attn_pairs",
+    "slot_steps",
+}
 
 
 def _busy() -> ReplicaState:
@@ -42,6 +48,7 @@ def _busy() -> ReplicaState:
         steady_step_s=0.011,
         arriving_prompt_tokens_per_s=9000.0,
         full_finish_rate_per_s=6.0,
+        slot_steps=(12.0, 40.0, 90.0),
     )
 
 
@@ -66,3 +73,12 @@ def test_the_uncached_prompt_joins_the_queue() -> None:
     # average, half of the new tokens before it.
     assert before.queued_prefill_attn_pairs is not None
     assert after.queued_prefill_attn_pairs == before.queued_prefill_attn_pairs + 400 * (200.0 + 100)
+
+
+def test_a_pinned_newcomer_takes_the_first_slot_to_free() -> None:
+    """Its output pinned, it holds the slot freed at 12 for 50 steps; not pinned, the schedule
+    behind it is no longer known."""
+    before = _busy()
+    assert with_queued(before, 500, 0, output_tokens=50).slot_steps == (40.0, 62.0, 90.0)
+    assert with_queued(before, 500, 0, output_tokens=100).slot_steps == (40.0, 90.0, 112.0)
+    assert with_queued(before, 500, 0).slot_steps == ()

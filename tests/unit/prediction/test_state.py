@@ -235,3 +235,50 @@ def test_a_waiting_prompt_prefills_only_what_its_prefix_cache_hit_leaves() -> No
         last_boundary=1.0,
     )
     assert (state.num_waiting, state.queued_prefill_tokens) == (2, 904 + 1)
+
+
+def pinned(rid: str, prompt: int, streamed: int, started: float, output: int | None) -> InFlight:
+    """A request whose client pinned its output to ``output`` (``None``: not pinned)."""
+    return dataclasses.replace(
+        flight(rid, prompt, streamed, started, 1.0 if streamed else None), exact_output_tokens=output
+    )
+
+
+@pytest.mark.parametrize(
+    ("outputs", "foreign", "schedule"),
+    [
+        # Two decoding (5 tokens so far, 1 more at the step in progress) hold their slots for
+        # 200 - 6 and 40 - 6 steps; the waiting one (30) takes the one freed at 34: 64.
+        ((200, 40, 30), 0, (64.0, 194.0)),
+        ((200, None, 30), 0, ()),  # one output not known
+        ((200, 40, None), 0, ()),  # the waiting one's not known
+        ((200, 40, 30), 1, ()),  # another client's request on the replica: its output not known
+    ],
+    ids=["all-pinned", "a-decode-not-pinned", "a-waiting-one-not-pinned", "another-clients"],
+)
+def test_pinned_outputs_give_the_slots_schedule(
+    outputs: tuple[int | None, int | None, int | None], foreign: int, schedule: tuple[float, ...]
+) -> None:
+    ours = [
+        pinned("a", 100, 5, 0.0, outputs[0]),
+        pinned("b", 100, 5, 0.0, outputs[1]),
+        pinned("c", 100, 0, 1.001, outputs[2]),
+    ]
+    snapshot = dataclasses.replace(
+        SNAPSHOT, num_running=2 + foreign, num_waiting=1, kv_capacity_tokens=1000, in_flight=tuple(ours)
+    )
+    state = replica_state(
+        ours,
+        snapshot,
+        limits=dataclasses.replace(LIMITS, max_num_seqs=2 + foreign),
+        load=Load(),
+        remaining=rest,
+        stale=False,
+        model=MODEL,
+        now=1.002,
+        last_boundary=1.0,
+    )
+    assert state.num_waiting == 1
+    assert state.slot_steps == schedule
+    if schedule:  # a pinned output is what it runs to: 200 - 6 steps to go, not the predicted 50
+        assert state.release_steps == (34.0, 194.0)
