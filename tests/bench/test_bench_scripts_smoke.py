@@ -307,6 +307,21 @@ def check_forecast_bound(out: str) -> None:
             assert re.fullmatch(r"[\d.]+ %( \([\d.]+ %-[\d.]+ %\))?", cell), r
 
 
+def check_onset(out: str) -> None:
+    rows = md_rows(out, "| trace | seed | outputs |")
+    assert [(r[0], r[1], r[2]) for r in rows] == [("azure", "0", "pinned"), ("azure", "0", "predicted")], rows
+    for r in rows:
+        arrived, admitted = int(r[4]), int(r[5])
+        assert 0 < admitted <= arrived, r
+        assert re.fullmatch(r"[\d.]+ %", r[6]), r
+        bins = [tuple(int(n) for n in cell.split("/")) for cell in r[8].split()]
+        assert len(bins) == 2, r  # 10 s of overload in bins of 5 s
+        assert sum(a for a, _ in bins) == admitted, r
+        assert all(0 <= m <= a for a, m in bins), r
+    sums = md_rows(out, "| trace | outputs | runs |")
+    assert [(r[0], r[1], r[2]) for r in sums] == [("azure", "pinned", "1"), ("azure", "predicted", "1")], sums
+
+
 def check_soak(out: str) -> None:
     has_line(out, r"\s+t \(s\)\s+RSS \(MiB\)\s+fds$")
     for name in ("before load", "after warm-up", "end of load", "after idle"):
@@ -384,6 +399,25 @@ CASES = [
     ),
     case("bench.predictor_accuracy", ["--quick", "--no-write"], 90, check_predictor_accuracy),
     case("bench.forecast_bound", ["--quick"], 60, check_forecast_bound),
+    case(
+        "bench.onset",
+        [
+            "--traces",
+            "azure",
+            "--seeds",
+            "0",
+            "--warm-s",
+            "5",
+            "--quiet-s",
+            "5",
+            "--duration",
+            "10",
+            "--jobs",
+            "1",
+        ],
+        60,
+        check_onset,
+    ),
     # The fake backend, a redis-server, the stamped bare proxy and both sluice configurations.
     case("bench.overhead.timeline", ["--rounds", "1", "--duration", "0.5"], 120, check_timeline),
     # Two emulators, a redis-server and sluice serve under mixed load for 6 s.
