@@ -19,6 +19,7 @@ from gateway.admission.budget import Hold, TopUp, context_left, sure_output
 from gateway.admission.engine import AdmissionEngine
 from gateway.admission.live import live_entry, output_floor
 from gateway.admission.live_budget import LiveBudget
+from gateway.admission.request import AdmissionRequest
 from gateway.admission.results import Ending, Submitted
 from gateway.api.openai import MAX_TOKENS_LIMIT, parse_request
 from gateway.limits.base import LimiterUnavailable, Reservation, TenantLimits
@@ -96,6 +97,19 @@ def test_the_context_left_is_the_longest_replicas() -> None:
     assert context_left([], 10) is None
 
 
+def sized(engine: AdmissionEngine, fields: dict[str, object]) -> AdmissionRequest:
+    """``engine.request`` of the tenant's request on model ``m`` at 0 s, with ``fields``."""
+    return engine.request(
+        "a",
+        "m",
+        prompt_tokens=PROMPT,
+        request_class="interactive",
+        arrival_s=0.0,
+        tenant="acme",
+        **fields,  # type: ignore[arg-type]
+    )
+
+
 @pytest.mark.parametrize(
     ("fields", "output"),
     [
@@ -111,15 +125,7 @@ def test_the_reservation_holds_what_the_request_is_sure_to_produce(
     fields: dict[str, object], output: int
 ) -> None:
     engine, _ = engine_and_budget()
-    req = engine.request(
-        "a",
-        "m",
-        prompt_tokens=PROMPT,
-        request_class="interactive",
-        arrival_s=0.0,
-        tenant="acme",
-        **fields,  # type: ignore[arg-type]
-    )
+    req = sized(engine, fields)
     choices = int(fields.get("choices", 1))  # type: ignore[call-overload]
     assert engine.budget_cost(req) == pytest.approx(PROMPT + 2 * output)
     assert req.expected_output_tokens * choices >= output
@@ -141,15 +147,7 @@ def test_an_output_pinned_by_its_client_is_known_exactly_while_it_runs(
     so (the forecasts of the requests behind it count on it); anything else is predicted. (Even
     ``min_tokens`` at the cap may stop at a stop string: not pinned.)"""
     engine, _ = engine_and_budget()
-    req = engine.request(
-        "a",
-        "m",
-        prompt_tokens=PROMPT,
-        request_class="interactive",
-        arrival_s=0.0,
-        tenant="acme",
-        **fields,  # type: ignore[arg-type]
-    )
+    req = sized(engine, fields)
     assert req.exact_output_tokens == (fields["max_tokens"] if exact else None)
     assert live_entry(req, 0.0, True).freeze().exact_output_tokens == req.exact_output_tokens
 
