@@ -33,6 +33,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Final
 
 from aiohttp import web
@@ -69,7 +70,7 @@ from gateway.admission.results import Ending, Resolution, Saturated, UnknownMode
 from gateway.admission.retry_after import RefusalReason
 from gateway.admission.size_share import QuartileRow
 from gateway.admission.sizing import prompt_size
-from gateway.api.openai import MAX_TOKENS_LIMIT, MAX_TOKENS_SET_HEADER, ParsedRequest
+from gateway.api.openai import MAX_TOKENS_LIMIT, MAX_TOKENS_SET_HEADER, ParsedRequest, off_loop
 from gateway.api.prefix_text import prefix_text, session_of
 from gateway.config.settings import Settings
 from gateway.config.store import SettingsStore
@@ -378,6 +379,7 @@ class LiveAdmission:
         # bucket (docs/tenants.md, "Hard caps"); a placement again keeps the cap the first set.
         limits = None if tenant is None or parsed.stream else tenant.limits
         prefix = settings.prefix_cache
+        text = await off_loop(parsed, partial(prefix_text, parsed)) if prefix.enabled else None
         areq = self.engine.request(
             outcome.request_id,
             route,
@@ -390,7 +392,7 @@ class LiveAdmission:
             deadline_s=deadline,
             tenant=tenant_name,
             choices=parsed.choices,
-            prompt_text=prefix_text(parsed) if prefix.enabled else None,
+            prompt_text=text,
             session=None
             if not prefix.enabled
             else session_of(

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
@@ -36,6 +36,7 @@ from gateway.http.errors import BodyTooLarge, ClientClosedRequest, InvalidReques
 from gateway.http.request_body import read_body
 
 Endpoint = Literal["chat", "completions", "generate", "generate_stream"]
+T = TypeVar("T")
 
 #: Upstream path per endpoint (the gateway serves each on the same path).
 ENDPOINT_PATHS: Mapping[Endpoint, str] = {
@@ -190,6 +191,15 @@ async def read_request(
         parsed = parse()
     request[PARSED] = parsed
     return parsed
+
+
+async def off_loop(parsed: ParsedRequest, work: Callable[[], T]) -> T:
+    """``work()``'s result: computed on the body-parsing thread when ``parsed``'s body is
+    ``OFF_LOOP_BYTES`` or more (walking a body that large's decoded values would hold the event
+    loop for milliseconds), else here. ``work`` may only read ``parsed``."""
+    if len(parsed.raw) < OFF_LOOP_BYTES:
+        return work()
+    return await asyncio.get_running_loop().run_in_executor(_PARSER, work)
 
 
 def resolve_native_model(served: list[str], asked: str | None) -> str:

@@ -3,11 +3,12 @@ and whatever a client sends in odd shapes gives no text or no session, never an 
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
 
-from gateway.api.openai import ParsedRequest
+from gateway.api.openai import OFF_LOOP_BYTES, ParsedRequest, off_loop
 from gateway.api.prefix_text import prefix_text, session_of
 
 
@@ -107,3 +108,26 @@ def test_the_session_is_scoped_by_tenant_and_never_an_error(
 ) -> None:
     got = session_of(headers, parsed("chat", body), header="x-session-id", from_user=from_user, tenant="acme")
     assert got == expected
+
+
+@pytest.mark.parametrize(("padding", "on_loop"), [(0, True), (OFF_LOOP_BYTES, False)], ids=["small", "large"])
+async def test_a_large_bodys_prefix_text_is_built_off_the_event_loop(padding: int, on_loop: bool) -> None:
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+    request = ParsedRequest(
+        endpoint="chat",
+        model="m",
+        stream=False,
+        include_usage=False,
+        max_tokens=None,
+        body={"messages": [{"role": "user", "content": "hi"}]},
+        raw=b" " * padding,
+    )
+
+    def text() -> str | None:
+        threads.append(threading.get_ident())
+        return prefix_text(request)
+
+    assert await off_loop(request, text) == prefix_text(request)
+    assert (threads == [loop_thread]) is on_loop
+    assert len(threads) == 1
