@@ -30,6 +30,7 @@ from typing import Any, Final
 
 from pydantic_core import ErrorDetails
 
+from gateway.api.sliced_json import decode_in_slices
 from gateway.http.echo import clip
 from gateway.http.errors import InvalidRequest
 
@@ -83,6 +84,10 @@ _DEPTH_STEP: Final = [1 if b in b"[{" else -1 if b in b"]}" else 0 for b in rang
 #: wait for it (when the scan runs on the body-parsing thread) well under a millisecond.
 _SEGMENT: Final = 64 * 1024
 _BACKSLASH: Final = ord("\\")
+#: Texts at least this long (characters) are decoded in slices (``gateway.api.sliced_json``): one C
+#: call of the decoder over a text this long holds the GIL for a few milliseconds, slices for
+#: about one member or element each, at about 1.5 times the CPU for a body of thousands of them.
+SLICED_CHARS: Final = 1 << 20
 
 
 def check_shape(raw: bytes, limits: JsonLimits) -> None:
@@ -202,6 +207,11 @@ _STRICT: Final = json.JSONDecoder(parse_float=_finite_float, parse_constant=_ref
 _MARKING: Final = json.JSONDecoder(parse_float=_mark_float, parse_constant=lambda _name: _MARK)
 
 
+def _decode(decoder: json.JSONDecoder, text: str) -> Any:
+    """``decoder.decode(text)``; a text of ``SLICED_CHARS`` or more in slices (``decode_in_slices``)."""
+    return decode_in_slices(decoder, text) if len(text) >= SLICED_CHARS else decoder.decode(text)
+
+
 def load_object(raw: bytes, limits: JsonLimits = DEFAULT_LIMITS) -> dict[str, Any]:
     """``raw`` decoded as one JSON object, as ``json.loads`` reads bytes (UTF-8, -16 or -32), with
     only finite numbers, once ``check_shape(raw, limits)`` passed. Raises ``InvalidRequest`` (400):
@@ -213,7 +223,7 @@ def load_object(raw: bytes, limits: JsonLimits = DEFAULT_LIMITS) -> dict[str, An
     check_shape(raw, limits)
     try:
         text = raw.decode(json.detect_encoding(raw))
-        body = _STRICT.decode(text)
+        body = _decode(_STRICT, text)
     except json.JSONDecodeError as exc:
         raise InvalidRequest(
             f"request body is not valid JSON (line {exc.lineno}, column {exc.colno})"
@@ -234,7 +244,7 @@ def _non_finite(text: str) -> InvalidRequest:
     number marked, and the first one's path named. Text that breaks the JSON grammar after the
     number (the first decode stopped at it) gets the not-JSON 400 instead."""
     try:
-        marked = _MARKING.decode(text)
+        marked = _decode(_MARKING, text)
     except json.JSONDecodeError as exc:
         return InvalidRequest(f"request body is not valid JSON (line {exc.lineno}, column {exc.colno})")
     except (ValueError, RecursionError):
