@@ -9,14 +9,20 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import sys
 from typing import Any
 
+import pytest
 from aiohttp import web
 
+from gateway import serve
+from gateway.config.settings import Settings
+from gateway.config.store import SettingsStore
+from gateway.http import parse_errors
 from gateway.keys import HEALTH, REGISTRY
 from gateway.replicas.config import ReplicaSettings
 from gateway.replicas.registry import ReplicaState
-from gateway.serve import GC_THRESHOLD, _quiet_gc
+from gateway.serve import GC_THRESHOLD, GIL_SWITCH_INTERVAL_S, _quiet_gc
 from tests.unit.gateway.conftest import StartGateway, StartReplica
 from tests.unit.gateway.fakes import MODEL, FakeReplica, chat_chunk, sse, wait_for
 
@@ -247,3 +253,22 @@ async def test_quiet_gc_freezes_what_lives_and_raises_the_young_threshold() -> N
     finally:
         gc.unfreeze()
         gc.set_threshold(*threshold)
+
+
+def test_sluice_serve_lets_the_event_loop_take_the_gil_within_a_millisecond(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``run_gateway`` sets the interpreter's switch interval before it serves, so that a worker
+    thread (a big body being decoded) holds the loop for at most ``GIL_SWITCH_INTERVAL_S``."""
+    seen: list[float] = []
+    monkeypatch.setattr(web, "run_app", lambda app, **_: seen.append(sys.getswitchinterval()))
+    monkeypatch.setattr(parse_errors, "_server_header", parse_errors._server_header)
+    before = sys.getswitchinterval()
+    try:
+        serve.run_gateway(
+            SettingsStore(Settings(replicas=[ReplicaSettings(name="r", url="http://127.0.0.1:9")]))
+        )
+    finally:
+        sys.setswitchinterval(before)
+    assert seen == [pytest.approx(GIL_SWITCH_INTERVAL_S)]
+    assert before > GIL_SWITCH_INTERVAL_S  # CPython's 5 ms
