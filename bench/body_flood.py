@@ -45,6 +45,8 @@ import yaml
 from bench.soak import MODEL, PROFILE, emulator_args, free_port, gateway_args, process, wait_http
 from gateway.api.json_body import DEFAULT_LIMITS, check_shape
 from gateway.api.openai import parse_request, upstream_body
+from gateway.api.prefix_text import prefix_text
+from gateway.api.sliced_json import decode_in_slices
 from gateway.api.tgi import json_bytes, json_bytes_in_pieces
 from gateway.config.settings import ServerSettings
 from gateway.tokens.counter import prompt_texts
@@ -221,13 +223,16 @@ def steps(body_mib: float, report: Callable[[str], None] = print) -> dict[str, f
     raw = shapes(size, ServerSettings().max_json_items)["accepted-stream"][1]
     parsed = parse_request("chat", raw)
     body, text = parsed.body, raw.decode()
+    decoder = json.JSONDecoder()
     timed = {
         "check_shape": ("body thread", lambda: check_shape(raw, DEFAULT_LIMITS)),
-        "json.loads (one C call)": ("body thread", lambda: json.loads(text)),
+        "json.loads (one C call)": ("not used", lambda: json.loads(text)),
+        "decode_in_slices (a C call per message)": ("body thread", lambda: decode_in_slices(decoder, text)),
         "parse_request (check, decode, validate)": ("body thread", lambda: parse_request("chat", raw)),
         "upstream_body (stream_options written in)": ("event loop", lambda: upstream_body(parsed)),
         "json_bytes_in_pieces (a member replaced)": ("body thread", lambda: json_bytes_in_pieces(body)),
         "json_bytes (the whole body, one C call)": ("not used", lambda: json_bytes(body)),
+        "prefix_text (the prefix cache's text)": ("body thread", lambda: prefix_text(parsed)),
         "PromptTexts of its messages": ("counting thread", lambda: prompt_texts(parsed)),
     }
     report(f"one accepted-stream body of {size} bytes ({len(parsed.body['messages'])} messages), CPU ms:")
