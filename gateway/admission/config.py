@@ -430,6 +430,15 @@ class AdmissionSettings(Section):
         PrefixCacheSettings,
         Field(description="Prefix-cache-aware forecasts and routing."),
     ] = PrefixCacheSettings()
+    overdue_ttft: Annotated[
+        bool,
+        Field(
+            description="Add to a newcomer's forecast TTFT on a replica the longest that one of Sluice's "
+            "streamed requests there has waited for its first token past the TTFT admission held it to "
+            "(the queue runs that far behind its forecasts now). Reacts within a view rebuild, keeps no "
+            "state; off until measured on your engine (docs/admission.md).",
+        ),
+    ] = False
     unmodelled_max_in_flight: Annotated[
         int,
         Field(

@@ -141,6 +141,7 @@ class AdmissionEngine:
         #: Each class's margin per replica, held by the attainment admitted requests reach.
         self.attainment = AttainmentController(settings)
         self.view_cache.margins = self.attainment.margins
+        self.view_cache.overdue = settings.overdue_ttft
         #: When each sent request counts towards its class's attainment there.
         self.judging = AttainmentJudge(self.attainment, lambda: self._settings, self.view_cache.touch)
         #: Each replica's prefix cache as admission believes it.
@@ -168,6 +169,9 @@ class AdmissionEngine:
             return
         self._settings = settings
         self.view_cache.stale_margin = settings.stale_margin
+        if self.view_cache.overdue != settings.overdue_ttft:
+            self.view_cache.overdue = settings.overdue_ttft
+            self.view_cache.changed()
         self.attainment.reconfigure(settings)
         self.prefix.reconfigure(settings.prefix_cache)
         for controller in self._controllers.values():

@@ -279,6 +279,12 @@ class SlackRules:
         quantile = None if unloaded else cls.attainment_target
         ct, cp, st = view.correction.judged(quantile, request.prompt_tokens, joins, f[12])
         ttft, tpot, infl = (f[0] * scale + overhead) * ct * st, f[1] * scale * cp, f[2] * scale * cp
+        late = view.overdue_s
+        if late > 0.0 and ttft > 0.0:
+            # The queue it would join runs that far behind its forecasts now: so will its first
+            # token. Carried in the TTFT factor, so that its forecast says what was judged.
+            ct *= (ttft + late) / ttft
+            ttft += late
         stall = f[7] * scale
         output = f[5]
         streams = stalls = _INF
@@ -351,7 +357,7 @@ class SlackRules:
                 pt, pp = view.correction.factors(
                     probe.prompt_tokens, after.decode_seqs if pb is None else pb[1], pf[12]
                 )
-                p_ttft = ((pf[0] - elapsed) * base + _overhead_s(d, pf, view.model)) * pt
+                p_ttft = ((pf[0] - elapsed) * base + _overhead_s(d, pf, view.model)) * pt + view.overdue_s
                 p_tpot = pf[1] * base * pp
                 probes.append((protected, p_ttft, p_tpot))
                 t, p = protected.ttft_target_s, protected.tpot_target_s

@@ -27,7 +27,7 @@ from gateway.admission.ports import (
 )
 from gateway.admission.prefix import PrefixCaches
 from gateway.admission.shares import StreamingRequest
-from gateway.admission.views import NO_MARGINS, LiveEntry, ReplicaView, TrackedStream
+from gateway.admission.views import NO_MARGINS, LiveEntry, ReplicaView, TrackedStream, overdue_s
 from predictor import ReplicaState, unknown_step_model
 
 __all__ = ["SAME_STEP_S", "UNSEEN_MAX_AGE_S", "ViewCache"]
@@ -94,6 +94,9 @@ class ViewCache:
         self.listener: TrackListener | None = None
         #: The replicas' prefix caches (``ReplicaView.prefix``); ``None``: not modelled.
         self.prefix: PrefixCaches | None = None
+        #: Whether views carry how far the replica's queue runs behind its forecasts
+        #: (``ReplicaView.overdue_s``; ``admission.overdue_ttft``); off: 0.
+        self.overdue = False
         #: What admission remembers of the requests it sent, per replica.
         self._streams: dict[str, dict[LiveEntry[Any], TrackedStream[Any]]] = {}
         self._views: dict[str, dict[str, _Cached]] = {}
@@ -231,6 +234,7 @@ class ViewCache:
             margins=NO_MARGINS if self.margins is None else self.margins(replica, now),
             prefix=None if self.prefix is None else self.prefix.index(replica),
             prefix_realized=1.0 if self.prefix is None else self.prefix.realized(replica),
+            overdue_s=overdue_s(streams.values(), now) if self.overdue else 0.0,
         )
 
     def _note_staleness(self, name: str, stale: bool) -> None:

@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Final, Generic, Protocol, TypeVar
+from typing import Any, Final, Generic, Protocol, TypeVar
 
 from gateway.admission.request import AdmissionRequest
 from gateway.admission.shares import EMPTY_LOAD, ClassLoad, StreamingRequest, class_loads, decode_elapsed_s
@@ -20,7 +20,7 @@ from predictor.correction import NO_CORRECTION, Correction
 from predictor.forecast_inputs import slots_after_one_more
 from predictor.prefix_index import PrefixIndex, expected_hit_tokens
 
-__all__ = ["LiveEntry", "ReplicaView", "TrackedStream", "current_step_s", "with_queued"]
+__all__ = ["LiveEntry", "ReplicaView", "TrackedStream", "current_step_s", "overdue_s", "with_queued"]
 
 #: No class has a margin of its own (every class: ``admission.forecast_margin``).
 NO_MARGINS: Final[Mapping[str, float]] = MappingProxyType({})
@@ -201,6 +201,10 @@ class ReplicaView:
     index, shared with the engine, so a dispatch made after the view was built counts); ``None``:
     prefix caching not modelled there. ``prefix_realized``: the share of expected hits the
     replica has been delivering, in [0, 1].
+    ``overdue_s``: how long past the TTFT admission held it to the most overdue of the gateway's
+    requests still waiting there for their first token already waits (seconds, ``overdue_s``;
+    0 when none is late): admission adds it to a newcomer's TTFT, since the queue it would join
+    runs that far behind its forecasts now.
     """
 
     name: str
@@ -217,6 +221,7 @@ class ReplicaView:
     margins: Mapping[str, float] = dataclasses.field(default_factory=lambda: NO_MARGINS)
     prefix: PrefixIndex | None = None
     prefix_realized: float = 1.0
+    overdue_s: float = 0.0
 
     def cached_tokens(self, request: AdmissionRequest) -> int:
         """Prompt tokens of ``request`` expected to hit this replica's prefix cache (0 <= it <
@@ -242,13 +247,14 @@ class ReplicaView:
         margins: Mapping[str, float] = NO_MARGINS,
         prefix: PrefixIndex | None = None,
         prefix_realized: float = 1.0,
+        overdue_s: float = 0.0,
     ) -> ReplicaView:
         """Aggregate ``streams`` (the gateway's requests running there) once: O(k log k).
 
         ``stale`` or ``state.stale`` marks the view stale. Each stream's TPOT is floored at the
         replica's current decode step time (``current_step_s``). ``built_at``,
-        ``dispatch_overhead_s``, ``correction``, ``margins``, ``prefix``, ``prefix_realized``: see
-        the class.
+        ``dispatch_overhead_s``, ``correction``, ``margins``, ``prefix``, ``prefix_realized``,
+        ``overdue_s``: see the class.
         """
         items = list(streams)
         loads = class_loads(items, current_step_s(model, state))
@@ -267,6 +273,7 @@ class ReplicaView:
             margins,
             prefix,
             prefix_realized,
+            overdue_s,
         )
 
     @property
@@ -315,6 +322,23 @@ class ReplicaView:
             gateway_streams=self.gateway_streams + 1,
             extra_tpot_s=extra,
         )
+
+
+def overdue_s(streams: Iterable[TrackedStream[Any]], now: float) -> float:
+    """How long past its predicted TTFT the most overdue of ``streams`` that still wait for their
+    first token has waited at ``now`` (seconds of the admitter's clock), 0 when none has. Only
+    streamed requests count (a first token is seen only for them), and only those with a TTFT
+    forecast. In seconds, not as a ratio: a request forecast at a few milliseconds that waits a
+    few more says little about the queue."""
+    late = 0.0
+    for stream in streams:
+        ttft = stream.predicted_ttft_s
+        live = stream.live
+        if ttft >= 0.0 and live.first_token_at is None and live.streamed:  # NaN: no forecast
+            over = now - live.started_at - ttft
+            if over > late:
+                late = over
+    return late
 
 
 def current_step_s(model: StepModel, state: ReplicaState) -> float:
