@@ -1,17 +1,19 @@
-"""What several benchmarks share: their generated block of a doc, and a process pool stand-in.
+"""What several benchmarks share: their generated block of a doc, a process pool stand-in, and
+settings merged into a generated configuration.
 
 ``write_block`` replaces the block between a benchmark's ``begin`` and ``end`` markers in a doc
 (or appends it, under ``heading`` when given); ``InProcess`` is ``ProcessPoolExecutor``'s ``map``
-run in this process (``--jobs 1``, and the smoke tests).
+run in this process (``--jobs 1``, and the smoke tests); ``merge_settings`` merges a variant's
+settings into a configuration (``--variant LABEL=JSON``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
-__all__ = ["InProcess", "write_block"]
+__all__ = ["InProcess", "merge_settings", "write_block"]
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -43,3 +45,15 @@ class InProcess:
 
     def map(self, fn: Callable[[_T], _R], items: Iterable[_T]) -> Iterator[_R]:
         return map(fn, items)
+
+
+def merge_settings(base: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``patch`` merged in: mappings key by key, recursively; anything else replaced."""
+    merged = dict(base)
+    for key, value in patch.items():
+        old = merged.get(key)
+        if isinstance(old, Mapping) and isinstance(value, Mapping):
+            merged[key] = merge_settings(old, value)
+        else:
+            merged[key] = value
+    return merged

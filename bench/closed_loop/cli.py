@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 from collections.abc import Sequence
@@ -35,7 +36,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--work", type=Path, help="keep the logs, configs and report.md here (default: a temporary folder)"
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=JSON",
+        help="also run Sluice with these settings merged into its configuration, path `sluice+LABEL`, "
+        """e.g. 'overdue={"admission": {"overdue_ttft": true}}' (repeatable)""",
+    )
     args = parser.parse_args(argv)
+    variants = []
+    for spec in args.variant:
+        label, _, text = spec.partition("=")
+        try:
+            patch = json.loads(text)
+        except json.JSONDecodeError as exc:
+            parser.error(f"--variant {spec}: the settings are not JSON ({exc})")
+        if not label or not isinstance(patch, dict):
+            parser.error(f"--variant {spec}: want LABEL=JSON with a JSON object")
+        variants.append((label, patch))
 
     plan = QUICK if args.quick else FULL
     changes = {
@@ -44,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "duration_s": args.duration,
         "ttft_target_s": args.ttft_target,
         "tpot_target_s": args.tpot_target,
+        "variants": tuple(variants) or None,
     }
     plan = replace(plan, **{k: v for k, v in changes.items() if v is not None})
     command = measured_command(list(argv) if argv is not None else sys.argv[1:])

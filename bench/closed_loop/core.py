@@ -8,8 +8,10 @@ For each trace (``workload.TRACES``):
    the trace's requests back to back for ``calibrate_s``; capacity = completed / ``calibrate_s``;
 3. a Sluice is started for the trace (one class, only its two targets) and warmed up with
    ``warmup_s`` of the trace at half the capacity (not scored), so that its step model is fitted;
+   so is one more per variant (``Plan.variants``: settings merged into its configuration);
 4. for each load (a multiple of the capacity), the same requests are replayed open-loop at that
-   rate for ``duration_s``, first straight at vLLM, then through Sluice; whatever is still
+   rate for ``duration_s``, first straight at vLLM, then through Sluice, then through each
+   variant (path ``sluice+LABEL``), so that they are compared within one run; whatever is still
    unanswered or streaming ``grace_s`` after the last arrival is cancelled (it could no longer
    meet its targets: ``Plan.grace_s``). Between runs the replica is left to go idle. After each
    Sluice run, its ``GET /sluice/v1/replicas`` gives the forecast residuals and the correction.
@@ -24,6 +26,7 @@ project's venv.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime as dt
 import itertools
@@ -32,7 +35,7 @@ import math
 import platform
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -42,6 +45,7 @@ from bench.closed_loop.workload import TRACES, Arrival, scaled, schedule
 from bench.e2e.core import machine, wait_idle, workdir
 from bench.e2e.fleet import TENANTS, Replica, replicas, sluice, sluice_config
 from bench.goodput.metrics import prompt_quartile_edges
+from bench.shared import merge_settings
 from bench.verdicts import Verdict
 from replay import Targets
 from tests.e2e.vllm_cpu import MAX_MODEL_LEN, MAX_NUM_SEQS, SERVED_MODEL, VENV_PYTHON
@@ -70,6 +74,9 @@ class Plan:
     warmup_s: float
     ttft_target_s: float = 2.0
     tpot_target_s: float = 0.15
+    #: More Sluices run beside the shipped one, each as ``(label, settings merged into its
+    #: configuration)``: its points' path is ``sluice+label``, taken in turn with the others.
+    variants: tuple[tuple[str, dict[str, Any]], ...] = ()
 
     @property
     def targets(self) -> Targets:
@@ -123,8 +130,11 @@ class Report:
         return report.verdicts(self.points, list(TRACES))
 
 
-def sluice_config_for(plan: Plan) -> Callable[[int, Sequence[Replica]], dict[str, Any]]:
-    """The fleet's Sluice YAML with admission set to one class that sets only ``plan``'s targets."""
+def sluice_config_for(
+    plan: Plan, patch: Mapping[str, Any] | None = None
+) -> Callable[[int, Sequence[Replica]], dict[str, Any]]:
+    """The fleet's Sluice YAML with admission set to one class that sets only ``plan``'s targets,
+    and a variant's settings (``patch``) merged in."""
 
     def build(port: int, backends: Sequence[Replica]) -> dict[str, Any]:
         config = sluice_config(port, backends)
@@ -134,7 +144,7 @@ def sluice_config_for(plan: Plan) -> Callable[[int, Sequence[Replica]], dict[str
             "classes": {CLASS: {"ttft_target_s": plan.ttft_target_s, "tpot_target_s": plan.tpot_target_s}},
             "default_class": CLASS,
         }
-        return config
+        return merge_settings(config, patch or {})
 
     return build
 
@@ -216,27 +226,37 @@ def run_trace(
         f"{name}: {len(requests)} requests fit ({dropped} did not), {cpt:.2f} chars/token, "
         f"capacity {capacity:.2f} req/s"
     )
-    with sluice(work, [replica], config_for=sluice_config_for(plan), name=f"sluice-{name}") as gateway:
-        _replay(gateway.url, schedule(requests, capacity * 0.5, plan.warmup_s), plan, cpt, API_KEY)
-        wait_idle([replica])
+    with contextlib.ExitStack() as stack:
+        gateways: dict[str, str] = {}  # path -> Sluice's URL
+        for label, patch in (("", None), *plan.variants):
+            path = f"sluice+{label}" if label else "sluice"
+            config_for = sluice_config_for(plan, patch)
+            gateway = stack.enter_context(
+                sluice(work, [replica], config_for=config_for, name=f"{path}-{name}")
+            )
+            _replay(gateway.url, schedule(requests, capacity * 0.5, plan.warmup_s), plan, cpt, API_KEY)
+            wait_idle([replica])
+            gateways[path] = gateway.url
         for load in plan.loads:
             rate = capacity * load
             arrivals = schedule(requests, rate, plan.duration_s)
-            for path, url, key in (("direct", replica.url, None), ("sluice", gateway.url, API_KEY)):
+            paths = [("direct", replica.url, None), *((p, url, API_KEY) for p, url in gateways.items())]
+            for path, url, key in paths:
                 log(f"{name} {load:g}x ({rate:.2f} req/s, {len(arrivals)} requests) {path} ...")
                 outcomes = _replay(url, arrivals, plan, cpt, key)
                 point = report.Point(
                     name, load, path, rate, report.path_stats(outcomes, plan.targets, plan.duration_s, edges)
                 )
-                if path == "sluice":
-                    view = asyncio.run(client.get_json(gateway.url + "/sluice/v1/replicas"))
+                if path != "direct":
+                    view = asyncio.run(client.get_json(url + "/sluice/v1/replicas"))
                     assert isinstance(view, dict)
                     point = dataclasses.replace(
                         point,
                         header=report.header_errors(outcomes),
                         gateway=report.gateway_errors(view, replica.name),
                     )
-                    out.gateway_state[f"{name} {load:g}"] = {
+                    key_of = f"{name} {load:g}" if path == "sluice" else f"{name} {load:g} {path}"
+                    out.gateway_state[key_of] = {
                         "correction": report.correction_of(view, replica.name) or None,
                         "attainment": (view.get("admission") or {}).get("attainment"),
                     }

@@ -344,8 +344,9 @@ def _gw(g: GatewayErrors | None) -> str:
 
 
 def render(points: Sequence[Point], traces: Mapping[str, str]) -> list[str]:
-    """Markdown tables per trace (``traces``: name -> title): goodput on both paths, then what
-    Sluice admitted, its forecast errors and its admission by prompt-size quartile."""
+    """Markdown tables per trace (``traces``: name -> title): goodput on every path, then what
+    Sluice (and each variant, its path named) admitted, its forecast errors and its admission by
+    prompt-size quartile."""
     lines: list[str] = []
     for trace, title in traces.items():
         mine = [p for p in points if p.trace == trace]
@@ -374,12 +375,13 @@ def render(points: Sequence[Point], traces: Mapping[str, str]) -> list[str]:
             "|---:|---|---|---|---|---|",
         ]
         for p in mine:
-            if p.path != "sluice":
+            if p.path == "direct":
                 continue
             g, h = p.gateway or {}, p.header or {}
             quartiles = " / ".join(_pct(r) for r in p.stats.quartile_rates)
+            load = f"{p.load:g}x" if p.path == "sluice" else f"{p.load:g}x, {p.path}"
             lines.append(
-                f"| {p.load:g}x | {_gw(g.get('ttft'))} | {_gw(g.get('tpot'))} | {_err(h.get('ttft'))} "
+                f"| {load} | {_gw(g.get('ttft'))} | {_gw(g.get('tpot'))} | {_err(h.get('ttft'))} "
                 f"| {_err(h.get('tpot'))} | {quartiles} |"
             )
         lines.append("")

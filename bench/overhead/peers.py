@@ -48,6 +48,7 @@ from typing import Any
 
 import yaml
 
+from bench.shared import merge_settings
 from gateway.tenants import hash_api_key
 from tests.support.procs import free_port
 
@@ -336,18 +337,6 @@ def sluice_config(
         "limits": {"backend": "redis", "redis": {"url": layout.redis_url, "timeout_s": 1.0}},
     }
     return merge_settings(config, patch or {})
-
-
-def merge_settings(base: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
-    """``base`` with ``patch`` merged in: mappings key by key, recursively; anything else replaced."""
-    merged = dict(base)
-    for key, value in patch.items():
-        old = merged.get(key)
-        if isinstance(old, Mapping) and isinstance(value, Mapping):
-            merged[key] = merge_settings(old, value)
-        else:
-            merged[key] = value
-    return merged
 
 
 def start_sluice(

@@ -4,16 +4,28 @@ streams as vLLM and Sluice do, its counts per point, and its verdicts (missing d
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
 
+from bench.closed_loop import cli
 from bench.closed_loop.client import Outcome, replay, saturate
-from bench.closed_loop.report import FULL_LOADS, Point, gateway_errors, header_errors, path_stats, verdicts
+from bench.closed_loop.core import QUICK, sluice_config_for
+from bench.closed_loop.report import (
+    FULL_LOADS,
+    Point,
+    gateway_errors,
+    header_errors,
+    path_stats,
+    render,
+    verdicts,
+)
 from bench.closed_loop.workload import TRACES, Arrival, prompt_text, scaled, schedule
 from bench.verdicts import Status
+from gateway.config.settings import Settings
 from replay import Targets
 from tests.support import speed
 
@@ -269,3 +281,34 @@ async def test_saturate_counts_the_streams_completed_in_its_window_and_cancels_t
     window = speed.scaled(1.0)
     done = await saturate(server, arrivals, model="m", chars_per_token=1.0, concurrency=2, duration_s=window)
     assert 1 <= done <= 2
+
+
+def test_a_variant_is_a_path_of_its_own_in_the_tables_and_judged_by_no_verdict() -> None:
+    good = [outcome(i) for i in range(20)]
+    missed = [outcome(i, ttft=3.0) for i in range(20)]
+    points = _points(2.0, sluice=good, direct=good, residual=0.05)
+    variant = dataclasses.replace(
+        points[1], path="sluice+overdue", stats=path_stats(missed, TARGETS, 10.0, EDGES)
+    )
+    points.append(variant)
+    lines = render(points, {"azure": "Azure"})
+    assert any(line.startswith("| 2x | 1.00 | sluice+overdue | 0.00 |") for line in lines), lines
+    assert any(line.startswith("| 2x, sluice+overdue |") for line in lines), lines
+    found = {v.target: v.status for v in verdicts(points, ["azure"])}
+    assert found["azure, 2x: admitted attainment >= 95%"] is Status.MET  # Sluice's, not the variant's
+
+
+def test_a_variants_settings_are_merged_into_the_shipped_configuration() -> None:
+    plan = dataclasses.replace(QUICK, variants=(("overdue", {"admission": {"overdue_ttft": True}}),))
+    shipped = sluice_config_for(plan)(8000, [])
+    varied = sluice_config_for(plan, plan.variants[0][1])(8000, [])
+    assert "overdue_ttft" not in shipped["admission"]
+    assert varied["admission"] == {**shipped["admission"], "overdue_ttft": True}
+    assert Settings.model_validate({**varied, "replicas": [{"name": "r", "url": "http://127.0.0.1:9"}]})
+
+
+@pytest.mark.parametrize("spec", ["overdue={", "overdue=[1]", "={}"])
+def test_a_variant_that_is_not_label_and_json_object_is_a_usage_error(spec: str) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--variant", spec])
+    assert info.value.code == 2

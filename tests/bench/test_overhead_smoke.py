@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from bench.overhead.core import BEGIN, END, HEADING, QUICK, write_doc
-from bench.overhead.peers import Layout, merge_settings, sluice_config
+from bench.overhead.peers import Layout, sluice_config
 from bench.overhead.profile import summarise
+from bench.shared import merge_settings
 from tests.support import speed
 
 ROOT = Path(__file__).resolve().parents[2]
