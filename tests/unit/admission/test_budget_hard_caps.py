@@ -97,8 +97,9 @@ def test_the_context_left_is_the_longest_replicas() -> None:
     assert context_left([], 10) is None
 
 
-def sized(engine: AdmissionEngine, fields: dict[str, object]) -> AdmissionRequest:
-    """``engine.request`` of the tenant's request on model ``m`` at 0 s, with ``fields``."""
+def sized(engine: AdmissionEngine, capacity: float | None = None, **fields: object) -> AdmissionRequest:
+    """``engine.request`` of the tenant's request on model ``m`` at 0 s, with ``fields`` and a
+    token bucket of ``capacity`` (``None``: none)."""
     return engine.request(
         "a",
         "m",
@@ -106,6 +107,7 @@ def sized(engine: AdmissionEngine, fields: dict[str, object]) -> AdmissionReques
         request_class="interactive",
         arrival_s=0.0,
         tenant="acme",
+        token_capacity=capacity,
         **fields,  # type: ignore[arg-type]
     )
 
@@ -125,7 +127,7 @@ def test_the_reservation_holds_what_the_request_is_sure_to_produce(
     fields: dict[str, object], output: int
 ) -> None:
     engine, _ = engine_and_budget()
-    req = sized(engine, fields)
+    req = sized(engine, None, **fields)
     choices = int(fields.get("choices", 1))  # type: ignore[call-overload]
     assert engine.budget_cost(req) == pytest.approx(PROMPT + 2 * output)
     assert req.expected_output_tokens * choices >= output
@@ -147,7 +149,7 @@ def test_an_output_pinned_by_its_client_is_known_exactly_while_it_runs(
     so (the forecasts of the requests behind it count on it); anything else is predicted. (Even
     ``min_tokens`` at the cap may stop at a stop string: not pinned.)"""
     engine, _ = engine_and_budget()
-    req = sized(engine, fields)
+    req = sized(engine, None, **fields)
     assert req.exact_output_tokens == (fields["max_tokens"] if exact else None)
     assert live_entry(req, 0.0, True).freeze().exact_output_tokens == req.exact_output_tokens
 

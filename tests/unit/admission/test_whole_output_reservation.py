@@ -15,12 +15,18 @@ import pytest
 from gateway.admission.budget import BudgetRefused, bucket_output_cap, request_cost
 from gateway.admission.engine import AdmissionEngine
 from gateway.admission.fairness import TokenWeights
-from gateway.admission.request import AdmissionRequest
 from gateway.admission.results import Ending, Submitted
 from gateway.limits.base import TenantLimits
 from gateway.tenants.pricing import DEFAULT_WEIGHTS
 from tests.unit.admission.fleet import MAX_LEN
-from tests.unit.admission.test_budget_hard_caps import LIMITS, PROMPT, SETTINGS, engine_and_budget, level
+from tests.unit.admission.test_budget_hard_caps import (
+    LIMITS,
+    PROMPT,
+    SETTINGS,
+    engine_and_budget,
+    level,
+    sized,
+)
 from tests.unit.admission.test_policies import Fleet, Predictions, new_entry
 
 CAPACITY = 1000.0
@@ -52,19 +58,6 @@ def test_the_cap_holds_under_a_context_weight() -> None:
         return request_cost(weights, 100, output, 1)
 
     assert cost(cap) <= CAPACITY < cost(cap + 1)
-
-
-def sized(engine: AdmissionEngine, capacity: float | None, **fields: object) -> AdmissionRequest:
-    return engine.request(
-        "a",
-        "m",
-        prompt_tokens=PROMPT,
-        request_class="interactive",
-        arrival_s=0.0,
-        tenant="acme",
-        token_capacity=capacity,
-        **fields,  # type: ignore[arg-type]
-    )
 
 
 @pytest.mark.parametrize(
