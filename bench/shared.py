@@ -3,17 +3,18 @@ settings merged into a generated configuration.
 
 ``write_block`` replaces the block between a benchmark's ``begin`` and ``end`` markers in a doc
 (or appends it, under ``heading`` when given); ``InProcess`` is ``ProcessPoolExecutor``'s ``map``
-run in this process (``--jobs 1``, and the smoke tests); ``merge_settings`` merges a variant's
-settings into a configuration (``--variant LABEL=JSON``).
+run in this process (``--jobs 1``, and the smoke tests); ``parse_variant`` reads a
+``--variant LABEL=JSON`` and ``merge_settings`` merges its settings into a configuration.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["InProcess", "merge_settings", "write_block"]
+__all__ = ["InProcess", "merge_settings", "parse_variant", "write_block"]
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -57,3 +58,16 @@ def merge_settings(base: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[st
         else:
             merged[key] = value
     return merged
+
+
+def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
+    """``--variant LABEL=JSON`` as ``(label, settings)``; raises ``ValueError`` (its message for the
+    command line's usage error) when the label is empty or the settings are not a JSON object."""
+    label, _, text = spec.partition("=")
+    try:
+        patch = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--variant {spec}: the settings are not JSON ({exc})") from None
+    if not label or not isinstance(patch, dict):
+        raise ValueError(f"--variant {spec}: want LABEL=JSON with a JSON object")
+    return label, patch

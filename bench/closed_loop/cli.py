@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 from collections.abc import Sequence
@@ -13,6 +12,7 @@ from pathlib import Path
 from bench.closed_loop.core import FULL, QUICK, render, run, write_json
 from bench.closed_loop.workload import TRACES
 from bench.e2e.core import measured_command
+from bench.shared import parse_variant
 from tests.e2e.vllm_cpu import Unavailable
 
 
@@ -47,14 +47,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     variants = []
     for spec in args.variant:
-        label, _, text = spec.partition("=")
         try:
-            patch = json.loads(text)
-        except json.JSONDecodeError as exc:
-            parser.error(f"--variant {spec}: the settings are not JSON ({exc})")
-        if not label or not isinstance(patch, dict):
-            parser.error(f"--variant {spec}: want LABEL=JSON with a JSON object")
-        variants.append((label, patch))
+            variants.append(parse_variant(spec))
+        except ValueError as exc:
+            parser.error(str(exc))
 
     plan = QUICK if args.quick else FULL
     changes = {

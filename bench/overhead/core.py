@@ -68,7 +68,7 @@ from bench.overhead import peers
 from bench.overhead.backend import MODEL
 from bench.overhead.load import LoadResult, closed_loop
 from bench.overhead.profile import Profile, record, summarise
-from bench.shared import write_block
+from bench.shared import parse_variant, write_block
 from bench.verdicts import Verdict, judge, missing
 from tests.support.procs import free_port
 from tests.support.redis import redis_server
@@ -797,13 +797,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         peers.STARTERS[name] = functools.partial(peers.start_sluice, tree=tree, name=name)
         variants.append(name)
     for spec in args.variant:
-        label, _, text = spec.partition("=")
         try:
-            patch = json.loads(text)
-        except json.JSONDecodeError as exc:
-            parser.error(f"--variant {spec}: the settings are not JSON ({exc})")
-        if not label or not isinstance(patch, dict):
-            parser.error(f"--variant {spec}: want LABEL=JSON with a JSON object")
+            label, patch = parse_variant(spec)
+        except ValueError as exc:
+            parser.error(str(exc))
         name = f"sluice+{label}"
         peers.STARTERS[name] = functools.partial(peers.start_sluice, name=name, patch=patch)
         variants.append(name)
