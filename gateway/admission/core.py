@@ -116,8 +116,10 @@ class AdmissionController:
         prompt-size band its class admits below its share is decided ``size_protected``."""
         name = self._class_name(request)
         cls = self._settings.classes[name]
-        if not request.size_protected and self.size_shares.protects(name, request.prompt_tokens, now):
-            request = replace(request, size_protected=True)
+        if not request.size_protected:
+            standing = self.size_shares.standing(name, request.prompt_tokens, now)
+            if standing is not None:
+                request = replace(request, size_protected=True, size_standing=standing)
         decision = self._admitter.decide(request, views, now)
         if isinstance(decision, Admit) and self._queue.holds_back(cls.priority):
             decision = self._held_back(request, decision)

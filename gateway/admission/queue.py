@@ -19,7 +19,7 @@ kept out by another tenant's that does not). A request still blocked after ``res
 stops the walk for its priority and below, and holds back new requests of those priorities
 (``holds_back``), so smaller requests cannot keep it out forever. A ``size_protected`` request (its
 prompt size is admitted below its share, ``gateway.admission.size_share``) goes first among its
-tenant's and holds back the same way from the moment it is queued.
+tenant's (the most starved size first) and holds back the same way from the moment it is queued.
 
 Hard deadlines (``AdmissionRequest.queue_deadline_s``) sit in their own heap and are enforced on
 every call for every entry, even those the walk does not reach.
@@ -50,7 +50,8 @@ __all__ = ["AdmissionQueue", "QueueEntry", "Reevaluation"]
 #: Stale heap items tolerated beyond the live entries before the heaps are rebuilt.
 _COMPACT_SLACK = 64
 
-#: Subtracted from a ``size_protected`` entry's sort key: ahead of any job size and wait.
+#: Subtracted from a ``size_protected`` entry's sort key, times 2 less its band's standing (0-1):
+#: ahead of any job size and wait, the most starved band's first.
 _PROTECTED_LEAD = 1.0e12
 
 #: A heap item: (static sort key, entry id).
@@ -93,9 +94,12 @@ class QueueEntry:
 
     def sort_key(self, aging_rate: float) -> float:
         """Static heap key: ``size_s + aging_rate x enqueued_at`` (smaller goes first); a
-        ``size_protected`` request goes before every other of its tenant."""
+        ``size_protected`` request goes before every other of its tenant, the lower its band's
+        ``size_standing`` the sooner (several bands may be below their share at once, and the
+        first protected entry that stays queued stops the walk)."""
         key = self.size_s + aging_rate * self.enqueued_at
-        return key - _PROTECTED_LEAD if self.request.size_protected else key
+        request = self.request
+        return key - _PROTECTED_LEAD * (2.0 - request.size_standing) if request.size_protected else key
 
 
 @dataclass(slots=True)

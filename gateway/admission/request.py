@@ -30,7 +30,9 @@ class AdmissionRequest:
     the tenant's budget (``gateway.admission.budget``).
     ``size_protected``: its prompt-size band of its class is admitted below its share
     (``gateway.admission.size_share``): it may wait in the queue, first, while only the replicas'
-    load blocks it. ``fewest_prompt_tokens`` (1 <= it <= ``prompt_tokens``): the lowest plausible
+    load blocks it. ``size_standing``: for a protected request, its band's admission rate as a
+    share of its class's best band's (0-1, ``SizeShares.standing``): the queue takes the most
+    starved first. ``fewest_prompt_tokens`` (1 <= it <= ``prompt_tokens``): the lowest plausible
     prompt size when ``prompt_tokens`` is an estimate (``None``: it is exact); whether a replica can
     hold the request at all is judged on it, so an estimate alone never refuses it as too long.
     ``reserve_whole_output``: its tenant's budget reserves its whole output cap (``max_tokens``
@@ -58,6 +60,7 @@ class AdmissionRequest:
     tenant: str | None = None
     choices: int = 1
     size_protected: bool = False
+    size_standing: float = 0.0
     fewest_prompt_tokens: int | None = None
     reserve_whole_output: bool = False
     model: str | None = None

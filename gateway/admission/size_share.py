@@ -7,10 +7,10 @@ each prompt-size quartile over a sliding window, and names the quartiles that fa
 ``min_share`` of the best one's (``ClassSettings.size_fairness``). The controller marks a new
 request of such a quartile ``size_protected``; the admitter then queues it when only the
 replicas' load blocks it (instead of refusing it on a wait forecast that assumes the load stays),
-and the queue puts it first and holds the class's other requests back while it waits, so that
-the streams' budgets grow until it fits. Nothing is relaxed: it is sent only when every limit
-holds, running streams' and its own targets included, and refused when its own first token
-could no longer come in time.
+and the queue puts it first (the most starved band's first, by its ``standing``) and holds the
+class's other requests back while it waits, so that the streams' budgets grow until it fits.
+Nothing is relaxed: it is sent only when every limit holds, running streams' and its own
+targets included, and refused when its own first token could no longer come in time.
 
 The quartiles are cut from the window's own prompt sizes (edges as the goodput bench cuts a
 trace's: ``bench.goodput.metrics.prompt_quartile_edges``), so they follow the class's traffic.
@@ -48,17 +48,27 @@ class BandShares:
     ``edges``: the three quartile edges in tokens (a size equal to an edge belongs to the lower
     band). ``offered``/``admitted``: decided and admitted requests per band, shortest first.
     ``starved``: the bands whose rate is below ``min_share`` of the best judged band's (a band is
-    judged with at least ``min_samples`` decisions).
+    judged with at least ``min_samples`` decisions). ``best_rate``: that best rate (0-1; 0 when
+    no band is judged).
     """
 
     edges: tuple[int, ...]
     offered: tuple[int, ...]
     admitted: tuple[int, ...]
     starved: frozenset[int]
+    best_rate: float = 0.0
 
     def band(self, prompt_tokens: int) -> int:
         """The band (0 = shortest .. 3 = longest) of a prompt of ``prompt_tokens``."""
         return bisect.bisect_left(self.edges, prompt_tokens)
+
+    def standing(self, band: int) -> float:
+        """``band``'s admission rate as a share of the best judged band's (0-1; 1 when nothing is
+        admitted, or ``band`` has no decision): how starved it is, the lower the more."""
+        offered = self.offered[band]
+        if not self.best_rate > 0.0 or not offered:
+            return 1.0
+        return min(1.0, self.admitted[band] / offered / self.best_rate)
 
     def rates(self) -> tuple[float, ...]:
         """Admitted / decided per band, 0-1; NaN for a band with no decision."""
@@ -109,7 +119,7 @@ def _shares(sizes: list[int], admitted: list[bool], settings: SizeFairnessSettin
     best = max((taken[k] / offered[k] for k in judged), default=0.0)
     floor = settings.min_share * best
     starved = frozenset(k for k in judged if taken[k] / offered[k] < floor)
-    return BandShares(edges, tuple(offered), tuple(taken), starved)
+    return BandShares(edges, tuple(offered), tuple(taken), starved, best)
 
 
 class SizeShareTracker:
@@ -151,8 +161,16 @@ class SizeShareTracker:
 
     def starved(self, prompt_tokens: int, now: float) -> bool:
         """Whether a request of ``prompt_tokens`` falls in a band held below its share."""
+        return self.standing(prompt_tokens, now) is not None
+
+    def standing(self, prompt_tokens: int, now: float) -> float | None:
+        """The standing (``BandShares.standing``, 0 to below ``min_share``) of the band a request
+        of ``prompt_tokens`` falls in when that band is held below its share; ``None``: it is not."""
         shares = self.shares(now)
-        return bool(shares.starved) and shares.band(prompt_tokens) in shares.starved
+        if not shares.starved:
+            return None
+        band = shares.band(prompt_tokens)
+        return shares.standing(band) if band in shares.starved else None
 
 
 class SizeShares:
@@ -183,9 +201,14 @@ class SizeShares:
     def protects(self, name: str, prompt_tokens: int, now: float) -> bool:
         """Whether a new request of class ``name`` and ``prompt_tokens`` is protected: the class
         protects its sizes and the request's band is below its share."""
+        return self.standing(name, prompt_tokens, now) is not None
+
+    def standing(self, name: str, prompt_tokens: int, now: float) -> float | None:
+        """A new request of class ``name`` and ``prompt_tokens``: its band's standing (0 to below
+        ``min_share``; the queue takes the lowest first) when it is protected, else ``None``."""
         if not self._settings.class_settings(name).size_fairness.enabled:
-            return False
-        return self._tracker(name).starved(prompt_tokens, now)
+            return None
+        return self._tracker(name).standing(prompt_tokens, now)
 
     def record(self, name: str, prompt_tokens: int, admitted: bool, now: float) -> None:
         """A request of class ``name`` was admitted or refused (not counted while it waits)."""

@@ -3,6 +3,8 @@ first in the queue, holding the class's others back, never sent past a limit (pu
 
 from __future__ import annotations
 
+import pytest
+
 from gateway.admission import AdmissionController, Admit, Blocker, Queue, Reject, RejectReason, ReplicaView
 from tests.unit.admission.fleet import controller, request, state, streams, view, with_class
 
@@ -66,6 +68,33 @@ def test_a_starved_size_waits_first_and_holds_the_others_back() -> None:
     assert [e.request.request_id for e, _ in result.dispatched] == ["long", "held"]
     assert all(isinstance(d, Admit) for _, d in result.dispatched)
     assert not ctl.queue.holds_back(0)
+
+
+def test_the_most_starved_size_goes_first() -> None:
+    # min_share 0.8: the third quartile (at 0.6 of the best) and the fourth (at 0) both starved.
+    ctl = controller(
+        with_class("interactive", ttft_target_s=1.0, max_queue_wait_s=1.0, size_fairness={"min_share": 0.8})
+    )
+    for i in range(200):
+        size = (SHORT, 500, 1000, LONG)[i % 4]
+        admitted = size < 1000 or (size == 1000 and i % 20 < 15 - 3)
+        ctl.size_shares.record("interactive", size, admitted, T0 - 2.0 + i * 0.01)
+    # The third quartile's request comes first and is the shorter job: without standings it would
+    # leave first and, staying queued, keep the fourth's behind it.
+    mid = ctl.submit(request(1000, arrival=T0, request_id="mid"), loaded(), T0)
+    long = ctl.submit(request(LONG, arrival=T0 + 0.01, request_id="long"), loaded(), T0 + 0.01)
+    assert isinstance(mid, Queue)
+    assert isinstance(long, Queue)
+    standings = {}
+    for decision in (mid, long):
+        assert decision.entry_id is not None
+        entry = ctl.queue.entry(decision.entry_id)
+        assert entry is not None
+        assert entry.request.size_protected
+        standings[entry.request.request_id] = entry.request.size_standing
+    assert standings == {"mid": pytest.approx(0.6), "long": 0.0}
+    result = ctl.reevaluate(T0 + 0.05, idle())
+    assert [e.request.request_id for e, _ in result.dispatched] == ["long", "mid"]
 
 
 def test_it_is_refused_once_its_own_first_token_would_be_late() -> None:

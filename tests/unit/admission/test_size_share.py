@@ -53,6 +53,26 @@ def test_bands_below_min_share_of_the_best_are_starved(rates: tuple[float, ...],
     assert tracker.starved(100, t) is (0 in starved)
 
 
+@pytest.mark.parametrize(
+    ("rates", "standings"),
+    [
+        pytest.param((0.5, 0.45, 0.1, 0.05), (None, None, 0.2, 0.1), id="two bands starved"),
+        pytest.param((0.5, 0.5, 0.5, 0.0), (None, None, None, 0.0), id="one band shut out"),
+        pytest.param((1.0, 0.9, 0.6, 0.5), (None, None, None, None), id="none starved"),
+    ],
+)
+def test_a_starved_band_s_standing_is_its_rate_over_the_best(
+    rates: tuple[float, ...], standings: tuple[float | None, ...]
+) -> None:
+    tracker = SizeShareTracker(SizeFairnessSettings(min_share=0.4))
+    t = feed(tracker, 0.0, rates)
+    got = [tracker.standing(size, t) for size in SIZES]
+    assert got == [None if s is None else pytest.approx(s) for s in standings]
+    shares = tracker.shares(t)
+    assert shares.best_rate == pytest.approx(max(rates))
+    assert [shares.standing(k) for k in range(4)] == pytest.approx([r / max(rates) for r in rates])
+
+
 def test_a_band_is_judged_only_with_min_samples() -> None:
     tracker = SizeShareTracker(SizeFairnessSettings(min_samples=41))
     t = feed(tracker, 0.0, (1.0, 1.0, 1.0, 0.0))
