@@ -51,6 +51,8 @@ TICK_S: Final = 0.05
 PROBE_S: Final = 0.25
 #: Longest ``start`` waits for the subscription to the other gateways' messages, seconds.
 SUBSCRIBE_WAIT_S: Final = 2.0
+#: Longest ``stop`` waits for its tasks to end, and then for the connections to close, seconds.
+STOP_WAIT_S: Final = 2.0
 
 
 @dataclass(slots=True)
@@ -206,22 +208,36 @@ class LiveLedger:
                 await asyncio.wait_for(self._subscribed.wait(), timeout=SUBSCRIBE_WAIT_S)
 
     async def stop(self) -> None:
-        """Stop the tasks, delete this gateway's entries and heartbeat (best effort), close."""
+        """Stop the tasks, delete this gateway's entries and heartbeat (best effort), close.
+
+        Returns within about three ``STOP_WAIT_S`` whatever Redis and its client do: a task that
+        has not ended by then (a cancellation the client turned into an error it retries, or a
+        connection teardown it shields from cancellation) is left behind, logged."""
         self._closed = True
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self._tasks:
+            done, pending = await asyncio.wait(self._tasks, timeout=STOP_WAIT_S)
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    log.warning("ledger: task %s ended with %r", task.get_name(), task.exception())
+            for task in pending:
+                log.warning("ledger: task %s did not stop in %g s; left behind", task.get_name(), STOP_WAIT_S)
         with contextlib.suppress(LedgerUnavailable):
             gone = [("del", e) for e in self.outbox.entries()]
             if gone:
                 await self.io.publish(self.gateway, gone)  # type: ignore[arg-type]
-        await self.io.aclose()
+        closing = asyncio.ensure_future(self.io.aclose())
+        done, _ = await asyncio.wait({closing}, timeout=STOP_WAIT_S)
+        if not done:
+            closing.cancel()
+            log.warning("ledger: closing its Redis connections took over %g s; left behind", STOP_WAIT_S)
+        elif not closing.cancelled():
+            closing.result()  # its error, if any
 
     # -- the tasks --------------------------------------------------------------------------------
     async def _flusher(self) -> None:
-        while True:
+        while not self._closed:
             await self._wake.wait()
             self._wake.clear()
             if not self.stats.up:
@@ -252,7 +268,7 @@ class LiveLedger:
 
     async def _ticker(self) -> None:
         interval = min(TICK_S, self.settings.progress_interval_s)
-        while True:
+        while not self._closed:
             await asyncio.sleep(interval)
             now = self._clock()
             self.outbox.tick(now, self._wall() - now)
@@ -260,7 +276,9 @@ class LiveLedger:
                 self._wake.set()
 
     async def _subscriber(self) -> None:
-        while True:
+        # Each loop ends once ``stop`` closed the ledger, not only on its cancellation: a Redis
+        # client may turn a cancellation into one of its own errors.
+        while not self._closed:
             try:
                 async for data in self.io.messages(self._subscribed.set):
                     self.apply_message(data)
@@ -296,7 +314,7 @@ class LiveLedger:
             self.on_saturated(replica, back_off_s, message.gateway)
 
     async def _heartbeats(self) -> None:
-        while True:
+        while not self._closed:
             await asyncio.sleep(
                 self.settings.heartbeat_s if self.stats.up else min(PROBE_S, self.settings.heartbeat_s)
             )
