@@ -436,7 +436,8 @@ class AdmissionSettings(Section):
             description="Add to a newcomer's forecast TTFT on a replica the longest that one of Sluice's "
             "streamed requests there has waited for its first token past the TTFT admission held it to "
             "(the queue runs that far behind its forecasts now). Reacts within a view rebuild, keeps no "
-            "state; off until measured on your engine (docs/admission.md).",
+            "state. Fewer misses as an overload begins, fewer long prompts admitted under it "
+            "(docs/admission.md).",
         ),
     ] = False
     unmodelled_max_in_flight: Annotated[
