@@ -1,11 +1,11 @@
 """The closed-loop bench's client: streamed chat completions sent open-loop, each one measured.
 
 It knows only the OpenAI API and Sluice's documented response headers (``x-sluice-admission``,
-``x-sluice-predicted-ttft-ms``, ``x-sluice-predicted-tpot-ms``, ``Retry-After``), and sends the
-same requests straight to vLLM or through Sluice. Times are the client's: TTFT from sending the
-request to the first event that carries output, TPOT the mean gap after it over the output
-tokens vLLM reports (``stream_options.include_usage``). Every answer asks for exactly its
-output size (``max_tokens`` with ``ignore_eos``).
+``x-sluice-admission-reason``, ``x-sluice-predicted-ttft-ms``, ``x-sluice-predicted-tpot-ms``,
+``Retry-After``), and sends the same requests straight to vLLM or through Sluice. Times are the
+client's: TTFT from sending the request to the first event that carries output, TPOT the mean
+gap after it over the output tokens vLLM reports (``stream_options.include_usage``). Every
+answer asks for exactly its output size (``max_tokens`` with ``ignore_eos``).
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ class Outcome:
     its sizes in the scaled trace (what it asked for). ``status``: the HTTP status, ``None`` when
     no answer came before the point ended (it was then cancelled). ``tokens``: output tokens
     received (vLLM's usage when it came, else the events that carried output). ``finished``: the
-    stream ended with ``[DONE]``. ``admission`` and ``predicted_*``: Sluice's headers (``None``
-    on the direct path). ``retry_after_s``: a refusal's ``Retry-After``.
+    stream ended with ``[DONE]``. ``admission``, ``admission_reason`` and ``predicted_*``:
+    Sluice's headers (``None`` on the direct path; the reason is ``ok`` or what refused it, for
+    example ``ttft`` or ``deadline_exceeded``). ``retry_after_s``: a refusal's ``Retry-After``.
     """
 
     index: int
@@ -55,6 +56,7 @@ class Outcome:
     predicted_ttft_s: float | None = None
     predicted_tpot_s: float | None = None
     retry_after_s: float | None = None
+    admission_reason: str | None = None
 
     def met(self, targets: Targets) -> bool:
         """Answered 200, streamed to its end, first token within the TTFT target and a mean TPOT
@@ -107,6 +109,7 @@ def _outcome(arrival: Arrival, p: _Progress, start: float) -> Outcome:
         predicted_ttft_s=_header_s(h, "x-sluice-predicted-ttft-ms", 1e-3),
         predicted_tpot_s=_header_s(h, "x-sluice-predicted-tpot-ms", 1e-3),
         retry_after_s=_header_s(h, "retry-after", 1.0),
+        admission_reason=None if h is None else h.get("x-sluice-admission-reason"),
     )
 
 

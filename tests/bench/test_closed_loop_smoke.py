@@ -65,6 +65,10 @@ def test_quick_closed_loop_bench_reports_every_point_with_data(vllm_installed: N
         # still running when the load's grace ran out (status 0, on both paths on a busy host)
         # are the engine's and the clock's. It forecasts what it admits and measures it.
         assert 500 not in statuses, where
+        # Every answer says why it was admitted or refused (``x-sluice-admission-reason``).
+        answered = [o for o in outcomes if o["status"] in (200, 429)]
+        assert all(o["admission_reason"] for o in answered), where
+        assert {o["admission_reason"] for o in answered if o["status"] == 200} <= {"ok"}, where
         assert p["header"]["ttft"]["n"] > 0, where
         assert p["header"]["tpot"]["n"] > 0, where
         assert p["gateway"]["ttft"]["samples"] > 0, where
