@@ -3,6 +3,8 @@ first in the queue, holding the class's others back, never sent past a limit (pu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from gateway.admission import AdmissionController, Admit, Blocker, Queue, Reject, RejectReason, ReplicaView
@@ -25,12 +27,15 @@ def idle() -> list[ReplicaView]:
     return [view("a", state())]
 
 
-def starved(config: object = ON) -> AdmissionController:
-    """A controller whose class admitted every size but the longest over the last 2 s."""
+def starved(
+    config: object = ON, admits: Callable[[int, int], bool] = lambda i, size: size != LONG
+) -> AdmissionController:
+    """A controller whose class decided 200 requests of four sizes over the last 2 s, the ``i``-th
+    of ``size`` tokens admitted when ``admits(i, size)`` (by default every size but the longest)."""
     ctl = controller(config)  # type: ignore[arg-type]
     for i in range(200):
         size = (SHORT, 500, 1000, LONG)[i % 4]
-        ctl.size_shares.record("interactive", size, size != LONG, T0 - 2.0 + i * 0.01)
+        ctl.size_shares.record("interactive", size, admits(i, size), T0 - 2.0 + i * 0.01)
     return ctl
 
 
@@ -72,13 +77,10 @@ def test_a_starved_size_waits_first_and_holds_the_others_back() -> None:
 
 def test_the_most_starved_size_goes_first() -> None:
     # min_share 0.8: the third quartile (at 0.6 of the best) and the fourth (at 0) both starved.
-    ctl = controller(
-        with_class("interactive", ttft_target_s=1.0, max_queue_wait_s=1.0, size_fairness={"min_share": 0.8})
+    ctl = starved(
+        with_class("interactive", ttft_target_s=1.0, max_queue_wait_s=1.0, size_fairness={"min_share": 0.8}),
+        admits=lambda i, size: size < 1000 or (size == 1000 and i % 20 < 12),  # 1000: 3 of 5
     )
-    for i in range(200):
-        size = (SHORT, 500, 1000, LONG)[i % 4]
-        admitted = size < 1000 or (size == 1000 and i % 20 < 15 - 3)
-        ctl.size_shares.record("interactive", size, admitted, T0 - 2.0 + i * 0.01)
     # The third quartile's request comes first and is the shorter job: without standings it would
     # leave first and, staying queued, keep the fourth's behind it.
     mid = ctl.submit(request(1000, arrival=T0, request_id="mid"), loaded(), T0)
